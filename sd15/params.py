@@ -11,10 +11,12 @@ encoder uses the `text_model.*` names of SD 1.5 checkpoints.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sd15.config import CROSS_ATTN_DOWN, CROSS_ATTN_UP, CLIPConfig, UNetConfig, VAEConfig
 
@@ -182,16 +184,15 @@ def init_random(
 
     Deterministic in `seed` and the key name (the same key gets the same values in any config order).
     """
-    root = jax.random.key(seed)
     params = {}
     for key, shape in param_shapes(component, config).items():
         if len(shape) == 1:
             params[key] = jnp.ones(shape, dtype) if key.endswith(".weight") else jnp.zeros(shape, dtype)
             continue
-        sub = jax.random.fold_in(root, _stable_hash(key))
-        is_embedding = key.endswith("_embedding.weight")
-        scale = 0.02 if is_embedding else (shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1)) ** -0.5
-        params[key] = (scale * jax.random.normal(sub, shape, jnp.float32)).astype(dtype)
+        rng = np.random.default_rng([seed, _stable_hash(key)])
+        fan_in = math.prod(shape[1:])
+        scale = 0.02 if key.endswith("_embedding.weight") else fan_in**-0.5
+        params[key] = jnp.asarray(scale * rng.standard_normal(shape, np.float32), dtype)
     return params
 
 

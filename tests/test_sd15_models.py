@@ -7,6 +7,7 @@ output's scale (max |ours - torch| / max |torch|) for the networks, 1e-5 for a D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -102,6 +103,60 @@ def test_text_encoder_matches_transformers(tiny_sd15, clip_params, length):
     error = relative_error(ours, reference.numpy())
     print(f"text encoder relative error {error:.2e}")
     assert error < MODEL_TOLERANCE
+
+
+def torch_params(model, prefix: str = "") -> dict[str, jax.Array]:
+    return {prefix + k: jnp.asarray(v.numpy()) for k, v in model.state_dict().items() if "position_ids" not in k}
+
+
+def test_unet_linear_projection_matches_diffusers():
+    """The SD 2.x variant: proj_in/proj_out as Linear layers; also a single int head count."""
+    config = dataclasses.replace(UNetConfig.tiny(), use_linear_projection=True, attention_head_dim=4)
+    torch.manual_seed(1)
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8,
+        down_block_types=config.down_block_types,
+        up_block_types=config.up_block_types,
+        block_out_channels=config.block_out_channels,
+        layers_per_block=config.layers_per_block,
+        attention_head_dim=config.attention_head_dim,
+        cross_attention_dim=config.cross_attention_dim,
+        norm_num_groups=config.norm_num_groups,
+        use_linear_projection=True,
+    ).eval()
+    rng = np.random.default_rng(4)
+    sample = rng.standard_normal((1, 4, 8, 8), np.float32)
+    context = rng.standard_normal((1, 7, config.cross_attention_dim), np.float32)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(sample), 321, torch.from_numpy(context)).sample.numpy()
+    ours = jax.jit(unet.apply, static_argnums=1)(torch_params(model), config, sample, 321, context)
+    assert relative_error(ours, reference) < MODEL_TOLERANCE
+
+
+def test_text_encoder_exact_gelu_matches_transformers():
+    """The SD 2.x variant of the text encoder uses exact GELU instead of quick GELU."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = dataclasses.replace(CLIPConfig.tiny(), vocab_size=1000, hidden_act="gelu")
+    torch.manual_seed(2)
+    model = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=1000,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            hidden_act="gelu",
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=1,
+        )
+    ).eval()
+    input_ids = np.random.default_rng(5).integers(0, 1000, (1, 77)).astype(np.int32)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(input_ids).long()).last_hidden_state.numpy()
+    params = torch_params(model, prefix="text_model.")
+    assert relative_error(clip.apply(params, config, input_ids), reference) < MODEL_TOLERANCE
 
 
 # --- DDIM --------------------------------------------------------------------------------------
