@@ -57,10 +57,8 @@ class _ShapeTable:
 
     def transformer_2d(self, path: str, channels: int, context: int, linear_projection: bool):
         self.norm(f"{path}.norm", channels)
-        project = (lambda p: self.linear(p, channels, channels)) if linear_projection else (
-            lambda p: self.conv(p, channels, channels, 1)
-        )
-        project(f"{path}.proj_in")
+        projection = self.linear if linear_projection else lambda p, i, o: self.conv(p, i, o, 1)
+        projection(f"{path}.proj_in", channels, channels)
         block = f"{path}.transformer_blocks.0"
         for attn, kv in (("attn1", channels), ("attn2", context)):
             self.linear(f"{block}.{attn}.to_q", channels, channels, bias=False)
@@ -71,7 +69,7 @@ class _ShapeTable:
             self.norm(f"{block}.{norm}", channels)
         self.linear(f"{block}.ff.net.0.proj", channels, 8 * channels)
         self.linear(f"{block}.ff.net.2", 4 * channels, channels)
-        project(f"{path}.proj_out")
+        projection(f"{path}.proj_out", channels, channels)
 
 
 def _unet(c: UNetConfig) -> Shapes:
@@ -107,7 +105,9 @@ def _unet(c: UNetConfig) -> Shapes:
             table.resnet(f"up_blocks.{i}.resnets.{j}", fan_in + skip_channels.pop(), out, temb)
             fan_in = out
             if block_type == CROSS_ATTN_UP:
-                table.transformer_2d(f"up_blocks.{i}.attentions.{j}", out, c.cross_attention_dim, c.use_linear_projection)
+                table.transformer_2d(
+                    f"up_blocks.{i}.attentions.{j}", out, c.cross_attention_dim, c.use_linear_projection
+                )
         if i != last:
             table.conv(f"up_blocks.{i}.upsamplers.0.conv", out, out, 3)
 

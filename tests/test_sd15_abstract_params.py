@@ -94,8 +94,8 @@ def torch_shapes(component: str) -> dict[str, tuple[int, ...]]:
         elif component == "vae":
             model = diffusers.AutoencoderKL(**_torch_config(SD15_VAE_CONFIG))
         else:
-            text_config = {k: v for k, v in SD15_TEXT_ENCODER_CONFIG.items() if k not in ("_name_or_path", "architectures")}
-            model = transformers.CLIPTextModel(transformers.CLIPTextConfig(**text_config))
+            text_config = transformers.CLIPTextConfig(**_torch_config(SD15_TEXT_ENCODER_CONFIG))
+            model = transformers.CLIPTextModel(text_config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if component == "vae":
         shapes = {k: v for k, v in shapes.items() if k.startswith(("post_quant_conv.", "decoder."))}
