@@ -1,0 +1,49 @@
+"""eqsat: a fusion optimizer for JAX built on equality saturation.
+
+    import eqsat
+    fast = eqsat.optimize(fn)                 # like jax.jit: decorator or call
+    lowered = fast.lower(*example_args)       # ShapeDtypeStructs are fine
+    lowered.plan.summary(); lowered.stats; lowered.egraph
+
+Attributes are imported on first use, so `import eqsat.cost` (or `eqsat.types`) stays free of
+egglog and jax tracing machinery.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "optimize": ("eqsat.optimize", "optimize"),
+    "Optimized": ("eqsat.optimize", "Optimized"),
+    "Lowered": ("eqsat.optimize", "Lowered"),
+    "Plan": ("extract.plan", "Plan"),
+    "Kernel": ("extract.plan", "Kernel"),
+    "lift": ("eqsat.lift", "lift"),
+    "lift_jaxpr": ("eqsat.lift", "lift_jaxpr"),
+    "Program": ("eqsat.program", "Program"),
+    "evaluate": ("eqsat.interpret", "evaluate"),
+    "saturate": ("eqsat.saturate", "saturate"),
+    "Term": ("eqsat.term", "Term"),
+    "get_device": ("eqsat.cost.devices", "get_device"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'eqsat' has no attribute {name!r}")
+    module_name, attribute = _EXPORTS[name]
+    if name == "optimize":
+        # `eqsat.optimize` is both a submodule and the function; the function wins.
+        module = importlib.import_module(module_name)
+        value = module.optimize
+    else:
+        value = getattr(importlib.import_module(module_name), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,53 @@
+"""Device profiles: the four numbers the roofline needs, from published data sheets.
+
+| profile | HBM bandwidth | dense fp16 (tensor cores) | fp32 (vector) | launch |
+|---|---|---|---|---|
+| `h100` (H100 SXM5 80 GB) | 3.35 TB/s | 989 TFLOP/s | 67 TFLOP/s | 4 µs |
+| `h200` (H200 SXM 141 GB) | 4.8 TB/s | 989 TFLOP/s | 67 TFLOP/s | 4 µs |
+| `a100` (A100 SXM4 80 GB) | 2.0 TB/s | 312 TFLOP/s | 19.5 TFLOP/s | 5 µs |
+| `cpu` (one 16-core AVX2 server socket) | 50 GB/s | 1 TFLOP/s | 1 TFLOP/s | 1 µs |
+
+Launch overhead is the per-kernel cost of issuing a kernel and draining the previous one (a few
+microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    """A roofline device: `seconds = launch + bytes / hbm_bandwidth + flops / peak`."""
+
+    name: str
+    hbm_bandwidth: float  # bytes / second
+    peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
+    peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
+    launch_overhead: float  # seconds per kernel
+
+    def peak(self, dtype: str, dense: bool) -> float:
+        """The throughput for `dense` (matmul-like) or elementwise work on operands of `dtype`."""
+        if dense and dtype in ("float16", "bfloat16", "int8", "uint8"):
+            return self.peak_fp16
+        return self.peak_fp32
+
+
+H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
+H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
+A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6)
+CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6)
+
+DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, A100, CPU)}
+
+
+def get_device(device: "str | Device") -> Device:
+    """`get_device("h100")` -> `H100`; a `Device` passes through."""
+    if isinstance(device, Device):
+        return device
+    key = device.lower().replace(" ", "").replace("-", "").replace("_", "")
+    for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100")):
+        key = name if key == alias else key
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")
+    return DEVICES[key]

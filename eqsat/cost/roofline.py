@@ -1,0 +1,339 @@
+"""The roofline cost of kernel terms.
+
+A kernel costs
+
+    seconds = launch + bytes / hbm_bandwidth + flops / peak          (the SUM form of the roofline)
+
+with `bytes` = every distinct tensor it `Load`s (at full size, or the part it reads through a
+`Slice`/`DynamicSlice`/`Gather`) plus its output, and `flops` from shapes:
+
+| kernel | flops |
+|---|---|
+| `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout |
+| `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
+| `Reduce` | size(body): one op per element reduced |
+| `AssignScatter` | size(updates) |
+| `Opaque` | size(out) (unknown work: one op per element) |
+| `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
+| views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
+
+We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
+over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
+other resource dominates. Matmul/conv/attention on 16-bit operands run at the tensor-core peak,
+everything else at the fp32 vector peak.
+
+Two views of the same model:
+
+- `node_cost(op, args, device)`: the cost of ONE e-node's own work, for extractors that add
+  costs over a DAG. A kernel node owns launch + output write + its dense flops; a `Load` owns the
+  read of its tensor; an Expr op owns its flops; a `TCons` owns the read of its head (operands of
+  `Opaque`/`Loop`). Summed over the distinct nodes of an extraction, a tensor read by several
+  kernels through the same `Load` e-node is paid once (shared), like the tensor itself.
+- `kernel_cost(term, device)`: the cost of one kernel `Term` of a chosen DAG, as the plan reports
+  it: each distinct tensor it reads is paid once per kernel, each distinct Expr node's flops once.
+  `dag_cost(roots)` sums it over the distinct kernels reachable from `roots`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+from eqsat.cost.devices import Device, get_device
+from eqsat.types import ints, parse_type
+
+# The cost model must not import the e-graph library, so it does not import `eqsat.lang` (which
+# defines the egglog sorts); these mirror `lang.KERNEL_OPS` / `lang.OPS` (a test checks they agree).
+# Terms are used by duck typing: `.op`, `.args`, `.children`, `.sort`, `.ty` of `eqsat.term.Term`.
+KERNEL_OPS = frozenset(
+    {"Pointwise", "Reduce", "Matmul", "Conv", "Attention", "Gather", "AssignStatic", "AssignDynamic",
+     "AssignScatter", "Opaque", "Loop"}
+)
+LEAF_OPS = frozenset({"Input", "Constant", "LoopArg"})
+EXPR_OPS = frozenset({"Load", "Acc", "Lit", "Iota", "Unary", "Binary", "Select", "Reshape", "Transpose",
+                      "Broadcast", "Slice", "DynamicSlice", "Concat", "Pad"})
+KNOWN_OPS = KERNEL_OPS | LEAF_OPS | EXPR_OPS | {"TNil", "TCons", "Ref"}
+Term = object  # eqsat.term.Term, by duck typing
+
+# Expr ops that are index arithmetic: free.
+VIEW_OPS = frozenset({"Reshape", "Transpose", "Broadcast", "Slice", "DynamicSlice", "Concat", "Pad"})
+# Expr ops that compute one value per element.
+COMPUTE_OPS = frozenset({"Unary", "Binary", "Select"})
+# Kernels whose flops run on tensor cores (for 16-bit operands).
+DENSE_OPS = frozenset({"Matmul", "Conv", "Attention"})
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Bytes moved, flops and the roofline seconds of some work."""
+
+    bytes: float = 0.0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.bytes + other.bytes, self.flops + other.flops, self.seconds + other.seconds)
+
+
+ZERO = Cost()
+
+
+def _size(ty: str | None) -> int:
+    return parse_type(ty).size if ty else 0
+
+
+def _nbytes(ty: str | None) -> int:
+    if not ty:
+        return 0
+    parsed = parse_type(ty)
+    return parsed.size * _itemsize(parsed.dtype)
+
+
+_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2,
+             "float32": 4, "int32": 4, "uint32": 4, "float64": 8, "int64": 8, "uint64": 8}
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
+
+
+def _dtype(ty: str | None) -> str:
+    return parse_type(ty).dtype if ty else "float32"
+
+
+def _conv_out_features(out_ty: str, rhs_ty: str, params: str) -> int:
+    """Cout of a conv: from `params` when it names the kernel layout, else from the shapes."""
+    out_shape, rhs_shape = parse_type(out_ty).shape, parse_type(rhs_ty).shape
+    spec = _conv_rhs_spec(params)
+    if spec is not None and len(spec) == len(rhs_shape):
+        return rhs_shape[spec.index("O")]
+    # NHWC or NCHW output: Cout is the last or the second axis, and also an axis of the weight.
+    for candidate in (out_shape[-1], out_shape[1] if len(out_shape) > 1 else out_shape[-1]):
+        if candidate in rhs_shape:
+            return candidate
+    return max(rhs_shape) if rhs_shape else 1
+
+
+def _conv_rhs_spec(params: str) -> str | None:
+    """The weight layout letters ("OIHW") if `params` spells dimension numbers as letters."""
+    for token in params.replace(";", " ").replace("|", " ").replace(",", " ").replace("=", " ").split():
+        token = token.strip("()[]'\"")
+        if len(token) >= 3 and set(token) >= {"O", "I"} and token.isalpha() and token.isupper():
+            return token
+    return None
+
+
+def own_flops(op: str, args: Sequence) -> float:
+    """Flops of one node's own work; `args` aligned with `lang.OPS[op]` (child positions hold types)."""
+    if op in COMPUTE_OPS:
+        return float(_size(args[-1]))
+    if op == "Matmul":
+        lhs_ty, dims, out_ty = args[0], args[2], args[4]
+        contracting = ints(dims.split(";")[0]) if dims else ()
+        lhs_shape = parse_type(lhs_ty).shape
+        k = math.prod(lhs_shape[i] for i in contracting) if contracting else 1
+        return 2.0 * _size(out_ty) * k
+    if op == "Conv":
+        lhs_ty, rhs_ty, params, out_ty = args[0], args[1], args[2], args[4]
+        cout = _conv_out_features(out_ty, rhs_ty, params)
+        return 2.0 * _size(out_ty) * (_size(rhs_ty) / max(cout, 1))
+    if op == "Attention":
+        q_ty, k_ty = args[0], args[1]
+        k_shape = parse_type(k_ty).shape
+        kv_len = k_shape[-2] if len(k_shape) >= 2 else 1
+        return 4.0 * _size(q_ty) * kv_len
+    if op == "Reduce":
+        return float(_size(args[1]))
+    if op == "AssignScatter":
+        return float(_size(args[2]))
+    if op == "Opaque":
+        return float(_size(args[-1]))
+    return 0.0
+
+
+def _own_bytes(op: str, args: Sequence) -> float:
+    """Bytes of one node's own memory traffic (kernel output write, a Load's read, a TCons read)."""
+    if op == "Load":
+        return float(_nbytes(args[1]))
+    if op == "TCons":
+        return float(_nbytes(args[0]))
+    if op in ("AssignStatic", "AssignDynamic"):
+        return float(_nbytes(args[2]))  # written in place: only the box
+    if op == "AssignScatter":
+        return float(_nbytes(args[2]))
+    if op in KERNEL_OPS:
+        return float(_nbytes(args[-1]))
+    return 0.0
+
+
+def _dense_dtype(op: str, args: Sequence) -> str:
+    return _dtype(args[0]) if op in DENSE_OPS else "float32"
+
+
+def node_cost(op: str, args: Sequence, device: "str | Device" = "h100") -> Cost:
+    """The cost of one e-node's own work (see the module docstring).
+
+    `args` is aligned with `lang.OPS[op][1]`: literal values at String/i64/f64 positions, the child's
+    type string at Tensor/Expr positions, anything (ignored) at TensorList positions.
+
+    >>> node_cost("Binary", ("add", "f32[4]", "f32[4]", "f32[4]"), "h100").flops
+    4.0
+    """
+    device = get_device(device)
+    if op not in KNOWN_OPS:
+        return ZERO
+    flops = own_flops(op, args)
+    nbytes = _own_bytes(op, args)
+    seconds = nbytes / device.hbm_bandwidth
+    if flops:
+        seconds += flops / device.peak(_dense_dtype(op, args), op in DENSE_OPS)
+    if op in KERNEL_OPS:
+        seconds += device.launch_overhead
+    return Cost(nbytes, flops, seconds)
+
+
+def _args_of(term: Term) -> tuple:
+    """A term's args with children replaced by their types (TensorLists by None)."""
+    return tuple(
+        (None if a.sort == "TensorList" else a.ty) if isinstance(a, Term) else a for a in term.args
+    )
+
+
+def kernel_reads(kernel: Term) -> dict[Term, float]:
+    """The tensors `kernel` reads and how many bytes of each (each distinct tensor once).
+
+    A tensor reached only through `Slice`/`DynamicSlice` is charged the slices it reads; the table
+    of a `Gather` is charged at most the gathered size; otherwise a tensor is read in full.
+    """
+    full: dict[Term, float] = {}
+    partial: dict[Term, float] = {}
+    whole: set[Term] = set()
+    for node, parent in _kernel_body(kernel):
+        if node.sort == "Tensor":
+            if node is not kernel and parent is not None and parent.op == "TCons":
+                full[node] = _nbytes(node.ty)
+                whole.add(node)  # operands of Opaque/Loop/AssignDynamic starts
+            continue  # an Assign target is updated in place, not read
+        if node.op != "Load":
+            continue
+        tensor = node.args[0]
+        full[tensor] = _nbytes(tensor.ty)
+        if parent is not None and parent.op in ("Slice", "DynamicSlice"):
+            itemsize = _itemsize(_dtype(tensor.ty))
+            partial[tensor] = partial.get(tensor, 0.0) + _size(parent.ty) * itemsize
+        elif parent is not None and parent.op == "Gather" and parent.args[0] is node:
+            partial[tensor] = partial.get(tensor, 0.0) + _nbytes(parent.ty)
+        else:
+            whole.add(tensor)
+    full.pop(kernel, None)
+    reads = {}
+    for tensor, size in full.items():
+        if tensor in whole or tensor not in partial:
+            reads[tensor] = float(size)
+        else:
+            reads[tensor] = float(min(size, partial[tensor]))
+    return reads
+
+
+def _kernel_body(kernel: Term) -> Iterator[tuple[Term, Term | None]]:
+    """(node, one parent) for each distinct node of `kernel`'s own expression trees.
+
+    Stops at tensors (yielded with their parent, not descended), skips a `Loop`'s body, and yields
+    every (node, parent) pair once so a `Load` used both whole and sliced is seen both ways.
+    """
+    seen_pairs: set[tuple[int, int]] = set()
+    expanded: set[int] = set()
+    stack: list[tuple[Term, Term | None]] = [(kernel, None)]
+    while stack:
+        node, parent = stack.pop()
+        pair = (id(node), id(parent))
+        if pair in seen_pairs:
+            continue
+        seen_pairs.add(pair)
+        yield node, parent
+        if id(node) in expanded or (node is not kernel and node.sort == "Tensor"):
+            continue
+        expanded.add(id(node))
+        children = node.children
+        if node.op == "Loop":
+            children = (node.args[1],)  # operands only; the body runs inside the loop
+        for child in children:
+            stack.append((child, node))
+
+
+def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
+    """The roofline cost of one kernel term as planned: launch + reads + write + flops."""
+    device = get_device(device)
+    if kernel.op not in KERNEL_OPS:
+        return ZERO
+    reads = kernel_reads(kernel)
+    nbytes = sum(reads.values()) + _own_bytes(kernel.op, _args_of(kernel))
+    dense_flops = own_flops(kernel.op, _args_of(kernel))
+    vector_flops = 0.0
+    seen: set[int] = set()
+    for node, _ in _kernel_body(kernel):
+        if id(node) in seen or node is kernel:
+            continue
+        seen.add(id(node))
+        if node.op in COMPUTE_OPS:
+            vector_flops += _size(node.ty)
+    seconds = device.launch_overhead + nbytes / device.hbm_bandwidth + vector_flops / device.peak_fp32
+    if dense_flops:
+        args = _args_of(kernel)
+        seconds += dense_flops / device.peak(_dense_dtype(kernel.op, args), kernel.op in DENSE_OPS)
+    body = Cost()
+    if kernel.op == "Loop":
+        # The body's kernels, once per launch of the loop (trip counts live in the payload).
+        for inner in kernels(_list_items(kernel.args[2])):
+            body = body + kernel_cost(inner, device)
+    return Cost(nbytes, dense_flops + vector_flops, seconds) + body
+
+
+def _list_items(lst) -> list:
+    items = []
+    while lst.op == "TCons":
+        items.append(lst.args[0])
+        lst = lst.args[1]
+    return items
+
+
+def kernels(roots: Iterable[Term]) -> list[Term]:
+    """The distinct kernel terms reachable from `roots`, producers first (no recursion).
+
+    A `Loop`'s body belongs to the loop: its kernels are not listed (the `Loop` is one kernel).
+    """
+    order: list[Term] = []
+    done: set[int] = set()
+    stack: list[tuple[Term, bool]] = [(r, False) for r in reversed(list(roots))]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in done:
+            continue
+        if ready:
+            done.add(id(node))
+            if node.op in KERNEL_OPS:
+                order.append(node)
+            continue
+        stack.append((node, True))
+        children = node.children
+        if node.op == "Loop":
+            children = (node.args[1],)
+        for child in reversed(children):
+            if id(child) not in done:
+                stack.append((child, False))
+    return order
+
+
+def count_kernels(roots: Iterable[Term]) -> int:
+    """How many kernels launch to compute `roots`."""
+    return len(kernels(roots))
+
+
+def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
+    """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once)."""
+    total = Cost()
+    for kernel in kernels(roots):
+        total = total + kernel_cost(kernel, device)
+    return total
