@@ -1,0 +1,437 @@
+"""`sd15 plan`: kernel plans for full-size SD 1.5 with no weights, ours against XLA's.
+
+    sd15 plan                                  # UNet CFG step (batch 2), VAE decoder, text encoder
+    sd15 plan --json --components unet
+    python -m sd15.plan_cli plan --config tiny --json
+
+Each component is traced with abstract parameters (`sd15.params.abstract_params`, no weights):
+
+- unet: one denoising step as the pipeline runs it: the UNet on the classifier-free-guidance batch
+  `[latents, latents]` (`--batch` counts this doubled batch, so the default 2 is one image), the
+  guidance combine `uncond + scale * (cond - uncond)` and the DDIM update;
+- vae: the decoder on `--batch / 2` latents (scaled by 1 / scaling_factor, as the pipeline does);
+- text_encoder: CLIP on `--batch` prompts of 77 tokens (the unconditional and the conditional one).
+
+For each it reports our plan (`eqsat.optimize(fn).lower(*args).stats`: naive and fused kernel
+counts, modeled HBM bytes, peak activation memory, seconds per optimizer stage) and XLA's
+(`jax.jit(fn)` compiled for an H100 without a GPU, `eqsat.xla_target`: kernel launches, modeled
+HBM bytes, temporary memory). This module uses only `eqsat.optimize` and `eqsat.xla_target`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import json
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from sd15 import clip, params, unet, vae
+from sd15.config import CLIPConfig, UNetConfig, VAEConfig
+from sd15.ddim import DDIM
+
+COMPONENTS = ("unet", "vae", "text_encoder")
+TEXT_LENGTH = 77
+GUIDANCE_SCALE = 7.5
+INFERENCE_STEPS = 50
+
+# The per-component JSON keys (always present; null when not measured).
+KEYS = (
+    "naive_kernels", "fused_kernels", "xla_kernels", "plan_bytes", "xla_bytes", "plan_peak_bytes",
+    "xla_temp_bytes", "optimize_seconds", "xla_compile_seconds",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One component's function and the abstract arguments it is traced with."""
+
+    name: str
+    description: str
+    fn: Callable
+    args: tuple
+
+
+# --- the traced functions (module level, so they pickle by reference into the compile subprocess)
+
+
+def unet_cfg_step(
+    unet_params, latents, timestep, context, *, config: UNetConfig, ddim: DDIM, guidance_scale: float
+):
+    """One denoising step with classifier-free guidance: latents [n, 4, h, w], context [2n, 77, d]
+    (unconditional prompts first) -> the next latents."""
+    sample = jnp.concatenate([latents, latents], axis=0)
+    noise = unet.apply(unet_params, config, sample, timestep, context)
+    uncond, cond = jnp.split(noise, 2, axis=0)
+    guided = uncond + guidance_scale * (cond - uncond)
+    return ddim.step(guided, timestep, latents)
+
+
+def vae_decode(vae_params, latents, *, config: VAEConfig):
+    """The pipeline's latents -> image decode (latents divided by the VAE's scaling factor first)."""
+    return vae.decode(vae_params, config, latents * (1.0 / config.scaling_factor))
+
+
+def text_encode(text_params, input_ids, *, config: CLIPConfig):
+    return clip.apply(text_params, config, input_ids)
+
+
+def workloads(
+    batch: int = 2, size: int | None = None, dtype="float16", config: str = "full", components=COMPONENTS
+) -> dict[str, Workload]:
+    """The abstract workloads of `components` ("full" SD 1.5 or the test-sized "tiny" config).
+
+    `batch` is the UNet's classifier-free-guidance batch (even); `size` the image side in pixels
+    (default: the VAE config's sample_size, 512 for SD 1.5).
+    """
+    if batch < 2 or batch % 2:
+        raise ValueError(f"--batch {batch}: the UNet's guidance batch is [uncond, cond] per image, so it must be even")
+    dtype = jnp.dtype(dtype)
+    if config == "full":
+        unet_config, vae_config, clip_config = UNetConfig(), VAEConfig(), CLIPConfig()
+    elif config == "tiny":
+        unet_config, vae_config, clip_config = UNetConfig.tiny(), VAEConfig.tiny(), CLIPConfig.tiny()
+    else:
+        raise ValueError(f"unknown config {config!r} (full or tiny)")
+    size = vae_config.sample_size if size is None else size
+    factor = 2 ** (len(vae_config.block_out_channels) - 1)
+    if size % factor:
+        raise ValueError(f"--size {size} must be a multiple of the VAE's {factor}x upsampling")
+    latent = size // factor
+    images = batch // 2
+    ddim = DDIM()
+    ddim.set_timesteps(INFERENCE_STEPS)
+
+    def spec(shape, kind=dtype):
+        return jax.ShapeDtypeStruct(tuple(shape), kind)
+
+    out = {}
+    for name in components:
+        if name == "unet":
+            out[name] = Workload(
+                name,
+                f"UNet step, CFG batch {batch}, {latent}x{latent} latents, {dtype.name}",
+                functools.partial(unet_cfg_step, config=unet_config, ddim=ddim, guidance_scale=GUIDANCE_SCALE),
+                (
+                    params.abstract_params("unet", unet_config, dtype=dtype),
+                    spec((images, unet_config.in_channels, latent, latent)),
+                    spec((), jnp.int32),
+                    spec((batch, TEXT_LENGTH, unet_config.cross_attention_dim)),
+                ),
+            )
+        elif name == "vae":
+            out[name] = Workload(
+                name,
+                f"VAE decoder, batch {images}, {latent}x{latent} -> {size}x{size}, {dtype.name}",
+                functools.partial(vae_decode, config=vae_config),
+                (
+                    params.abstract_params("vae", vae_config, dtype=dtype),
+                    spec((images, vae_config.latent_channels, latent, latent)),
+                ),
+            )
+        elif name == "text_encoder":
+            out[name] = Workload(
+                name,
+                f"CLIP text encoder, batch {batch} x {TEXT_LENGTH} tokens, {dtype.name}",
+                functools.partial(text_encode, config=clip_config),
+                (params.abstract_params("text_encoder", clip_config, dtype=dtype), spec((batch, TEXT_LENGTH), jnp.int32)),
+            )
+        else:
+            raise ValueError(f"unknown component {name!r}; expected some of {', '.join(COMPONENTS)}")
+    return out
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def _stat(stats, key: str, default=None):
+    if stats is None:
+        return default
+    if isinstance(stats, dict):
+        return stats.get(key, default)
+    return getattr(stats, key, default)
+
+
+def _load_optimize():
+    """`eqsat.optimize` (the function), or None and the reason it cannot be had."""
+    import importlib
+
+    try:
+        optimize = getattr(importlib.import_module("eqsat"), "optimize", None)
+        if optimize is None or inspect.ismodule(optimize):
+            optimize = importlib.import_module("eqsat.optimize").optimize
+        return optimize, None
+    except Exception as error:  # noqa: BLE001 - reported, never fatal
+        return None, f"eqsat.optimize is not available ({type(error).__name__}: {error})"
+
+
+def measure_plan(workload: Workload, optimize, device: str) -> dict[str, Any]:
+    """Our plan: `optimize(fn).lower(*args).stats`, as the per-component JSON fields."""
+    kwargs = {"device": device} if "device" in inspect.signature(optimize).parameters else {}
+    start = time.perf_counter()
+    lowered = optimize(workload.fn, **kwargs).lower(*workload.args)
+    wall = time.perf_counter() - start
+    stats = getattr(lowered, "stats", None)
+    seconds = _stat(stats, "seconds")
+    if isinstance(seconds, dict):
+        seconds = {stage: float(value) for stage, value in seconds.items()}
+    return {
+        "naive_kernels": _stat(stats, "naive_kernels"),
+        "fused_kernels": _stat(stats, "fused_kernels"),
+        "plan_bytes": _stat(stats, "plan_bytes"),
+        "plan_peak_bytes": _stat(stats, "plan_peak_bytes"),
+        "optimize_seconds": seconds,
+        "optimize_wall_seconds": wall,
+        "extractor": _stat(stats, "extractor"),
+        "saturated": _stat(stats, "saturated"),
+        "limit_reached": _stat(stats, "limit_reached"),
+    }
+
+
+def measure_xla(workload: Workload) -> tuple[dict[str, Any], str | None]:
+    """XLA's executable for an H100 (`eqsat.xla_target`), or nulls and the reason."""
+    from eqsat import xla_target
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", xla_target.XlaTargetWarning)
+        report = xla_target.compile_for_h100(workload.fn, *workload.args)
+    if report is None:
+        reasons = [str(w.message) for w in caught if issubclass(w.category, xla_target.XlaTargetWarning)]
+        return {}, "; ".join(reasons) or "XLA H100 target unavailable"
+    exact = report.bytes_accessed is not None
+    return {
+        "xla_kernels": report.kernels,
+        "xla_copies": report.copies + report.memsets,
+        "xla_input_only_kernels": report.input_only_kernels,
+        "xla_kernels_by_category": report.by_category,
+        "xla_bytes": report.bytes_accessed if exact else report.modeled_bytes,
+        "xla_bytes_source": "cost_analysis" if exact else "modeled: operand + result bytes per kernel",
+        "xla_temp_bytes": report.temp_bytes,
+        "xla_compile_seconds": report.compile_seconds,
+        "xla_wall_seconds": report.wall_seconds,
+    }, None
+
+
+def run_plan(
+    batch: int = 2,
+    size: int | None = None,
+    dtype: str = "float16",
+    components=COMPONENTS,
+    device: str = "h100",
+    config: str = "full",
+    xla: bool = True,
+    optimize: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every component; the result is what `--json` prints."""
+    log = log or (lambda message: None)
+    report: dict[str, Any] = {
+        "batch": batch, "size": size, "dtype": str(jnp.dtype(dtype)), "device": device, "config": config,
+        "jax_version": jax.__version__, "notes": [], "components": {},
+    }
+    work = workloads(batch, size, dtype, config, components)
+    report["size"] = size if size is not None else (VAEConfig() if config == "full" else VAEConfig.tiny()).sample_size
+
+    optimize_fn, optimize_reason = (None, "optimizer skipped (--no-optimize)") if not optimize else _load_optimize()
+    if optimize_reason:
+        report["notes"].append(f"fused/naive columns are empty: {optimize_reason}")
+    xla_reason = None
+    if not xla:
+        xla_reason = "XLA skipped (--no-xla)"
+    else:
+        from eqsat import xla_target
+
+        xla_reason = xla_target.unavailable_reason()
+    if xla_reason:
+        report["notes"].append(f"XLA columns are empty: {xla_reason}")
+    report["xla_available"] = xla_reason is None
+
+    for name, workload in work.items():
+        row: dict[str, Any] = {key: None for key in KEYS}
+        row["description"] = workload.description
+        if optimize_fn is not None:
+            log(f"{name}: optimizing ({workload.description})")
+            try:
+                row.update(measure_plan(workload, optimize_fn, device))
+            except Exception as error:  # noqa: BLE001 - one component failing must not hide the others
+                row["optimize_error"] = f"{type(error).__name__}: {error}"
+                row["optimize_traceback"] = traceback.format_exc()
+                report["notes"].append(f"{name}: optimize failed: {row['optimize_error']}")
+        if xla_reason is None:
+            log(f"{name}: compiling jax.jit for H100")
+            try:
+                fields, reason = measure_xla(workload)
+                row.update(fields)
+                if reason:
+                    report["notes"].append(f"{name}: XLA columns are empty: {reason}")
+            except Exception as error:  # noqa: BLE001
+                row["xla_error"] = f"{type(error).__name__}: {error}"
+                report["notes"].append(f"{name}: XLA compile failed: {row['xla_error']}")
+        row["winner_kernels"] = _winner(row["fused_kernels"], row.get("xla_kernels"))
+        row["winner_bytes"] = _winner(row["plan_bytes"], row.get("xla_bytes"))
+        row["winner_memory"] = _winner(row["plan_peak_bytes"], row.get("xla_temp_bytes"))
+        report["components"][name] = row
+    return report
+
+
+def _winner(ours, theirs) -> str | None:
+    if ours is None or theirs is None:
+        return None
+    return "eqsat" if ours < theirs else "xla" if theirs < ours else "tie"
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def _count(value) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+def _size(value) -> str:
+    if value is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _seconds(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, dict):
+        return ", ".join(f"{stage} {float(v):.1f}" for stage, v in value.items()) + f" (total {sum(map(float, value.values())):.1f} s)"
+    return f"{float(value):.1f} s"
+
+
+def _verdict(winner, ours, theirs, fmt) -> str:
+    """Who does better, plainly; XLA's wins are marked in bold red."""
+    if winner is None:
+        return "n/a"
+    if winner == "tie":
+        return "tie"
+    difference = fmt(abs(ours - theirs))
+    if winner == "xla":
+        return f"[bold red]XLA better by {difference}[/]"
+    return f"[green]eqsat better by {difference} ({theirs / ours:.1f}x)[/]" if ours else f"[green]eqsat better by {difference}[/]"
+
+
+def render(report: dict[str, Any], console=None) -> None:
+    """The rich table: one column per component, one row per measure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    rows = report["components"]
+    names = list(rows)
+    table = Table(
+        title=f"SD 1.5 kernel plans ({report['config']}, {report['size']}x{report['size']}, {report['dtype']}, "
+        f"UNet CFG batch {report['batch']}, target {report['device']})",
+        show_lines=False,
+    )
+    table.add_column("measure", style="bold")
+    for name in names:
+        table.add_column(name, justify="right")
+
+    def add(label, cell):
+        table.add_row(label, *(cell(rows[name]) for name in names))
+
+    add("naive kernels (1 per primitive)", lambda r: _count(r["naive_kernels"]))
+    add("eqsat fused kernels", lambda r: _count(r["fused_kernels"]))
+    add("XLA kernels (jax.jit, H100)", lambda r: _count(r["xla_kernels"]))
+    add("  of which read only weights/inputs", lambda r: _count(r.get("xla_input_only_kernels")))
+    add("fewer kernels", lambda r: _verdict(r["winner_kernels"], r["fused_kernels"], r["xla_kernels"], _count))
+    add("eqsat modeled HBM bytes", lambda r: _size(r["plan_bytes"]))
+    add("XLA modeled HBM bytes", lambda r: _size(r["xla_bytes"]))
+    add("less HBM traffic", lambda r: _verdict(r["winner_bytes"], r["plan_bytes"], r["xla_bytes"], _size))
+    add("eqsat peak activations", lambda r: _size(r["plan_peak_bytes"]))
+    add("XLA temporary memory", lambda r: _size(r["xla_temp_bytes"]))
+    add("less memory", lambda r: _verdict(r["winner_memory"], r["plan_peak_bytes"], r["xla_temp_bytes"], _size))
+    add("eqsat optimize seconds", lambda r: _seconds(r["optimize_seconds"]))
+    add("XLA H100 compile seconds", lambda r: _seconds(r["xla_compile_seconds"]))
+    add("extractor", lambda r: str(r.get("extractor") or "n/a"))
+    add("saturated", lambda r: "n/a" if r.get("saturated") is None else
+        ("yes" if r["saturated"] else f"no ({r.get('limit_reached') or 'limit'})"))
+    console.print(table)
+    for name in names:
+        console.print(f"  {name}: {rows[name]['description']}")
+    if any(rows[name].get("xla_bytes_source", "").startswith("modeled") for name in names):
+        console.print(
+            "  XLA bytes: XLA gives no cost analysis for a compile-only H100 executable; modeled as "
+            "operand + result bytes of every kernel in its optimized HLO (the same model as eqsat's)."
+        )
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def _components(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in COMPONENTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"components must be some of {','.join(COMPONENTS)}; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `plan` options (shared with benchmarks/sd15_plan.py)."""
+    parser.add_argument("--batch", type=int, default=2, help="UNet guidance batch [uncond, cond] (even; default 2)")
+    parser.add_argument("--size", type=int, default=None, help="image side in pixels (default 512)")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--components", type=_components, default=COMPONENTS, help="comma list of unet,vae,text_encoder")
+    parser.add_argument("--device", default="h100", choices=("h100",), help="the device profile and XLA target")
+    parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's H100 compile")
+    parser.add_argument("--no-optimize", dest="optimize", action="store_false", help="skip the eqsat optimizer")
+    parser.add_argument("--config", default="full", choices=("full", "tiny"), help=argparse.SUPPRESS)
+
+
+def plan_command(options: argparse.Namespace) -> int:
+    """Run `sd15 plan` with parsed options; prints the table or the JSON."""
+    def log(message):
+        if not options.json:
+            print(message, file=sys.stderr, flush=True)
+
+    report = run_plan(
+        batch=options.batch, size=options.size, dtype=options.dtype, components=options.components,
+        device=options.device, config=options.config, xla=options.xla, optimize=options.optimize, log=log,
+    )
+    if options.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        render(report)
+    return 0
+
+
+def add_plan_command(subparsers) -> argparse.ArgumentParser:
+    """Register `plan` on the `sd15` CLI's subparsers (`options.func(options)` runs it)."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="kernel plan of full-size SD 1.5 (no weights needed), against XLA for an H100",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=plan_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sd15.plan_cli plan ...` (the same command without the rest of the sd15 CLI)."""
+    parser = argparse.ArgumentParser(prog="sd15")
+    add_plan_command(parser.add_subparsers(dest="command", required=True))
+    options = parser.parse_args(argv)
+    return options.func(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
