@@ -6,9 +6,9 @@
 
 Each component is traced with abstract parameters (`sd15.params.abstract_params`, no weights):
 
-- unet: one denoising step as the pipeline runs it: the UNet on the classifier-free-guidance batch
-  `[latents, latents]` (`--batch` counts this doubled batch, so the default 2 is one image), the
-  guidance combine `uncond + scale * (cond - uncond)` and the DDIM update;
+- unet: one denoising step as `sd15.pipeline` runs it: the UNet on the classifier-free-guidance
+  batch `[latents, latents]` (`--batch` counts this doubled batch, so the default 2 is one image),
+  the guidance combine `uncond + scale * (cond - uncond)` and the DDIM update (float32 latents);
 - vae: the decoder on `--batch / 2` latents (scaled by 1 / scaling_factor, as the pipeline does);
 - text_encoder: CLIP on `--batch` prompts of 77 tokens (the unconditional and the conditional one).
 
@@ -40,7 +40,6 @@ from sd15.ddim import DDIM
 
 COMPONENTS = ("unet", "vae", "text_encoder")
 TEXT_LENGTH = 77
-GUIDANCE_SCALE = 7.5
 INFERENCE_STEPS = 50
 
 # The per-component JSON keys (always present; null when not measured).
@@ -63,13 +62,11 @@ class Workload:
 # --- the traced functions (module level, so they pickle by reference into the compile subprocess)
 
 
-def unet_cfg_step(
-    unet_params, latents, timestep, context, *, config: UNetConfig, ddim: DDIM, guidance_scale: float
-):
-    """One denoising step with classifier-free guidance: latents [n, 4, h, w], context [2n, 77, d]
-    (unconditional prompts first) -> the next latents."""
+def unet_cfg_step(unet_params, latents, timestep, context, guidance_scale, *, config: UNetConfig, ddim: DDIM):
+    """One denoising step as `sd15.pipeline.Pipeline` runs it: float32 latents [n, 4, h, w], context
+    [2n, 77, d] (unconditional prompts first), a traced guidance scale -> the next latents."""
     sample = jnp.concatenate([latents, latents], axis=0)
-    noise = unet.apply(unet_params, config, sample, timestep, context)
+    noise = unet.apply(unet_params, config, sample, timestep, context).astype(jnp.float32)
     uncond, cond = jnp.split(noise, 2, axis=0)
     guided = uncond + guidance_scale * (cond - uncond)
     return ddim.step(guided, timestep, latents)
@@ -119,12 +116,13 @@ def workloads(
             out[name] = Workload(
                 name,
                 f"UNet step, CFG batch {batch}, {latent}x{latent} latents, {dtype.name}",
-                functools.partial(unet_cfg_step, config=unet_config, ddim=ddim, guidance_scale=GUIDANCE_SCALE),
+                functools.partial(unet_cfg_step, config=unet_config, ddim=ddim),
                 (
                     params.abstract_params("unet", unet_config, dtype=dtype),
-                    spec((images, unet_config.in_channels, latent, latent)),
+                    spec((images, unet_config.in_channels, latent, latent), jnp.float32),
                     spec((), jnp.int32),
                     spec((batch, TEXT_LENGTH, unet_config.cross_attention_dim)),
+                    spec((), jnp.float32),
                 ),
             )
         elif name == "vae":
