@@ -1,0 +1,264 @@
+"""Text-to-image with SD 1.5 in JAX: the loaded networks as callables, and diffusers' txt2img loop.
+
+    pipe = Pipeline.from_pretrained("stable-diffusion-v1-5", dtype=jnp.bfloat16)
+    image = pipe("a photo of an astronaut riding a horse", num_inference_steps=50, seed=0)   # PIL.Image
+
+`Pipeline` follows diffusers' `StableDiffusionPipeline.__call__` with a `DDIMScheduler` (eta 0):
+encode [negative, prompt] as one batch of 2 -> latents N(0, 1) [1, 4, H/8, W/8] -> per timestep
+one jitted step (UNet on the doubled batch, classifier-free guidance
+uncond + g * (cond - uncond), DDIM update) -> VAE decode of latents / scaling_factor ->
+(image / 2 + 0.5) clipped to [0, 1]. With guidance_scale <= 1 the batch is the prompt alone, as in
+diffusers. Latents are float32 throughout; the networks run in the dtype they were loaded in.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sd15 import clip, unet, vae
+from sd15.config import CLIPConfig, UNetConfig, VAEConfig
+from sd15.ddim import DDIM
+from sd15.params import init_random
+from sd15.tokenizer import Tokenizer, load_tokenizer, tiny_tokenizer
+from sd15.weights import is_single_file, load_all_params, load_params
+
+
+class UNet:
+    """`unet(sample [B,4,h,w], timestep, encoder_hidden_states [B,77,D]) -> [B,4,h,w]`, jitted."""
+
+    def __init__(self, params: dict[str, jax.Array], config: UNetConfig):
+        self.params, self.config = params, config
+        self._apply = jax.jit(functools.partial(_unet_apply, config))
+
+    def __call__(self, sample, timestep, encoder_hidden_states) -> jax.Array:
+        return self._apply(self.params, sample, timestep, encoder_hidden_states)
+
+
+class VAE:
+    """`vae.decode(latents [B,4,h,w]) -> image [B,3,8h,8w]`, diffusers' `vae.decode(latents).sample` (no scaling)."""
+
+    def __init__(self, params: dict[str, jax.Array], config: VAEConfig):
+        self.params, self.config = params, config
+        self._decode = jax.jit(functools.partial(_vae_decode, config))
+
+    @property
+    def scale_factor(self) -> int:
+        """Pixels per latent along each side (8 for SD 1.5)."""
+        return 2 ** (len(self.config.block_out_channels) - 1)
+
+    def decode(self, latents) -> jax.Array:
+        return self._decode(self.params, latents)
+
+
+class TextEncoder:
+    """`text_encoder(input_ids [B,77]) -> last_hidden_state [B,77,D]`, jitted."""
+
+    def __init__(self, params: dict[str, jax.Array], config: CLIPConfig):
+        self.params, self.config = params, config
+        self._apply = jax.jit(functools.partial(_clip_apply, config))
+
+    def __call__(self, input_ids) -> jax.Array:
+        return self._apply(self.params, jnp.asarray(input_ids, jnp.int32))
+
+
+def _unet_apply(config, params, sample, timestep, encoder_hidden_states):
+    return unet.apply(params, config, sample, timestep, encoder_hidden_states)
+
+
+def _vae_decode(config, params, latents):
+    return vae.decode(params, config, latents)
+
+
+def _clip_apply(config, params, input_ids):
+    return clip.apply(params, config, input_ids)
+
+
+def load_unet(path: str | os.PathLike, dtype=jnp.float32, config: UNetConfig | None = None) -> UNet:
+    """The UNet of a pipeline folder, `unet/` folder or single-file checkpoint (see `sd15.weights`)."""
+    return UNet(*load_params(path, "unet", dtype, config))
+
+
+def load_vae(path: str | os.PathLike, dtype=jnp.float32, config: VAEConfig | None = None) -> VAE:
+    """The VAE decoder of a pipeline folder, `vae/` folder or single-file checkpoint."""
+    return VAE(*load_params(path, "vae", dtype, config))
+
+
+def load_text_encoder(path: str | os.PathLike, dtype=jnp.float32, config: CLIPConfig | None = None) -> TextEncoder:
+    """The CLIP text encoder of a pipeline folder, `text_encoder/` folder or single-file checkpoint."""
+    return TextEncoder(*load_params(path, "text_encoder", dtype, config))
+
+
+def load_scheduler(path: str | os.PathLike) -> DDIM:
+    """DDIM from `path/scheduler/scheduler_config.json` when present, else SD 1.5's schedule."""
+    folder = os.path.join(path, "scheduler")
+    if os.path.isfile(os.path.join(folder, "scheduler_config.json")):
+        return DDIM.from_config(folder)
+    return DDIM()
+
+
+class Pipeline:
+    """SD 1.5 text-to-image: tokenizer, text encoder, UNet, VAE decoder and DDIM (see the module docstring)."""
+
+    def __init__(self, unet: UNet, vae: VAE, text_encoder: TextEncoder, tokenizer: Tokenizer, scheduler: DDIM):
+        self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+        if tokenizer.vocab_size > text_encoder.config.vocab_size:
+            raise ValueError(f"{tokenizer.vocab_size=} exceeds the text encoder's {text_encoder.config.vocab_size=}")
+        self._step = jax.jit(self._denoise_step, static_argnames=("num_inference_steps", "guided"))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype=jnp.float32,
+        tokenizer: str | os.PathLike | Tokenizer | None = None,
+        unet_config: UNetConfig | None = None,
+        vae_config: VAEConfig | None = None,
+        text_encoder_config: CLIPConfig | None = None,
+    ) -> Pipeline:
+        """A pipeline folder or single-file checkpoint; every network is checked before any is read.
+
+        `tokenizer` (a folder or a `Tokenizer`) defaults to `path/tokenizer/`, else CLIP's vocabulary
+        from an installed package. Configs override the folders' config.json; a single file has none,
+        so it is full-size SD 1.5 unless given.
+        """
+        configs = {"unet": unet_config, "vae": vae_config, "text_encoder": text_encoder_config}
+        loaded = load_all_params(path, dtype, configs)
+        if not isinstance(tokenizer, Tokenizer):
+            tokenizer = load_tokenizer(tokenizer if tokenizer is not None else (None if is_single_file(path) else path))
+        return cls(
+            UNet(*loaded["unet"]),
+            VAE(*loaded["vae"]),
+            TextEncoder(*loaded["text_encoder"]),
+            tokenizer,
+            DDIM() if is_single_file(path) else load_scheduler(path),
+        )
+
+    @classmethod
+    def tiny(cls, seed: int = 0, dtype=jnp.float32) -> Pipeline:
+        """Random weights in the `tiny()` configs and `tiny_tokenizer()`: a no-files pipeline for trying things out."""
+        configs = {"unet": UNetConfig.tiny(), "vae": VAEConfig.tiny(), "text_encoder": CLIPConfig.tiny()}
+        params = {name: init_random(name, config, seed, dtype) for name, config in configs.items()}
+        return cls(
+            UNet(params["unet"], configs["unet"]),
+            VAE(params["vae"], configs["vae"]),
+            TextEncoder(params["text_encoder"], configs["text_encoder"]),
+            tiny_tokenizer(),
+            DDIM(),
+        )
+
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this: the VAE factor times the UNet's downsampling."""
+        return self.vae.scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
+
+    def encode_prompt(self, prompt: str, negative_prompt: str = "", guided: bool = True) -> jax.Array:
+        """[negative, prompt] embeddings [2, 77, D] (just the prompt's, [1, 77, D], when not guided)."""
+        ids = self.tokenizer([negative_prompt, prompt] if guided else [prompt])
+        return self.text_encoder(ids)
+
+    def initial_latents(self, height: int, width: int, seed: int) -> jax.Array:
+        shape = (1, self.unet.config.in_channels, height // self.vae.scale_factor, width // self.vae.scale_factor)
+        return jax.random.normal(jax.random.key(seed), shape, jnp.float32) * self.scheduler.init_noise_sigma
+
+    def _denoise_step(self, unet_params, latents, timestep, context, guidance_scale, *, num_inference_steps, guided):
+        """One DDIM step with classifier-free guidance (jitted once per step count)."""
+        model_input = jnp.concatenate([latents, latents]) if guided else latents
+        noise = unet.apply(unet_params, self.unet.config, model_input, timestep, context).astype(jnp.float32)
+        if guided:
+            uncond, cond = noise[:1], noise[1:]
+            noise = uncond + guidance_scale * (cond - uncond)
+        scheduler = copy.copy(self.scheduler)
+        scheduler.num_inference_steps = num_inference_steps
+        return scheduler.step(noise, timestep, latents)
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        height: int = 512,
+        width: int = 512,
+        seed: int = 0,
+        latents=None,
+        progress: bool | Callable = True,
+    ) -> np.ndarray:
+        """The image as float32 [height, width, 3] in [0, 1] (diffusers' `output_type="np"`, first image).
+
+        `latents`: the initial noise [1, 4, height/8, width/8] (NCHW, as diffusers); drawn from
+        `jax.random.key(seed)` when None.
+        """
+        multiple = self.size_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"{height=} and {width=} must be multiples of {multiple}")
+        guided = guidance_scale > 1.0
+        context = self.encode_prompt(prompt, negative_prompt, guided)
+        if latents is None:
+            latents = self.initial_latents(height, width, seed)
+        else:
+            latents = jnp.asarray(latents, jnp.float32)
+            expected = (
+                1,
+                self.unet.config.in_channels,
+                height // self.vae.scale_factor,
+                width // self.vae.scale_factor,
+            )
+            if latents.shape != expected:
+                raise ValueError(f"latents of shape {latents.shape}; {height}x{width} needs {expected}")
+        timesteps = self.scheduler.set_timesteps(num_inference_steps)
+        for t in _progress(timesteps, progress):
+            latents = self._step(
+                self.unet.params,
+                latents,
+                jnp.asarray(t, jnp.int32),
+                context,
+                jnp.float32(guidance_scale),
+                num_inference_steps=num_inference_steps,
+                guided=guided,
+            )
+        image = self.vae.decode(latents / self.vae.config.scaling_factor).astype(jnp.float32)
+        image = jnp.clip(image / 2 + 0.5, 0.0, 1.0)
+        return np.asarray(image[0].transpose(1, 2, 0))
+
+    def __call__(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        height: int = 512,
+        width: int = 512,
+        seed: int = 0,
+        latents=None,
+        progress: bool | Callable = True,
+    ):
+        """The image as a `PIL.Image` (see `generate`)."""
+        image = self.generate(
+            prompt, negative_prompt, num_inference_steps, guidance_scale, height, width, seed, latents, progress
+        )
+        return to_pil(image)
+
+
+def to_pil(image: np.ndarray):
+    """[H, W, 3] floats in [0, 1] -> PIL RGB image, rounded as diffusers' `numpy_to_pil`."""
+    from PIL import Image
+
+    return Image.fromarray((image * 255).round().astype(np.uint8))
+
+
+def _progress(timesteps, progress):
+    if callable(progress):
+        return progress(timesteps)
+    if not progress:
+        return timesteps
+    from tqdm.auto import tqdm
+
+    return tqdm(timesteps, desc="denoising", unit="step")
