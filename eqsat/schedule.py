@@ -1,0 +1,89 @@
+"""The named schedule of rule families: which ruleset runs when, and for how long.
+
+A `Schedule` is a flat list of `Stage`s; `eqsat.saturate.saturate` runs each stage one iteration
+at a time (at most `iterations` per visit, until it changes nothing) and repeats the whole list
+until a round changes nothing. The default order is cleanup first, then fusion:
+
+    view_folding    views compose; identity views vanish                     (cleanup)
+    functionalize   writes (Assign*) become pure expressions                 (cleanup)
+    concat_slice    slices/elementwise push through concats; K-range concats
+    absorb          prologues and epilogues: elementwise work joins kernels
+    norm_split      normalization = statistics + apply                       (beyond the seeds)
+    attention       softmax(q k^T) v patterns -> Attention
+    horizontal      matmuls sharing an input -> one matmul
+    hoist           loop-invariant work out of loop bodies
+
+Families that do not exist yet are left out silently (see `eqsat.rules.FAMILIES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from egglog import Ruleset, UnstableCombinedRuleset
+
+DEFAULT_ORDER = (
+    "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "attention", "horizontal", "hoist",
+)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One ruleset, run at most `iterations` times per visit (None: until it changes nothing)."""
+
+    name: str
+    ruleset: Ruleset | UnstableCombinedRuleset
+    iterations: int | None = 8
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Stages in order, repeated until a round changes nothing (or `rounds` rounds, if set)."""
+
+    stages: tuple[Stage, ...]
+    rounds: int | None = None
+
+    def __add__(self, other: "Schedule") -> "Schedule":
+        return Schedule(self.stages + other.stages, self.rounds)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(stage.name for stage in self.stages)
+
+
+def ruleset_name(ruleset) -> str:
+    ident = getattr(ruleset, "ident", None)
+    return ident.name if ident is not None else str(ruleset.__egg_ident__.name)
+
+
+def default_schedule(families: Iterable[str] | None = None, *, iterations: int | None = 8) -> Schedule:
+    """Every available family of `families` (default: all of `eqsat.rules.FAMILIES`) in `DEFAULT_ORDER`."""
+    from eqsat import rules
+
+    wanted = list(families) if families is not None else list(rules.FAMILIES)
+    ordered = [name for name in DEFAULT_ORDER if name in wanted] + [n for n in wanted if n not in DEFAULT_ORDER]
+    stages = []
+    for name in ordered:
+        ruleset = rules.family_ruleset(name)
+        if ruleset is not None:
+            stages.append(Stage(name, ruleset, iterations))
+    return Schedule(tuple(stages))
+
+
+def as_schedule(schedule) -> Schedule:
+    """`None` -> the default schedule; a ruleset or a sequence of rulesets/stages -> one stage each."""
+    if schedule is None:
+        return default_schedule()
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, Stage):
+        return Schedule((schedule,))
+    if isinstance(schedule, (Ruleset, UnstableCombinedRuleset)):
+        return Schedule((Stage(ruleset_name(schedule), schedule),))
+    if isinstance(schedule, Sequence):
+        stages: list[Stage] = []
+        for item in schedule:
+            stages.extend(as_schedule(item).stages)
+        return Schedule(tuple(stages))
+    raise TypeError(f"not a schedule: {schedule!r} (expected a Schedule, a Ruleset or a sequence of them)")
