@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from egglog import Ruleset, UnstableCombinedRuleset
+from egglog.egraph import Ruleset, UnstableCombinedRuleset
 
 DEFAULT_ORDER = (
     "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "attention", "horizontal", "hoist",
