@@ -140,7 +140,7 @@ class Launch:
     counted: str  # "kernel", "copy", "memset" or "none"
     in_loop: bool  # inside a while body or condition
     bytes: int  # modeled HBM bytes: operands + result (0 when the HLO could not be read)
-    scope: str  # the jax named-scope path of its HLO op_name ("" if none)
+    scope: str  # the jax named-scope path of its HLO op_name, "/"-separated ("" if none)
     reads_only_inputs: bool  # every operand is a function argument (e.g. a weight layout transpose)
 
 
@@ -173,14 +173,16 @@ class XlaReport:
     def total_launches(self) -> int:
         return self.kernels + self.copies + self.memsets
 
-    def by_scope(self, depth: int = 2) -> dict[str, int]:
-        """Kernels grouped by the first `depth` parts of their named-scope path
-        ("down_blocks.0", "mid_block", ...; "" for kernels outside any scope)."""
+    def by_scope(self, depth: int = 1) -> dict[str, int]:
+        """Kernels grouped by named scope, `depth` scopes deep: depth 1 gives the outermost scope
+        ("down_blocks.0", "mid_block", ...), depth 2 the one inside it ("down_blocks.0.resnets.1");
+        "" for kernels traced outside any scope."""
         out: dict[str, int] = {}
         for launch in self.launches:
             if launch.counted != "kernel":
                 continue
-            key = ".".join(launch.scope.split(".")[:depth]) if launch.scope else ""
+            parts = launch.scope.split("/") if launch.scope else [""]
+            key = parts[min(depth, len(parts)) - 1]
             out[key] = out.get(key, 0) + 1
         return out
 
@@ -627,11 +629,10 @@ def _read_hlo(text: str) -> dict[str, dict[str, Any]]:
 
 
 def _scope(op_name: str) -> str:
-    """`"jit(f)/down_blocks.0/down_blocks.0.resnets.1/conv1/conv_general_dilated"` -> the innermost
-    named-scope path that looks like a module path ("down_blocks.0.resnets.1.conv1" style), or ""."""
-    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "pjit(", "jvp(", "transpose("))]
-    scopes = parts[:-1]  # the last part is the primitive
-    return scopes[-1] if scopes else ""
+    """`"jit(f)/down_blocks.0/down_blocks.0.resnets.1/conv_general_dilated"` ->
+    `"down_blocks.0/down_blocks.0.resnets.1"`: the named-scope path, outermost first ("" if none)."""
+    parts = [p for p in op_name.split("/") if p and "(" not in p]  # drops jit(f), jvp(...), ...
+    return "/".join(parts[:-1])  # the last part is the primitive
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ def measure_xla(workload: Workload) -> tuple[dict[str, Any], str | None]:
         "xla_copies": report.copies + report.memsets,
         "xla_input_only_kernels": report.input_only_kernels,
         "xla_kernels_by_category": report.by_category,
+        "xla_kernels_by_block": report.by_scope(depth=1),
         "xla_bytes": report.bytes_accessed if exact else report.modeled_bytes,
         "xla_bytes_source": "cost_analysis" if exact else "modeled: operand + result bytes per kernel",
         "xla_temp_bytes": report.temp_bytes,

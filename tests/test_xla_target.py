@@ -174,7 +174,7 @@ def test_parse_dump_counts_launches_not_structure(tmp_path):
     conv = launches["cudnn-conv.1"]
     # operands x (16,384 B) + transposed w (36,864 B) + result (65,536 B); the u8 workspace is left out
     assert conv["bytes"] == 2 * 16 * 16 * 32 * 2 + 64 * 32 * 9 * 2 + 2 * 16 * 16 * 64 * 2
-    assert conv["scope"] == "blocks.0.conv"
+    assert conv["scope"] == "blocks.0/blocks.0.conv"
     assert launches["wrapped_transpose"]["reads_only_inputs"]  # a weight layout change
     assert not launches["loop_multiply_fusion"]["reads_only_inputs"]
     assert parsed["module"] == "module_0001.jit_f"
