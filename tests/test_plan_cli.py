@@ -100,3 +100,37 @@ def test_plan_command_is_registered_with_its_options():
     assert options.func is plan_cli.plan_command and options.xla and options.optimize
     with pytest.raises(SystemExit):
         parser.parse_args(["plan", "--components", "unet,clip"])
+
+
+def test_optimizer_stats_reach_the_report(monkeypatch, capsys):
+    """The plumbing from `eqsat.optimize(fn).lower(*args).stats` to the JSON, with a stand-in optimizer."""
+    seen = []
+
+    class Lowered:
+        stats = {
+            "naive_kernels": 50, "fused_kernels": 7, "plan_bytes": 1000, "plan_peak_bytes": 100,
+            "seconds": {"lift": 0.5, "saturate": 1.0, "extract": 0.25}, "extractor": "greedy",
+            "saturated": False, "limit_reached": "node_limit",
+        }
+
+    def optimize(fn, device="h100"):
+        seen.append(device)
+
+        class Optimized:
+            def lower(self, *args):
+                seen.append(jax.eval_shape(fn, *args).shape)
+                return Lowered()
+
+        return Optimized()
+
+    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (optimize, None))
+    report = json.loads(
+        run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla"], capsys)
+    )
+    row = report["components"]["text_encoder"]
+    assert seen == ["h100", (2, 77, 32)]
+    assert row["naive_kernels"] == 50 and row["fused_kernels"] == 7
+    assert row["plan_bytes"] == 1000 and row["plan_peak_bytes"] == 100
+    assert row["optimize_seconds"] == {"lift": 0.5, "saturate": 1.0, "extract": 0.25}
+    assert row["extractor"] == "greedy" and row["limit_reached"] == "node_limit"
+    assert row["xla_kernels"] is None and row["winner_kernels"] is None
