@@ -140,7 +140,10 @@ def workloads(
                 name,
                 f"CLIP text encoder, batch {batch} x {TEXT_LENGTH} tokens, {dtype.name}",
                 functools.partial(text_encode, config=clip_config),
-                (params.abstract_params("text_encoder", clip_config, dtype=dtype), spec((batch, TEXT_LENGTH), jnp.int32)),
+                (
+                    params.abstract_params("text_encoder", clip_config, dtype=dtype),
+                    spec((batch, TEXT_LENGTH), jnp.int32),
+                ),
             )
         else:
             raise ValueError(f"unknown component {name!r}; expected some of {', '.join(COMPONENTS)}")
@@ -307,7 +310,8 @@ def _seconds(value) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, dict):
-        return ", ".join(f"{stage} {float(v):.1f}" for stage, v in value.items()) + f" (total {sum(map(float, value.values())):.1f} s)"
+        stages = ", ".join(f"{stage} {float(v):.1f}" for stage, v in value.items())
+        return f"{stages} (total {sum(map(float, value.values())):.1f} s)"
     return f"{float(value):.1f} s"
 
 
@@ -320,7 +324,8 @@ def _verdict(winner, ours, theirs, fmt) -> str:
     difference = fmt(abs(ours - theirs))
     if winner == "xla":
         return f"[bold red]XLA better by {difference}[/]"
-    return f"[green]eqsat better by {difference} ({theirs / ours:.1f}x)[/]" if ours else f"[green]eqsat better by {difference}[/]"
+    ratio = f" ({theirs / ours:.1f}x)" if ours else ""
+    return f"[green]eqsat better by {difference}{ratio}[/]"
 
 
 def render(report: dict[str, Any], console=None) -> None:
@@ -388,7 +393,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=None, help="image side in pixels (default 512)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--components", type=_components, default=COMPONENTS, help="comma list of unet,vae,text_encoder")
+    parser.add_argument(
+        "--components", type=_components, default=COMPONENTS, help="comma list of unet,vae,text_encoder (default all)"
+    )
     parser.add_argument("--device", default="h100", choices=("h100",), help="the device profile and XLA target")
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's H100 compile")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false", help="skip the eqsat optimizer")
