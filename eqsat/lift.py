@@ -1,0 +1,982 @@
+"""Lifting jaxprs to terms: the naive plan, one kernel per primitive.
+
+`lift(fn, *args)` traces `fn` with `jax.make_jaxpr` (arguments may be `ShapeDtypeStruct`s) and
+`lift_jaxpr(closed_jaxpr)` turns the jaxpr into a `Program` (`eqsat.program`). Equations are
+visited in order, iteratively; only nested jaxprs (calls, loop bodies) recurse, one level per
+nesting. Every primitive becomes one kernel Tensor term reading its operands through `Load`:
+
+| primitive(s)                                  | term                                                  |
+|-----------------------------------------------|-------------------------------------------------------|
+| elementwise unary (`UNARY_OPS`), `convert_element_type`, `integer_pow`, `round`, `reduce_precision` | `Pointwise(Unary(op, x, ty), ty)` |
+| elementwise binary (`BINARY_OPS`)             | `Pointwise(Binary(op, x, y, ty), ty)`                 |
+| `select_n`                                    | `Pointwise(Select(...))`; n > 2 cases nest on `lt`   |
+| `clamp`                                       | `Pointwise(Binary("min", Binary("max", x, lo), hi))`  |
+| `broadcast_in_dim` / `reshape`, `squeeze`, `expand_dims` / `transpose` | `Pointwise(Broadcast / Reshape / Transpose(...))` |
+| `slice`, `dynamic_slice`                      | `Pointwise(...)` over a chain of one-axis `Slice` / `DynamicSlice` |
+| `concatenate`, `stack`, `tile`                | `Pointwise(...)` over left-nested binary `Concat`     |
+| `pad` / `iota` / `split`, `unstack`           | `Pointwise(Pad / Iota / Slice(...))`                  |
+| `copy`, `copy_p`                              | `Pointwise(Load(x))` (a copy kernel)                  |
+| `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin` | `Reduce(op, Load(x), axes, Acc(ty), ty)`      |
+| `dot_general`                                 | `Matmul(Load(a), Load(b), "lc;rc;lb;rb", Acc(ty), ty)` |
+| `conv_general_dilated`                        | `Conv(Load(x), Load(w), ConvParams.key, Acc(ty), ty)` |
+| `gather` / `scatter*`                         | `Gather` / `AssignScatter`; payload `(primitive, params)` |
+| `dynamic_update_slice`                        | `AssignStatic` (literal starts) / `AssignDynamic`     |
+| `jit`, `pjit`, `closed_call`, `core_call`, `custom_jvp_call`, `custom_vjp_call`, `remat2`/`checkpoint` | inlined |
+| `scan`, `while`, `cond`                       | one `Loop(key, operands, body, i, ty)` per output     |
+| `new_ref`, `get`, `swap`, `addupdate`, `freeze` | versioned values (see below)                        |
+| `optimization_barrier`, `pvary`, `sharding_constraint`, ... | the operands themselves (no kernel)       |
+| anything else                                 | `Opaque(key, operands, i, ty)`, payload `(primitive, params)`, one warning per primitive |
+
+Operands: a jaxpr scalar literal is `Lit(value, ty)` splatted to the shape the op needs; a rank-0
+variable feeding a larger elementwise op is `Broadcast(Load(x), "", ty)`; array constants are
+`Constant(key, ty)` (`Program.constants`); where an op needs a Tensor (loop operands, assignment
+starts, opaque operands) a scalar literal is a `Constant` too.
+
+Loops (`Program.payloads[key]` is a dict; `LoopArg(key, i, ty)` is the loop's i-th operand, a
+scanned operand's per-step slice for `xs`):
+
+- scan: operands = consts + carries + xs; body = carries out + ys;
+  payload `{"kind": "scan", "length", "reverse", "unroll", "num_consts", "num_carry", "num_xs"}`;
+  outputs = final carries then stacked ys.
+- while: operands = consts (cond's then body's) + carries; body = [predicate] + carries out, the
+  predicate (a `bool[]` Tensor) evaluated on the same LoopArgs before each step;
+  payload `{"kind": "while", "num_consts", "num_carry"}`; outputs = final carries.
+- cond: operands = [index] + ops; body = branch 0's results, then branch 1's, ...;
+  payload `{"kind": "cond", "num_branches", "num_outputs"}`; outputs = the taken branch's results.
+
+JAX refs are functionalized: a ref is a cell holding its current version (a Tensor). A write makes a
+new version (`AssignStatic` for static boxes, `AssignDynamic` for dynamic starts, the value itself
+for a full overwrite; `addupdate` writes `old + value`); a read is a `Pointwise` of a `Slice` /
+`DynamicSlice` chain over the current version (a full read is the version itself). Indices follow
+the lowering's semantics: negative integer indices wrap once, then starts clamp. Refs a loop body
+touches become extra carries appended after the loop's own (scan/while) or extra results after
+each branch's (cond), and the final version flows out. Ref accesses with array or strided dynamic
+indexers become `Opaque` with a `RefDischarge` stand-in primitive that runs JAX's discharge rule.
+
+Component paths: `Program.components[kernel]` is the `/`-joined `jax.named_scope` names of the
+equation that made it (enclosing call equations included, transforms such as `jvp()` and jit
+wrappers dropped), e.g. `"down_blocks.0/down_blocks.0.resnets.1"`; `""` outside any scope.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+import jax
+from jax import lax
+from jax._src import core
+from jax._src import source_info_util
+
+from eqsat.conv_params import conv_params_key
+from eqsat.program import Program
+from eqsat.term import Term, tensor_list
+from eqsat.types import format_type, ints, ints_key
+
+# --- The op-string vocabulary of `Unary`, `Binary` and `Reduce` ------------------------------
+# Op strings are lax primitive names. The interpreter and the XLA emitter evaluate them through
+# `apply_unary` / `apply_binary` / `apply_reduce`, the single table of their meaning.
+
+UNARY_OPS: dict[str, Callable] = {
+    "neg": lax.neg, "sign": lax.sign, "floor": lax.floor, "ceil": lax.ceil, "is_finite": lax.is_finite,
+    "exp": lax.exp, "exp2": lax.exp2, "log": lax.log, "log1p": lax.log1p, "expm1": lax.expm1,
+    "tanh": lax.tanh, "logistic": lax.logistic, "sin": lax.sin, "cos": lax.cos, "tan": lax.tan,
+    "asin": lax.asin, "acos": lax.acos, "atan": lax.atan, "sinh": lax.sinh, "cosh": lax.cosh,
+    "asinh": lax.asinh, "acosh": lax.acosh, "atanh": lax.atanh, "lgamma": lax.lgamma,
+    "digamma": lax.digamma, "erf": lax.erf, "erfc": lax.erfc, "erf_inv": lax.erf_inv,
+    "bessel_i0e": lax.bessel_i0e, "bessel_i1e": lax.bessel_i1e, "abs": lax.abs, "sqrt": lax.sqrt,
+    "rsqrt": lax.rsqrt, "cbrt": lax.cbrt, "square": lax.square, "not": lax.bitwise_not,
+    "population_count": lax.population_count, "clz": lax.clz,
+}
+
+# "name:param" ops; the function gets x and the text after the colon.
+PARAMETRIC_UNARY_OPS: dict[str, Callable] = {
+    "integer_pow": lambda x, param: lax.integer_pow(x, int(param)),            # integer_pow:2
+    "round": lambda x, param: lax.round(x, lax.RoundingMethod(int(param))),    # round:0 away from zero, round:1 to even
+    "reduce_precision": lambda x, param: lax.reduce_precision(x, *ints(param)),  # reduce_precision:5,10
+}
+
+# "convert" is the one unary op whose meaning needs the result type: Unary("convert", x, "f16[...]").
+CONVERT = "convert"
+
+BINARY_OPS: dict[str, Callable] = {
+    "add": lax.add, "sub": lax.sub, "mul": lax.mul, "div": lax.div, "rem": lax.rem, "pow": lax.pow,
+    "max": lax.max, "min": lax.min, "atan2": lax.atan2, "nextafter": lax.nextafter,
+    "and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor,
+    "eq": lax.eq, "ne": lax.ne, "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge,
+    "shift_left": lax.shift_left, "shift_right_logical": lax.shift_right_logical,
+    "shift_right_arithmetic": lax.shift_right_arithmetic, "igamma": lax.igamma, "igammac": lax.igammac,
+    "polygamma": lax.polygamma, "zeta": lax.zeta,
+}
+
+# Reduce ops over `axes`; argmax/argmin take one axis and produce the index dtype of the result type.
+REDUCE_OPS: dict[str, Callable] = {
+    "sum": lax.reduce_sum, "max": lax.reduce_max, "min": lax.reduce_min, "prod": lax.reduce_prod,
+    "and": lax.reduce_and, "or": lax.reduce_or, "xor": lax.reduce_xor,
+    "argmax": lambda x, axes, dtype: lax.argmax(x, axes[0], dtype),
+    "argmin": lambda x, axes, dtype: lax.argmin(x, axes[0], dtype),
+}
+
+
+def apply_unary(op: str, x, dtype):
+    """`Unary(op, x, ty)` with `dtype` the dtype of `ty`."""
+    if op == CONVERT:
+        return lax.convert_element_type(x, dtype)
+    function = UNARY_OPS.get(op)
+    if function is not None:
+        return function(x)
+    name, sep, param = op.partition(":")
+    if sep and name in PARAMETRIC_UNARY_OPS:
+        return PARAMETRIC_UNARY_OPS[name](x, param)
+    raise ValueError(f"unknown unary op {op!r}")
+
+
+def apply_binary(op: str, x, y):
+    """`Binary(op, x, y, ty)`."""
+    try:
+        function = BINARY_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown binary op {op!r}") from None
+    return function(x, y)
+
+
+def apply_reduce(op: str, x, axes: tuple[int, ...], dtype):
+    """The core of `Reduce(op, x, axes, ...)`; sums/products accumulate in `dtype` (the `Acc` dtype)."""
+    if op in ("argmax", "argmin"):
+        return REDUCE_OPS[op](x, axes, dtype)
+    try:
+        function = REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}") from None
+    if x.dtype != dtype:
+        x = lax.convert_element_type(x, dtype)
+    return function(x, axes)
+
+
+_REDUCE_PRIMITIVES = {
+    "reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
+    "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor", "argmax": "argmax", "argmin": "argmin",
+}
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                      "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat"})
+_IDENTITIES = frozenset({"optimization_barrier", "pvary", "sharding_constraint", "mesh_cast", "reshard",
+                         "pbroadcast", "name"})
+
+
+class LiftError(NotImplementedError):
+    """A jaxpr this lifter cannot represent at all (not even as `Opaque`)."""
+
+
+class OpaqueWarning(UserWarning):
+    """A primitive was lifted as an `Opaque` kernel: it runs, but nothing fuses with it."""
+
+
+class RefDischarge:
+    """Stand-in primitive for ref accesses no Slice/Assign term covers (array or strided dynamic
+    indexers): `bind` runs JAX's discharge rule on the current version.
+
+    get: `bind(x, *idx, tree) -> value`; swap: `bind(x, value, *idx, tree) -> [old, new x]`;
+    addupdate: `bind(x, value, *idx, tree) -> new x`.
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.name = f"{kind}_discharged"
+        self.multiple_results = kind == "swap"
+
+    def bind(self, x, *args, tree):
+        from jax._src.state import discharge
+
+        if self.kind == "get":
+            return discharge._get_discharge(x, args, tree)
+        value, *idx = args
+        if self.kind == "swap":
+            old, new = discharge._swap_discharge(x, value, idx, tree)
+            return [old, new]
+        return discharge._addupdate_discharge(x, value, idx, tree)
+
+    def __repr__(self) -> str:
+        return f"RefDischarge({self.kind!r})"
+
+
+REF_DISCHARGE = {kind: RefDischarge(kind) for kind in ("get", "swap", "addupdate")}
+
+
+@lru_cache(maxsize=None)
+def _type_text(dtype_name: str, shape: tuple[int, ...]) -> str:
+    return format_type(dtype_name, shape)
+
+
+def _ty(aval) -> str:
+    try:
+        return _type_text(np.dtype(aval.dtype).name, tuple(int(d) for d in aval.shape))
+    except (TypeError, ValueError) as error:
+        raise LiftError(f"unsupported value type {aval}: {error}") from None
+
+
+def _ty_of(dtype, shape) -> str:
+    return _type_text(np.dtype(dtype).name, tuple(int(d) for d in shape))
+
+
+def _inner_aval(aval):
+    return getattr(aval, "inner_aval", aval)
+
+
+class _RefCell:
+    """A JAX ref during lifting: its current version."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, version: Term):
+        self.version = version
+
+
+_HANDLERS: dict[str, Callable] = {}
+
+
+def _handles(*names: str):
+    def register(function):
+        for name in names:
+            _HANDLERS[name] = function
+        return function
+    return register
+
+
+class _Lifter:
+    def __init__(self):
+        self.constants: dict[str, np.ndarray] = {}
+        self.payloads: dict[str, object] = {}
+        self.components: dict[Term, str] = {}
+        self.warnings: list[str] = []
+        self._constant_keys: dict[int, str] = {}
+        self._constant_arrays: list[object] = []  # keeps ids stable
+        self._counter = itertools.count()
+        self._warned: set[str] = set()
+        self._paths: dict[tuple, tuple[tuple[str, ...], str]] = {}
+        self.env: dict = {}
+        self.scopes: tuple[str, ...] = ()
+        self.path = ""
+
+    # --- running a jaxpr ----------------------------------------------------------------------
+
+    def run(self, jaxpr: core.Jaxpr, consts, in_values, scopes: tuple[str, ...]) -> list:
+        """Lift `jaxpr`'s equations with `in_values` bound to its invars; returns its outputs."""
+        saved = (self.env, self.scopes, self.path)
+        env: dict = {}
+        self.env = env
+        for var, const in zip(jaxpr.constvars, consts):
+            env[var] = self.constant(const)
+        if len(jaxpr.invars) != len(in_values):
+            raise LiftError(f"{len(jaxpr.invars)} invars, {len(in_values)} values")
+        for var, value in zip(jaxpr.invars, in_values):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            self.scopes, self.path = self._scopes(scopes, eqn.source_info.name_stack)
+            name = eqn.primitive.name
+            handler = _HANDLERS.get(name)
+            if handler is None:
+                handler = _Lifter._scatter if name.startswith("scatter") else _Lifter._opaque
+            outs = handler(self, eqn)
+            for var, out in zip(eqn.outvars, outs):
+                if not isinstance(var, core.DropVar):
+                    env[var] = out
+        results = [self.value(var) for var in jaxpr.outvars]
+        self.env, self.scopes, self.path = saved
+        return results
+
+    def _scopes(self, outer: tuple[str, ...], name_stack) -> tuple[tuple[str, ...], str]:
+        key = (outer, name_stack)
+        found = self._paths.get(key)
+        if found is None:
+            inner = tuple(s.name for s in name_stack.stack if isinstance(s, source_info_util.Scope))
+            scopes = outer + inner
+            found = self._paths[key] = (scopes, "/".join(scopes))
+        return found
+
+    # --- operands -----------------------------------------------------------------------------
+
+    def value(self, atom):
+        """A Tensor term (or a ref cell) for `atom`."""
+        if isinstance(atom, core.Literal):
+            return self.literal_tensor(atom)
+        return self.env[atom]
+
+    def tensor(self, atom) -> Term:
+        value = self.value(atom)
+        if isinstance(value, _RefCell):
+            raise LiftError(f"a ref used as an array operand: {atom}")
+        return value
+
+    def expr(self, atom, shape=None) -> Term:
+        """`atom` read at the current index, broadcast from rank 0 to `shape` if given."""
+        aval = atom.aval
+        target = aval.shape if shape is None else tuple(shape)
+        if isinstance(atom, core.Literal) and np.ndim(atom.val) == 0:
+            return Term("Lit", float(np.asarray(atom.val)), _ty_of(aval.dtype, target))
+        tensor = self.tensor(atom)
+        load = Term("Load", tensor, tensor.ty)
+        if tuple(target) != tuple(aval.shape):
+            if aval.shape != ():
+                raise LiftError(f"operand of shape {aval.shape} used at shape {target}")
+            load = Term("Broadcast", load, "", _ty_of(aval.dtype, target))
+        return load
+
+    def constant(self, array) -> Term:
+        key = self._constant_keys.get(id(array))
+        if key is None:
+            key = f"const{len(self._constant_keys)}"
+            self._constant_keys[id(array)] = key
+            self._constant_arrays.append(array)
+            self.constants[key] = array
+        return Term("Constant", key, _ty(core.get_aval(array)))
+
+    def literal_tensor(self, atom) -> Term:
+        value = np.asarray(atom.val, dtype=atom.aval.dtype)
+        return self.scalar_constant(value)
+
+    def scalar_constant(self, value: np.ndarray) -> Term:
+        if value.ndim:
+            return self.constant(value)
+        key = f"scalar:{value.dtype.name}:{value.item()!r}"
+        self.constants.setdefault(key, value)
+        return Term("Constant", key, _ty_of(value.dtype, ()))
+
+    # --- kernels ------------------------------------------------------------------------------
+
+    def kernel(self, term: Term) -> Term:
+        self.components.setdefault(term, self.path)
+        return term
+
+    def pointwise(self, body: Term) -> Term:
+        return self.kernel(Term("Pointwise", body, body.ty))
+
+    def fresh_key(self, kind: str) -> str:
+        return f"{kind}{next(self._counter)}"
+
+    # --- elementwise --------------------------------------------------------------------------
+
+    @_handles(*UNARY_OPS)
+    def _unary(self, eqn):
+        out = eqn.outvars[0].aval
+        ty = _ty(out)
+        return [self.pointwise(Term("Unary", eqn.primitive.name, self.expr(eqn.invars[0], out.shape), ty))]
+
+    @_handles("convert_element_type", "integer_pow", "round", "reduce_precision")
+    def _parametric_unary(self, eqn):
+        out = eqn.outvars[0].aval
+        ty = _ty(out)
+        name, params = eqn.primitive.name, eqn.params
+        if name == "convert_element_type":
+            op = CONVERT
+        elif name == "integer_pow":
+            op = f"integer_pow:{int(params['y'])}"
+        elif name == "round":
+            op = f"round:{int(params['rounding_method'])}"
+        else:
+            op = f"reduce_precision:{int(params['exponent_bits'])},{int(params['mantissa_bits'])}"
+        return [self.pointwise(Term("Unary", op, self.expr(eqn.invars[0], out.shape), ty))]
+
+    @_handles(*BINARY_OPS)
+    def _binary(self, eqn):
+        out = eqn.outvars[0].aval
+        ty = _ty(out)
+        x, y = (self.expr(atom, out.shape) for atom in eqn.invars)
+        return [self.pointwise(Term("Binary", eqn.primitive.name, x, y, ty))]
+
+    @_handles("select_n")
+    def _select_n(self, eqn):
+        out = eqn.outvars[0].aval
+        ty = _ty(out)
+        pred_atom, *case_atoms = eqn.invars
+        pred = self.expr(pred_atom, out.shape)
+        cases = [self.expr(atom, out.shape) for atom in case_atoms]
+        if len(cases) == 1:
+            return [self.pointwise(cases[0])]
+        if len(cases) == 2:
+            return [self.pointwise(Term("Select", pred, cases[0], cases[1], ty))]
+        pred_ty = _ty_of(pred_atom.aval.dtype, out.shape)
+        bool_ty = _ty_of(np.bool_, out.shape)
+        result = cases[-1]
+        for k in range(len(cases) - 2, -1, -1):  # select_n(p, c0..cn) = p < k+1 ? c_k : (...)
+            below = Term("Binary", "lt", pred, Term("Lit", float(k + 1), pred_ty), bool_ty)
+            result = Term("Select", below, result, cases[k], ty)
+        return [self.pointwise(result)]
+
+    @_handles("clamp")
+    def _clamp(self, eqn):
+        out = eqn.outvars[0].aval
+        ty = _ty(out)
+        lo, x, hi = (self.expr(atom, out.shape) for atom in eqn.invars)
+        return [self.pointwise(Term("Binary", "min", Term("Binary", "max", x, lo, ty), hi, ty))]
+
+    @_handles("copy", "copy_p")
+    def _copy(self, eqn):
+        return [self.pointwise(self.expr(eqn.invars[0]))]
+
+    @_handles(*_IDENTITIES)
+    def _identity(self, eqn):
+        return [self.value(atom) for atom in eqn.invars]
+
+    # --- views --------------------------------------------------------------------------------
+
+    @_handles("broadcast_in_dim")
+    def _broadcast_in_dim(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        x = self.expr(eqn.invars[0])
+        return [self.pointwise(Term("Broadcast", x, ints_key(eqn.params["broadcast_dimensions"]), ty))]
+
+    @_handles("reshape")
+    def _reshape(self, eqn):
+        atom = eqn.invars[0]
+        x = self.expr(atom)
+        dimensions = eqn.params.get("dimensions")
+        if dimensions is not None and tuple(dimensions) != tuple(range(len(atom.aval.shape))):
+            shape = tuple(atom.aval.shape[d] for d in dimensions)
+            x = Term("Transpose", x, ints_key(dimensions), _ty_of(atom.aval.dtype, shape))
+        return [self.pointwise(Term("Reshape", x, _ty(eqn.outvars[0].aval)))]
+
+    @_handles("squeeze", "expand_dims")
+    def _squeeze(self, eqn):
+        return [self.pointwise(Term("Reshape", self.expr(eqn.invars[0]), _ty(eqn.outvars[0].aval)))]
+
+    @_handles("transpose")
+    def _transpose(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        return [self.pointwise(Term("Transpose", self.expr(eqn.invars[0]), ints_key(eqn.params["permutation"]), ty))]
+
+    @_handles("slice")
+    def _slice(self, eqn):
+        atom = eqn.invars[0]
+        params = eqn.params
+        strides = params["strides"] or (1,) * len(atom.aval.shape)
+        x = self.expr(atom)
+        shape = list(atom.aval.shape)
+        for axis, (start, stop, stride) in enumerate(zip(params["start_indices"], params["limit_indices"], strides)):
+            x, shape = _slice_axis(x, shape, atom.aval.dtype, axis, int(start), int(stop), int(stride))
+        return [self.pointwise(x)]
+
+    @_handles("dynamic_slice")
+    def _dynamic_slice(self, eqn):
+        atom, *start_atoms = eqn.invars
+        sizes = eqn.params["slice_sizes"]
+        dtype = atom.aval.dtype
+        x = self.expr(atom)
+        shape = list(atom.aval.shape)
+        for axis, (start_atom, size) in enumerate(zip(start_atoms, sizes)):
+            size = int(size)
+            if size == shape[axis]:
+                continue  # the start clamps to 0
+            if isinstance(start_atom, core.Literal):
+                start = min(max(int(start_atom.val), 0), shape[axis] - size)
+                x, shape = _slice_axis(x, shape, dtype, axis, start, start + size, 1)
+            else:
+                shape[axis] = size
+                x = Term("DynamicSlice", x, axis, self.expr(start_atom), size, _ty_of(dtype, shape))
+        return [self.pointwise(x)]
+
+    @_handles("dynamic_update_slice")
+    def _dynamic_update_slice(self, eqn):
+        operand, update, *start_atoms = eqn.invars
+        ty = _ty(eqn.outvars[0].aval)
+        target = self.tensor(operand)
+        value = self.expr(update)
+        if all(isinstance(atom, core.Literal) for atom in start_atoms):
+            starts = [min(max(int(atom.val), 0), dim - size)
+                      for atom, dim, size in zip(start_atoms, operand.aval.shape, update.aval.shape)]
+            return [self.kernel(Term("AssignStatic", target, ints_key(starts), value, ty))]
+        starts = tensor_list([self.tensor(atom) for atom in start_atoms])
+        return [self.kernel(Term("AssignDynamic", target, starts, value, ty))]
+
+    @_handles("concatenate")
+    def _concatenate(self, eqn):
+        axis = int(eqn.params["dimension"])
+        return [self.pointwise(self._concat([self.expr(atom) for atom in eqn.invars], axis))]
+
+    def _concat(self, parts: list[Term], axis: int) -> Term:
+        result = parts[0]
+        for part in parts[1:]:
+            left, right = _shape(result), _shape(part)
+            shape = list(left)
+            shape[axis] += right[axis]
+            result = Term("Concat", result, part, axis, left[axis], _ty_of(_dtype(result), shape))
+        return result
+
+    @_handles("stack")
+    def _stack(self, eqn):
+        axis = int(eqn.params["axis"])
+        parts = []
+        for atom in eqn.invars:
+            shape = list(atom.aval.shape)
+            shape.insert(axis, 1)
+            parts.append(Term("Reshape", self.expr(atom), _ty_of(atom.aval.dtype, shape)))
+        return [self.pointwise(self._concat(parts, axis))]
+
+    @_handles("tile")
+    def _tile(self, eqn):
+        x = self.expr(eqn.invars[0])
+        for axis, reps in enumerate(eqn.params["reps"]):
+            if int(reps) != 1:
+                x = self._concat([x] * int(reps), axis)
+        return [self.pointwise(x)]
+
+    @_handles("unstack")
+    def _unstack(self, eqn):
+        atom = eqn.invars[0]
+        axis = int(eqn.params["axis"])
+        x = self.expr(atom)
+        outs = []
+        for index, var in enumerate(eqn.outvars):
+            part, _ = _slice_axis(x, list(atom.aval.shape), atom.aval.dtype, axis, index, index + 1, 1)
+            outs.append(self.pointwise(Term("Reshape", part, _ty(var.aval))))
+        return outs
+
+    @_handles("split")
+    def _split(self, eqn):
+        atom = eqn.invars[0]
+        axis = int(eqn.params["axis"])
+        x = self.expr(atom)
+        outs, start = [], 0
+        for size in eqn.params["sizes"]:
+            part, _ = _slice_axis(x, list(atom.aval.shape), atom.aval.dtype, axis, start, start + int(size), 1)
+            outs.append(self.pointwise(part))
+            start += int(size)
+        return outs
+
+    @_handles("pad")
+    def _pad(self, eqn):
+        operand, padding_value = eqn.invars
+        ty = _ty(eqn.outvars[0].aval)
+        config = ";".join(f"{int(lo)},{int(hi)},{int(interior)}" for lo, hi, interior in eqn.params["padding_config"])
+        return [self.pointwise(Term("Pad", self.expr(operand), self.expr(padding_value), config, ty))]
+
+    @_handles("iota")
+    def _iota(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        return [self.pointwise(Term("Iota", int(eqn.params["dimension"]), ty))]
+
+    # --- heavy kernels ------------------------------------------------------------------------
+
+    @_handles(*_REDUCE_PRIMITIVES)
+    def _reduce(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        op = _REDUCE_PRIMITIVES[eqn.primitive.name]
+        axes = ints_key(eqn.params["axes"])
+        return [self.kernel(Term("Reduce", op, self.expr(eqn.invars[0]), axes, Term("Acc", ty), ty))]
+
+    @_handles("dot_general")
+    def _dot_general(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        dims = ";".join(ints_key(d) for d in (lc, rc, lb, rb))
+        lhs, rhs = (self.expr(atom) for atom in eqn.invars)
+        return [self.kernel(Term("Matmul", lhs, rhs, dims, Term("Acc", ty), ty))]
+
+    @_handles("conv_general_dilated")
+    def _conv(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        lhs, rhs = (self.expr(atom) for atom in eqn.invars)
+        return [self.kernel(Term("Conv", lhs, rhs, conv_params_key(eqn.params), Term("Acc", ty), ty))]
+
+    @_handles("gather")
+    def _gather(self, eqn):
+        ty = _ty(eqn.outvars[0].aval)
+        key = self.fresh_key("gather")
+        self.payloads[key] = (eqn.primitive, dict(eqn.params))
+        operand, indices = (self.expr(atom) for atom in eqn.invars)
+        return [self.kernel(Term("Gather", operand, indices, key, ty))]
+
+    def _scatter(self, eqn):
+        if len(eqn.invars) != 3 or "dimension_numbers" not in eqn.params:
+            return self._opaque(eqn)
+        ty = _ty(eqn.outvars[0].aval)
+        key = self.fresh_key("scatter")
+        self.payloads[key] = (eqn.primitive, dict(eqn.params))
+        operand, indices, updates = eqn.invars
+        term = Term("AssignScatter", self.tensor(operand), self.expr(indices), self.expr(updates), key, ty)
+        return [self.kernel(term)]
+
+    # --- calls and loops ----------------------------------------------------------------------
+
+    @_handles(*_INLINED)
+    def _inline(self, eqn):
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if inner is None:
+            return self._opaque(eqn)
+        jaxpr, consts = _open(inner)
+        return self.run(jaxpr, consts, [self.value(atom) for atom in eqn.invars], self.scopes)
+
+    def _loop_outputs(self, key: str, operands: list[Term], body: list[Term], types: list[str]) -> list[Term]:
+        operand_list, body_list = tensor_list(operands), tensor_list(body)
+        return [self.kernel(Term("Loop", key, operand_list, body_list, index, ty)) for index, ty in enumerate(types)]
+
+    @_handles("scan")
+    def _scan(self, eqn):
+        params = eqn.params
+        jaxpr, consts = _open(params["jaxpr"])
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        values = [self.value(atom) for atom in eqn.invars]
+        const_values = values[:num_consts]
+        carries, xs = values[num_consts:num_consts + num_carry], values[num_consts + num_carry:]
+        if any(isinstance(v, _RefCell) for v in carries + xs):
+            raise LiftError("a ref carried or scanned over by scan")
+        cells = _unique_cells(const_values)
+        plain = [v for v in const_values if not isinstance(v, _RefCell)]
+        n_plain, n_carry, n_refs = len(plain), len(carries), len(cells)
+        key = self.fresh_key("loop")
+        ref_base = n_plain + n_carry
+        inner_cells = {id(cell): _RefCell(Term("LoopArg", key, ref_base + r, cell.version.ty)) for r, cell in enumerate(cells)}
+        in_values, plain_index = [], 0
+        for var, value in zip(jaxpr.invars[:num_consts], const_values):
+            if isinstance(value, _RefCell):
+                in_values.append(inner_cells[id(value)])
+            else:
+                in_values.append(Term("LoopArg", key, plain_index, _ty(var.aval)))
+                plain_index += 1
+        for k, var in enumerate(jaxpr.invars[num_consts:num_consts + num_carry]):
+            in_values.append(Term("LoopArg", key, n_plain + k, _ty(var.aval)))
+        for x, var in enumerate(jaxpr.invars[num_consts + num_carry:]):
+            in_values.append(Term("LoopArg", key, ref_base + n_refs + x, _ty(var.aval)))
+        outs = self.run(jaxpr, consts, in_values, self.scopes)
+        finals = [inner_cells[id(cell)].version for cell in cells]
+        body = outs[:num_carry] + finals + outs[num_carry:]
+        self.payloads[key] = {
+            "kind": "scan", "length": int(params["length"]), "reverse": bool(params["reverse"]),
+            "unroll": params.get("unroll", 1), "num_consts": n_plain, "num_carry": n_carry + n_refs,
+            "num_xs": len(xs),
+        }
+        out_types = [_ty(v.aval) for v in eqn.outvars]
+        types = out_types[:num_carry] + [cell.version.ty for cell in cells] + out_types[num_carry:]
+        loops = self._loop_outputs(key, plain + carries + [cell.version for cell in cells] + xs, body, types)
+        for r, cell in enumerate(cells):
+            cell.version = loops[num_carry + r]
+        return loops[:num_carry] + loops[num_carry + n_refs:]
+
+    @_handles("while")
+    def _while(self, eqn):
+        params = eqn.params
+        cond_jaxpr, cond_consts = _open(params["cond_jaxpr"])
+        body_jaxpr, body_consts = _open(params["body_jaxpr"])
+        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        values = [self.value(atom) for atom in eqn.invars]
+        const_values, carries = values[:n_cond + n_body], values[n_cond + n_body:]
+        if any(isinstance(v, _RefCell) for v in carries):
+            raise LiftError("a ref carried by while")
+        cells = _unique_cells(const_values)
+        plain = [v for v in const_values if not isinstance(v, _RefCell)]
+        n_plain, n_carry = len(plain), len(carries)
+        key = self.fresh_key("loop")
+
+        def inputs(jaxpr, const_slice, plain_offset):
+            # Every lifted jaxpr gets its own cells, all starting at the loop's ref arguments.
+            inner_cells = {id(cell): _RefCell(Term("LoopArg", key, n_plain + n_carry + r, cell.version.ty))
+                           for r, cell in enumerate(cells)}
+            in_values, plain_index = [], plain_offset
+            n_consts = len(const_slice)
+            for var, value in zip(jaxpr.invars[:n_consts], const_slice):
+                if isinstance(value, _RefCell):
+                    in_values.append(inner_cells[id(value)])
+                else:
+                    in_values.append(Term("LoopArg", key, plain_index, _ty(var.aval)))
+                    plain_index += 1
+            for k, var in enumerate(jaxpr.invars[n_consts:]):
+                in_values.append(Term("LoopArg", key, n_plain + k, _ty(var.aval)))
+            return in_values, inner_cells
+
+        cond_in, _ = inputs(cond_jaxpr, const_values[:n_cond], 0)
+        plain_cond = sum(not isinstance(v, _RefCell) for v in const_values[:n_cond])
+        body_in, body_cells = inputs(body_jaxpr, const_values[n_cond:], plain_cond)
+        (predicate,) = self.run(cond_jaxpr, cond_consts, cond_in, self.scopes)
+        outs = self.run(body_jaxpr, body_consts, body_in, self.scopes)
+        finals = [body_cells[id(cell)].version for cell in cells]
+        self.payloads[key] = {"kind": "while", "num_consts": n_plain, "num_carry": n_carry + len(cells)}
+        types = [_ty(v.aval) for v in eqn.outvars] + [cell.version.ty for cell in cells]
+        loops = self._loop_outputs(key, plain + carries + [cell.version for cell in cells],
+                                   [predicate] + outs + finals, types)
+        for r, cell in enumerate(cells):
+            cell.version = loops[n_carry + r]
+        return loops[:n_carry]
+
+    @_handles("cond")
+    def _cond(self, eqn):
+        branches = eqn.params["branches"]
+        index = self.tensor(eqn.invars[0])
+        values = [self.value(atom) for atom in eqn.invars[1:]]
+        cells = _unique_cells(values)
+        plain = [v for v in values if not isinstance(v, _RefCell)]
+        key = self.fresh_key("loop")
+        body = []
+        for branch in branches:
+            jaxpr, consts = _open(branch)
+            inner_cells = {id(cell): _RefCell(Term("LoopArg", key, 1 + len(plain) + r, cell.version.ty))
+                           for r, cell in enumerate(cells)}
+            in_values, plain_index = [], 1
+            for var, value in zip(jaxpr.invars, values):
+                if isinstance(value, _RefCell):
+                    in_values.append(inner_cells[id(value)])
+                else:
+                    in_values.append(Term("LoopArg", key, plain_index, _ty(var.aval)))
+                    plain_index += 1
+            outs = self.run(jaxpr, consts, in_values, self.scopes)
+            body.extend(outs + [inner_cells[id(cell)].version for cell in cells])
+        n_out = len(eqn.outvars)
+        self.payloads[key] = {"kind": "cond", "num_branches": len(branches), "num_outputs": n_out + len(cells)}
+        types = [_ty(v.aval) for v in eqn.outvars] + [cell.version.ty for cell in cells]
+        loops = self._loop_outputs(key, [index] + plain + [cell.version for cell in cells], body, types)
+        for r, cell in enumerate(cells):
+            cell.version = loops[n_out + r]
+        return loops[:n_out]
+
+    # --- refs ---------------------------------------------------------------------------------
+
+    @_handles("new_ref", "mutable_array")
+    def _new_ref(self, eqn):
+        return [_RefCell(self.tensor(eqn.invars[0]))]
+
+    @_handles("empty_ref")
+    def _empty_ref(self, eqn):
+        aval = _inner_aval(eqn.outvars[0].aval)
+        ty = _ty(aval)
+        return [_RefCell(self.pointwise(Term("Lit", 0.0, ty)))]
+
+    @_handles("freeze")
+    def _freeze(self, eqn):
+        return [self._cell(eqn.invars[0]).version]
+
+    def _cell(self, atom) -> _RefCell:
+        cell = self.value(atom)
+        if not isinstance(cell, _RefCell):
+            raise LiftError(f"{atom} is not a ref")
+        return cell
+
+    @_handles("get")
+    def _get(self, eqn):
+        ref_atom, *index_atoms = eqn.invars
+        cell = self._cell(ref_atom)
+        tree = eqn.params["tree"]
+        plan = self._index_plan(tree, index_atoms, cell.version, for_write=False)
+        if plan is None:
+            return self._ref_fallback(eqn, "get", cell, None, index_atoms)
+        box, squeeze = self._box(cell.version, plan)
+        return [self._read(cell.version, box, squeeze, _ty(eqn.outvars[0].aval))]
+
+    @_handles("swap", "addupdate")
+    def _write(self, eqn):
+        kind = eqn.primitive.name
+        ref_atom, value_atom, *index_atoms = eqn.invars
+        cell = self._cell(ref_atom)
+        plan = self._index_plan(eqn.params["tree"], index_atoms, cell.version, for_write=True)
+        if plan is None:
+            return self._ref_fallback(eqn, kind, cell, value_atom, index_atoms)
+        old = cell.version
+        box, squeeze = self._box(old, plan)
+        box_ty = box.ty
+        value = self.expr(value_atom)
+        if squeeze or value.ty != box_ty:
+            value = Term("Reshape", value, box_ty)
+        if kind == "addupdate":
+            value = Term("Binary", "add", box, value, box_ty)
+        if box_ty == old.ty and all(isinstance(start, int) for start, _, _ in plan):
+            new = value.args[0] if value.op == "Load" and value.args[0].ty == old.ty else self.pointwise(value)
+        elif all(isinstance(start, int) for start, _, _ in plan):
+            new = self.kernel(Term("AssignStatic", old, ints_key(start for start, _, _ in plan), value, old.ty))
+        else:
+            starts = [self.scalar_constant(np.asarray(start, np.int32)) if isinstance(start, int) else start
+                      for start, _, _ in plan]
+            new = self.kernel(Term("AssignDynamic", old, tensor_list(starts), value, old.ty))
+        cell.version = new
+        if kind == "addupdate":
+            return []
+        return [self._read(old, box, squeeze, _ty(eqn.outvars[0].aval))]
+
+    def _read(self, version: Term, box: Term, squeeze: bool, ty: str) -> Term:
+        if box.op == "Load" and not squeeze:
+            return version
+        if squeeze:
+            box = Term("Reshape", box, ty)
+        return self.pointwise(box)
+
+    def _box(self, version: Term, plan) -> tuple[Term, bool]:
+        """The box `plan` selects from `version` (int-indexed dims kept with size 1)."""
+        dtype = _dtype(version)
+        x = Term("Load", version, version.ty)
+        shape = list(_shape(version))
+        squeeze = False
+        for axis, (start, size, stride) in enumerate(plan):
+            squeeze |= size is None
+            size = 1 if size is None else size
+            if isinstance(start, int):
+                x, shape = _slice_axis(x, shape, dtype, axis, start, start + (size - 1) * stride + 1, stride)
+            elif size != shape[axis]:
+                shape[axis] = size
+                start_expr = Term("Load", start, start.ty) if start.sort == "Tensor" else start
+                x = Term("DynamicSlice", x, axis, start_expr, size, _ty_of(dtype, shape))
+        return x, squeeze
+
+    def _index_plan(self, tree, index_atoms, version: Term, for_write: bool):
+        """Per axis `(start, size, stride)` of a ref access, `size=None` for an integer index (a
+        squeezed axis); `start` an int, or for dynamic starts an Expr (reads) / a Tensor (writes).
+        None when the access needs the discharge fallback.
+
+        Follows the lowering (JAX's discharge rules): a read whose indexers are all static slices is
+        `lax.slice`; otherwise starts go through `lax.dynamic_slice`: negative indices wrap once
+        (`i < 0 ? i + dim : i`), then clamp to `[0, dim - size]`.
+        """
+        from jax._src.state import indexing
+
+        transforms = jax.tree_util.tree_unflatten(tree, index_atoms)
+        shape = _shape(version)
+        if not transforms:
+            return [(0, dim, 1) for dim in shape]
+        if len(transforms) != 1 or not isinstance(transforms[0], indexing.NDIndexer):
+            return None
+        indexer = transforms[0]
+        if tuple(indexer.int_indexer_shape) != ():
+            return None
+        entries = []
+        for index in indexer.indices:
+            if isinstance(index, indexing.Slice):
+                if not isinstance(index.size, (int, np.integer)):
+                    return None
+                entries.append((index.start, int(index.size), int(index.stride)))
+            elif (index.aval.shape if hasattr(index, "aval") else np.shape(index)) != ():
+                return None
+            else:
+                entries.append((index, None, 1))
+        static_slices = all(size is not None and isinstance(start, (int, np.integer)) for start, size, _ in entries)
+        if static_slices and not for_write:
+            return [(int(start), size, stride) for start, size, stride in entries]
+        if any(stride != 1 for _, _, stride in entries):
+            return None
+        plan = []
+        for (start, size, _), dim in zip(entries, shape):
+            extent = 1 if size is None else size
+            if isinstance(start, (int, np.integer)) or isinstance(start, core.Literal):
+                value = int(start.val if isinstance(start, core.Literal) else start)
+                value = value + dim if value < 0 else value
+                plan.append((min(max(value, 0), dim - extent), size, 1))
+            else:
+                plan.append((self._wrapped_index(start, dim, for_write), size, 1))
+        return plan
+
+    def _wrapped_index(self, atom, dim: int, as_tensor: bool) -> Term:
+        """`i < 0 ? i + dim : i` for a scalar integer variable `atom` (as int32, like the lowering)."""
+        index = self.expr(atom)
+        if np.dtype(atom.aval.dtype) != np.int32:
+            index = Term("Unary", CONVERT, index, "i32[]")
+        negative = Term("Binary", "lt", index, Term("Lit", 0.0, "i32[]"), "bool[]")
+        wrapped = Term("Select", negative, index, Term("Binary", "add", index, Term("Lit", float(dim), "i32[]"), "i32[]"), "i32[]")
+        return self.pointwise(wrapped) if as_tensor else wrapped
+
+    def _ref_fallback(self, eqn, kind, cell, value_atom, index_atoms):
+        key = self.fresh_key("ref")
+        self.payloads[key] = (REF_DISCHARGE[kind], {"tree": eqn.params["tree"]})
+        operands = [cell.version] + ([self.tensor(value_atom)] if value_atom is not None else [])
+        operands += [self.tensor(atom) for atom in index_atoms]
+        operand_list = tensor_list(operands)
+        if kind == "get":
+            return [self.kernel(Term("Opaque", key, operand_list, 0, _ty(eqn.outvars[0].aval)))]
+        if kind == "swap":
+            old = self.kernel(Term("Opaque", key, operand_list, 0, _ty(eqn.outvars[0].aval)))
+            cell.version = self.kernel(Term("Opaque", key, operand_list, 1, cell.version.ty))
+            return [old]
+        cell.version = self.kernel(Term("Opaque", key, operand_list, 0, cell.version.ty))
+        return []
+
+    # --- everything else ----------------------------------------------------------------------
+
+    def _opaque(self, eqn):
+        name = eqn.primitive.name
+        if name not in self._warned:
+            self._warned.add(name)
+            message = f"eqsat.lift: no term for primitive {name!r}; it stays an opaque XLA op"
+            self.warnings.append(message)
+            warnings.warn(message, OpaqueWarning, stacklevel=4)
+        key = self.fresh_key(f"{name}#")
+        self.payloads[key] = (eqn.primitive, dict(eqn.params))
+        operands = tensor_list([self.tensor(atom) for atom in eqn.invars])
+        return [self.kernel(Term("Opaque", key, operands, index, _ty(var.aval)))
+                for index, var in enumerate(eqn.outvars)]
+
+
+def _open(jaxpr) -> tuple[core.Jaxpr, list]:
+    if isinstance(jaxpr, core.ClosedJaxpr):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+def _unique_cells(values) -> list[_RefCell]:
+    cells, seen = [], set()
+    for value in values:
+        if isinstance(value, _RefCell) and id(value) not in seen:
+            seen.add(id(value))
+            cells.append(value)
+    return cells
+
+
+def _shape(term: Term) -> tuple[int, ...]:
+    from eqsat.types import parse_type
+
+    return parse_type(term.ty).shape
+
+
+def _dtype(term: Term) -> str:
+    from eqsat.types import parse_type
+
+    return parse_type(term.ty).dtype
+
+
+def _slice_axis(x: Term, shape: list[int], dtype, axis: int, start: int, stop: int, stride: int):
+    """`x[start:stop:stride]` along `axis` (nothing if that is the whole axis)."""
+    stop = min(stop, shape[axis])
+    if start == 0 and stop == shape[axis] and stride == 1:
+        return x, shape
+    shape = list(shape)
+    shape[axis] = max(0, -(-(stop - start) // stride))
+    return Term("Slice", x, axis, start, stop, stride, _ty_of(dtype, shape)), shape
+
+
+def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
+    """The naive program of `closed_jaxpr` (inputs `arg0..`, outputs in order)."""
+    jaxpr, consts = _open(closed_jaxpr)
+    lifter = _Lifter()
+    inputs = []
+    for index, var in enumerate(jaxpr.invars):
+        if hasattr(var.aval, "inner_aval"):
+            raise LiftError("a jaxpr taking a ref as an argument")
+        inputs.append(Term("Input", f"arg{index}", _ty(var.aval)))
+    outputs = lifter.run(jaxpr, consts, inputs, ())
+    for output in outputs:
+        if isinstance(output, _RefCell):
+            raise LiftError("a jaxpr returning a ref")
+    return Program(
+        inputs=inputs,
+        outputs=outputs,
+        constants=lifter.constants,
+        payloads=lifter.payloads,
+        components=lifter.components,
+        in_tree=jax.tree_util.tree_structure(tuple(range(len(inputs)))),
+        out_tree=jax.tree_util.tree_structure(list(range(len(outputs)))),
+        warnings=lifter.warnings,
+    )
+
+
+def lift(fn, *args, static_argnums=()) -> Program:
+    """Trace `fn(*args)` (arrays or `ShapeDtypeStruct`s) and lift its jaxpr.
+
+    The program's inputs are the flattened non-static arguments; `eqsat.interpret.evaluate_program`
+    takes the same arguments as `fn`.
+    """
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    static_argnums = tuple(i % len(args) for i in static_argnums) if args else ()
+    closed, out_shape = jax.make_jaxpr(fn, static_argnums=static_argnums, return_shape=True)(*args)
+    program = lift_jaxpr(closed)
+    dynamic = tuple(arg for i, arg in enumerate(args) if i not in static_argnums)
+    program.in_tree = jax.tree_util.tree_structure(dynamic)
+    program.out_tree = jax.tree_util.tree_structure(out_shape)
+    program.static_argnums = static_argnums
+    return program

@@ -1,0 +1,52 @@
+"""`Program`: a lifted function, the data that crosses from `eqsat.lift` to the e-graph.
+
+A program is a term DAG plus the side tables its terms refer to by key:
+
+- `inputs`: one `Input("arg{i}", ty)` per flattened (non-static) argument leaf, in order;
+- `outputs`: one Tensor term per flattened output leaf;
+- `constants`: `Constant(key, ty)` -> the literal array;
+- `payloads`: what `Opaque`/`Gather`/`AssignScatter`/`Loop` keys need to run (see `eqsat.lift`);
+- `components`: kernel term -> the named-scope path it was traced under (`""` if none);
+- `in_tree`/`out_tree`: the pytree structures of the arguments and results;
+- `warnings`: messages about primitives lifted as `Opaque`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eqsat.lang import KERNEL_OPS
+from eqsat.term import Term, postorder
+
+
+@dataclass
+class Program:
+    inputs: list[Term]
+    outputs: list[Term]
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    payloads: dict[str, object] = field(default_factory=dict)
+    components: dict[Term, str] = field(default_factory=dict)
+    in_tree: object = None
+    out_tree: object = None
+    static_argnums: tuple[int, ...] = ()
+    warnings: list[str] = field(default_factory=list)
+
+    def kernel_terms(self) -> list[Term]:
+        """Kernel Tensor terms reachable from the outputs (loop bodies included), in postorder."""
+        return [term for term in postorder(self.outputs) if term.op in KERNEL_OPS]
+
+    def naive_kernel_count(self) -> int:
+        """The number of kernels of the lifted plan (one per kernel term)."""
+        return len(self.kernel_terms())
+
+    def component(self, term: Term) -> str:
+        """The full named-scope path of `term` (`"a/a.b/a.b.c"`), `""` if unknown."""
+        return self.components.get(term, "")
+
+
+def module_path(component: str) -> str:
+    """The innermost scope of a component path: `"down_blocks.0/down_blocks.0.resnets.1"` ->
+    `"down_blocks.0.resnets.1"` (sd15 names every scope by its full dotted module path)."""
+    return component.rsplit("/", 1)[-1]
