@@ -108,6 +108,11 @@ def _mini_lift(closed, arg_names=None):
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 dims = ";".join(ints_key(d) for d in (lc, rc, lb, rb))
                 term = Term("Matmul", _load(env[x]), _load(env[eqn.invars[1]]), dims, Term("Acc", ty), ty)
+            elif name == "conv_general_dilated":
+                from eqsat.conv_params import conv_params_key
+
+                term = Term("Conv", _load(env[x]), _load(env[eqn.invars[1]]), conv_params_key(eqn.params),
+                            Term("Acc", ty), ty)
             else:
                 raise NotImplementedError(name)
             env[out] = term
@@ -199,6 +204,12 @@ def _mini_evaluate(terms, env, constants):
             lc, rc, lb, rb = (ints(part) for part in args[2].split(";"))
             acc = lax.dot_general(expr(args[0], None), expr(args[1], None), ((lc, rc), (lb, rb)),
                                   precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            value = expr(args[3], acc.astype(dtype))
+        elif op == "Conv":
+            from eqsat.conv_params import ConvParams
+
+            acc = lax.conv_general_dilated(expr(args[0], None), expr(args[1], None), precision=lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32, **ConvParams.parse(args[2]).lax_kwargs())
             value = expr(args[3], acc.astype(dtype))
         elif op == "Attention":
             q, k, v = (expr(a, None).astype(jnp.float32) for a in args[:3])
@@ -461,3 +472,59 @@ def test_sum_of_matmuls_is_one_matmul_over_concatenated_k(m, k1, k2, n, seed):
     inputs, outputs, constants = lift_function(fn, *args)
     graph = check_alternatives(outputs, random_env(inputs, seed), constants, horizontal)
     assert _kernel_count(graph, "Matmul") == 3 and _kernel_count(graph, "Concat") == 2
+
+
+def _conv(x, w, stride=1, padding=None):
+    pad = w.shape[2] // 2 if padding is None else padding
+    return lax.conv_general_dilated(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                    dimension_numbers=("NHWC", "OIHW", "NHWC"))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 2), st.integers(2, 5), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+       st.sampled_from([(3, 1), (1, 3), (3, 3), (5, 3)]), st.integers(1, 2), st.integers(0, 9))
+def test_shortcut_conv_joins_conv_k_range(batch, size, c1, c2, out, kernels, stride, seed):
+    k1, k2 = kernels
+
+    def fn(h, x, w2, ws):
+        return _conv(h, w2, stride) + _conv(x, ws, stride)
+
+    args = [_sds((batch, size, size, c1)), _sds((batch, size, size, c2)), _sds((out, c1, k1, k1)),
+            _sds((out, c2, k2, k2))]
+    inputs, outputs, constants = lift_function(fn, *args)
+    graph = check_alternatives(outputs, random_env(inputs, seed), constants, horizontal)
+    assert _kernel_count(graph, "Conv") == 3 and _kernel_count(graph, "Pad") == 2
+
+
+def test_convs_with_different_inputs_shapes_do_not_join():
+    def fn(h, x, w2, ws):
+        return _conv(h, w2) + _conv(x, ws, 2)
+
+    args = [_sds((1, 4, 4, 2)), _sds((1, 8, 8, 2)), _sds((3, 2, 3, 3)), _sds((3, 2, 1, 1))]
+    inputs, outputs, constants = lift_function(fn, *args)
+    graph = Serialized(saturate(outputs, horizontal).egraph)
+    assert _kernel_count(graph, "Conv") == 2
+
+
+def test_resnet_shortcut_with_biases_joins_conv2():
+    """The post-absorption form: conv2 and the shortcut each carry a bias epilogue."""
+    f32 = lambda *shape: format_type("float32", shape)  # noqa: E731
+    h, x = Term("Input", "arg0", f32(1, 4, 4, 3)), Term("Input", "arg1", f32(1, 4, 4, 2))
+    w2, ws = Term("Input", "arg2", f32(5, 3, 3, 3)), Term("Input", "arg3", f32(5, 2, 1, 1))
+    b2, bs = Term("Input", "arg4", f32(5)), Term("Input", "arg5", f32(5))
+    from eqsat.conv_params import ConvParams
+
+    def params(pad):
+        return ConvParams((1, 1), ((pad, pad), (pad, pad)), (1, 1), (1, 1), (0, 3, 1, 2), (0, 1, 2, 3), (0, 3, 1, 2)).key
+
+    t = f32(1, 4, 4, 5)
+
+    def conv(inp, w, b, pad):
+        bias = Term("Pointwise", Term("Broadcast", _load(b), "3", t), t)
+        epilogue = Term("Binary", "add", Term("Acc", t), _load(bias), t)
+        return Term("Conv", _load(inp), _load(w), params(pad), epilogue, t)
+
+    out = Term("Pointwise", Term("Binary", "add", _load(conv(x, ws, bs, 0)), _load(conv(h, w2, b2, 1)), t), t)
+    inputs = [h, x, w2, ws, b2, bs]
+    graph = check_alternatives([out], random_env(inputs, 1), {}, horizontal)
+    assert _kernel_count(graph, "Conv") == 3

@@ -121,30 +121,40 @@ def wide_next(a: Expr, group: StringLike, handle: i64Like) -> i64:
 
 
 @horizontal.register
-def _shared_input(
-    a: Expr, w: Tensor, w2: Tensor, dims: String, tw: String, tw2: String, t: String, t2: String, group: String,
-    i: i64, j: i64, prefix: Tensor, rhs: Expr, rhs2: Expr, trhs: String, tp: String,
-):
-    # a lifted matmul with identity epilogue and a weight rhs joins the group of matmuls reading `a`
+def _wide_member(a: Expr, w: Tensor, dims: String, tw: String, t: String, i: i64):
+    """A lifted matmul `Ref(i)` of `a` and a weight, identity epilogue: a member of `a`'s group."""
+    group = py_string(_wide_group, dims, tw, t)
     yield rule(
         Ref(i) == Matmul(a, Load(w, tw), dims, Acc(t), t),
-        ne(py_string(_wide_group, dims, tw, t)).to(String("")),
-    ).then(WideMember(a, py_string(_wide_group, dims, tw, t), i, Load(w, tw), tw, t, dims))
-    # the chain of a group starts at its smallest handle ...
+        ne(group).to(String("")),
+    ).then(WideMember(a, group, i, Load(w, tw), tw, t, dims))
+
+
+@horizontal.register
+def _wide_order(
+    a: Expr, group: String, i: i64, j: i64, rhs: Expr, rhs2: Expr, dims: String,
+    tw: String, tw2: String, t: String, t2: String,
+):
+    """Order a group by handle: its first member, and each member's next (a different matmul)."""
     yield rule(WideMember(a, group, i, rhs, tw, t, dims)).then(set_(wide_first(a, group)).to(i))
-    # ... and links each member to the next larger handle of a different matmul
     yield rule(
         WideMember(a, group, i, rhs, tw, t, dims),
         WideMember(a, group, j, rhs2, tw2, t2, dims),
         i < j,
         ne(Ref(i)).to(Ref(j)),
     ).then(set_(wide_next(a, group, i)).to(j))
-    # the first member is its own prefix
     yield rule(
         wide_first(a, group) == i,
         WideMember(a, group, i, rhs, tw, t, dims),
     ).then(WidePrefix(a, group, i, Ref(i), rhs, tw, t))
-    # Load(P) == Slice(Load(P'), 0:n) and Load(M_j) == Slice(Load(P'), n:n+n_j), P' = matmul(a, concat(rhs_P, W_j))
+
+
+@horizontal.register
+def _wide_matmul(
+    a: Expr, group: String, i: i64, j: i64, prefix: Tensor, rhs: Expr, rhs2: Expr, dims: String,
+    trhs: String, tp: String, tw2: String, t2: String,
+):
+    """Load(P) = Load(P')[.., :n] and Load(M_j) = Load(P')[.., n:] for P' = dot(a, concat(rhs(P), W_j))."""
     axis_w = py_int(_rhs_free_axis, dims)
     axis_out = py_int(_last_axis, tp)
     n = py_int(_extent, trhs, axis_w.to_string())
@@ -164,40 +174,148 @@ def _shared_input(
     )
 
 
-# --- dot(a, W) + dot(b, V) -> one matmul over the concatenated contraction range ---------------
+# --- dot(a, W) + dot(b, V) -> one matmul (or conv) over the concatenated contraction range ------
 
 
 @lru_cache(maxsize=None)
-def _contract_axes(dims: str, lhs_a: str, lhs_b: str, rhs_a: str, rhs_b: str) -> str:
-    """"lhs_axis,rhs_axis" when the two matmuls differ only in their one contracted extent; else ""."""
+def _part(text: str, index: str) -> str:
+    return text.split("|")[int(index)]
+
+
+@lru_cache(maxsize=None)
+def _matmul_merge(dims: str, ta: str, tb: str, tw: str, tv: str) -> str:
+    """"lc|Ka|concat(a,b) type|rc|Kw|concat(W,V) type" when two matmuls differ only in their one
+    contracted extent; "" otherwise."""
     lhs_contract, rhs_contract, _, _ = _dims(dims)
     if len(lhs_contract) != 1 or len(rhs_contract) != 1:
         return ""
     (lc,), (rc,) = lhs_contract, rhs_contract
-    if not (_concat_type(lhs_a, lhs_b, str(lc)) and _concat_type(rhs_a, rhs_b, str(rc))):
+    tab, twv = _concat_type(ta, tb, str(lc)), _concat_type(tw, tv, str(rc))
+    if not (tab and twv):
         return ""
-    return f"{lc},{rc}"
+    return "|".join(map(str, (lc, _shape(ta)[lc], tab, rc, _shape(tw)[rc], twv)))
+
+
+def _pad_config(rank: int, lows: dict[int, int], highs: dict[int, int]) -> str:
+    return ";".join(f"{lows.get(d, 0)},{highs.get(d, 0)},0" for d in range(rank))
 
 
 @lru_cache(maxsize=None)
-def _field(text: str, index: str) -> str:
-    return text.split(",")[int(index)]
+def _conv_merge(p1: str, p2: str, tx1: str, tx2: str, tw1: str, tw2: str) -> str:
+    """How conv(x1, w1, p1) + conv(x2, w2, p2) is one conv over concatenated input features.
+
+    Both convs must agree on layouts, strides, no dilation, no groups, and on every input axis but
+    the feature axis. The smaller kernel is zero-padded to the larger one at offset
+    `o = pad_big_lo - pad_small_lo` per spatial axis (0 <= o <= k_big - k_small): then
+    out[i] reads x[i*s + a + o - pad_big] * w[a] = x[i*s + a - pad_small] * w[a] in both.
+    Returns "feature axis|C1|concat(x1,x2) type|in-feature axis|I1|concat(w1',w2') type|
+    pad config w1|w1' type|pad config w2|w2' type|params of the merged conv|zero's type", or "".
+    """
+    from eqsat.conv_params import ConvParams
+
+    try:
+        c1, c2 = ConvParams.parse(p1), ConvParams.parse(p2)
+    except ValueError:
+        return ""
+    same = ("strides", "lhs_spec", "rhs_spec", "out_spec")
+    if any(getattr(c1, name) != getattr(c2, name) for name in same):
+        return ""
+    for c in (c1, c2):
+        if set(c.lhs_dilation) | set(c.rhs_dilation) != {1} or c.feature_groups != 1 or c.batch_groups != 1:
+            return ""
+    feature, in_feature, spatial = c1.lhs_spec[1], c1.rhs_spec[1], c1.rhs_spec[2:]
+    tx = _concat_type(tx1, tx2, str(feature))
+    w1, w2 = _shape(tw1), _shape(tw2)
+    if not tx or _dtype(tw1) != _dtype(tw2) or len(w1) != len(w2) or w1[c1.rhs_spec[0]] != w2[c1.rhs_spec[0]]:
+        return ""
+    k1, k2 = [w1[d] for d in spatial], [w2[d] for d in spatial]
+    if all(a <= b for a, b in zip(k1, k2)):
+        big = c2
+        lows1 = {d: c2.padding[k][0] - c1.padding[k][0] for k, d in enumerate(spatial)}
+        lows2 = {d: 0 for d in spatial}
+    elif all(b <= a for a, b in zip(k1, k2)):
+        big = c1
+        lows1 = {d: 0 for d in spatial}
+        lows2 = {d: c1.padding[k][0] - c2.padding[k][0] for k, d in enumerate(spatial)}
+    else:
+        return ""
+    kernel = [max(a, b) for a, b in zip(k1, k2)]
+    highs1 = {d: kernel[k] - w1[d] - lows1[d] for k, d in enumerate(spatial)}
+    highs2 = {d: kernel[k] - w2[d] - lows2[d] for k, d in enumerate(spatial)}
+    if any(v < 0 for v in (*lows1.values(), *lows2.values(), *highs1.values(), *highs2.values())):
+        return ""
+    padded1, padded2 = list(w1), list(w2)
+    for k, d in enumerate(spatial):
+        padded1[d] = padded2[d] = kernel[k]
+    tw1p, tw2p = format_type(_dtype(tw1), padded1), format_type(_dtype(tw2), padded2)
+    tw = _concat_type(tw1p, tw2p, str(in_feature))
+    if not tw:
+        return ""
+    return "|".join(map(str, (
+        feature, _shape(tx1)[feature], tx, in_feature, w1[in_feature], tw,
+        _pad_config(len(w1), lows1, highs1), tw1p, _pad_config(len(w2), lows2, highs2), tw2p,
+        big.key, format_type(_dtype(tw1), ()),
+    )))
+
+
+def _bias_epilogues(t, c1: Tensor, c2: Tensor):
+    """(epilogue 1, epilogue 2, epilogue of the sum): identity or acc + a loaded tensor, either order."""
+    def forms(c):
+        return [(Acc(t), None), (Binary("add", Acc(t), Load(c, t), t), c), (Binary("add", Load(c, t), Acc(t), t), c)]
+
+    for e1, b1 in forms(c1):
+        for e2, b2 in forms(c2):
+            if b1 is None and b2 is None:
+                merged = Acc(t)
+            elif b2 is None:
+                merged = Binary("add", Acc(t), Load(b1, t), t)
+            elif b1 is None:
+                merged = Binary("add", Acc(t), Load(b2, t), t)
+            else:
+                merged = Binary("add", Acc(t), Binary("add", Load(b1, t), Load(b2, t), t), t)
+            yield e1, e2, merged
 
 
 @horizontal.register
 def _concat_contraction(
-    e: Expr, m1: Tensor, m2: Tensor, a: Tensor, b: Tensor, w: Tensor, v: Tensor,
+    e: Expr, m1: Tensor, m2: Tensor, a: Tensor, b: Tensor, w: Tensor, v: Tensor, c1: Tensor, c2: Tensor,
     dims: String, ta: String, tb: String, tw: String, tv: String, t: String,
 ):
-    axes = py_string(_contract_axes, dims, ta, tb, tw, tv)
-    lc, rc = py_int(_field, axes, String("0")), py_int(_field, axes, String("1"))
-    lhs = Concat(Load(a, ta), Load(b, tb), lc, py_int(_extent, ta, lc.to_string()), py_string(_concat_type, ta, tb, lc.to_string()))
-    rhs = Concat(Load(w, tw), Load(v, tv), rc, py_int(_extent, tw, rc.to_string()), py_string(_concat_type, tw, tv, rc.to_string()))
-    # dot(a, W) + dot(b, V) == dot(concat(a, b, K), concat(W, V, K))
-    yield rule(
-        e == Binary("add", Load(m1, t), Load(m2, t), t),
-        m1 == Matmul(Load(a, ta), Load(w, tw), dims, Acc(t), t),
-        m2 == Matmul(Load(b, tb), Load(v, tv), dims, Acc(t), t),
-        ne(m1).to(m2),
-        ne(axes).to(String("")),
-    ).then(union(e).with_(Load(Matmul(lhs, rhs, dims, Acc(t), t), t)))
+    """dot(a, W) + dot(b, V) = dot(concat(a, b, K), concat(W, V, K)) (biases add up in the epilogue)."""
+    merge = py_string(_matmul_merge, dims, ta, tb, tw, tv)
+    field = [py_string(_part, merge, String(str(k))) for k in range(6)]
+    lc, ka, rc, kw = (BigRat(BigInt.from_string(field[k]), BigInt(1)).to_f64().to_i64() for k in (0, 1, 3, 4))
+    lhs = Concat(Load(a, ta), Load(b, tb), lc, ka, field[2])
+    rhs = Concat(Load(w, tw), Load(v, tv), rc, kw, field[5])
+    for e1, e2, merged in _bias_epilogues(t, c1, c2):
+        yield rule(
+            e == Binary("add", Load(m1, t), Load(m2, t), t),
+            m1 == Matmul(Load(a, ta), Load(w, tw), dims, e1, t),
+            m2 == Matmul(Load(b, tb), Load(v, tv), dims, e2, t),
+            ne(m1).to(m2),
+            ne(merge).to(String("")),
+        ).then(union(e).with_(Load(Matmul(lhs, rhs, dims, merged, t), t)))
+
+
+@horizontal.register
+def _concat_conv_features(
+    e: Expr, m1: Tensor, m2: Tensor, x1: Tensor, x2: Tensor, w1: Tensor, w2: Tensor, c1: Tensor, c2: Tensor,
+    p1: String, p2: String, tx1: String, tx2: String, tw1: String, tw2: String, t: String,
+):
+    """conv(x1, w1) + conv(x2, w2) = conv(concat(x1, x2, C), concat(pad(w1), pad(w2), I)): a 1x1 shortcut
+    joins a 3x3 conv as extra input channels with its weight at the centre tap."""
+    merge = py_string(_conv_merge, p1, p2, tx1, tx2, tw1, tw2)
+    field = [py_string(_part, merge, String(str(k))) for k in range(12)]
+    feature, c_1, in_feature, i_1 = (BigRat(BigInt.from_string(field[k]), BigInt(1)).to_f64().to_i64() for k in (0, 1, 3, 4))
+    zero = Lit(0.0, field[11])
+    lhs = Concat(Load(x1, tx1), Load(x2, tx2), feature, c_1, field[2])
+    rhs = Concat(Pad(Load(w1, tw1), zero, field[6], field[7]), Pad(Load(w2, tw2), zero, field[8], field[9]),
+                 in_feature, i_1, field[5])
+    for e1, e2, merged in _bias_epilogues(t, c1, c2):
+        yield rule(
+            e == Binary("add", Load(m1, t), Load(m2, t), t),
+            m1 == Conv(Load(x1, tx1), Load(w1, tw1), p1, e1, t),
+            m2 == Conv(Load(x2, tx2), Load(w2, tw2), p2, e2, t),
+            ne(m1).to(m2),
+            ne(merge).to(String("")),
+        ).then(union(e).with_(Load(Conv(lhs, rhs, field[10], merged, t), t)))
