@@ -80,6 +80,37 @@ def examples_of(ruleset) -> list["Example"]:
     return []
 
 
+# --- calling Python from a rule ----------------------------------------------------------------------
+# Shapes live in type strings; rules that need shape arithmetic call (cached) Python functions on
+# them. A helper returns a string; "" conventionally means "does not apply".
+
+
+def py_string(fn, *args):
+    """`fn(*args)` on egglog `String`s (pass i64s as `.to_string()`), as an egglog `String`."""
+    from egglog import PyObject
+
+    return PyObject(fn)(*(PyObject.from_string(a) for a in args)).to_string()
+
+
+def py_int(fn, *args):
+    """`int(fn(*args))` as an egglog `i64` (via BigInt -> BigRat -> f64: exact below 2**53)."""
+    from egglog import BigInt, BigRat
+
+    return BigRat(BigInt.from_string(py_string(fn, *args)), BigInt(1)).to_f64().to_i64()
+
+
+def py_true(fn, *args):
+    """A rule condition: `fn(*args)` returned "1"."""
+    from egglog import String, eq
+
+    return eq(py_string(fn, *args)).to(String("1"))
+
+
+def flag(value: bool) -> str:
+    """The "1"/"0" a `py_true` helper returns."""
+    return "1" if value else "0"
+
+
 # --- rule names --------------------------------------------------------------------------------------
 
 
@@ -133,7 +164,7 @@ def rule_name(ruleset, decl) -> str:
     return info.name if info else pretty_decl(ruleset.__egg_decls__, decl)
 
 
-def _family_of(name: str) -> str:
+def _base_name(name: str) -> str:
     return name.split("/")[0]
 
 
@@ -195,6 +226,7 @@ class SerializedGraph:
         self.eclass: dict[str, str] = {}
         self.members: dict[str, list[str]] = defaultdict(list)
         self.handle_class: dict[int, str] = {}
+        self.node_class: dict[str, str] = {node_id: node["eclass"] for node_id, node in nodes.items()}
         for node_id, node in nodes.items():
             op, cls = node["op"], node["eclass"]
             sort = class_data.get(cls, {}).get("type")
@@ -213,7 +245,7 @@ class SerializedGraph:
         self.sort = {cls: info.get("type") for cls, info in class_data.items()}
 
     def child_classes(self, node_id: str) -> list[str]:
-        return [self.eclass[c] for c in self.children[node_id]]
+        return [self.node_class[c] for c in self.children[node_id]]
 
     def reachable(self, roots: Sequence[str]) -> list[str]:
         """Classes reachable from `roots` through any node."""
@@ -302,13 +334,13 @@ class SerializedGraph:
             if not ready:
                 stack.append((cls, True))
                 for child, sort in zip(self.children[node], sorts):
-                    if sort in _LANG_SORTS and self.eclass[child] not in built:
-                        stack.append((self.eclass[child], False))
+                    if sort in _LANG_SORTS and self.node_class[child] not in built:
+                        stack.append((self.node_class[child], False))
                 continue
             args = []
             for child, sort in zip(self.children[node], sorts):
                 if sort in _LANG_SORTS:
-                    args.append(built[self.eclass[child]])
+                    args.append(built[self.node_class[child]])
                 else:
                     args.append(_literal(self.op[child], sort))
             built[cls] = Term(op, *args)
@@ -525,44 +557,18 @@ def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None
     chosen = list(cases) if cases is not None else examples_of(ruleset)
     if rules is not None:
         wanted = set(rules)
-        chosen = [c for c in chosen if wanted & {_family_of(r) for r in c.rules} | wanted & set(c.rules)]
+        chosen = [c for c in chosen if wanted & {_base_name(r) for r in c.rules} | wanted & set(c.rules)]
     for example in chosen:
         fired: Counter = Counter()
-        draw_index = [0]
-
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.data())
-        def prop(data, example=example, fired=fired):
-            args = example.args(data.draw)
-            lifted = _lift(example, args)
-            builder, handles, run_report = _saturate(ruleset, lifted, iterations)
-            matched = Counter()
-            for decl, count in run_report.num_matches_per_rule.items():
-                if count:
-                    matched[rule_name(ruleset, decl)] += count
-            fired.update(matched)
-            draw_index[0] += 1
-            plans = _plans(builder, handles, extractions_per_draw, seed=draw_index[0])
-            report.extractions += len(plans)
-            wrong = _first_wrong(plans, lifted)
-            if wrong is None:
-                return
-            culprit = _localize(ruleset, named, matched, lifted, iterations, extractions_per_draw)
-            plan, why = wrong
-            raise RuleCheckError(
-                f"{report.ruleset}: rule {culprit} is unsound on example {example.label}: {why}\n"
-                f"arguments: {[(np.shape(a), str(np.asarray(a).dtype)) for a in args]}\n"
-                f"rules that matched: {dict(matched)}\nwrong plan:\n{format_terms(plan)}",
-                rule=culprit, example=example.label, counterexample=args)
-
-        prop()
+        prop = _property(ruleset, named, example, fired, report, iterations, extractions_per_draw)
+        settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                 suppress_health_check=list(HealthCheck))(given(st.data())(prop))()
         report.examples += 1
         report.draws += examples
         report.matches.update(fired)
         fired_families = Counter()
         for name, count in fired.items():
-            fired_families[_family_of(name)] += count
+            fired_families[_base_name(name)] += count
         for name in example.rules:
             count = fired.get(name, 0) or fired_families.get(name, 0)
             if example.fires and not count:
@@ -572,6 +578,37 @@ def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None
                 raise RuleCheckError(f"{report.ruleset}: guarded rule {name} fired {count} times on its "
                                      f"must-not-fire example {example.label}", rule=name, example=example.label)
     return report
+
+
+def _property(ruleset, named, example: Example, fired: Counter, report: CheckReport, iterations: int,
+              extractions_per_draw: int):
+    """The hypothesis property of one example: every extraction evaluates to the function's value."""
+    draws = [0]
+
+    def prop(data):
+        args = example.args(data.draw)
+        lifted = _lift(example, args)
+        builder, handles, run_report = _saturate(ruleset, lifted, iterations)
+        matched: Counter = Counter()
+        for decl, count in run_report.num_matches_per_rule.items():
+            if count:
+                matched[rule_name(ruleset, decl)] += count
+        fired.update(matched)
+        draws[0] += 1
+        plans = _plans(builder, handles, extractions_per_draw, seed=draws[0])
+        report.extractions += len(plans)
+        wrong = _first_wrong(plans, lifted)
+        if wrong is None:
+            return
+        culprit = _localize(ruleset, named, matched, lifted, iterations, extractions_per_draw)
+        plan, why = wrong
+        raise RuleCheckError(
+            f"{report.ruleset}: rule {culprit} is unsound on example {example.label}: {why}\n"
+            f"arguments: {[(np.shape(a), str(np.asarray(a).dtype)) for a in args]}\n"
+            f"rules that matched: {dict(matched)}\nwrong plan:\n{format_terms(plan)}",
+            rule=culprit, example=example.label, counterexample=args)
+
+    return prop
 
 
 def _ruleset_label(ruleset) -> str:

@@ -1,0 +1,239 @@
+"""Activation absorption: elementwise work joins the kernels around it (DESIGN.md, family 4).
+
+- Prologue: an elementwise/view producer is recomputed inside each consumer,
+  `Load(Pointwise(e, ty), ty) = e`; a copy kernel is its input, `Pointwise(Load(t, ty), ty) = t`.
+- Epilogue, bottom-up and local: an elementwise kernel over the output of a Matmul/Conv/Reduce/
+  Attention `K` is `K` with the op pushed into its epilogue (bias, activation, residual add,
+  mean = sum / n). The rules match whole `Pointwise` kernels, so the other operand `y` is a
+  kernel body: it never mentions `Acc`, whose meaning depends on the enclosing kernel, and so
+  may move into `K`'s epilogue, where it is evaluated at `K`'s output index.
+- Two epilogues of one accumulator combine (silu(x @ w) = h * logistic(h) with h = x @ w).
+- A reshape (or a broadcast that only adds unit axes) between `K` and the elementwise op does not
+  stop the absorption: the op moves into the epilogue and the view stays on the outside
+  (keepdims means: reduce, expand, divide).
+
+Permutes into sinks are not expressed here: the language has no output layout on kernels, and
+every consumer absorbs a view of a kernel output as index arithmetic in its prologue anyway.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from egglog import String, f64, rewrite, rule, ruleset, union
+
+from eqsat.lang import (
+    Acc, Attention, Binary, Broadcast, Conv, Expr, Load, Matmul, Pointwise, Reduce, Reshape, Tensor, Unary,
+)
+from eqsat.rules import Example, dim, flag, py_string, py_true, tensor
+from eqsat.types import format_type, ints, parse_type
+
+absorb = ruleset(name="absorb")
+
+# Binary ops whose operands have the result's dtype (so a reshaped operand's type is known).
+_SAME_DTYPE_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "rem", "atan2", "and", "or", "xor",
+                             "nextafter", "shift_left", "shift_right_arithmetic", "shift_right_logical"})
+
+
+@lru_cache(maxsize=None)
+def _same_shape(first: str, second: str) -> str:
+    return flag(parse_type(first).shape == parse_type(second).shape)
+
+
+@lru_cache(maxsize=None)
+def _retype(dtype_of: str, shape_of: str) -> str:
+    """`dtype_of`'s dtype with `shape_of`'s shape."""
+    return format_type(parse_type(dtype_of).dtype, parse_type(shape_of).shape)
+
+
+@lru_cache(maxsize=None)
+def _same_dtype_op(op: str) -> str:
+    return flag(op in _SAME_DTYPE_OPS)
+
+
+@lru_cache(maxsize=None)
+def _expand_only(dims: str, source: str, target: str) -> str:
+    """Is `broadcast_in_dim(source -> target, dims)` a reshape (it only inserts unit axes)?"""
+    src, dst, mapped = parse_type(source).shape, parse_type(target).shape, ints(dims)
+    if list(mapped) != sorted(mapped) or len(mapped) != len(src):
+        return "0"
+    if any(dst[d] != s for d, s in zip(mapped, src)):
+        return "0"
+    return flag(all(dst[axis] == 1 for axis in range(len(dst)) if axis not in mapped))
+
+
+def _kinds(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64):
+    """Each kernel kind with an epilogue, as `(epilogue, ty) -> Tensor` over shared pattern variables."""
+    return (
+        lambda epi, ty: Matmul(a, b, key, epi, ty),
+        lambda epi, ty: Conv(a, b, key, epi, ty),
+        lambda epi, ty: Reduce(key, a, axes, epi, ty),
+        lambda epi, ty: Attention(a, b, c, scale, epi, ty),
+    )
+
+
+# --- prologues ---------------------------------------------------------------------------------------
+
+
+@absorb.register
+def _prologue(e: Expr, ty: String):
+    """Load(Pointwise(e, ty), ty) = e: an elementwise/view producer is recomputed by its consumer."""
+    yield rewrite(Load(Pointwise(e, ty), ty)).to(e)
+
+
+@absorb.register
+def _copy(t: Tensor, ty: String):
+    """Pointwise(Load(t, ty), ty) = t: a copy kernel is its input."""
+    yield rewrite(Pointwise(Load(t, ty), ty)).to(t)
+
+
+# --- epilogues ---------------------------------------------------------------------------------------
+
+
+@absorb.register
+def _epilogue_unary(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
+                    op: String, tk: String, ty: String):
+    """Pointwise(Unary(op, Load(K(.., epi, tk)), ty)) = K(.., Unary(op, epi, ty), ty)."""
+    for kernel in _kinds(a, b, c, key, axes, scale):
+        yield rewrite(Pointwise(Unary(op, Load(kernel(epi, tk), tk), ty), ty)).to(kernel(Unary(op, epi, ty), ty))
+
+
+@absorb.register
+def _epilogue_binary(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
+                     op: String, y: Expr, tk: String, ty: String):
+    """Pointwise(Binary(op, Load(K(.., epi, tk)), y, ty)) = K(.., Binary(op, epi, y, ty), ty) (and y on the left)."""
+    same = py_true(_same_shape, tk, ty)  # the operand is K's whole output, not a broadcast scalar
+    for kernel in _kinds(a, b, c, key, axes, scale):
+        yield rewrite(Pointwise(Binary(op, Load(kernel(epi, tk), tk), y, ty), ty)).to(
+            kernel(Binary(op, epi, y, ty), ty), same)
+        yield rewrite(Pointwise(Binary(op, y, Load(kernel(epi, tk), tk), ty), ty)).to(
+            kernel(Binary(op, y, epi, ty), ty), same)
+
+
+@absorb.register
+def _epilogue_merge(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, e1: Expr, e2: Expr,
+                    op: String, t1: String, t2: String, ty: String):
+    """Pointwise(Binary(op, Load(K(.., e1)), Load(K(.., e2)), ty)) = K(.., Binary(op, e1, e2, ty), ty)."""
+    for kernel in _kinds(a, b, c, key, axes, scale):
+        yield rewrite(Pointwise(Binary(op, Load(kernel(e1, t1), t1), Load(kernel(e2, t2), t2), ty), ty)).to(
+            kernel(Binary(op, e1, e2, ty), ty), py_true(_same_shape, t1, ty), py_true(_same_shape, t2, ty))
+
+
+@absorb.register
+def _epilogue_through_view(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
+                           op: String, y: Expr, dims: String, tk: String, tv: String, ty: String, p: Tensor):
+    """Pointwise(op(V(Load(K(.., epi, tk))), y)) = Pointwise(V(Load(K(.., op(epi, Reshape(y)))))), V a reshape/expand."""
+    at_k = py_string(_retype, ty, tk)  # the op's result type at K's shape
+    same_dtype = py_true(_same_dtype_op, op)  # so y's dtype is ty's
+    for kernel in _kinds(a, b, c, key, axes, scale):
+        source = Load(kernel(epi, tk), tk)
+        views = (
+            (Reshape(source, tv), lambda inner: Reshape(inner, ty), ()),
+            (Broadcast(source, dims, tv), lambda inner: Broadcast(inner, dims, ty),
+             (py_true(_expand_only, dims, tk, tv),)),
+        )
+        for view, rebuild, guard in views:
+            y_at_k = Reshape(y, at_k)
+            yield rule(p == Pointwise(Unary(op, view, ty), ty), *guard).then(
+                union(p).with_(Pointwise(rebuild(Load(kernel(Unary(op, epi, at_k), at_k), at_k)), ty)))
+            yield rule(p == Pointwise(Binary(op, view, y, ty), ty), same_dtype, *guard).then(
+                union(p).with_(Pointwise(rebuild(Load(kernel(Binary(op, epi, y_at_k, at_k), at_k), at_k)), ty)))
+            yield rule(p == Pointwise(Binary(op, y, view, ty), ty), same_dtype, *guard).then(
+                union(p).with_(Pointwise(rebuild(Load(kernel(Binary(op, y_at_k, epi, at_k), at_k), at_k)), ty)))
+
+
+# --- soundness examples ------------------------------------------------------------------------------
+
+
+def _matmul_args(draw):
+    m, k, n = dim(draw), dim(draw), dim(draw)
+    return tensor(draw, (m, k)), tensor(draw, (k, n)), tensor(draw, (n,)), tensor(draw, (m, n))
+
+
+def _conv_args(draw):
+    b, h, w, ci, co = dim(draw, 1, 2), dim(draw, 1, 4), dim(draw, 1, 4), dim(draw), dim(draw)
+    return tensor(draw, (b, h, w, ci)), tensor(draw, (co, ci, 3, 3)), tensor(draw, (co,))
+
+
+def _rows(draw):
+    return (tensor(draw, (dim(draw), dim(draw), dim(draw))),)
+
+
+def _bcast(bias, like):
+    """`bias` broadcast along the last axis of `like`, explicitly (lax's implicit size-1 broadcasting
+    is not lifted yet)."""
+    from jax import lax
+
+    return lax.broadcast_in_dim(bias, like.shape, (like.ndim - 1,))
+
+
+def _rows_wide(draw):
+    return (tensor(draw, (dim(draw, 2, 4), dim(draw, 2, 4))),)
+
+
+def _silu(x):
+    from jax import lax
+
+    return x * lax.logistic(x)
+
+
+def _linear_bias_silu(x, w, bias, residual):
+    """silu(x @ w + bias) + residual."""
+    h = x @ w
+    return _silu(h + _bcast(bias, h)) + residual
+
+
+def _tanh_of_matmul(x, w, bias, residual):
+    import jax.numpy as jnp
+
+    return jnp.tanh(x @ w) * 2.0
+
+
+def _conv_bias(x, w, bias):
+    from jax import lax
+
+    y = lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    return _silu(y + _bcast(bias, y))
+
+
+def _mean_last(x):
+    import jax.numpy as jnp
+
+    return jnp.mean(x, axis=-1) - 1.0
+
+
+def _mean_keepdims(x):
+    import jax.numpy as jnp
+
+    return jnp.mean(x, axis=(1, 2), keepdims=True) * 3.0
+
+
+def _exp_chain(x):
+    import jax.numpy as jnp
+
+    return jnp.exp(x) * 0.5 + x
+
+
+def _sum_times_x(x):
+    """A full reduction broadcast back over x: the broadcast replicates, so no epilogue through it."""
+    import jax.numpy as jnp
+
+    return jnp.sum(x) * x
+
+
+def _copy_of_exp(x):
+    import jax.numpy as jnp
+
+    return jnp.copy(jnp.exp(x))
+
+
+EXAMPLES = [
+    Example(_exp_chain, _rows, ("prologue",)),
+    Example(_copy_of_exp, _rows, ("copy",)),
+    Example(_linear_bias_silu, _matmul_args, ("epilogue_binary", "epilogue_merge", "epilogue_unary")),
+    Example(_tanh_of_matmul, _matmul_args, ("epilogue_unary", "epilogue_binary")),
+    Example(_conv_bias, _conv_args, ("epilogue_binary", "epilogue_merge")),
+    Example(_mean_last, _rows, ("epilogue_binary",)),
+    Example(_mean_keepdims, _rows, ("epilogue_through_view",)),
+    Example(_sum_times_x, _rows_wide, ("epilogue_through_view",), fires=False, name="sum_times_x (replicating broadcast)"),
+]
