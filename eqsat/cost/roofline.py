@@ -197,7 +197,8 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100") -> Cost:
 def _args_of(term: Term) -> tuple:
     """A term's args with children replaced by their types (TensorLists by None)."""
     return tuple(
-        (None if a.sort == "TensorList" else a.ty) if isinstance(a, Term) else a for a in term.args
+        (None if a.sort == "TensorList" else a.ty) if not isinstance(a, (str, int, float)) else a
+        for a in term.args
     )
 
 

@@ -1,0 +1,368 @@
+"""The serialized e-graph, read once into flat arrays.
+
+Input: `egraph._serialize().to_json()` (egglog's own Python term conversion recurses and fails at
+SD 1.5 size, so extraction never uses it). That JSON maps node ids to
+
+    {"op": "Matmul", "children": [node ids...], "eclass": "Tensor-4", "subsumed": false, ...}
+
+where `op` is a constructor name of `eqsat.lang.OPS`, or, for a primitive leaf, its literal text
+(`"\\"f32[2]\\""`, `3`, `0.5`), and each child id names one node of the child's e-class (with
+`split_primitive_outputs`, every primitive is its own class). `Ref` nodes (unextractable builder
+handles) are not extraction candidates; their i64 child is the `Builder` handle of a lifted term,
+which maps an e-class back to that term (`EGraphData.handles`).
+
+Everything here is indexed by dense integers: e-classes `0..num_classes-1` in order of first
+appearance, candidate nodes `0..num_nodes-1` in JSON order. No recursion anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from eqsat.cost import get_device, node_cost
+from eqsat.lang import KERNEL_OPS, OPS
+
+PRIMITIVE_SORTS = ("String", "i64", "f64", "bool", "Unit")
+
+
+def parse_literal(text: str, sort: str):
+    """The Python value of a primitive leaf's text: `'"f32[2]"'` -> `"f32[2]"`, `"3"` -> `3`."""
+    if sort == "String":
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+    if sort == "i64":
+        return int(text)
+    if sort == "f64":
+        return float(text)
+    if sort == "bool":
+        return text == "true"
+    return text
+
+
+@dataclass
+class EGraphData:
+    """A serialized e-graph as arrays (see the module docstring)."""
+
+    class_ids: list[str]                       # class index -> egglog class id ("Tensor-4")
+    class_sort: list[str]                      # "Tensor" | "Expr" | "TensorList" | primitive sort
+    class_type: list[str | None]               # the type string of a Tensor/Expr class
+    class_nodes: list[list[int]]               # class index -> candidate node indices
+    node_op: list[str]                         # node index -> constructor name
+    node_class: list[int]                      # node index -> its class
+    node_children: list[tuple[int, ...]]       # node index -> child class per argument, -1 at literals
+    node_literals: list[tuple]                 # node index -> literal per argument, None at children
+    handles: dict[int, int] = field(default_factory=dict)          # builder handle -> class
+    class_handles: dict[int, list[int]] = field(default_factory=dict)  # class -> sorted handles
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_ids)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_op)
+
+    def child_classes(self, node: int) -> tuple[int, ...]:
+        """The non-literal children of `node`, in argument order (repeats kept)."""
+        return tuple(c for c in self.node_children[node] if c >= 0)
+
+    def node_args(self, node: int) -> tuple:
+        """`node`'s arguments with children replaced by their class's type (None for lists)."""
+        return tuple(
+            lit if child < 0 else self.class_type[child]
+            for child, lit in zip(self.node_children[node], self.node_literals[node])
+        )
+
+    def node_costs(self, device="h100") -> list[float]:
+        """Seconds of each node's own work (`eqsat.cost.node_cost`), the extraction objective's terms."""
+        device = get_device(device)
+        cache: dict[tuple, float] = {}
+        costs = []
+        for node, op in enumerate(self.node_op):
+            key = (op, self.node_args(node))
+            value = cache.get(key)
+            if value is None:
+                value = node_cost(op, key[1], device).seconds
+                cache[key] = value
+            costs.append(value)
+        return costs
+
+    def roots_of_handles(self, handles) -> list[int]:
+        """The classes of builder handles (e.g. `[builder.handle(t) for t in program.outputs]`)."""
+        return [self.handles[int(h)] for h in handles]
+
+
+def load(serialized) -> EGraphData:
+    """Read `egraph._serialize()` (or its `.to_json()` text, or the parsed dict) into arrays."""
+    if hasattr(serialized, "to_json"):
+        serialized = serialized.to_json()
+    data = json.loads(serialized) if isinstance(serialized, (str, bytes)) else serialized
+    raw_nodes: dict = data["nodes"]
+    class_data: dict = data.get("class_data", {})
+
+    class_index: dict[str, int] = {}
+    class_ids: list[str] = []
+    class_sort: list[str] = []
+
+    def intern_class(cid: str) -> int:
+        index = class_index.get(cid)
+        if index is None:
+            index = len(class_ids)
+            class_index[cid] = index
+            class_ids.append(cid)
+            sort = class_data.get(cid, {}).get("type") or cid.rsplit("-", 1)[0]
+            class_sort.append(sort)
+        return index
+
+    # Primitive leaves: node id -> literal value. Other nodes: id -> class.
+    literal_of: dict[str, object] = {}
+    node_class_of: dict[str, int] = {}
+    for nid, node in raw_nodes.items():
+        cls = intern_class(node["eclass"])
+        node_class_of[nid] = cls
+        sort = class_sort[cls]
+        if sort in PRIMITIVE_SORTS or (node["op"] not in OPS and node["op"] != "Ref" and not node["children"]):
+            literal_of[nid] = parse_literal(node["op"], sort)
+
+    node_op: list[str] = []
+    node_class: list[int] = []
+    node_children: list[tuple[int, ...]] = []
+    node_literals: list[tuple] = []
+    handles: dict[int, int] = {}
+    class_handles: dict[int, list[int]] = {}
+    for nid, node in raw_nodes.items():
+        op = node["op"]
+        if nid in literal_of:
+            continue
+        cls = node_class_of[nid]
+        children = node["children"]
+        if op == "Ref":
+            handle = int(literal_of[children[0]])
+            handles[handle] = cls
+            class_handles.setdefault(cls, []).append(handle)
+            continue
+        if op not in OPS or node.get("subsumed", False):
+            continue
+        node_op.append(op)
+        node_class.append(cls)
+        node_children.append(tuple(-1 if c in literal_of else node_class_of[c] for c in children))
+        node_literals.append(tuple(literal_of.get(c) for c in children))
+
+    class_nodes: list[list[int]] = [[] for _ in class_ids]
+    for node, cls in enumerate(node_class):
+        class_nodes[cls].append(node)
+    for values in class_handles.values():
+        values.sort()
+
+    class_type: list[str | None] = [None] * len(class_ids)
+    for node, op in enumerate(node_op):
+        cls = node_class[node]
+        if class_type[cls] is None and OPS[op][0] != "TensorList":
+            ty = node_literals[node][-1]
+            class_type[cls] = ty if isinstance(ty, str) else None
+    return EGraphData(class_ids, class_sort, class_type, class_nodes, node_op, node_class, node_children,
+                      node_literals, handles, class_handles)
+
+
+def reachable_classes(graph: EGraphData, roots) -> list[int]:
+    """Every class reachable from `roots` through any candidate node (sorted)."""
+    seen = set(roots)
+    stack = list(roots)
+    while stack:
+        cls = stack.pop()
+        for node in graph.class_nodes[cls]:
+            for child in graph.node_children[node]:
+                if child >= 0 and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+    return sorted(seen)
+
+
+def strongly_connected(graph: EGraphData, classes) -> list[int]:
+    """SCC label per class of the class graph (class -> child classes of any of its nodes).
+
+    Iterative Tarjan; classes not in `classes` get -1. Labels are dense and deterministic.
+    """
+    members = set(classes)
+    label = [-1] * graph.num_classes
+    index = [-1] * graph.num_classes
+    low = [0] * graph.num_classes
+    on_stack = [False] * graph.num_classes
+    stack: list[int] = []
+    counter = 0
+    next_label = 0
+
+    def successors(cls: int) -> list[int]:
+        out = []
+        for node in graph.class_nodes[cls]:
+            out.extend(c for c in graph.node_children[node] if c >= 0 and c in members)
+        return out
+
+    for start in sorted(members):
+        if index[start] != -1:
+            continue
+        work = [(start, iter(successors(start)))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack[start] = True
+        while work:
+            cls, it = work[-1]
+            advanced = False
+            for child in it:
+                if index[child] == -1:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack[child] = True
+                    work.append((child, iter(successors(child))))
+                    advanced = True
+                    break
+                if on_stack[child]:
+                    low[cls] = min(low[cls], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[cls])
+            if low[cls] == index[cls]:
+                while True:
+                    member = stack.pop()
+                    on_stack[member] = False
+                    label[member] = next_label
+                    if member == cls:
+                        break
+                next_label += 1
+    return label
+
+
+# --- a selection: which node fills each slot -----------------------------------------------------
+#
+# A tensor is materialized once and shared, so a Tensor class has one node for the whole plan:
+# slot `(cls, GLOBAL)`. An Expr is computed inside a kernel, and the same Expr class may be
+# computed differently in different kernels: inside the kernel of tensor class `P`, the Expr
+# class `E` fills slot `(E, P)` if the selection has it, else `(E, GLOBAL)`. That is what lets a
+# consumer read `Load(P)` while `P`'s own kernel computes the body that `Load(P)` equals
+# (`Load(Pointwise(e)) == e` puts both in one e-class).
+
+GLOBAL = -1
+EPSILON = 1e-15  # seconds added to every node: ties go to fewer nodes, and costs grow strictly upward
+
+Slot = tuple[int, int]
+
+
+@dataclass
+class Selection:
+    """`nodes[(cls, context)]` = the chosen node; see the comment above for how slots resolve."""
+
+    graph: EGraphData
+    nodes: dict[Slot, int]
+    roots: list[int]
+
+    def child_slots(self, slot: Slot) -> list[Slot]:
+        cls, context = slot
+        graph = self.graph
+        node = self.nodes[slot]
+        inner = cls if graph.class_sort[cls] == "Tensor" else context
+        out = []
+        for child in graph.node_children[node]:
+            if child < 0:
+                continue
+            if graph.class_sort[child] == "Tensor":
+                out.append((child, GLOBAL))
+            elif inner != GLOBAL and (child, inner) in self.nodes:
+                out.append((child, inner))
+            else:
+                out.append((child, GLOBAL))
+        return out
+
+    def postorder(self) -> list[Slot]:
+        """The slots reached from the roots, children first; `ValueError` on a cycle or a gap."""
+        order: list[Slot] = []
+        state: dict[Slot, int] = {}  # 1 = on the stack, 2 = done
+        for root in self.roots:
+            start = (root, GLOBAL)
+            if state.get(start) == 2:
+                continue
+            stack: list[tuple[Slot, bool]] = [(start, False)]
+            while stack:
+                slot, expanded = stack.pop()
+                if expanded:
+                    state[slot] = 2
+                    order.append(slot)
+                    continue
+                mark = state.get(slot)
+                if mark == 2:
+                    continue
+                if mark == 1:
+                    raise ValueError(f"cyclic selection through class {self.graph.class_ids[slot[0]]}")
+                if slot not in self.nodes:
+                    raise ValueError(f"nothing selected for class {self.graph.class_ids[slot[0]]}")
+                state[slot] = 1
+                stack.append((slot, True))
+                for child in self.child_slots(slot):
+                    child_state = state.get(child)
+                    if child_state == 1:
+                        raise ValueError(f"cyclic selection through class {self.graph.class_ids[child[0]]}")
+                    if child_state is None:
+                        stack.append((child, False))
+        return order
+
+    def find_cycle(self) -> list[Slot] | None:
+        """The slots of one cycle reachable from the roots (None if acyclic)."""
+        state: dict[Slot, int] = {}
+        for root in self.roots:
+            start = (root, GLOBAL)
+            if state.get(start) == 2:
+                continue
+            path = [start]
+            state[start] = 1
+            stack = [(start, self.child_slots(start) if start in self.nodes else [], 0)]
+            while stack:
+                slot, children, position = stack[-1]
+                if position < len(children):
+                    stack[-1] = (slot, children, position + 1)
+                    child = children[position]
+                    mark = state.get(child)
+                    if mark == 1:
+                        return path[path.index(child):]
+                    if mark is None:
+                        state[child] = 1
+                        path.append(child)
+                        stack.append((child, self.child_slots(child) if child in self.nodes else [], 0))
+                    continue
+                stack.pop()
+                path.pop()
+                state[slot] = 2
+        return None
+
+    def node_sum(self, costs) -> float:
+        """The sum of `costs` over the selected nodes reached (each slot once)."""
+        return sum(costs[self.nodes[slot]] for slot in self.postorder())
+
+    def to_terms(self) -> tuple[list, dict]:
+        """The `eqsat.term.Term`s of the roots, and the class of each Tensor term built."""
+        from eqsat.term import Term
+
+        graph = self.graph
+        built: dict[Slot, object] = {}
+        class_of: dict[object, int] = {}
+        for slot in self.postorder():
+            node = self.nodes[slot]
+            children = iter(self.child_slots(slot))
+            args = [lit if child < 0 else built[next(children)]
+                    for child, lit in zip(graph.node_children[node], graph.node_literals[node])]
+            term = Term(graph.node_op[node], *args)
+            built[slot] = term
+            if graph.class_sort[slot[0]] == "Tensor":
+                class_of.setdefault(term, slot[0])
+        return [built[(r, GLOBAL)] for r in self.roots], class_of
+
+    def kernel_classes(self) -> list[int]:
+        """Tensor classes whose selected node is a kernel, producers first."""
+        return [cls for cls, context in self.postorder()
+                if context == GLOBAL and self.graph.node_op[self.nodes[(cls, context)]] in KERNEL_OPS]
