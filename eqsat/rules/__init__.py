@@ -111,6 +111,30 @@ def flag(value: bool) -> str:
     return "1" if value else "0"
 
 
+def typed_forms(ty, sort: str = "Expr", prefix: str = "_typed") -> list:
+    """Every constructor of `sort` as a pattern whose type argument is `ty` (other arguments fresh).
+
+    Expr pattern variables carry no type; `eq(x).to(form)` for each form binds `x`'s type to
+    `ty`, one rule per constructor (e.g. an identity reshape is a `Reshape(x, ty)` whose `x` is
+    some `C(..., ty)`).
+    """
+    from egglog import String, f64, i64, var
+
+    sorts = {"String": String, "i64": i64, "f64": f64}
+    forms = []
+    for op, (result, args) in lang.OPS.items():
+        if result != sort or not args or args[-1] != "String":
+            continue
+        constructor = lang.CONSTRUCTORS[op]
+        fresh = []
+        for index, arg_sort in enumerate(args[:-1]):
+            bound = sorts.get(arg_sort) or {"Tensor": lang.Tensor, "Expr": lang.Expr,
+                                            "TensorList": lang.TensorList}[arg_sort]
+            fresh.append(var(f"{prefix}_{op}_{index}", bound))
+        forms.append(constructor(*fresh, ty))
+    return forms
+
+
 # --- rule names --------------------------------------------------------------------------------------
 
 
@@ -161,7 +185,12 @@ def rule_name(ruleset, decl) -> str:
     from egglog.pretty import pretty_decl
 
     info = _RULE_INFO.get(decl)
-    return info.name if info else pretty_decl(ruleset.__egg_decls__, decl)
+    if info is not None:
+        return info.name
+    try:
+        return pretty_decl(ruleset.__egg_decls__, decl)
+    except Exception:  # a support family's unnamed rule
+        return repr(decl)[:120]
 
 
 def _base_name(name: str) -> str:
@@ -177,6 +206,8 @@ class Example:
 
     `args(draw)` draws its arguments (use `dim` and `tensor`); `rules` are the generator names
     that must match on it (`fires=True`) or must not (`fires=False`, a guarded rule's negative case).
+    `support` families run with the ruleset under check, when its left sides only appear after
+    theirs (views of views across kernels need prologue absorption first).
     """
 
     fn: Callable[..., Any]
@@ -184,6 +215,7 @@ class Example:
     rules: tuple[str, ...]
     fires: bool = True
     name: str = ""
+    support: tuple[str, ...] = ()   # families run alongside (e.g. "absorb" to bring views together)
 
     @property
     def label(self) -> str:
@@ -484,12 +516,17 @@ def _lift(example: Example, args: tuple) -> _Lifted:
     return _Lifted(program, env, expected)
 
 
-def _saturate(ruleset, lifted: _Lifted, iterations: int):
+def _saturate(ruleset, lifted: _Lifted, iterations: int, support: Sequence[str] = ()):
     from eqsat.egraph import Builder
 
     builder = Builder()
     handles = builder.add(list(lifted.program.outputs))
-    report = builder.egraph.run(ruleset * iterations)
+    schedule = ruleset
+    for name in support:
+        helper = family_ruleset(name)
+        if helper is not None and helper is not ruleset:
+            schedule = schedule + helper
+    report = builder.egraph.run(schedule * iterations)
     return builder, handles, report
 
 
@@ -588,7 +625,7 @@ def _property(ruleset, named, example: Example, fired: Counter, report: CheckRep
     def prop(data):
         args = example.args(data.draw)
         lifted = _lift(example, args)
-        builder, handles, run_report = _saturate(ruleset, lifted, iterations)
+        builder, handles, run_report = _saturate(ruleset, lifted, iterations, example.support)
         matched: Counter = Counter()
         for decl, count in run_report.num_matches_per_rule.items():
             if count:
@@ -600,7 +637,7 @@ def _property(ruleset, named, example: Example, fired: Counter, report: CheckRep
         wrong = _first_wrong(plans, lifted)
         if wrong is None:
             return
-        culprit = _localize(ruleset, named, matched, lifted, iterations, extractions_per_draw)
+        culprit = _localize(ruleset, named, matched, lifted, iterations, extractions_per_draw, example.support)
         plan, why = wrong
         raise RuleCheckError(
             f"{report.ruleset}: rule {culprit} is unsound on example {example.label}: {why}\n"
@@ -616,13 +653,14 @@ def _ruleset_label(ruleset) -> str:
     return ident.name if ident is not None else "ruleset"
 
 
-def _localize(ruleset, named, matched: Counter, lifted: _Lifted, iterations: int, limit: int) -> str:
-    """The rule that is wrong on its own, else the set of rules that matched together."""
+def _localize(ruleset, named, matched: Counter, lifted: _Lifted, iterations: int, limit: int,
+              support: Sequence[str] = ()) -> str:
+    """The rule that is wrong on its own (with the support families), else the rules that matched."""
     for decl, info in named:
         if not matched.get(info.name):
             continue
         single = _single(ruleset, decl)
-        builder, handles, _ = _saturate(single, lifted, iterations)
+        builder, handles, _ = _saturate(single, lifted, iterations, support)
         if _first_wrong(_plans(builder, handles, limit, seed=0), lifted) is not None:
             return info.name
     return "combination of " + ", ".join(sorted(matched))
