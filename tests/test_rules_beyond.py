@@ -528,3 +528,84 @@ def test_resnet_shortcut_with_biases_joins_conv2():
     inputs = [h, x, w2, ws, b2, bs]
     graph = check_alternatives([out], random_env(inputs, 1), {}, horizontal)
     assert _kernel_count(graph, "Conv") == 3
+
+
+# --- norm_split --------------------------------------------------------------------------------
+
+from eqsat.rules.norm_split import norm_split  # noqa: E402
+
+
+def _group_norm(x, w, b, groups=2, eps=1e-5):
+    from sd15.layers import group_norm
+
+    return group_norm({"n.weight": w, "n.bias": b}, "n", x, groups, eps)
+
+
+def _layer_norm(x, w, b, eps=1e-5):
+    from sd15.layers import layer_norm
+
+    return layer_norm({"n.weight": w, "n.bias": b}, "n", x, eps)
+
+
+def _reduce_count(graph):
+    return _kernel_count(graph, "Reduce")
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 4), st.sampled_from([2, 4]), st.integers(1, 3), st.integers(0, 9))
+def test_group_norm_statistics_split_sound(batch, size, groups, per_group, seed):
+    channels = groups * per_group
+    args = [_sds((batch, size, size, channels)), _sds((channels,)), _sds((channels,))]
+    inputs, outputs, constants = lift_function(lambda x, w, b: _group_norm(x, w, b, groups), *args)
+    graph = check_alternatives(outputs, random_env(inputs, seed), constants, norm_split, tolerance=1e-3)
+    # sum x, sum (x-m)^2, plus sum x*x and the stacked statistics kernel
+    assert _reduce_count(graph) == 4
+
+
+def test_layer_norm_statistics_split_sound():
+    args = [_sds((2, 5, 8)), _sds((8,)), _sds((8,))]
+    inputs, outputs, constants = lift_function(_layer_norm, *args)
+    graph = check_alternatives(outputs, random_env(inputs, 3), constants, norm_split, tolerance=1e-3)
+    assert _reduce_count(graph) == 4
+
+
+def test_variance_needs_the_mean_of_the_same_axes():
+    def fn(x):
+        mean = jnp.sum(x, axis=(1,), keepdims=True) / x.shape[1]
+        centered = x - mean
+        return jnp.sum(centered * centered, axis=(2,))  # reduces another axis than the mean
+
+    inputs, outputs, constants = lift_function(fn, _sds((2, 3, 4)))
+    graph = check_alternatives(outputs, random_env(inputs, 0), constants, norm_split)
+    assert _reduce_count(graph) == 2
+
+
+def test_variance_needs_the_mean_of_the_same_tensor():
+    def fn(x, y):
+        mean = jnp.sum(y, axis=-1, keepdims=True) / y.shape[-1]
+        centered = x - mean
+        return jnp.sum(centered * centered, axis=-1)
+
+    inputs, outputs, constants = lift_function(fn, _sds((2, 4)), _sds((2, 4)))
+    graph = check_alternatives(outputs, random_env(inputs, 0), constants, norm_split)
+    assert _reduce_count(graph) == 2
+
+
+def test_variance_split_stays_off_16_bit_reductions():
+    def fn(x):
+        mean = jnp.sum(x, axis=-1, keepdims=True) / x.shape[-1]
+        centered = x - mean
+        return jnp.sum(centered * centered, axis=-1)
+
+    inputs, outputs, constants = lift_function(fn, _sds((2, 4), jnp.float16))
+    graph = Serialized(saturate(outputs, norm_split).egraph)
+    assert _reduce_count(graph) == 2
+
+
+def test_stacked_statistics_from_sum_and_sum_of_squares():
+    def fn(x):
+        return jnp.sum(x, axis=(0, 2)), jnp.sum(x * x, axis=(0, 2))
+
+    inputs, outputs, constants = lift_function(fn, _sds((2, 3, 4)))
+    graph = check_alternatives(outputs, random_env(inputs, 0), constants, norm_split)
+    assert _reduce_count(graph) == 3

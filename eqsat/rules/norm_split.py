@@ -1,0 +1,256 @@
+"""Normalization split into statistics + apply, with both statistics from ONE reduction kernel.
+
+GroupNorm and LayerNorm are written (sd15/layers.py, jnp.var) as two dependent passes:
+
+    mean = sum(x) / n                     kernel 1 reads x
+    var  = sum((x - mean)^2) / n          kernel 2 reads x AND waits for kernel 1
+
+Two laws make that one statistics kernel and leave the apply elementwise (the absorb family then
+moves `(x - mean) * rsqrt(var + eps) * w + b` into the next conv/matmul prologue):
+
+- variance: sum((x - sum(x)/n)^2) = sum(x^2) - sum(x)^2 / n, so both statistics are independent
+  reductions of the same x. NOTE: this is the E[x^2] - E[x]^2 form fused GroupNorm kernels use;
+  it cancels catastrophically when |mean| >> std, so it only fires on float32 reductions
+  (accumulate in fp32; SD's norms upcast to fp32 before reducing).
+- stacking: sum(x) and sum(x*x) over the same axes are the two rows of one reduction of
+  stack(x, x*x) along a new leading axis: `Reduce(Concat(Reshape(x), Reshape(x*x)), axes + 1)`;
+  each statistic is a Slice of it.
+
+The patterns are found through helper relations rather than literal e-node shapes, so they match
+the lifted form (`Load(Pointwise(...))` between every primitive) and the absorbed form alike:
+
+    Scalar(e, c)                e is the constant c splatted (Lit, broadcast/reshape of one)
+    StatView(e, ty, s, n, map)  e[i] = s[i[map]] / n: a broadcast/reshape/transpose of reduction s,
+                                divided by n; `map` ("m:0,2") names, per axis of s, the axis of e
+                                that indexes it ("-": a size-1 axis of s, always index 0)
+    Centered(e, x, s)           e = x - s/n broadcast back, s = sum(x) over the axes the view drops
+    SquareOf(e, x)              e = x * x
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from egglog import String, f64, i64, ne, relation, rule, ruleset, union
+
+from eqsat.lang import Acc, Binary, Concat, Expr, Lit, Load, Pointwise, Reduce, Reshape, Slice, Tensor, Transpose, Unary
+from eqsat.lang import Broadcast
+from eqsat.rules.horizontal import py_int, py_string
+from eqsat.types import format_type, ints, ints_key, parse_type
+
+norm_split = ruleset(name="norm_split")
+
+Scalar = relation("NormScalar", Expr, f64)
+StatView = relation("NormStatView", Expr, String, Tensor, f64, String)
+Centered = relation("NormCentered", Expr, Expr, Tensor, String)
+SquareOf = relation("NormSquareOf", Expr, Expr, String)
+
+REDUCTIONS_WITH_VIEWS = ("sum", "max")
+
+
+# --- view arithmetic (Python, called from the rules) --------------------------------------------
+
+
+def _shape(ty: str) -> tuple[int, ...]:
+    return parse_type(ty).shape
+
+
+def _parse_map(text: str) -> list[int | None]:
+    body = text[2:]
+    return [None if part == "-" else int(part) for part in body.split(",")] if body else []
+
+
+def _format_map(entries) -> str:
+    return "m:" + ",".join("-" if e is None else str(e) for e in entries)
+
+
+@lru_cache(maxsize=None)
+def _identity_map(ty: str) -> str:
+    return _format_map(range(len(_shape(ty))))
+
+
+@lru_cache(maxsize=None)
+def _map_broadcast(view: str, x_ty: str, dims: str, ty: str) -> str:
+    """`view` after `Broadcast(x, dims, ty)`: an axis of x indexed by s moves to `dims[axis]`."""
+    dims_ = ints(dims)
+    x_shape, out_shape = _shape(x_ty), _shape(ty)
+    out = []
+    for entry in _parse_map(view):
+        if entry is None or x_shape[entry] == 1:
+            out.append(None)
+        elif out_shape[dims_[entry]] != x_shape[entry]:
+            return ""
+        else:
+            out.append(dims_[entry])
+    return _format_map(out)
+
+
+@lru_cache(maxsize=None)
+def _map_reshape(view: str, x_ty: str, ty: str) -> str:
+    """`view` after a reshape that only inserts or removes size-1 axes ("" for any other reshape)."""
+    x_shape, out_shape = _shape(x_ty), _shape(ty)
+    x_axes = [a for a, n in enumerate(x_shape) if n != 1]
+    out_axes = [a for a, n in enumerate(out_shape) if n != 1]
+    if [x_shape[a] for a in x_axes] != [out_shape[a] for a in out_axes]:
+        return ""
+    moved = dict(zip(x_axes, out_axes))
+    return _format_map(None if e is None or x_shape[e] == 1 else moved[e] for e in _parse_map(view))
+
+
+@lru_cache(maxsize=None)
+def _map_transpose(view: str, permutation: str) -> str:
+    perm = ints(permutation)
+    return _format_map(None if e is None else perm.index(e) for e in _parse_map(view))
+
+
+@lru_cache(maxsize=None)
+def _is_mean_view(view: str, x_ty: str, axes: str, n: str, s_ty: str) -> str:
+    """"ok" if `view` reads s at the axes of x that `axes` keep, in order, and n = their count."""
+    x_shape, reduced = _shape(x_ty), ints(axes)
+    kept = [a for a in range(len(x_shape)) if a not in reduced]
+    entries = _parse_map(view)
+    if len(entries) != len(kept):
+        return ""
+    for entry, axis, extent in zip(entries, kept, _shape(s_ty)):
+        if entry != axis and not (entry is None and extent == 1):
+            return ""
+    count = math.prod(x_shape[a] for a in reduced)
+    return "ok" if math.isclose(float(n), count, rel_tol=1e-6) else ""
+
+
+def _view(fn, *args) -> String:
+    return py_string(fn, *args)
+
+
+# --- the analyses -------------------------------------------------------------------------------
+
+
+@norm_split.register
+def _scalars(e: Expr, x: Expr, c: f64, ty: String, dims: String):
+    """Scalar(e, c): e is the constant c at every index (a Lit, or a view of one)."""
+    yield rule(e == Lit(c, ty)).then(Scalar(e, c))
+    yield rule(e == Broadcast(x, dims, ty), Scalar(x, c)).then(Scalar(e, c))
+    yield rule(e == Reshape(x, ty), Scalar(x, c)).then(Scalar(e, c))
+    yield rule(e == Load(Pointwise(x, ty), ty), Scalar(x, c)).then(Scalar(e, c))
+
+
+def stat_view_rules(target):
+    """Register the StatView analysis (shared with the attention family) into ruleset `target`."""
+
+    @target.register
+    def _stat_views(
+        e: Expr, x: Expr, k: Expr, s: Tensor, body: Expr, op: String, axes: String, ts: String, tx: String,
+        ty: String, dims: String, view: String, n: f64, c: f64,
+    ):
+        """StatView(e, ty, s, n, map): e[i] = s[i[map]] / n, through views, scalar divisions and copies."""
+        for reduction in REDUCTIONS_WITH_VIEWS:
+            yield rule(
+                e == Load(s, ts), s == Reduce(reduction, body, axes, Acc(ts), ts),
+            ).then(StatView(e, ts, s, f64(1.0), _view(_identity_map, ts)))
+        broadcast = _view(_map_broadcast, view, tx, dims, ty)
+        yield rule(e == Broadcast(x, dims, ty), StatView(x, tx, s, n, view), ne(broadcast).to(String(""))).then(
+            StatView(e, ty, s, n, broadcast))
+        reshape = _view(_map_reshape, view, tx, ty)
+        yield rule(e == Reshape(x, ty), StatView(x, tx, s, n, view), ne(reshape).to(String(""))).then(
+            StatView(e, ty, s, n, reshape))
+        yield rule(e == Transpose(x, dims, ty), StatView(x, tx, s, n, view)).then(
+            StatView(e, ty, s, n, _view(_map_transpose, view, dims)))
+        yield rule(e == Binary("div", x, k, ty), StatView(x, ty, s, n, view), Scalar(k, c)).then(
+            StatView(e, ty, s, n * c, view))
+        yield rule(e == Binary("mul", x, k, ty), StatView(x, ty, s, n, view), Scalar(k, c), ne(c).to(f64(0.0))).then(
+            StatView(e, ty, s, n / c, view))
+        yield rule(e == Binary("mul", k, x, ty), StatView(x, ty, s, n, view), Scalar(k, c), ne(c).to(f64(0.0))).then(
+            StatView(e, ty, s, n / c, view))
+        yield rule(e == Load(Pointwise(x, ty), ty), StatView(x, ty, s, n, view)).then(StatView(e, ty, s, n, view))
+
+    return _stat_views
+
+
+stat_view_rules(norm_split)
+
+
+@norm_split.register
+def _centered(e: Expr, x: Expr, m: Expr, s: Tensor, axes: String, n: f64, view: String, tx: String, ts: String):
+    """Centered(e, x, s): e = x - sum(x)/n broadcast back over the reduced axes."""
+    mean_ok = py_string(_is_mean_view, view, tx, axes, n.to_string(), ts)
+    yield rule(
+        e == Binary("sub", x, m, tx),
+        StatView(m, tx, s, n, view),
+        s == Reduce("sum", x, axes, Acc(ts), ts),
+        ne(mean_ok).to(String("")),
+    ).then(Centered(e, x, s, tx))
+    yield rule(e == Load(Pointwise(m, tx), tx), Centered(m, x, s, tx)).then(Centered(e, x, s, tx))
+
+
+@norm_split.register
+def _squares(e: Expr, x: Expr, d: Expr, d2: Expr, s: Tensor, tx: String):
+    """SquareOf(e, x): e = x * x (mul, square, integer_pow:2), and squares of centered values."""
+    yield rule(e == Binary("mul", x, x, tx)).then(SquareOf(e, x, tx))
+    yield rule(e == Unary("square", x, tx)).then(SquareOf(e, x, tx))
+    yield rule(e == Unary("integer_pow:2", x, tx)).then(SquareOf(e, x, tx))
+    # (x - m) * (x - m) written with two separately lifted (but equal) subtractions
+    yield rule(e == Binary("mul", d, d2, tx), Centered(d, x, s, tx), Centered(d2, x, s, tx)).then(SquareOf(e, d, tx))
+    yield rule(e == Load(Pointwise(d, tx), tx), SquareOf(d, x, tx)).then(SquareOf(e, x, tx))
+
+
+# --- the laws -----------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _float32(ty: str) -> str:
+    return "ok" if parse_type(ty).dtype == "float32" else ""
+
+
+@lru_cache(maxsize=None)
+def _count(tx: str, axes: str) -> str:
+    return str(math.prod(_shape(tx)[a] for a in ints(axes)))
+
+
+@norm_split.register
+def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, tx: String, ts: String):
+    """sum((x - sum(x)/n)^2) = sum(x*x) - sum(x)^2/n  (NOTE: cancellation; fp32 reductions only)."""
+    count = f64.from_i64(py_int(_count, tx, axes))
+    sum_squares = Reduce("sum", Binary("mul", x, x, tx), axes, Acc(ts), ts)
+    square_of_sum = Binary("mul", Load(s, ts), Load(s, ts), ts)
+    n = Lit(count, ts)
+    yield rule(
+        v == Reduce("sum", body, axes, Acc(ts), ts),
+        SquareOf(body, d, tx),
+        Centered(d, x, s, tx),
+        s == Reduce("sum", x, axes, Acc(ts), ts),
+        ne(py_string(_float32, ts)).to(String("")),
+    ).then(union(Load(v, ts)).with_(Binary("sub", Load(sum_squares, ts), Binary("div", square_of_sum, n, ts), ts)))
+
+
+@lru_cache(maxsize=None)
+def _stacked(tx: str, axes: str, ts: str) -> str:
+    """"[1]+x type|[2]+x type|axes+1|[1]+s type|[2]+s type" for stacking two statistics of x."""
+    x, s = parse_type(tx), parse_type(ts)
+    return "|".join((
+        format_type(x.dtype, (1, *x.shape)), format_type(x.dtype, (2, *x.shape)),
+        ints_key(a + 1 for a in ints(axes)),
+        format_type(s.dtype, (1, *s.shape)), format_type(s.dtype, (2, *s.shape)),
+    ))
+
+
+@lru_cache(maxsize=None)
+def _part(text: str, index: str) -> str:
+    return text.split("|")[int(index)]
+
+
+@norm_split.register
+def _stack_statistics(s1: Tensor, s2: Tensor, x: Expr, body: Expr, axes: String, tx: String, ts: String):
+    """sum(x) = R[0] and sum(x*x) = R[1] for R = sum(stack(x, x*x), axes + 1): one statistics kernel."""
+    layout = py_string(_stacked, tx, axes, ts)
+    x1_ty, x2_ty, stacked_axes, s1_ty, s2_ty = (py_string(_part, layout, String(str(k))) for k in range(5))
+    stacked = Concat(Reshape(x, x1_ty), Reshape(body, x1_ty), 0, 1, x2_ty)
+    both = Load(Reduce("sum", stacked, stacked_axes, Acc(s2_ty), s2_ty), s2_ty)
+    yield rule(
+        s1 == Reduce("sum", x, axes, Acc(ts), ts),
+        s2 == Reduce("sum", body, axes, Acc(ts), ts),
+        SquareOf(body, x, tx),
+    ).then(
+        union(Load(s1, ts)).with_(Reshape(Slice(both, 0, 0, 1, 1, s1_ty), ts)),
+        union(Load(s2, ts)).with_(Reshape(Slice(both, 0, 1, 2, 1, s1_ty), ts)),
+    )
