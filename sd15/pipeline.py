@@ -17,6 +17,7 @@ import copy
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from sd15.config import CLIPConfig, UNetConfig, VAEConfig
 from sd15.ddim import DDIM
 from sd15.params import init_random
 from sd15.tokenizer import Tokenizer, load_tokenizer, tiny_tokenizer
-from sd15.weights import is_single_file, load_all_params, load_params
+from sd15.weights import check_exists, is_single_file, load_all_params, load_params
 
 
 class UNet:
@@ -130,15 +131,17 @@ class Pipeline:
         so it is full-size SD 1.5 unless given.
         """
         configs = {"unet": unet_config, "vae": vae_config, "text_encoder": text_encoder_config}
+        check_exists(Path(path).expanduser())
+        single = is_single_file(path)
+        if not isinstance(tokenizer, Tokenizer):  # first: it is the cheap thing to get wrong
+            tokenizer = load_tokenizer(tokenizer if tokenizer is not None else (None if single else path))
         loaded = load_all_params(path, dtype, configs)
-        if not isinstance(tokenizer, Tokenizer):
-            tokenizer = load_tokenizer(tokenizer if tokenizer is not None else (None if is_single_file(path) else path))
         return cls(
             UNet(*loaded["unet"]),
             VAE(*loaded["vae"]),
             TextEncoder(*loaded["text_encoder"]),
             tokenizer,
-            DDIM() if is_single_file(path) else load_scheduler(path),
+            DDIM() if single else load_scheduler(path),
         )
 
     @classmethod
@@ -164,9 +167,18 @@ class Pipeline:
         ids = self.tokenizer([negative_prompt, prompt] if guided else [prompt])
         return self.text_encoder(ids)
 
-    def initial_latents(self, height: int, width: int, seed: int) -> jax.Array:
-        shape = (1, self.unet.config.in_channels, height // self.vae.scale_factor, width // self.vae.scale_factor)
-        return jax.random.normal(jax.random.key(seed), shape, jnp.float32) * self.scheduler.init_noise_sigma
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
+        return (1, self.unet.config.in_channels, height // self.vae.scale_factor, width // self.vae.scale_factor)
+
+    def initial_latents(self, height: int, width: int, seed: int, latents=None) -> jax.Array:
+        """`latents` (checked) or N(0, 1) from `seed`, times the scheduler's initial sigma (1 for DDIM)."""
+        shape = self.latent_shape(height, width)
+        if latents is None:
+            latents = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+        latents = jnp.asarray(latents, jnp.float32)
+        if latents.shape != shape:
+            raise ValueError(f"latents of shape {latents.shape}; {height}x{width} needs {shape}")
+        return latents * self.scheduler.init_noise_sigma
 
     def _denoise_step(self, unet_params, latents, timestep, context, guidance_scale, *, num_inference_steps, guided):
         """One DDIM step with classifier-free guidance (jitted once per step count)."""
@@ -200,19 +212,8 @@ class Pipeline:
         if height % multiple or width % multiple:
             raise ValueError(f"{height=} and {width=} must be multiples of {multiple}")
         guided = guidance_scale > 1.0
+        latents = self.initial_latents(height, width, seed, latents)
         context = self.encode_prompt(prompt, negative_prompt, guided)
-        if latents is None:
-            latents = self.initial_latents(height, width, seed)
-        else:
-            latents = jnp.asarray(latents, jnp.float32)
-            expected = (
-                1,
-                self.unet.config.in_channels,
-                height // self.vae.scale_factor,
-                width // self.vae.scale_factor,
-            )
-            if latents.shape != expected:
-                raise ValueError(f"latents of shape {latents.shape}; {height}x{width} needs {expected}")
         timesteps = self.scheduler.set_timesteps(num_inference_steps)
         for t in _progress(timesteps, progress):
             latents = self._step(

@@ -142,7 +142,7 @@ def _is_half(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2
 
 
-def _check_exists(path: Path) -> None:
+def check_exists(path: Path) -> None:
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
 
@@ -150,7 +150,7 @@ def _check_exists(path: Path) -> None:
 def locate(path: str | os.PathLike, component: str, prefer_half: bool = False) -> Location:
     """Find `component`'s weights under `path` (a pipeline folder, component folder or file)."""
     path = Path(path).expanduser()
-    _check_exists(path)
+    check_exists(path)
     if path.is_file():
         if single_file.is_original_checkpoint(read_index(path)):
             return Location("single_file", path, None)
@@ -307,7 +307,7 @@ def load_all_params(
     """
     configs = dict(configs or {})
     path = Path(path).expanduser()
-    _check_exists(path)
+    check_exists(path)
     problems = Problems()
     loaded: dict[str, tuple[dict[str, Tensor], Config]] = {}
     if is_single_file(path):
