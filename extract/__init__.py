@@ -1,0 +1,169 @@
+"""Extraction: the serialized e-graph -> the chosen term DAG -> a `Plan`.
+
+    data = extract.load(egraph._serialize())                 # parse the JSON once
+    result = extract.extract(data, handles, device="h100")   # roots by builder handle
+    result.terms, result.extractor, result.seconds
+
+`method`: "greedy" (`extract.greedy`), "ilp" (`extract.ilp` on the whole graph, greedy if it does
+not finish), or "auto": greedy, then the ILP on the whole graph when it is small enough, else on
+regions of the greedy plan (windows of its kernel order) while the time budget lasts; a region's
+answer replaces the greedy one only if the plan's modeled cost drops. `result.extractor` says
+what produced the plan: "greedy", "ilp", or "greedy+ilp(k/n regions)".
+
+Every candidate plan is rated by the roofline model on the terms it builds
+(`eqsat.cost.kernel_cost`, summed over distinct kernels), so all methods are compared on the
+cost the plan reports. Deterministic: ties keep the earlier candidate, the ILP runs under a
+branch-and-bound node limit, and regions are visited in order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from eqsat.cost import get_device, kernel_cost, kernels
+from extract.greedy import GreedyResult, extract_greedy
+from extract.ilp import IlpResult, extract_ilp
+from extract.serialized import GLOBAL, EGraphData, Selection, load, reachable_classes
+
+__all__ = ["Extraction", "extract", "load", "EGraphData", "Selection", "score_selection", "Plan"]
+
+
+def __getattr__(name):
+    if name in ("Plan", "Kernel", "Buffer"):
+        from extract import plan
+
+        return getattr(plan, name)
+    raise AttributeError(name)
+
+
+@dataclass
+class Extraction:
+    """The chosen DAG: its root terms, the selection behind them, and how it was found."""
+
+    graph: EGraphData
+    selection: Selection
+    terms: list                      # root Terms, in the order of the roots
+    class_of: dict                   # Tensor Term -> e-class index
+    extractor: str                   # "greedy" | "ilp" | "greedy+ilp(k/n regions)"
+    cost: float                      # modeled seconds of the plan
+    seconds: float                   # wall time of the extraction
+    details: dict = field(default_factory=dict)
+
+
+def score_selection(selection: Selection, device="h100", cutoff: float = math.inf) -> float:
+    """The modeled seconds of the plan a selection builds (`inf` once past `cutoff`)."""
+    device = get_device(device)
+    terms, _ = selection.to_terms()
+    total = 0.0
+    for kernel in kernels(terms):
+        total += kernel_cost(kernel, device).seconds
+        if total > cutoff:
+            return math.inf
+    return total
+
+
+def extract(data, handles=None, *, roots=None, device="h100", method: str = "auto",
+            time_limit: float = 5.0, ilp_max_variables: int = 20_000, region_kernels: int = 24,
+            node_limit: int | None = 2000) -> Extraction:
+    """Extract the plan of `handles` (builder handles of the root terms) or `roots` (classes)."""
+    started = time.perf_counter()
+    graph = data if isinstance(data, EGraphData) else load(data)
+    if roots is None:
+        if handles is None:
+            raise ValueError("pass the roots' builder handles or their class indices")
+        roots = graph.roots_of_handles(handles)
+    roots = list(roots)
+    device = get_device(device)
+    costs = graph.node_costs(device)
+
+    def score(selection: Selection, cutoff: float = math.inf) -> float:
+        return score_selection(selection, device, cutoff)
+
+    details: dict = {}
+    if method not in ("auto", "greedy", "ilp"):
+        raise ValueError(f"unknown extraction method {method!r}")
+    greedy: GreedyResult = extract_greedy(graph, roots, costs, score=score)
+    best, best_cost, extractor = greedy.selection, greedy.score, "greedy"
+    details["greedy"] = {"cost": greedy.score, "rounds": greedy.rounds, "evaluations_per_node": greedy.sweeps,
+                         "seconds": time.perf_counter() - started}
+    if method in ("auto", "ilp"):
+        remaining = time_limit - (time.perf_counter() - started)
+        whole = extract_ilp(graph, roots, costs, time_limit=max(remaining, 0.1), node_limit=node_limit,
+                            max_variables=ilp_max_variables if method == "auto" else 10 * ilp_max_variables)
+        details["ilp"] = _ilp_details(whole)
+        if whole.selection is not None:
+            value = score(whole.selection)
+            details["ilp"]["cost"] = value
+            if value < best_cost * (1 - 1e-12) or (method == "ilp" and value <= best_cost * (1 + 1e-12)):
+                best, best_cost, extractor = whole.selection, value, "ilp"
+        elif whole.status == "too large" and method == "auto":
+            best, best_cost, extractor, regional = _regional(
+                graph, roots, costs, best, best_cost, score, started, time_limit, region_kernels, node_limit)
+            details["regions"] = regional
+    terms, class_of = best.to_terms()
+    return Extraction(graph, best, terms, class_of, extractor, best_cost, time.perf_counter() - started, details)
+
+
+def _ilp_details(result: IlpResult) -> dict:
+    return {"status": result.status, "objective": result.objective, "variables": result.variables,
+            "constraints": result.constraints, "seconds": result.seconds}
+
+
+def regions_of(selection: Selection, per_region: int) -> list[set[int]]:
+    """Windows of `per_region` kernels of the selection's order, plus the tensor classes it does not
+    use, each joined to the window of the first used class it touches (a reader or an operand)."""
+    graph = selection.graph
+    order = selection.kernel_classes()
+    home: dict[int, int] = {}
+    for index, cls in enumerate(order):
+        home[cls] = index // max(per_region, 1)
+    tensors = [c for c in reachable_classes(graph, selection.roots) if graph.class_sort[c] == "Tensor"]
+    # Neighbours through expression classes: a tensor's operands and readers.
+    neighbours: dict[int, list[int]] = {c: [] for c in tensors}
+    for cls in tensors:
+        stack = [child for node in graph.class_nodes[cls] for child in graph.node_children[node] if child >= 0]
+        seen: set[int] = set()
+        while stack and len(seen) < 256:
+            child = stack.pop()
+            if child in seen:
+                continue
+            seen.add(child)
+            if graph.class_sort[child] == "Tensor":
+                neighbours[cls].append(child)
+                if child in neighbours:
+                    neighbours[child].append(cls)
+                continue
+            stack.extend(c for node in graph.class_nodes[child] for c in graph.node_children[node] if c >= 0)
+    for _ in range(4):  # unused classes join a neighbour's window, a few hops out
+        for cls in tensors:
+            if cls not in home:
+                homes = sorted(home[n] for n in neighbours[cls] if n in home)
+                if homes:
+                    home[cls] = homes[-1]
+    windows: dict[int, set[int]] = {}
+    for cls, window in home.items():
+        windows.setdefault(window, set()).add(cls)
+    return [windows[w] for w in sorted(windows)]
+
+
+def _regional(graph, roots, costs, best, best_cost, score, started, time_limit, per_region, node_limit):
+    regions = regions_of(best, per_region)
+    improved = 0
+    solved = 0
+    for region in regions:
+        remaining = time_limit - (time.perf_counter() - started)
+        if remaining <= 0.05:
+            break
+        result = extract_ilp(graph, roots, costs, region=region, incumbent=best, time_limit=remaining,
+                             node_limit=node_limit)
+        solved += 1
+        if result.selection is None:
+            continue
+        value = score(result.selection, best_cost)
+        if value < best_cost * (1 - 1e-12):
+            best, best_cost = result.selection, value
+            improved += 1
+    extractor = f"greedy+ilp({solved}/{len(regions)} regions)" if solved else "greedy"
+    return best, best_cost, extractor, {"regions": len(regions), "solved": solved, "improved": improved}

@@ -104,25 +104,19 @@ def _dtype(ty: str | None) -> str:
 
 
 def _conv_out_features(out_ty: str, rhs_ty: str, params: str) -> int:
-    """Cout of a conv: from `params` when it names the kernel layout, else from the shapes."""
+    """Cout of a conv: the weight's out-feature axis (`rhs_spec`'s first entry, see
+    `eqsat.conv_params`), else guessed from the shapes (NHWC or NCHW output)."""
     out_shape, rhs_shape = parse_type(out_ty).shape, parse_type(rhs_ty).shape
-    spec = _conv_rhs_spec(params)
-    if spec is not None and len(spec) == len(rhs_shape):
-        return rhs_shape[spec.index("O")]
-    # NHWC or NCHW output: Cout is the last or the second axis, and also an axis of the weight.
+    for field in params.split(";"):
+        name, _, value = field.partition("=")
+        if name == "rhs_spec" and value:
+            axis = ints(value)[0]
+            if 0 <= axis < len(rhs_shape):
+                return rhs_shape[axis]
     for candidate in (out_shape[-1], out_shape[1] if len(out_shape) > 1 else out_shape[-1]):
         if candidate in rhs_shape:
             return candidate
     return max(rhs_shape) if rhs_shape else 1
-
-
-def _conv_rhs_spec(params: str) -> str | None:
-    """The weight layout letters ("OIHW") if `params` spells dimension numbers as letters."""
-    for token in params.replace(";", " ").replace("|", " ").replace(",", " ").replace("=", " ").split():
-        token = token.strip("()[]'\"")
-        if len(token) >= 3 and set(token) >= {"O", "I"} and token.isalpha() and token.isupper():
-            return token
-    return None
 
 
 def own_flops(op: str, args: Sequence) -> float:
