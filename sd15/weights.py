@@ -70,7 +70,7 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One tensor of a safetensors file: its shape now, its values on `read()`."""
+    """One tensor of a safetensors file, by name and shape; `read_tensors` reads the values."""
 
     file: Path
     key: str
@@ -182,7 +182,7 @@ def read_config(component: str, location: Location, config: Config | None) -> Co
 
 # Tensors a diffusers/transformers component folder holds that SD 1.5 inference never reads.
 _IGNORED = {
-    "unet": re.compile(r"^$"),
+    "unet": re.compile(r"(?!)"),  # nothing
     "vae": re.compile(r"^(encoder\.|quant_conv\.)"),
     "text_encoder": re.compile(r"^(text_model\.)?embeddings\.position_ids$"),
 }
@@ -225,7 +225,7 @@ def single_file_tensors(
 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, dict[str, str]], list[str]]:
     """Split a single-file index by network: ({component: {param name: Tensor}}, display names, strays).
 
-    Display names are "diffusers name (original name)" for the error message; strays are keys of
+    Display names are "original name (diffusers name)" for the error message; strays are keys of
     no network.
     """
     unet, vae, text = single_file.to_diffusers(index, configs["unet"], configs["vae"], configs["text_encoder"])
