@@ -43,7 +43,7 @@ def evaluate(terms, env, constants=None, payloads=None) -> list:
 def evaluate_program(program, *args):
     """Run a lifted `Program` on the arguments of the function it was lifted from."""
     in_tree = program.in_tree
-    if program.static_argnums and in_tree is not None and len(args) != in_tree.num_children:
+    if program.static_argnums and in_tree is not None and len(args) != len(in_tree.children()):
         args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
     leaves, tree = jax.tree_util.tree_flatten(args)
     if in_tree is not None and tree != in_tree:

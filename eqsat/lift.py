@@ -61,6 +61,7 @@ wrappers dropped), e.g. `"down_blocks.0/down_blocks.0.resnets.1"`; `""` outside 
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from functools import lru_cache
 from typing import Callable
@@ -163,7 +164,7 @@ _REDUCE_PRIMITIVES = {
 }
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                       "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat"})
-_IDENTITIES = frozenset({"optimization_barrier", "pvary", "sharding_constraint", "mesh_cast", "reshard",
+_IDENTITIES = frozenset({"stop_gradient", "optimization_barrier", "pvary", "sharding_constraint", "mesh_cast", "reshard",
                          "pbroadcast", "name"})
 
 
@@ -320,9 +321,15 @@ class _Lifter:
         tensor = self.tensor(atom)
         load = Term("Load", tensor, tensor.ty)
         if tuple(target) != tuple(aval.shape):
-            if aval.shape != ():
+            # Elementwise primitives broadcast rank-0 operands and, since jax 0.10, size-1 axes
+            # of equal-rank operands: both are a `broadcast_in_dim`.
+            if aval.shape == ():
+                dims = ""
+            elif len(aval.shape) == len(target) and all(d in (1, t) for d, t in zip(aval.shape, target)):
+                dims = ints_key(range(len(target)))
+            else:
                 raise LiftError(f"operand of shape {aval.shape} used at shape {target}")
-            load = Term("Broadcast", load, "", _ty_of(aval.dtype, target))
+            load = Term("Broadcast", load, dims, _ty_of(aval.dtype, target))
         return load
 
     def constant(self, array) -> Term:
@@ -332,7 +339,7 @@ class _Lifter:
             self._constant_keys[id(array)] = key
             self._constant_arrays.append(array)
             self.constants[key] = array
-        return Term("Constant", key, _ty(core.get_aval(array)))
+        return Term("Constant", key, _ty_of(np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype, np.shape(array)))
 
     def literal_tensor(self, atom) -> Term:
         value = np.asarray(atom.val, dtype=atom.aval.dtype)
@@ -894,12 +901,20 @@ class _Lifter:
             self._warned.add(name)
             message = f"eqsat.lift: no term for primitive {name!r}; it stays an opaque XLA op"
             self.warnings.append(message)
-            warnings.warn(message, OpaqueWarning, stacklevel=4)
+            warnings.warn(message, OpaqueWarning, stacklevel=_caller_stacklevel())
         key = self.fresh_key(f"{name}#")
         self.payloads[key] = (eqn.primitive, dict(eqn.params))
         operands = tensor_list([self.tensor(atom) for atom in eqn.invars])
         return [self.kernel(Term("Opaque", key, operands, index, _ty(var.aval)))
                 for index, var in enumerate(eqn.outvars)]
+
+
+def _caller_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the first frame outside this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _open(jaxpr) -> tuple[core.Jaxpr, list]:
