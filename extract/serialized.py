@@ -124,8 +124,11 @@ def load(serialized) -> EGraphData:
         cls = intern_class(node["eclass"])
         node_class_of[nid] = cls
         sort = class_sort[cls]
-        if sort in PRIMITIVE_SORTS or (node["op"] not in OPS and node["op"] != "Ref" and not node["children"]):
-            literal_of[nid] = parse_literal(node["op"], sort)
+        if not node["children"] and node["op"] not in OPS and (sort in PRIMITIVE_SORTS or nid.startswith("primitive")):
+            try:
+                literal_of[nid] = parse_literal(node["op"], sort)
+            except ValueError:
+                literal_of[nid] = node["op"]
 
     node_op: list[str] = []
     node_class: list[int] = []
@@ -140,6 +143,8 @@ def load(serialized) -> EGraphData:
         cls = node_class_of[nid]
         children = node["children"]
         if op == "Ref":
+            if children[0] not in literal_of:
+                continue
             handle = int(literal_of[children[0]])
             handles[handle] = cls
             class_handles.setdefault(cls, []).append(handle)
@@ -148,6 +153,8 @@ def load(serialized) -> EGraphData:
             continue
         node_op.append(op)
         node_class.append(cls)
+        if any(c not in literal_of and c not in node_class_of for c in children):
+            continue
         node_children.append(tuple(-1 if c in literal_of else node_class_of[c] for c in children))
         node_literals.append(tuple(literal_of.get(c) for c in children))
 

@@ -1,0 +1,249 @@
+"""`eqsat.optimize`: the user-facing driver, one named call per stage.
+
+    fast = eqsat.optimize(fn, device="h100")          # or @eqsat.optimize / @eqsat.optimize(...)
+    lowered = fast.lower(*args)                        # arrays or ShapeDtypeStructs
+    lowered.plan, lowered.program, lowered.egraph, lowered.stats, print(lowered.report())
+    fast(*args)                                        # runs the plan (reference interpreter)
+
+Stages, timed under these names in `stats["seconds"]`, logs and reports:
+
+    lift       jaxpr -> naive program, one kernel per primitive       (eqsat.lift)
+    build      program terms -> e-graph                                (eqsat.egraph.Builder)
+    saturate   rule families until saturated or a limit               (eqsat.saturate)
+    extract    serialized e-graph -> chosen DAG -> Plan                (extract)
+
+If saturation stops at a limit, the e-graph still holds every rewrite made so far, so the
+extracted plan is the best found so far; a warning says which limit stopped it. Calling the
+optimized function evaluates the plan with the reference interpreter (`eqsat.interpret`):
+correct everywhere, fast nowhere. Emitting the plan as Pallas kernels is the `emit/` stage.
+Lowerings are cached per argument signature (shapes, dtypes, pytree structure, static values).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+
+STAGES = ("lift", "build", "saturate", "extract")
+
+
+class SaturationLimitWarning(UserWarning):
+    """Saturation stopped at a limit: the plan is the best found in the e-graph so far."""
+
+
+@dataclass
+class Lowered:
+    """One lowering of an optimized function for one argument signature."""
+
+    program: object                 # eqsat.program.Program
+    egraph: object                  # the saturated egglog EGraph
+    plan: object                    # extract.plan.Plan
+    stats: dict
+    saturation: object = None       # eqsat.saturate.SaturationReport
+    extraction: object = None       # extract.Extraction
+    builder: object = None          # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
+    warnings: list = field(default_factory=list)
+
+    def __call__(self, *args):
+        return self.plan.evaluate(*args)
+
+    def report(self, depth: int = 1) -> str:
+        """The stats and the per-component table of the plan."""
+        s = self.stats
+        stages = ", ".join(f"{name} {sec:.2f}s" for name, sec in s["seconds"].items())
+        stop = "saturated" if s["saturated"] else f"stopped by {s['limit_reached']}"
+        lines = [
+            f"{s['naive_kernels']} naive kernels -> {s['fused_kernels']} fused ({s['extractor']}) on {s['device']}",
+            f"modeled {s['plan_seconds'] * 1e6:,.1f} µs, {s['plan_bytes'] / 1e6:,.1f} MB moved, "
+            f"peak activations {s['plan_peak_bytes'] / 1e6:,.1f} MB",
+            f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
+            f"stages: {stages}",
+        ]
+        return "\n".join(lines) + "\n" + self.plan.summary(depth)
+
+
+class Optimized:
+    """A function wrapped by `optimize`: `.lower(*args)` plans it, calling it runs the plan."""
+
+    def __init__(self, fn, *, static_argnums=(), device="h100", rulesets=None, node_limit=200_000,
+                 iteration_limit=100, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
+                 progress=None):
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        self.fn = fn
+        self.static_argnums = tuple(static_argnums)
+        self.device = device
+        self.rulesets = rulesets
+        self.node_limit = node_limit
+        self.iteration_limit = iteration_limit
+        self.time_limit = time_limit
+        self.extractor = extractor
+        self.extract_time_limit = extract_time_limit
+        self.progress = progress
+        self._cache: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        return self.lower(*args).plan.evaluate(*args)
+
+    def _signature(self, args) -> tuple:
+        import jax
+        import numpy as np
+
+        static = []
+        dynamic = []
+        for i, arg in enumerate(args):
+            if i in self.static_argnums or (i - len(args)) in self.static_argnums:
+                static.append((i, arg))
+            else:
+                dynamic.append(arg)
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        shapes = tuple((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
+        return tree, shapes, tuple(static)
+
+    def lower(self, *args) -> Lowered:
+        try:
+            key = self._signature(args)
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self._cache:
+            return self._cache[key]
+        lowered = lower(self.fn, *args, static_argnums=self.static_argnums, device=self.device,
+                        rulesets=self.rulesets, node_limit=self.node_limit, iteration_limit=self.iteration_limit,
+                        time_limit=self.time_limit, extractor=self.extractor,
+                        extract_time_limit=self.extract_time_limit, progress=self.progress)
+        if key is not None:
+            self._cache[key] = lowered
+        return lowered
+
+
+def optimize(fn=None, *, static_argnums=(), device="h100", rulesets=None, node_limit: int = 200_000,
+             iteration_limit: int = 100, time_limit: float = 60.0, extractor: str = "auto",
+             extract_time_limit: float = 5.0, progress: bool | None = None):
+    """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
+
+    `rulesets`: None for `eqsat.schedule.default_schedule()`, family names (`["absorb"]`), or
+    anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets). `node_limit`,
+    `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy" or "ilp"
+    (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
+    """
+    options = dict(static_argnums=static_argnums, device=device, rulesets=rulesets, node_limit=node_limit,
+                   iteration_limit=iteration_limit, time_limit=time_limit, extractor=extractor,
+                   extract_time_limit=extract_time_limit, progress=progress)
+    if fn is None:
+        return lambda f: Optimized(f, **options)
+    return Optimized(fn, **options)
+
+
+def _schedule(rulesets):
+    from eqsat.schedule import default_schedule
+
+    if rulesets is None:
+        return default_schedule()
+    if isinstance(rulesets, str):
+        return default_schedule([rulesets])
+    if isinstance(rulesets, (list, tuple)) and rulesets and all(isinstance(r, str) for r in rulesets):
+        return default_schedule(rulesets)
+    return rulesets
+
+
+def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit=200_000, iteration_limit=100,
+          time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None) -> Lowered:
+    """Run the stages on `fn(*args)` and return the `Lowered` result (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    from eqsat.cost import count_kernels, get_device
+
+    device = get_device(device)
+    seconds: dict[str, float] = {}
+    bar = tqdm(total=len(STAGES), desc="eqsat", unit="stage", delay=0.0 if progress else 2.0,
+               disable=progress is False, leave=False)
+    caught: list = []
+
+    def stage(name):
+        bar.set_postfix_str(name, refresh=False)
+        return _Timer(name, seconds, bar)
+
+    try:
+        with stage("lift"):
+            from eqsat.lift import lift
+
+            with warnings.catch_warnings(record=True) as lift_warnings:
+                warnings.simplefilter("always")
+                program = lift(fn, *args, static_argnums=static_argnums)
+            for w in lift_warnings:
+                caught.append(str(w.message))
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        with stage("build"):
+            from eqsat.egraph import Builder
+
+            builder = Builder()
+            handles = builder.add(program.outputs)
+        with stage("saturate"):
+            from eqsat.saturate import saturate
+
+            report = saturate(builder.egraph, _schedule(rulesets), node_limit=node_limit,
+                              iteration_limit=iteration_limit, time_limit=time_limit)
+        if not report.saturated:
+            message = (f"saturation stopped by {report.limit_reached} after {report.iterations} iterations "
+                       f"({report.e_nodes} e-nodes): the plan is the best found so far")
+            caught.append(message)
+            warnings.warn(message, SaturationLimitWarning, stacklevel=3)
+        with stage("extract"):
+            import extract as extraction_stage
+            from extract.plan import plan_from_extraction
+
+            extraction = extraction_stage.extract(builder.egraph._serialize(), handles, device=device,
+                                                  method=extractor, time_limit=extract_time_limit)
+            plan = plan_from_extraction(extraction, program, builder.handles, device)
+    finally:
+        bar.close()
+
+    stats = {
+        "naive_kernels": count_kernels(program.outputs),
+        "fused_kernels": len(plan.kernels),
+        "plan_bytes": plan.bytes,
+        "plan_peak_bytes": plan.peak_bytes,
+        "plan_seconds": plan.seconds,
+        "plan_flops": plan.flops,
+        "seconds": seconds,
+        "extractor": extraction.extractor,
+        "saturated": report.saturated,
+        "limit_reached": report.limit_reached,
+        "e_nodes": report.e_nodes,
+        "e_classes": report.e_classes,
+        "iterations": report.iterations,
+        "device": device.name,
+        "kinds": plan.kinds(),
+    }
+    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught)
+
+
+class _Timer:
+    def __init__(self, name: str, seconds: dict, bar):
+        self.name, self.seconds, self.bar = name, seconds, bar
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds[self.name] = time.perf_counter() - self.start
+        self.bar.update(1)
+        return False
+
+
+class _CallableModule(types.ModuleType):
+    """`import eqsat.optimize` binds the module where `eqsat.optimize` means the function; calling the
+    module calls the function, so `eqsat.optimize(fn)` works whichever one the attribute holds."""
+
+    def __call__(self, *args, **kwargs):
+        return optimize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

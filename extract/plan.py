@@ -1,0 +1,398 @@
+"""The `Plan`: the kernels an extraction chose, in order, with their buffers and modeled cost.
+
+    plan = Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
+                      class_components=components, device="h100", extractor="greedy")
+    plan.kernels[i].kind / .component / .inputs / .outputs / .term / .bytes / .flops / .seconds
+    plan.peak_bytes; print(plan.summary(depth=1)); plan.to_json(); plan.evaluate(*args)
+
+- `kernels`: every kernel term reachable from the outputs, producers first (a `Loop`'s body
+  belongs to the loop). `.term` is the kernel itself: its operand expressions (prologues),
+  epilogue and views are its arguments.
+- `.kind`: `Pointwise` -> pointwise, `Matmul` -> matmul, `Conv` -> conv, `Attention` -> attention,
+  `Gather` -> gather, `Reduce` -> norm when its component's innermost module is a normalization
+  (`norm1`, `final_layer_norm`, `conv_norm_out`, ...; these are the statistics passes), else
+  reduce, `Opaque` -> opaque. The rest map to the closest template: `AssignStatic` and
+  `AssignDynamic` write a box elementwise -> pointwise; `AssignScatter` is an indexed write ->
+  gather; `Loop` runs a nested program -> opaque.
+- `.component`: the innermost named scope (`"up_blocks.1.attentions.2.transformer_blocks.0.attn1"`)
+  of the lifted node whose e-class the kernel fills (`Ref` handles map a class to lifted terms);
+  a kernel of a class no lifted node is in (a horizontal fusion, say) takes the component of its
+  first reader, else of its first operand.
+- Buffers: one per materialized tensor, live from its producing kernel to its last reader;
+  program outputs live to the end. `peak_bytes` is the largest sum of live activation buffers
+  over the kernel order (inputs, weights and constants are not counted).
+- `evaluate(*args)` runs the plan's terms through the reference interpreter (`eqsat.interpret`);
+  emitting Pallas kernels from a plan is a later stage (`emit/`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+
+from eqsat.cost import get_device, kernel_cost, kernel_reads, kernels as kernel_order
+
+KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "opaque")
+_KIND = {
+    "Pointwise": "pointwise", "Reduce": "reduce", "Matmul": "matmul", "Conv": "conv", "Attention": "attention",
+    "Gather": "gather", "AssignStatic": "pointwise", "AssignDynamic": "pointwise", "AssignScatter": "gather",
+    "Opaque": "opaque", "Loop": "opaque",
+}
+
+
+def module_path(component: str) -> str:
+    """The innermost scope of a `/`-joined component path."""
+    return component.rsplit("/", 1)[-1] if component else ""
+
+
+def component_group(component: str, depth: int) -> str:
+    """The first `depth` module levels of a dotted path, an index staying with its module:
+    `component_group("down_blocks.0.resnets.1.conv1", 1)` -> `"down_blocks.0"`, depth 2 ->
+    `"down_blocks.0.resnets.1"`. `""` stays `""`."""
+    levels: list[str] = []
+    for part in module_path(component).split("."):
+        if not part:
+            continue
+        if part.isdigit() and levels:
+            levels[-1] += "." + part
+        else:
+            levels.append(part)
+    return ".".join(levels[:depth]) if depth > 0 else ".".join(levels)
+
+
+def kernel_kind(term, component: str = "") -> str:
+    kind = _KIND.get(term.op, "opaque")
+    if kind == "reduce" and "norm" in component_group(component, 0).rsplit(".", 1)[-1]:
+        return "norm"
+    return kind
+
+
+@dataclass
+class Kernel:
+    index: int
+    term: object                 # the kernel's Tensor term (eqsat.term.Term), its fused expression tree
+    kind: str
+    component: str
+    inputs: list                 # tensors it reads (kernel outputs, inputs, constants), each once
+    outputs: list                # tensors it writes: [term]
+    bytes: float
+    flops: float
+    seconds: float
+    eclass: int | None = None
+
+    @property
+    def op(self) -> str:
+        return self.term.op
+
+
+@dataclass
+class Buffer:
+    term: object
+    name: str
+    bytes: int
+    first: int                   # producing kernel index (-1: an input or constant)
+    last: int                    # last kernel that reads it (the last kernel for outputs)
+    kind: str                    # "activation" | "output" | "input" | "constant"
+
+
+@dataclass
+class Plan:
+    kernels: list[Kernel]
+    buffers: list[Buffer]
+    outputs: list                # the root terms, in the program's output order
+    device: str
+    extractor: str = "naive"
+    program: object = None       # the eqsat.program.Program it was extracted for, if any
+    naive_kernels: int | None = None
+    naive_by_component: dict[str, int] = field(default_factory=dict)
+    peak_bytes: int = 0
+
+    # --- construction --------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, outputs, *, program=None, class_of=None, class_components=None, device="h100",
+              extractor: str = "naive") -> "Plan":
+        """The plan of computing `outputs` (Tensor terms).
+
+        `class_of` maps Tensor terms to e-classes and `class_components` e-classes to component
+        paths (see `components_of_classes`); the program's own `components` serve lifted terms.
+        """
+        device = get_device(device)
+        class_of = class_of or {}
+        class_components = class_components or {}
+        lifted = program.components if program is not None else {}
+        order = kernel_order(outputs)
+        index_of = {term: i for i, term in enumerate(order)}
+
+        components: list[str | None] = []
+        for term in order:
+            component = lifted.get(term)
+            if component is None and term in class_of:
+                component = class_components.get(class_of[term])
+            components.append(module_path(component) if component is not None else None)
+
+        reads = [kernel_reads(term) for term in order]
+        readers: dict[int, list[int]] = {}
+        for i, tensors in enumerate(reads):
+            for tensor in tensors:
+                if tensor in index_of:
+                    readers.setdefault(index_of[tensor], []).append(i)
+        # Kernels no lifted node stands for: their first reader's component, else an operand's.
+        for i in range(len(order)):
+            if components[i] is None:
+                for reader in readers.get(i, []):
+                    if components[reader]:
+                        components[i] = components[reader]
+                        break
+        for i in range(len(order)):
+            if components[i] is None:
+                for tensor in reads[i]:
+                    j = index_of.get(tensor)
+                    if j is not None and components[j]:
+                        components[i] = components[j]
+                        break
+        kernels = []
+        for i, term in enumerate(order):
+            cost = kernel_cost(term, device)
+            component = components[i] or ""
+            kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]), [term],
+                                  cost.bytes, cost.flops, cost.seconds, class_of.get(term)))
+
+        buffers = _buffers(order, reads, outputs)
+        plan = cls(kernels, buffers, list(outputs), device.name, extractor, program)
+        plan.peak_bytes = _peak(buffers, len(order))
+        if program is not None:
+            naive = kernel_order(program.outputs)
+            plan.naive_kernels = len(naive)
+            for term in naive:
+                group = module_path(program.components.get(term, ""))
+                plan.naive_by_component[group] = plan.naive_by_component.get(group, 0) + 1
+        return plan
+
+    # --- totals ---------------------------------------------------------------------------
+
+    @property
+    def bytes(self) -> float:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def flops(self) -> float:
+        return sum(k.flops for k in self.kernels)
+
+    @property
+    def seconds(self) -> float:
+        return sum(k.seconds for k in self.kernels)
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+    def kinds(self) -> dict[str, int]:
+        counts = {kind: 0 for kind in KINDS}
+        for kernel in self.kernels:
+            counts[kernel.kind] = counts.get(kernel.kind, 0) + 1
+        return {kind: n for kind, n in counts.items() if n}
+
+    # --- reports --------------------------------------------------------------------------
+
+    def rows(self, depth: int = 1) -> list[dict]:
+        """Per component group (see `component_group`): naive and fused kernels, bytes, seconds."""
+        rows: dict[str, dict] = {}
+
+        def row(group: str) -> dict:
+            return rows.setdefault(group, {"component": group, "naive": 0, "fused": 0, "bytes": 0.0,
+                                           "seconds": 0.0, "kinds": {}})
+
+        for component, count in self.naive_by_component.items():
+            row(component_group(component, depth))["naive"] += count
+        for kernel in self.kernels:
+            entry = row(component_group(kernel.component, depth))
+            entry["fused"] += 1
+            entry["bytes"] += kernel.bytes
+            entry["seconds"] += kernel.seconds
+            entry["kinds"][kernel.kind] = entry["kinds"].get(kernel.kind, 0) + 1
+        order = {}
+        for kernel in self.kernels:  # groups in the order the plan first reaches them
+            order.setdefault(component_group(kernel.component, depth), len(order))
+        return sorted(rows.values(), key=lambda r: (order.get(r["component"], len(order)), r["component"]))
+
+    def summary(self, depth: int = 1, *, print_it: bool = False) -> str:
+        """A per-component table (naive vs fused kernels, modeled traffic and time) with totals."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"plan on {self.device} ({self.extractor})", show_footer=True)
+        rows = self.rows(depth)
+        naive_total = self.naive_kernels if self.naive_kernels is not None else sum(r["naive"] for r in rows)
+        table.add_column("component", footer="total")
+        table.add_column("naive", justify="right", footer=str(naive_total))
+        table.add_column("fused", justify="right", footer=str(len(self.kernels)))
+        table.add_column("MB moved", justify="right", footer=f"{self.bytes / 1e6:,.1f}")
+        table.add_column("µs", justify="right", footer=f"{self.seconds * 1e6:,.1f}")
+        table.add_column("kernels by kind")
+        for r in rows:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
+            table.add_row(r["component"] or "(no scope)", str(r["naive"]), str(r["fused"]),
+                          f"{r['bytes'] / 1e6:,.1f}", f"{r['seconds'] * 1e6:,.1f}", kinds)
+        console = Console(file=io.StringIO(), width=120, record=True, force_terminal=False)
+        console.print(table)
+        console.print(f"peak activation memory {self.peak_bytes / 1e6:,.1f} MB")
+        text = console.export_text()
+        if print_it:
+            Console().print(table)
+        return text
+
+    def __repr__(self) -> str:
+        naive = f"{self.naive_kernels} naive -> " if self.naive_kernels is not None else ""
+        return (f"Plan({naive}{len(self.kernels)} kernels, {self.bytes / 1e6:,.1f} MB, "
+                f"{self.seconds * 1e6:,.1f} µs on {self.device}, peak {self.peak_bytes / 1e6:,.1f} MB, "
+                f"{self.extractor})")
+
+    def to_dict(self) -> dict:
+        names = {b.term: b.name for b in self.buffers}
+        return {
+            "device": self.device,
+            "extractor": self.extractor,
+            "naive_kernels": self.naive_kernels,
+            "fused_kernels": len(self.kernels),
+            "bytes": self.bytes,
+            "flops": self.flops,
+            "seconds": self.seconds,
+            "peak_bytes": self.peak_bytes,
+            "kinds": self.kinds(),
+            "kernels": [
+                {"index": k.index, "kind": k.kind, "op": k.op, "component": k.component,
+                 "inputs": [names.get(t, "?") for t in k.inputs], "outputs": [names[t] for t in k.outputs],
+                 "bytes": k.bytes, "flops": k.flops, "seconds": k.seconds, "type": k.term.ty,
+                 "expression": render(k.term, names)}
+                for k in self.kernels
+            ],
+            "buffers": [{"name": b.name, "kind": b.kind, "bytes": b.bytes, "first": b.first, "last": b.last}
+                        for b in self.buffers],
+            "outputs": [names.get(t, "?") for t in self.outputs],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    # --- running ----------------------------------------------------------------------------
+
+    def evaluate(self, *args):
+        """Run the plan through the reference interpreter on the function's own arguments."""
+        import jax
+
+        from eqsat.interpret import evaluate
+
+        program = self.program
+        if program is None:
+            raise ValueError("this plan has no program: evaluate its terms with eqsat.interpret.evaluate")
+        if program.static_argnums and program.in_tree is not None and len(args) != program.in_tree.num_children:
+            args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if program.in_tree is not None and tree != program.in_tree:
+            raise TypeError(f"arguments {tree} do not match the plan's {program.in_tree}")
+        env = {term.args[0]: leaf for term, leaf in zip(program.inputs, leaves)}
+        values = evaluate(self.outputs, env, program.constants, program.payloads)
+        if program.out_tree is None:
+            return values
+        return jax.tree_util.tree_unflatten(program.out_tree, values)
+
+
+def _nbytes(term) -> int:
+    from eqsat.types import parse_type
+
+    parsed = parse_type(term.ty)
+    return parsed.size * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+                          "bool": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                          "uint64": 8}[parsed.dtype]
+
+
+def _buffers(order, reads, outputs) -> list[Buffer]:
+    index_of = {term: i for i, term in enumerate(order)}
+    last_read: dict = {}
+    external: dict = {}
+    for i, tensors in enumerate(reads):
+        for tensor in tensors:
+            last_read[tensor] = i
+            if tensor not in index_of:
+                external.setdefault(tensor, None)
+    end = len(order) - 1
+    output_set = set(outputs)
+    buffers = []
+    for tensor in external:
+        kind = "constant" if tensor.op == "Constant" else "input"
+        name = tensor.args[0] if tensor.op in ("Input", "Constant", "LoopArg") else f"ext{len(buffers)}"
+        if tensor.op == "Constant":
+            name = f"const:{name}"
+        buffers.append(Buffer(tensor, name, _nbytes(tensor), -1, last_read[tensor], kind))
+    for i, term in enumerate(order):
+        is_output = term in output_set
+        last = end if is_output else last_read.get(term, i)
+        buffers.append(Buffer(term, f"%{i}", _nbytes(term), i, last, "output" if is_output else "activation"))
+    for term in outputs:  # outputs that are inputs or constants themselves
+        if term not in index_of and term not in external:
+            buffers.append(Buffer(term, term.args[0] if term.op in ("Input", "Constant") else "?", _nbytes(term),
+                                  -1, end, "input"))
+    return buffers
+
+
+def _peak(buffers: list[Buffer], count: int) -> int:
+    if count == 0:
+        return 0
+    delta = [0] * (count + 1)
+    for b in buffers:
+        if b.kind in ("activation", "output"):
+            delta[b.first] += b.bytes
+            delta[b.last + 1] -= b.bytes
+    peak = live = 0
+    for i in range(count):
+        live += delta[i]
+        peak = max(peak, live)
+    return peak
+
+
+def render(kernel, names: dict, limit: int = 4000) -> str:
+    """A kernel's expression as an s-expression; tensors it reads appear by buffer name."""
+    out: dict[int, str] = {}
+    stack = [(kernel, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in out:
+            continue
+        if node is not kernel and node.sort == "Tensor":
+            out[id(node)] = names.get(node, node.op)
+            continue
+        if not ready:
+            stack.append((node, True))
+            stack.extend((c, False) for c in node.children if id(c) not in out)
+            continue
+        parts = []
+        for arg in node.args[:-1] if node.sort != "TensorList" else node.args:
+            parts.append(out[id(arg)] if not isinstance(arg, (str, int, float)) else repr(arg))
+        text = f"{node.op}({', '.join(parts)})"
+        out[id(node)] = text if len(text) <= limit else text[: limit - 1] + "…"
+    return out[id(kernel)]
+
+
+def components_of_classes(class_handles: dict[int, list[int]], handle_terms: dict[int, object],
+                          components: dict) -> dict[int, str]:
+    """E-class -> component: that of its lowest builder handle whose lifted term has one."""
+    result: dict[int, str] = {}
+    for cls, handles in class_handles.items():
+        for handle in handles:
+            term = handle_terms.get(handle)
+            component = components.get(term) if term is not None else None
+            if component:
+                result[cls] = component
+                break
+    return result
+
+
+def plan_from_extraction(extraction, program=None, handles: dict | None = None, device="h100") -> Plan:
+    """The `Plan` of an `extract.Extraction`; `handles` is `Builder.handles` (Term -> handle)."""
+    class_components: dict[int, str] = {}
+    if program is not None and handles is not None:
+        handle_terms = {h: t for t, h in handles.items()}
+        class_components = components_of_classes(extraction.graph.class_handles, handle_terms, program.components)
+    return Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
+                      class_components=class_components, device=device, extractor=extraction.extractor)
