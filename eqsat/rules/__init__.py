@@ -500,14 +500,15 @@ class _Lifted:
 def _lift(example: Example, args: tuple) -> _Lifted:
     import jax
 
-    from eqsat import interpret, lift
+    from eqsat.interpret import evaluate
+    from eqsat.lift import lift
 
-    program = lift.lift(example.fn, *args)
+    program = lift(example.fn, *args)
     leaves = jax.tree.leaves(args)
     env = {f"arg{i}": leaf for i, leaf in enumerate(leaves)}
     with jax.default_matmul_precision("highest"):
         expected = [np.asarray(x) for x in jax.tree.leaves(example.fn(*args))]
-        naive = interpret.evaluate(list(program.outputs), env, program.constants, program.payloads)
+        naive = evaluate(list(program.outputs), env, program.constants, program.payloads)
     why = _compare([np.asarray(x) for x in naive], expected)
     if why is not None:
         raise RuleCheckError(
@@ -539,13 +540,13 @@ def _plans(builder, handles, extractions_limit: int, seed: int) -> list[list[Ter
 def _first_wrong(plans, lifted: _Lifted) -> tuple[list[Term], str] | None:
     import jax
 
-    from eqsat import interpret
+    from eqsat.interpret import evaluate
 
     program = lifted.program
     for plan in plans:
         with jax.default_matmul_precision("highest"):
             try:
-                values = interpret.evaluate(plan, lifted.env, program.constants, program.payloads)
+                values = evaluate(plan, lifted.env, program.constants, program.payloads)
             except Exception as error:  # an ill-typed term is as wrong as a wrong value
                 return plan, f"evaluation failed: {type(error).__name__}: {error}"
         why = _compare([np.asarray(v) for v in values], lifted.expected)
@@ -574,7 +575,7 @@ def resolve_ruleset(ruleset):
     return ruleset
 
 
-def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None, iterations: int = 4,
+def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None, iterations: int = 10,
           extractions_per_draw: int = 24, rules: Sequence[str] | None = None) -> CheckReport:
     """Check `ruleset` (a ruleset, family module or family name) for soundness on its `EXAMPLES`.
 

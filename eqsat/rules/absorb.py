@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, f64, rewrite, rule, ruleset, union
+from egglog import String, StringLike, f64, function, i64, rewrite, rule, ruleset, set_, union
 
 from eqsat.lang import (
-    Acc, Attention, Binary, Broadcast, Conv, Expr, Load, Matmul, Pointwise, Reduce, Reshape, Tensor, Unary,
+    Attention, Binary, Broadcast, Concat, Constant, Conv, DynamicSlice, Expr, Input, Iota, Lit, Load, Matmul, Pad,
+    Pointwise, Reduce, Ref, Reshape, Select, Slice, Tensor, Transpose, Unary,
 )
 from eqsat.rules import Example, dim, flag, py_string, py_true, tensor
 from eqsat.types import format_type, ints, parse_type
@@ -63,13 +64,75 @@ def _expand_only(dims: str, source: str, target: str) -> str:
 
 
 def _kinds(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64):
-    """Each kernel kind with an epilogue, as `(epilogue, ty) -> Tensor` over shared pattern variables."""
+    """Each kernel kind with an epilogue over shared pattern variables, as a pair:
+    `(epilogue, ty) -> Tensor` and the kind's `core` (the kernel without its epilogue, see below)."""
     return (
-        lambda epi, ty: Matmul(a, b, key, epi, ty),
-        lambda epi, ty: Conv(a, b, key, epi, ty),
-        lambda epi, ty: Reduce(key, a, axes, epi, ty),
-        lambda epi, ty: Attention(a, b, c, scale, epi, ty),
+        (lambda epi, ty: Matmul(a, b, key, epi, ty), matmul_core(a, b, key)),
+        (lambda epi, ty: Conv(a, b, key, epi, ty), conv_core(a, b, key)),
+        (lambda epi, ty: Reduce(key, a, axes, epi, ty), reduce_core(key, a, axes)),
+        (lambda epi, ty: Attention(a, b, c, scale, epi, ty), attention_core(a, b, c)),
     )
+
+
+# --- the epilogue guard: what an expression reads ---------------------------------------------------
+# An epilogue may read `y` only if `y` does not depend on the kernel's own core; otherwise the
+# plan computes the core twice (a residual x + f(x) absorbed into x's producer, silu's
+# h * logistic(h) as h's kernel reading logistic(h) from a twin, a norm's apply absorbed into the
+# producer of its own statistics). Builder handles are a topological order, so "every tensor `y`
+# reads is older than the oldest kernel with K's core" is a cheap sufficient condition. Inputs
+# and constants have order -1: they depend on nothing.
+
+
+@function(egg_fn="AbsorbOrder", merge=lambda old, new: old.min(new))
+def order(t: Tensor) -> i64:
+    """The smallest builder handle in `t`'s e-class (-1 for inputs and constants)."""
+
+
+@function(egg_fn="AbsorbReads", merge=lambda old, new: old.min(new))
+def reads(e: Expr) -> i64:
+    """The largest `order` of the tensors `e` loads, minimized over `e`'s equivalent forms (no row
+    for forms over `Acc`: those are never kernel bodies)."""
+
+
+@function(egg_fn="AbsorbMatmulCore", merge=lambda old, new: old.min(new))
+def matmul_core(a: Expr, b: Expr, dims: StringLike) -> i64:
+    """The smallest `order` of a Matmul over (a, b, dims), whatever its epilogue."""
+
+
+@function(egg_fn="AbsorbConvCore", merge=lambda old, new: old.min(new))
+def conv_core(a: Expr, b: Expr, params: StringLike) -> i64:
+    """The smallest `order` of a Conv over (a, b, params)."""
+
+
+@function(egg_fn="AbsorbReduceCore", merge=lambda old, new: old.min(new))
+def reduce_core(op: StringLike, body: Expr, axes: StringLike) -> i64:
+    """The smallest `order` of a Reduce of (op, body, axes)."""
+
+
+@function(egg_fn="AbsorbAttentionCore", merge=lambda old, new: old.min(new))
+def attention_core(q: Expr, k: Expr, v: Expr) -> i64:
+    """The smallest `order` of an Attention over (q, k, v)."""
+
+
+@absorb.register
+def _reads(t: Tensor, i: i64, name: String, ty: String, x: Expr, y: Expr, z: Expr, w: Expr, op: String, v: f64,
+           s: String, a: i64, b: i64, c: i64, rw: i64, ry: i64, rz: i64, epi: Expr, scale: f64):
+    """Bookkeeping for the epilogue guard: `order` of tensors and cores, `reads` of expressions."""
+    yield rule(t == Ref(i)).then(set_(order(t)).to(i))
+    yield rule(t == Input(name, ty)).then(set_(order(t)).to(i64(-1)))
+    yield rule(t == Constant(name, ty)).then(set_(order(t)).to(i64(-1)))
+    for kernel, core in _kinds(x, y, z, name, s, scale):
+        yield rule(t == kernel(epi, ty), order(t) == i).then(set_(core).to(i))
+    yield rule(x == Load(t, ty), order(t) == i).then(set_(reads(x)).to(i))
+    yield rule(x == Lit(v, ty)).then(set_(reads(x)).to(i64(-1)))
+    yield rule(x == Iota(a, ty)).then(set_(reads(x)).to(i64(-1)))
+    for form in (Unary(op, y, ty), Reshape(y, ty), Transpose(y, s, ty), Broadcast(y, s, ty),
+                 Slice(y, a, b, c, i, ty)):
+        yield rule(x == form, reads(y) == ry).then(set_(reads(x)).to(ry))
+    for form in (Binary(op, y, z, ty), Concat(y, z, a, b, ty), Pad(y, z, s, ty), DynamicSlice(y, a, z, b, ty)):
+        yield rule(x == form, reads(y) == ry, reads(z) == rz).then(set_(reads(x)).to(ry.max(rz)))
+    yield rule(x == Select(y, z, w, ty), reads(y) == ry, reads(z) == rz, reads(w) == rw).then(
+        set_(reads(x)).to(ry.max(rz).max(rw)))
 
 
 # --- prologues ---------------------------------------------------------------------------------------
@@ -94,51 +157,62 @@ def _copy(t: Tensor, ty: String):
 def _epilogue_unary(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
                     op: String, tk: String, ty: String):
     """Pointwise(Unary(op, Load(K(.., epi, tk)), ty)) = K(.., Unary(op, epi, ty), ty)."""
-    for kernel in _kinds(a, b, c, key, axes, scale):
+    for kernel, _ in _kinds(a, b, c, key, axes, scale):
         yield rewrite(Pointwise(Unary(op, Load(kernel(epi, tk), tk), ty), ty)).to(kernel(Unary(op, epi, ty), ty))
 
 
 @absorb.register
 def _epilogue_binary(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
-                     op: String, y: Expr, tk: String, ty: String):
-    """Pointwise(Binary(op, Load(K(.., epi, tk)), y, ty)) = K(.., Binary(op, epi, y, ty), ty) (and y on the left)."""
-    same = py_true(_same_shape, tk, ty)  # the operand is K's whole output, not a broadcast scalar
-    for kernel in _kinds(a, b, c, key, axes, scale):
-        yield rewrite(Pointwise(Binary(op, Load(kernel(epi, tk), tk), y, ty), ty)).to(
-            kernel(Binary(op, epi, y, ty), ty), same)
-        yield rewrite(Pointwise(Binary(op, y, Load(kernel(epi, tk), tk), ty), ty)).to(
-            kernel(Binary(op, y, epi, ty), ty), same)
+                     op: String, y: Expr, tk: String, ty: String, p: Tensor, ry: i64, rk: i64):
+    """Pointwise(Binary(op, Load(K(.., epi, tk)), y, ty)) = K(.., Binary(op, epi, y, ty), ty) (and y on the left).
+
+    Guards: the operand is K's whole output (not a broadcast scalar), and y reads only tensors
+    older than K's core (y does not depend on K: no plan computes the core twice).
+    """
+    for kernel, core in _kinds(a, b, c, key, axes, scale):
+        source = Load(kernel(epi, tk), tk)
+        for body, epilogue in ((Binary(op, source, y, ty), Binary(op, epi, y, ty)),
+                               (Binary(op, y, source, ty), Binary(op, y, epi, ty))):
+            yield rule(
+                p == Pointwise(body, ty),
+                py_true(_same_shape, tk, ty),
+                reads(y) == ry,
+                core == rk,
+                ry < rk,
+            ).then(union(p).with_(kernel(epilogue, ty)))
 
 
 @absorb.register
 def _epilogue_merge(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, e1: Expr, e2: Expr,
                     op: String, t1: String, t2: String, ty: String):
     """Pointwise(Binary(op, Load(K(.., e1)), Load(K(.., e2)), ty)) = K(.., Binary(op, e1, e2, ty), ty)."""
-    for kernel in _kinds(a, b, c, key, axes, scale):
+    for kernel, _ in _kinds(a, b, c, key, axes, scale):
         yield rewrite(Pointwise(Binary(op, Load(kernel(e1, t1), t1), Load(kernel(e2, t2), t2), ty), ty)).to(
             kernel(Binary(op, e1, e2, ty), ty), py_true(_same_shape, t1, ty), py_true(_same_shape, t2, ty))
 
 
 @absorb.register
 def _epilogue_through_view(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64, epi: Expr,
-                           op: String, y: Expr, dims: String, tk: String, tv: String, ty: String, p: Tensor):
+                           op: String, y: Expr, dims: String, tk: String, tv: String, ty: String, p: Tensor,
+                           ry: i64, rk: i64):
     """Pointwise(op(V(Load(K(.., epi, tk))), y)) = Pointwise(V(Load(K(.., op(epi, Reshape(y)))))), V a reshape/expand."""
     at_k = py_string(_retype, ty, tk)  # the op's result type at K's shape
     same_dtype = py_true(_same_dtype_op, op)  # so y's dtype is ty's
-    for kernel in _kinds(a, b, c, key, axes, scale):
+    y_at_k = Reshape(y, at_k)
+    for kernel, core in _kinds(a, b, c, key, axes, scale):
         source = Load(kernel(epi, tk), tk)
+        older = (reads(y) == ry, core == rk, ry < rk)  # y does not depend on K (see _epilogue_binary)
         views = (
             (Reshape(source, tv), lambda inner: Reshape(inner, ty), ()),
             (Broadcast(source, dims, tv), lambda inner: Broadcast(inner, dims, ty),
              (py_true(_expand_only, dims, tk, tv),)),
         )
         for view, rebuild, guard in views:
-            y_at_k = Reshape(y, at_k)
             yield rule(p == Pointwise(Unary(op, view, ty), ty), *guard).then(
                 union(p).with_(Pointwise(rebuild(Load(kernel(Unary(op, epi, at_k), at_k), at_k)), ty)))
-            yield rule(p == Pointwise(Binary(op, view, y, ty), ty), same_dtype, *guard).then(
+            yield rule(p == Pointwise(Binary(op, view, y, ty), ty), same_dtype, *guard, *older).then(
                 union(p).with_(Pointwise(rebuild(Load(kernel(Binary(op, epi, y_at_k, at_k), at_k), at_k)), ty)))
-            yield rule(p == Pointwise(Binary(op, y, view, ty), ty), same_dtype, *guard).then(
+            yield rule(p == Pointwise(Binary(op, y, view, ty), ty), same_dtype, *guard, *older).then(
                 union(p).with_(Pointwise(rebuild(Load(kernel(Binary(op, y_at_k, epi, at_k), at_k), at_k)), ty)))
 
 
