@@ -91,6 +91,8 @@ class _Evaluator:
             if value is not _MISSING:
                 return value
             evaluator = evaluator.parent
+        if self.acc_flags.get(term):
+            raise ValueError(f"{term!r} reads Acc outside an epilogue")
         raise KeyError(f"{term!r} has not been evaluated")
 
     def _known(self, term: Term) -> bool:
