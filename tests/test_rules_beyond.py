@@ -344,6 +344,10 @@ def _close(a, b, tolerance):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
+    finite = np.isfinite(b)
+    if not np.array_equal(np.isfinite(a), finite) or not np.array_equal(a[~finite], b[~finite], equal_nan=True):
+        return False
+    a, b = a[finite], b[finite]
     scale = max(1.0, float(np.max(np.abs(b))) if b.size else 1.0)
     return float(np.max(np.abs(a - b))) <= tolerance * scale if a.size else True
 
@@ -609,3 +613,66 @@ def test_stacked_statistics_from_sum_and_sum_of_squares():
     inputs, outputs, constants = lift_function(fn, _sds((2, 3, 4)))
     graph = check_alternatives(outputs, random_env(inputs, 0), constants, norm_split)
     assert _reduce_count(graph) == 3
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+from eqsat.rules.attention import attention  # noqa: E402
+
+
+def _sd_attention(q, k, v, heads=2):
+    from sd15.layers import attention as sd_attention
+
+    return sd_attention(q, k, v, heads)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 5), st.integers(1, 5), st.sampled_from([1, 2]), st.integers(1, 4),
+       st.integers(0, 9))
+def test_sd15_attention_is_flash_attention(batch, q_len, kv_len, heads, head_dim, seed):
+    width = heads * head_dim
+    args = [_sds((batch, q_len, width)), _sds((batch, kv_len, width)), _sds((batch, kv_len, width))]
+    inputs, outputs, constants = lift_function(lambda q, k, v: _sd_attention(q, k, v, heads), *args)
+    graph = check_alternatives(outputs, random_env(inputs, seed), constants, attention, tolerance=1e-3)
+    assert _kernel_count(graph, "Attention") == 1
+
+
+def test_sd15_attention_fp16_is_flash_attention():
+    args = [_sds((1, 4, 8), jnp.float16), _sds((1, 3, 8), jnp.float16), _sds((1, 3, 8), jnp.float16)]
+    inputs, outputs, constants = lift_function(_sd_attention, *args)
+    graph = check_alternatives(outputs, random_env(inputs, 0), constants, attention, tolerance=2e-2)
+    assert _kernel_count(graph, "Attention") == 1
+
+
+def test_jax_nn_softmax_attention_with_bhsd_operands():
+    def fn(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 3.0
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+    args = [_sds((2, 2, 4, 3)), _sds((2, 2, 5, 3)), _sds((2, 2, 5, 3))]
+    inputs, outputs, constants = lift_function(fn, *args)
+    graph = check_alternatives(outputs, random_env(inputs, 1), constants, attention, tolerance=1e-3)
+    assert _kernel_count(graph, "Attention") == 1
+
+
+def test_softmax_over_another_axis_is_not_attention():
+    def fn(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-2), v)
+
+    args = [_sds((1, 2, 4, 3)), _sds((1, 2, 4, 3)), _sds((1, 2, 4, 3))]
+    inputs, outputs, constants = lift_function(fn, *args)
+    graph = check_alternatives(outputs, random_env(inputs, 1), constants, attention, tolerance=1e-3)
+    assert _kernel_count(graph, "Attention") == 0
+
+
+def test_normalizing_by_another_sum_is_not_attention():
+    def fn(q, k, v, other):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        return jnp.einsum("bhqk,bhkd->bhqd", e / jnp.sum(other, axis=-1, keepdims=True), v)
+
+    args = [_sds((1, 2, 4, 3)), _sds((1, 2, 4, 3)), _sds((1, 2, 4, 3)), _sds((1, 2, 4, 4))]
+    inputs, outputs, constants = lift_function(fn, *args)
+    graph = check_alternatives(outputs, random_env(inputs, 1), constants, attention, tolerance=1e-3)
+    assert _kernel_count(graph, "Attention") == 0

@@ -126,13 +126,21 @@ def _view(fn, *args) -> String:
 # --- the analyses -------------------------------------------------------------------------------
 
 
-@norm_split.register
-def _scalars(e: Expr, x: Expr, c: f64, ty: String, dims: String):
-    """Scalar(e, c): e is the constant c at every index (a Lit, or a view of one)."""
-    yield rule(e == Lit(c, ty)).then(Scalar(e, c))
-    yield rule(e == Broadcast(x, dims, ty), Scalar(x, c)).then(Scalar(e, c))
-    yield rule(e == Reshape(x, ty), Scalar(x, c)).then(Scalar(e, c))
-    yield rule(e == Load(Pointwise(x, ty), ty), Scalar(x, c)).then(Scalar(e, c))
+def scalar_rules(target):
+    """Register the Scalar analysis (shared with the attention family) into ruleset `target`."""
+
+    @target.register
+    def _scalars(e: Expr, x: Expr, c: f64, ty: String, dims: String):
+        """Scalar(e, c): e is the constant c at every index (a Lit, or a view or copy of one)."""
+        yield rule(e == Lit(c, ty)).then(Scalar(e, c))
+        yield rule(e == Broadcast(x, dims, ty), Scalar(x, c)).then(Scalar(e, c))
+        yield rule(e == Reshape(x, ty), Scalar(x, c)).then(Scalar(e, c))
+        yield rule(e == Load(Pointwise(x, ty), ty), Scalar(x, c)).then(Scalar(e, c))
+
+    return _scalars
+
+
+scalar_rules(norm_split)
 
 
 def stat_view_rules(target):
@@ -162,6 +170,11 @@ def stat_view_rules(target):
             StatView(e, ty, s, n / c, view))
         yield rule(e == Binary("mul", k, x, ty), StatView(x, ty, s, n, view), Scalar(k, c), ne(c).to(f64(0.0))).then(
             StatView(e, ty, s, n / c, view))
+        # max(-inf, x) = x (jax.nn.softmax guards its row max so)
+        yield rule(e == Binary("max", k, x, ty), StatView(x, ty, s, n, view), Scalar(k, f64(-math.inf))).then(
+            StatView(e, ty, s, n, view))
+        yield rule(e == Binary("max", x, k, ty), StatView(x, ty, s, n, view), Scalar(k, f64(-math.inf))).then(
+            StatView(e, ty, s, n, view))
         yield rule(e == Load(Pointwise(x, ty), ty), StatView(x, ty, s, n, view)).then(StatView(e, ty, s, n, view))
 
     return _stat_views

@@ -1,0 +1,167 @@
+"""Flash-attention recognition: softmax(q·kᵀ·scale)·v written out primitive by primitive is one
+`Attention` kernel, so the [B, H, Sq, Sk] score matrix is never materialized.
+
+The lifted pattern (sd15/layers.py `attention`, `jax.nn.softmax`, or the explicit form):
+
+    s = dot_general(q4, k4)            Matmul, batch (B, H), contracting D      [B, H, Sq, Sk]
+    s = convert(s) * scale             optional convert; mul (or div) by a scalar, any number
+    m = max(s, -1) broadcast back      Reduce max over the last axis, then views
+    e = exp(s - m)
+    p = e / (sum(e, -1) broadcast back)
+    o = dot_general(convert(p), v4)    Matmul, batch (B, H), contracting Sk     [B, H, Sq, D]
+
+with q4/k4/v4 read through any layout the dot_generals name (SD: [B, S, H, D] head splits).
+Then `o == Attention(Transpose(q4), Transpose(k4), Transpose(v4), scale, Acc, ty)`: the head
+permutes are views inside the operands, and `o`'s own layout ([B, H, Sq, D]) is Attention's.
+Subtracting the row max does not change softmax (any row-constant shift cancels); requiring
+the max of the same scores only keeps the match specific.
+
+Found through helper relations that see through `Load(Pointwise(..))` copies, so the lifted form
+and the absorbed form both match (StatView and Scalar are shared with `norm_split`):
+
+    Scores(e, q, k, scale, ty)   e = scale · q·kᵀ, q and k as [B, H, S, D] Exprs
+    Shifted / Exps / Probs       s - rowmax(s), exp of that, exp / rowsum(exp)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from egglog import String, f64, ne, relation, rule, ruleset, union
+
+from eqsat.lang import Acc, Attention, Binary, Expr, Load, Matmul, Pointwise, Reduce, Tensor, Transpose, Unary
+from eqsat.rules.horizontal import py_string
+from eqsat.rules.norm_split import Scalar, StatView, scalar_rules, stat_view_rules
+from eqsat.types import format_type, ints, parse_type
+
+attention = ruleset(name="attention")
+scalar_rules(attention)
+stat_view_rules(attention)
+
+Scores = relation("AttentionScores", Expr, Expr, Expr, f64, String)
+Shifted = relation("AttentionShifted", Expr, Expr, Expr, f64, String)
+Exps = relation("AttentionExps", Expr, Expr, Expr, f64, String)
+Probs = relation("AttentionProbs", Expr, Expr, Expr, f64, String)
+
+
+
+def _split(dims: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(ints(part) for part in dims.split(";"))
+
+
+def _permuted(ty: str, perm: tuple[int, ...]) -> str:
+    shape = parse_type(ty).shape
+    return format_type(parse_type(ty).dtype, [shape[p] for p in perm])
+
+
+@lru_cache(maxsize=None)
+def _score_layout(dims: str, q_ty: str, k_ty: str, out_ty: str) -> str:
+    """"q perm|q type|k perm|k type" putting q and k in [B, H, S, D]; "" unless dims are
+    two batch axes, one contracting axis and one free axis per rank-4 side."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    if len(lhs_batch) != 2 or len(lhs_contract) != 1 or len(rhs_contract) != 1:
+        return ""
+    if len(parse_type(q_ty).shape) != 4 or len(parse_type(k_ty).shape) != 4 or len(parse_type(out_ty).shape) != 4:
+        return ""
+    q_free = [a for a in range(4) if a not in lhs_batch + lhs_contract]
+    k_free = [a for a in range(4) if a not in rhs_batch + rhs_contract]
+    q_perm, k_perm = (*lhs_batch, *q_free, *lhs_contract), (*rhs_batch, *k_free, *rhs_contract)
+    return "|".join((",".join(map(str, q_perm)), _permuted(q_ty, q_perm), ",".join(map(str, k_perm)),
+                     _permuted(k_ty, k_perm)))
+
+
+@lru_cache(maxsize=None)
+def _value_layout(dims: str, p_ty: str, v_ty: str, out_ty: str) -> str:
+    """"v perm|v type" putting v in [B, H, Sk, D] for o = dot_general(p, v) with p in [B, H, Sq, Sk]
+    (batch 0,1 and contracting 3 on p's side); "" otherwise."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    if lhs_batch != (0, 1) or lhs_contract != (3,) or len(rhs_contract) != 1 or len(parse_type(v_ty).shape) != 4:
+        return ""
+    v_free = [a for a in range(4) if a not in rhs_batch + rhs_contract]
+    v_perm = (*rhs_batch, *rhs_contract, *v_free)
+    return ",".join(map(str, v_perm)) + "|" + _permuted(v_ty, v_perm)
+
+
+@lru_cache(maxsize=None)
+def _is_row_view(view: str, row_ty: str) -> str:
+    """"ok" if a StatView map reads a [B, H, Sq] row statistic at [b, h, i] of [b, h, i, j]."""
+    entries = view[2:].split(",")
+    shape = parse_type(row_ty).shape
+    if len(entries) != 3 or len(shape) != 3:
+        return ""
+    ok = all(e == str(a) or (e == "-" and n == 1) for a, (e, n) in enumerate(zip(entries, shape)))
+    return "ok" if ok else ""
+
+
+@lru_cache(maxsize=None)
+def _part(text: str, index: str) -> str:
+    return text.split("|")[int(index)]
+
+
+def _field(layout, index: int) -> String:
+    return py_string(_part, layout, String(str(index)))
+
+
+@attention.register
+def _scores(
+    e: Expr, x: Expr, k: Expr, m: Tensor, qt: Tensor, kt: Tensor, q: Expr, key: Expr,
+    dims: String, tq: String, tk: String, t: String, ty: String, scale: f64, c: f64,
+):
+    """Scores(e, q, k, scale): e = scale · q·kᵀ (a batched matmul, then scalar mul/div and converts)."""
+    layout = py_string(_score_layout, dims, tq, tk, t)
+    q_view = Transpose(Load(qt, tq), _field(layout, 0), _field(layout, 1))
+    k_view = Transpose(Load(kt, tk), _field(layout, 2), _field(layout, 3))
+    yield rule(
+        e == Load(m, t),
+        m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t),
+        ne(layout).to(String("")),
+    ).then(Scores(e, q_view, k_view, f64(1.0), t))
+    yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+        Scores(e, q, key, scale * c, ty))
+    yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+        Scores(e, q, key, scale * c, ty))
+    yield rule(e == Binary("div", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c), ne(c).to(f64(0.0))).then(
+        Scores(e, q, key, scale / c, ty))
+    yield rule(e == Unary("convert", x, ty), Scores(x, q, key, scale, t)).then(Scores(e, q, key, scale, ty))
+    yield rule(e == Load(Pointwise(x, ty), ty), Scores(x, q, key, scale, ty)).then(Scores(e, q, key, scale, ty))
+
+
+@attention.register
+def _softmax(
+    e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, scale: f64, ty: String, tr: String,
+    view: String,
+):
+    """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s: Shifted, Exps, Probs."""
+    row_ok = ne(py_string(_is_row_view, view, tr)).to(String(""))
+    yield rule(
+        e == Binary("sub", s, row, ty),
+        Scores(s, q, k, scale, ty),
+        StatView(row, ty, r, f64(1.0), view),
+        r == Reduce("max", s, "3", Acc(tr), tr),
+        row_ok,
+    ).then(Shifted(e, q, k, scale, ty))
+    yield rule(e == Unary("exp", x, ty), Shifted(x, q, k, scale, ty)).then(Exps(e, q, k, scale, ty))
+    yield rule(
+        e == Binary("div", x, row, ty),
+        Exps(x, q, k, scale, ty),
+        StatView(row, ty, r, f64(1.0), view),
+        r == Reduce("sum", x, "3", Acc(tr), tr),
+        row_ok,
+    ).then(Probs(e, q, k, scale, ty))
+    yield rule(e == Unary("convert", x, ty), Probs(x, q, k, scale, tr)).then(Probs(e, q, k, scale, ty))
+    for relation_ in (Shifted, Exps, Probs):
+        yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, scale, ty)).then(relation_(e, q, k, scale, ty))
+
+
+@attention.register
+def _flash_attention(
+    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, scale: f64, dims: String, tp: String, tv: String, t: String,
+):
+    """dot(softmax(q·kᵀ·scale), v) = Attention(q, k, v, scale): the score matrix stays on chip."""
+    layout = py_string(_value_layout, dims, tp, tv, t)
+    v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
+    yield rule(
+        o == Matmul(p, Load(vt, tv), dims, Acc(t), t),
+        Probs(p, q, k, scale, tp),
+        ne(layout).to(String("")),
+    ).then(union(o).with_(Attention(q, k, v_view, scale, Acc(t), t)))
