@@ -8,7 +8,7 @@ nesting. Every primitive becomes one kernel Tensor term reading its operands thr
 | primitive(s)                                  | term                                                  |
 |-----------------------------------------------|-------------------------------------------------------|
 | elementwise unary (`UNARY_OPS`), `convert_element_type`, `integer_pow`, `round`, `reduce_precision` | `Pointwise(Unary(op, x, ty), ty)` |
-| elementwise binary (`BINARY_OPS`)             | `Pointwise(Binary(op, x, y, ty), ty)`                 |
+| elementwise binary (`BINARY_OPS`, `add_any`)  | `Pointwise(Binary(op, x, y, ty), ty)`                 |
 | `select_n`                                    | `Pointwise(Select(...))`; n > 2 cases nest on `lt`   |
 | `clamp`                                       | `Pointwise(Binary("min", Binary("max", x, lo), hi))`  |
 | `broadcast_in_dim` / `reshape`, `squeeze`, `expand_dims` / `transpose` | `Pointwise(Broadcast / Reshape / Transpose(...))` |
@@ -387,12 +387,13 @@ class _Lifter:
             op = f"reduce_precision:{int(params['exponent_bits'])},{int(params['mantissa_bits'])}"
         return [self.pointwise(Term("Unary", op, self.expr(eqn.invars[0], out.shape), ty))]
 
-    @_handles(*BINARY_OPS)
+    @_handles(*BINARY_OPS, "add_any")
     def _binary(self, eqn):
         out = eqn.outvars[0].aval
         ty = _ty(out)
         x, y = (self.expr(atom, out.shape) for atom in eqn.invars)
-        return [self.pointwise(Term("Binary", eqn.primitive.name, x, y, ty))]
+        op = "add" if eqn.primitive.name == "add_any" else eqn.primitive.name  # add_any: autodiff's add
+        return [self.pointwise(Term("Binary", op, x, y, ty))]
 
     @_handles("select_n")
     def _select_n(self, eqn):

@@ -283,6 +283,38 @@ def test_refs_carried_through_while_and_cond():
         roundtrip(f, X, jnp.int32(i))
 
 
+def test_refs_in_scan_bodies_jitted_helpers_and_nested_loops():
+    def scanned(x):
+        r = jax.new_ref(jnp.zeros(4))
+
+        def step(c, row):
+            r[...] += row
+            return c + r[1], r[2] * row
+
+        return lax.scan(step, 0.0, x), jax.freeze(r)
+
+    def helper(x):
+        r = jax.new_ref(x)
+
+        @jax.jit
+        def write(ref, v):
+            ref[0] = v
+            return ref[1] * 2
+
+        return write(r, x[2]), jax.freeze(r)
+
+    def nested(x):
+        return lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 2, lambda j, d: d + x[i, j], c), 0.0)
+
+    for f in (scanned, helper, nested):
+        roundtrip(f, X)
+
+
+def test_autodiff_and_vmap_outputs():
+    roundtrip(lambda x: (jax.grad(lambda y: jnp.sum(jnp.tanh(y) ** 2 * y))(x),
+                         jax.vmap(lambda r: jnp.dot(r, r))(x), jax.jacfwd(jnp.sin)(x[0])), X)
+
+
 def test_fancy_ref_indexing_falls_back_to_discharge():
     def f(x, idx):
         r = jax.new_ref(x)
