@@ -176,24 +176,34 @@ def _load_optimize():
 
 def measure_plan(workload: Workload, optimize, device: str) -> dict[str, Any]:
     """Our plan: `optimize(fn).lower(*args).stats`, as the per-component JSON fields."""
-    kwargs = {"device": device} if "device" in inspect.signature(optimize).parameters else {}
+    accepted = inspect.signature(optimize).parameters
+    kwargs = {key: value for key, value in (("device", device), ("progress", False)) if key in accepted}
     start = time.perf_counter()
-    lowered = optimize(workload.fn, **kwargs).lower(*workload.args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lowered = optimize(workload.fn, **kwargs).lower(*workload.args)
     wall = time.perf_counter() - start
     stats = getattr(lowered, "stats", None)
     seconds = _stat(stats, "seconds")
     if isinstance(seconds, dict):
         seconds = {stage: float(value) for stage, value in seconds.items()}
+    messages = list(dict.fromkeys(str(w.message) for w in caught))
     return {
         "naive_kernels": _stat(stats, "naive_kernels"),
         "fused_kernels": _stat(stats, "fused_kernels"),
         "plan_bytes": _stat(stats, "plan_bytes"),
         "plan_peak_bytes": _stat(stats, "plan_peak_bytes"),
+        "plan_modeled_seconds": _stat(stats, "plan_seconds"),
+        "plan_kernels_by_kind": _stat(stats, "kinds"),
         "optimize_seconds": seconds,
         "optimize_wall_seconds": wall,
         "extractor": _stat(stats, "extractor"),
         "saturated": _stat(stats, "saturated"),
         "limit_reached": _stat(stats, "limit_reached"),
+        "e_nodes": _stat(stats, "e_nodes"),
+        "e_classes": _stat(stats, "e_classes"),
+        "iterations": _stat(stats, "iterations"),
+        "optimize_warnings": messages[:10],
     }
 
 
@@ -263,6 +273,8 @@ def run_plan(
             log(f"{name}: optimizing ({workload.description})")
             try:
                 row.update(measure_plan(workload, optimize_fn, device))
+                log(f"{name}: {row['naive_kernels']} naive -> {row['fused_kernels']} fused kernels "
+                    f"in {row['optimize_wall_seconds']:.1f} s")
             except Exception as error:  # noqa: BLE001 - one component failing must not hide the others
                 row["optimize_error"] = f"{type(error).__name__}: {error}"
                 row["optimize_traceback"] = traceback.format_exc()
@@ -272,6 +284,8 @@ def run_plan(
             try:
                 fields, reason = measure_xla(workload)
                 row.update(fields)
+                if not reason:
+                    log(f"{name}: XLA {row['xla_kernels']} kernels, compiled in {row['xla_compile_seconds']:.1f} s")
                 if reason:
                     report["notes"].append(f"{name}: XLA columns are empty: {reason}")
             except Exception as error:  # noqa: BLE001
@@ -310,9 +324,12 @@ def _seconds(value) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, dict):
-        stages = ", ".join(f"{stage} {float(v):.1f}" for stage, v in value.items())
-        return f"{stages} (total {sum(map(float, value.values())):.1f} s)"
+        value = sum(map(float, value.values()))
     return f"{float(value):.1f} s"
+
+
+def _stages(value) -> str:
+    return ", ".join(f"{stage} {float(v):.1f} s" for stage, v in value.items())
 
 
 def _verdict(winner, ours, theirs, fmt) -> str:
@@ -333,7 +350,10 @@ def render(report: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped to a file: do not squeeze the table into 80 columns
+            console = Console(width=160)
     rows = report["components"]
     names = list(rows)
     table = Table(
@@ -366,7 +386,10 @@ def render(report: dict[str, Any], console=None) -> None:
         ("yes" if r["saturated"] else f"no ({r.get('limit_reached') or 'limit'})"))
     console.print(table)
     for name in names:
-        console.print(f"  {name}: {rows[name]['description']}")
+        row = rows[name]
+        stages = row["optimize_seconds"]
+        stages = f"; optimizer stages: {_stages(stages)}" if isinstance(stages, dict) else ""
+        console.print(f"  {name}: {row['description']}{stages}")
     if any(rows[name].get("xla_bytes_source", "").startswith("modeled") for name in names):
         console.print(
             "  XLA bytes: XLA gives no cost analysis for a compile-only H100 executable; modeled as "
