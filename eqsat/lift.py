@@ -60,6 +60,7 @@ wrappers dropped), e.g. `"down_blocks.0/down_blocks.0.resnets.1"`; `""` outside 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import sys
 import warnings
@@ -237,6 +238,7 @@ class _RefCell:
 
 
 _HANDLERS: dict[str, Callable] = {}
+_KEYS = itertools.count()
 
 
 def _handles(*names: str):
@@ -255,7 +257,6 @@ class _Lifter:
         self.warnings: list[str] = []
         self._constant_keys: dict[int, str] = {}
         self._constant_arrays: list[object] = []  # keeps ids stable
-        self._counter = itertools.count()
         self._warned: set[str] = set()
         self._paths: dict[tuple, tuple[tuple[str, ...], str]] = {}
         self.env: dict = {}
@@ -333,13 +334,16 @@ class _Lifter:
         return load
 
     def constant(self, array) -> Term:
+        """`Constant` keyed by content (equal arrays share a key, in any program)."""
         key = self._constant_keys.get(id(array))
         if key is None:
-            key = f"const{len(self._constant_keys)}"
+            host = np.asarray(array)
+            digest = hashlib.blake2b(host.tobytes(), digest_size=8).hexdigest()
+            key = f"const:{_ty_of(host.dtype, host.shape)}:{digest}"
             self._constant_keys[id(array)] = key
             self._constant_arrays.append(array)
-            self.constants[key] = array
-        return Term("Constant", key, _ty_of(np.asarray(array).dtype if not hasattr(array, "dtype") else array.dtype, np.shape(array)))
+            self.constants[key] = host
+        return Term("Constant", key, _ty_of(self.constants[key].dtype, self.constants[key].shape))
 
     def literal_tensor(self, atom) -> Term:
         value = np.asarray(atom.val, dtype=atom.aval.dtype)
@@ -362,7 +366,9 @@ class _Lifter:
         return self.kernel(Term("Pointwise", body, body.ty))
 
     def fresh_key(self, kind: str) -> str:
-        return f"{kind}{next(self._counter)}"
+        """A payload key unique in the process: terms are interned globally, so two programs must
+        never share a `Loop`/`LoopArg`/`Gather`/`Opaque` key with different meanings."""
+        return f"{kind}{next(_KEYS)}"
 
     # --- elementwise --------------------------------------------------------------------------
 
