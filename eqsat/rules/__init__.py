@@ -268,8 +268,8 @@ class SerializedGraph:
             if sort in _LANG_SORTS:
                 if op not in lang.OPS:
                     continue  # helper functions of some family: not part of any plan
-            elif not node_id.startswith("primitive"):
-                continue
+            elif node["children"]:
+                continue  # a helper function's row in a primitive class; primitives are leaves
             self.op[node_id] = op
             self.children[node_id] = list(node["children"])
             self.eclass[node_id] = cls
@@ -634,6 +634,9 @@ def _property(ruleset, named, example: Example, fired: Counter, report: CheckRep
         fired.update(matched)
         draws[0] += 1
         plans = _plans(builder, handles, extractions_per_draw, seed=draws[0])
+        if not plans:
+            raise RuleCheckError(f"{report.ruleset}: no acyclic extraction of example {example.label}'s outputs "
+                                 "(the checker's extractor failed)", example=example.label, counterexample=args)
         report.extractions += len(plans)
         wrong = _first_wrong(plans, lifted)
         if wrong is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, f64, i64, rewrite, ruleset
+from egglog import String, eq, f64, i64, rewrite, ruleset
 
 from eqsat.lang import Broadcast, Expr, Lit, Pad, Reshape, Slice, Transpose
 from eqsat.rules import Example, dim, flag, py_string, py_true, tensor, typed_forms
@@ -69,12 +69,15 @@ def _broadcast_of_broadcast(x: Expr, d1: String, d2: String, t1: String, t2: Str
 @view_folding.register
 def _slice_of_slice(x: Expr, axis: i64, s1: i64, e1: i64, k1: i64, s2: i64, e2: i64, k2: i64,
                     t1: String, t2: String):
-    """x[s1:e1:k1][s2:e2:k2] = x[s1+s2*k1 : .. : k1*k2] along one axis (non-empty results)."""
+    """x[s1:e1:k1][s2:e2:k2] = x[s1+s2*k1 : .. : k1*k2] along one axis (one element: stride 1)."""
     count = (e2 - s2 + k2 - 1) / k2
     start = s1 + s2 * k1
     stride = k1 * k2
-    yield rewrite(Slice(Slice(x, axis, s1, e1, k1, t1), axis, s2, e2, k2, t2)).to(
-        Slice(x, axis, start, start + (count - 1) * stride + 1, stride, t2), count >= 1)
+    whole = Slice(Slice(x, axis, s1, e1, k1, t1), axis, s2, e2, k2, t2)
+    # A one-element result keeps stride 1: with an identity slice in the e-graph a slice can be its
+    # own operand, and composing strides would then grow them without end.
+    yield rewrite(whole).to(Slice(x, axis, start, start + 1, 1, t2), eq(count).to(i64(1)))
+    yield rewrite(whole).to(Slice(x, axis, start, start + (count - 1) * stride + 1, stride, t2), count >= 2)
 
 
 @view_folding.register
