@@ -676,3 +676,89 @@ def test_normalizing_by_another_sum_is_not_attention():
     inputs, outputs, constants = lift_function(fn, *args)
     graph = check_alternatives(outputs, random_env(inputs, 1), constants, attention, tolerance=1e-3)
     assert _kernel_count(graph, "Attention") == 0
+
+
+# --- hoist -------------------------------------------------------------------------------------
+
+from eqsat.rules import SerializedGraph, extractions  # noqa: E402
+from eqsat.rules.hoist import hoist, seed  # noqa: E402
+
+
+def _hoisted_plans(fn, args, limit=24):
+    """(program, builder, every distinct plan of the outputs) after seeding and running `hoist`."""
+    from eqsat.lift import lift
+
+    program = lift(fn, *args)
+    builder = Builder(EGraph())
+    handles = builder.add(list(program.outputs))
+    facts = seed(builder.egraph, program)
+    builder.egraph.run(hoist.saturate())
+    data = json.loads(builder.egraph._serialize().to_json())
+    for node in data["nodes"].values():  # subsumed e-nodes are never extracted
+        if node.get("subsumed"):
+            node["op"] = "subsumed:" + node["op"]
+    graph = SerializedGraph(data)
+    roots = [graph.handle_class[h] for h in handles]
+    return program, graph, facts, extractions(graph, roots, limit=limit, seed=0)
+
+
+def _reads_loop_arg(term) -> bool:
+    return any(t.op == "LoopArg" for t in postorder([term]))
+
+
+def _check_plans(fn, args, plans, program):
+    from eqsat.interpret import evaluate as shared_evaluate
+
+    env = {f"arg{i}": a for i, a in enumerate(args)}
+    with jax.default_matmul_precision("highest"):
+        expected = jax.tree.leaves(fn(*args))
+        for plan in plans:
+            values = shared_evaluate(plan, env, program.constants, program.payloads)
+            for value, want in zip(values, expected):
+                assert _close(value, want, 1e-4), plan
+
+
+def _scan_with_invariant_projection(h, context, w):
+    def step(carry, _):
+        kv = context @ w  # reads only loop constants: invariant
+        return jnp.tanh(carry * kv), carry.sum()
+
+    return lax.scan(step, h, None, length=3)
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(0, 9))
+def test_scan_invariant_matmul_is_hoisted(rows, inner, cols, seed_):
+    rng = np.random.default_rng(seed_)
+    args = [rng.standard_normal(s).astype(np.float32) for s in ((rows, cols), (rows, inner), (inner, cols))]
+    program, graph, facts, plans = _hoisted_plans(_scan_with_invariant_projection, args)
+    assert facts == 2
+    # the body matmul reads the function's inputs now, not the loop's arguments
+    body_matmuls = [t for plan in plans for t in postorder(plan) if t.op == "Matmul"]
+    assert body_matmuls and not any(_reads_loop_arg(t) for t in body_matmuls)
+    _check_plans(_scan_with_invariant_projection, args, plans, program)
+
+
+def test_fori_loop_invariant_work_is_hoisted():
+    def fn(x, w, b):
+        return lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w + jnp.exp(b)), x)
+
+    args = [np.ones((2, 3), np.float32), np.eye(3, dtype=np.float32) * 0.5, np.arange(3, dtype=np.float32)]
+    program, graph, facts, plans = _hoisted_plans(fn, args)
+    assert facts >= 2
+    exps = [t for plan in plans for t in postorder(plan) if t.op == "Pointwise" and t.args[0].op == "Unary"
+            and t.args[0].args[0] == "exp"]
+    assert any(not _reads_loop_arg(t) for t in exps)
+    _check_plans(fn, args, plans, program)
+
+
+def test_carried_work_is_not_hoisted():
+    def fn(h, xs):
+        return lax.scan(lambda c, x: (jnp.tanh(c @ c + x), None), h, xs)[0]
+
+    args = [np.ones((2, 2), np.float32) * 0.1, np.ones((3, 2, 2), np.float32)]
+    program, graph, facts, plans = _hoisted_plans(fn, args)
+    assert facts == 0  # no loop constants: nothing to state, nothing fires
+    body_matmuls = [t for plan in plans for t in postorder(plan) if t.op == "Matmul"]
+    assert body_matmuls and all(_reads_loop_arg(t) for t in body_matmuls)
+    _check_plans(fn, args, plans, program)
