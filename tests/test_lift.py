@@ -447,3 +447,35 @@ def test_loop_bodies_use_their_own_loop_args():
     loop = next(k for k in program.kernel_terms() if k.op == "Loop")
     args = {t for t in postorder(list_items(loop.args[2])) if t.op == "LoopArg"}
     assert args and all(t.args[0] == key for t in args)
+
+
+# --- random programs -----------------------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_UNARY_FNS = [jnp.exp, jnp.tanh, jax.nn.sigmoid, jnp.abs, jnp.sin, lambda x: x * x, jax.nn.silu, jax.nn.gelu,
+              lambda x: x.astype(jnp.float16).astype(jnp.float32)]
+_BINARY_FNS = [jnp.add, jnp.subtract, jnp.multiply, jnp.maximum, lambda a, b: jnp.where(a > b, a, b * 0.5)]
+_VIEW_FNS = [lambda x: x.T.reshape(x.shape), lambda x: jnp.concatenate([x[:, 1:], x[:, :1]], 1),
+             lambda x: jnp.pad(x, 1)[1:-1, 1:-1], lambda x: x.sum(0, keepdims=True) + x,
+             lambda x: (x[:, :, None] * x[:, None, :]).sum(1), lambda x: jnp.tile(x, (1, 2))[:, 1:1 + x.shape[1]]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 8), st.integers(0, 3)), min_size=1, max_size=12),
+       st.integers(2, 4), st.integers(2, 4), st.integers(0, 2**16))
+def test_random_elementwise_and_view_programs(steps, rows, cols, seed):
+    def f(x, y):
+        values = [x, y]
+        for kind, which, pick in steps:
+            a = values[pick % len(values)]
+            if kind == 0:
+                values.append(_UNARY_FNS[which % len(_UNARY_FNS)](a))
+            elif kind == 1:
+                values.append(_BINARY_FNS[which % len(_BINARY_FNS)](a, values[-1]))
+            else:
+                values.append(_VIEW_FNS[which % len(_VIEW_FNS)](a))
+        return values[2:]
+
+    x = jax.random.uniform(jax.random.key(seed), (rows, cols), minval=-1.0, maxval=1.0)
+    roundtrip(f, x, x[::-1] * 0.5)
