@@ -27,15 +27,17 @@ nesting. Every primitive becomes one kernel Tensor term reading its operands thr
 | `optimization_barrier`, `pvary`, `sharding_constraint`, ... | the operands themselves (no kernel)       |
 | anything else                                 | `Opaque(key, operands, i, ty)`, payload `(primitive, params)`, one warning per primitive |
 
-Operands: a jaxpr scalar literal is `Lit(value, ty)` splatted to the shape the op needs; a rank-0
-variable feeding a larger elementwise op is `Broadcast(Load(x), "", ty)`; array constants are
+Operands: a jaxpr scalar literal is `Lit(value, ty)` splatted to the shape the op needs. Elementwise
+primitives broadcast implicitly (since jax 0.10): a rank-0 operand is `Broadcast(Load(x), "", ty)`
+and an equal-rank operand with size-1 axes is `Broadcast(Load(x), "0,1,..", ty)` (`broadcast_in_dim`
+semantics: size-1 operand axes expand). Array constants are
 `Constant(key, ty)` (`Program.constants`); where an op needs a Tensor (loop operands, assignment
 starts, opaque operands) a scalar literal is a `Constant` too.
 
 Loops (`Program.payloads[key]` is a dict; `LoopArg(key, i, ty)` is the loop's i-th operand, a
 scanned operand's per-step slice for `xs`):
 
-- scan: operands = consts + carries + xs; body = carries out + ys;
+- scan: operands = consts + carries + xs; body = carries out + ys (refs: see below);
   payload `{"kind": "scan", "length", "reverse", "unroll", "num_consts", "num_carry", "num_xs"}`;
   outputs = final carries then stacked ys.
 - while: operands = consts (cond's then body's) + carries; body = [predicate] + carries out, the
@@ -49,8 +51,9 @@ new version (`AssignStatic` for static boxes, `AssignDynamic` for dynamic starts
 for a full overwrite; `addupdate` writes `old + value`); a read is a `Pointwise` of a `Slice` /
 `DynamicSlice` chain over the current version (a full read is the version itself). Indices follow
 the lowering's semantics: negative integer indices wrap once, then starts clamp. Refs a loop body
-touches become extra carries appended after the loop's own (scan/while) or extra results after
-each branch's (cond), and the final version flows out. Ref accesses with array or strided dynamic
+touches become extra carries appended after the loop's own carries (scan/while: in operands, body and
+outputs, before any xs/ys; counted in `num_carry`) or extra operands and results after each
+branch's own (cond; counted in `num_outputs`), and the final version flows out. Ref accesses with array or strided dynamic
 indexers become `Opaque` with a `RefDischarge` stand-in primitive that runs JAX's discharge rule.
 
 Component paths: `Program.components[kernel]` is the `/`-joined `jax.named_scope` names of the
