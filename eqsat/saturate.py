@@ -69,7 +69,7 @@ def saturate(
     schedule=None,
     *,
     node_limit: int = 1_000_000,
-    iteration_limit: int = 100,
+    iteration_limit: int = 400,
     time_limit: float = 60.0,
     classes: bool = True,
 ) -> SaturationReport:

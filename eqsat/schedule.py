@@ -34,7 +34,7 @@ class Stage:
 
     name: str
     ruleset: Ruleset | UnstableCombinedRuleset
-    iterations: int | None = 8
+    iterations: int | None = 32
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def ruleset_name(ruleset) -> str:
     return ident.name if ident is not None else str(ruleset.__egg_ident__.name)
 
 
-def default_schedule(families: Iterable[str] | None = None, *, iterations: int | None = 8) -> Schedule:
+def default_schedule(families: Iterable[str] | None = None, *, iterations: int | None = 32) -> Schedule:
     """Every available family of `families` (default: all of `eqsat.rules.FAMILIES`) in `DEFAULT_ORDER`."""
     from eqsat import rules
 
