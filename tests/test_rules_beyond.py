@@ -762,3 +762,14 @@ def test_carried_work_is_not_hoisted():
     body_matmuls = [t for plan in plans for t in postorder(plan) if t.op == "Matmul"]
     assert body_matmuls and all(_reads_loop_arg(t) for t in body_matmuls)
     _check_plans(fn, args, plans, program)
+
+
+# --- the shared checker on every family's EXAMPLES ------------------------------------------------
+
+from eqsat.rules import check  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["horizontal", "norm_split", "attention", "hoist"])
+def test_family_examples_pass_the_shared_checker(family):
+    report = check(family, examples=3, iterations=16)
+    assert report.examples >= 1

@@ -165,3 +165,67 @@ def _flash_attention(
         Probs(p, q, k, scale, tp),
         ne(layout).to(String("")),
     ).then(union(o).with_(Attention(q, k, v_view, scale, Acc(t), t)))
+
+
+# --- soundness examples (eqsat.rules.check) ------------------------------------------------------
+
+
+def _sd15_attention(q, k, v):
+    """sd15's multi-head attention (2 heads) on [B, S, H*D] projections."""
+    from sd15.layers import attention as sd15_attention
+
+    return sd15_attention(q, k, v, 2)
+
+
+def _sd15_attention_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, width, kv_len = dim(draw, 1, 2), 2 * dim(draw, 1, 3), dim(draw)
+    return (tensor(draw, (batch, dim(draw), width)), tensor(draw, (batch, kv_len, width)),
+            tensor(draw, (batch, kv_len, width)))
+
+
+def _softmax_attention(q, k, v):
+    """jax.nn.softmax over [B, H, S, D] operands, scale by division."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 2.0
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _softmax_other_axis(q, k, v):
+    """Normalized over the query axis: not attention."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-2), v)
+
+
+def _bhsd_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, heads, q_len, head_dim)), tensor(draw, (batch, heads, kv_len, head_dim)),
+            tensor(draw, (batch, heads, kv_len, head_dim)))
+
+
+def _square_args(draw):
+    from eqsat.rules import dim, tensor
+
+    shape = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw))
+    return tensor(draw, shape), tensor(draw, shape), tensor(draw, shape)
+
+
+def _examples():
+    from eqsat.rules import Example
+
+    return [
+        Example(_sd15_attention, _sd15_attention_args, ("scores", "softmax", "flash_attention")),
+        Example(_softmax_attention, _bhsd_args, ("flash_attention",)),
+        Example(_softmax_other_axis, _square_args, ("flash_attention",), fires=False),
+    ]
+
+
+EXAMPLES = _examples()

@@ -82,3 +82,31 @@ def _loop_constant(key: String, i: i64, ty: String, x: Tensor):
     # for the operand's uses outside the loop; inside, the operand itself is read (a closure).
     yield rule(LoopConst(key, i), Operand(key, i, x), LoopArg(key, i, ty)).then(
         union(LoopArg(key, i, ty)).with_(x), subsume(LoopArg(key, i, ty)))
+
+
+# --- soundness examples (eqsat.rules.check) ------------------------------------------------------
+# The positive cases need `seed` (tests/test_rules_beyond.py runs them); here the must-not-fire
+# case: a scan with no loop constants, all of whose body work depends on the carry.
+
+
+def _carried_scan(h, xs):
+    import jax.numpy as jnp
+    from jax import lax
+
+    return lax.scan(lambda c, x: (jnp.tanh(c @ c + x), None), h, xs)[0]
+
+
+def _carried_scan_args(draw):
+    from eqsat.rules import dim, tensor
+
+    n = dim(draw, 1, 3)
+    return tensor(draw, (n, n), low=-0.5, high=0.5), tensor(draw, (dim(draw, 1, 3), n, n))
+
+
+def _examples():
+    from eqsat.rules import Example
+
+    return [Example(_carried_scan, _carried_scan_args, ("loop_constant",), fires=False)]
+
+
+EXAMPLES = _examples()

@@ -319,3 +319,97 @@ def _concat_conv_features(
             ne(m1).to(m2),
             ne(merge).to(String("")),
         ).then(union(e).with_(Load(Conv(lhs, rhs, field[10], merged, t), t)))
+
+
+# --- soundness examples (eqsat.rules.check) ------------------------------------------------------
+
+
+def _linear(x, w):
+    from jax import lax
+
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _projections(x, wq, wk, wv):
+    """QKV: three linears of one input."""
+    return _linear(x, wq), _linear(x, wk), _linear(x, wv)
+
+
+def _projections_args(draw):
+    from eqsat.rules import dim, tensor
+
+    width = dim(draw)
+    return (tensor(draw, (dim(draw), dim(draw), width)),
+            *(tensor(draw, (dim(draw), width)) for _ in range(3)))
+
+
+def _unshared_projections(x, y, w1, w2):
+    return _linear(x, w1), _linear(y, w2)
+
+
+def _unshared_args(draw):
+    from eqsat.rules import dim, tensor
+
+    rows, width = dim(draw), dim(draw)
+    return (tensor(draw, (rows, width)), tensor(draw, (rows, width)), tensor(draw, (dim(draw), width)),
+            tensor(draw, (dim(draw), width)))
+
+
+def _dot_plus_dot(a, b, w, v):
+    return a @ w + b @ v
+
+
+def _dot_plus_dot_args(draw):
+    from eqsat.rules import dim, tensor
+
+    m, k1, k2, n = dim(draw), dim(draw), dim(draw), dim(draw)
+    return tensor(draw, (m, k1)), tensor(draw, (m, k2)), tensor(draw, (k1, n)), tensor(draw, (k2, n))
+
+
+def _conv(x, w, stride=1):
+    from jax import lax
+
+    pad = w.shape[2] // 2
+    return lax.conv_general_dilated(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                    dimension_numbers=("NHWC", "OIHW", "NHWC"))
+
+
+def _conv_plus_shortcut(h, x, w3, w1):
+    """ResNet conv2 (3x3) plus the 1x1 conv_shortcut of the block input."""
+    return _conv(h, w3) + _conv(x, w1)
+
+
+def _conv_plus_shortcut_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, size, c1, c2, out = dim(draw, 1, 2), dim(draw, 1, 5), dim(draw), dim(draw), dim(draw)
+    return (tensor(draw, (batch, size, size, c1)), tensor(draw, (batch, size, size, c2)),
+            tensor(draw, (out, c1, 3, 3)), tensor(draw, (out, c2, 1, 1)))
+
+
+def _conv_plus_strided_conv(h, x, w3, w1):
+    """Different strides: outputs agree in shape but the windows do not align."""
+    return _conv(h, w3) + _conv(x, w1, 2)
+
+
+def _conv_strided_args(draw):
+    from eqsat.rules import dim, tensor
+
+    size, c, out = dim(draw, 1, 3), dim(draw), dim(draw)
+    return (tensor(draw, (1, size, size, c)), tensor(draw, (1, 2 * size, 2 * size, c)),
+            tensor(draw, (out, c, 3, 3)), tensor(draw, (out, c, 1, 1)))
+
+
+def _examples():
+    from eqsat.rules import Example
+
+    return [
+        Example(_projections, _projections_args, ("wide_member", "wide_order", "wide_matmul")),
+        Example(_unshared_projections, _unshared_args, ("wide_matmul",), fires=False),
+        Example(_dot_plus_dot, _dot_plus_dot_args, ("concat_contraction",)),
+        Example(_conv_plus_shortcut, _conv_plus_shortcut_args, ("concat_conv_features",)),
+        Example(_conv_plus_strided_conv, _conv_strided_args, ("concat_conv_features",), fires=False),
+    ]
+
+
+EXAMPLES = _examples()

@@ -267,3 +267,75 @@ def _stack_statistics(s1: Tensor, s2: Tensor, x: Expr, body: Expr, axes: String,
         union(Load(s1, ts)).with_(Reshape(Slice(both, 0, 0, 1, 1, s1_ty), ts)),
         union(Load(s2, ts)).with_(Reshape(Slice(both, 0, 1, 2, 1, s1_ty), ts)),
     )
+
+
+# --- soundness examples (eqsat.rules.check) ------------------------------------------------------
+
+
+def _group_norm(x, weight, bias):
+    """sd15's GroupNorm (2 groups) on channels-last float32 input."""
+    from sd15.layers import group_norm
+
+    return group_norm({"n.weight": weight, "n.bias": bias}, "n", x, 2, 1e-5)
+
+
+def _group_norm_args(draw):
+    from eqsat.rules import dim, tensor
+
+    channels = 2 * dim(draw, 1, 3)
+    return (tensor(draw, (dim(draw, 1, 2), dim(draw, 1, 3), dim(draw, 1, 3), channels)),
+            tensor(draw, (channels,)), tensor(draw, (channels,)))
+
+
+def _layer_norm(x, weight, bias):
+    from sd15.layers import layer_norm
+
+    return layer_norm({"n.weight": weight, "n.bias": bias}, "n", x, 1e-5)
+
+
+def _layer_norm_args(draw):
+    from eqsat.rules import dim, tensor
+
+    width = dim(draw, 2, 6)
+    return tensor(draw, (dim(draw), dim(draw), width)), tensor(draw, (width,)), tensor(draw, (width,))
+
+
+def _variance(x):
+    import jax.numpy as jnp
+
+    centered = x - jnp.sum(x, axis=-1, keepdims=True) / x.shape[-1]
+    return jnp.sum(centered * centered, axis=-1)
+
+
+def _variance16_args(draw):
+    from eqsat.rules import dim, tensor
+
+    return (tensor(draw, (dim(draw), dim(draw, 2, 4)), "float16"),)
+
+
+def _variance_other_axis(x):
+    """The mean is over axis 1, the squares are summed over axis 2: no variance."""
+    import jax.numpy as jnp
+
+    centered = x - jnp.sum(x, axis=1, keepdims=True) / x.shape[1]
+    return jnp.sum(centered * centered, axis=2)
+
+
+def _rank3_args(draw):
+    from eqsat.rules import dim, tensor
+
+    return (tensor(draw, (dim(draw), dim(draw, 2, 4), dim(draw, 2, 4))),)
+
+
+def _examples():
+    from eqsat.rules import Example
+
+    return [
+        Example(_group_norm, _group_norm_args, ("variance", "stack_statistics")),
+        Example(_layer_norm, _layer_norm_args, ("variance", "stack_statistics")),
+        Example(_variance, _variance16_args, ("variance",), fires=False, name="variance (float16)"),
+        Example(_variance_other_axis, _rank3_args, ("variance",), fires=False),
+    ]
+
+
+EXAMPLES = _examples()
