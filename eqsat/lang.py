@@ -68,7 +68,7 @@ def Matmul(lhs: Expr, rhs: Expr, dims: StringLike, epilogue: Expr, ty: StringLik
 
 @function(egg_fn="Conv")
 def Conv(lhs: Expr, rhs: Expr, params: StringLike, epilogue: Expr, ty: StringLike) -> Tensor:
-    """`conv_general_dilated(lhs, rhs)` with its static params encoded by `types.conv_params_key`, then `epilogue`."""
+    """`conv_general_dilated(lhs, rhs)` with its static params encoded by `eqsat.conv_params.ConvParams.key`, then `epilogue`."""
 
 
 @function(egg_fn="Attention")
