@@ -72,14 +72,22 @@ def saturate(
     iteration_limit: int = 400,
     time_limit: float = 60.0,
     classes: bool = True,
+    program=None,
 ) -> SaturationReport:
     """Run `schedule` (default: `eqsat.schedule.default_schedule()`) on `egraph` until saturated or a limit.
 
     `schedule` may be an `eqsat.schedule.Schedule`, one egglog `Ruleset`, or a sequence of them.
     Limits are checked between ruleset runs: e-nodes (language constructors), ruleset runs, and
-    wall seconds. `classes=False` skips the final e-class count (one serialization).
+    wall seconds. `classes=False` skips the final e-class count (one serialization). `program`
+    (the lifted `Program` the e-graph was built from) lets families state facts that live outside
+    the e-graph first (`eqsat.rules.seed`: loop constants, scatter kinds); without it those rules
+    do not fire.
     """
     plan: Schedule = as_schedule(schedule)
+    if program is not None:
+        from eqsat.rules import seed
+
+        seed(egraph, program)
     started = time.perf_counter()
     seconds: Counter[str] = Counter({stage.name: 0.0 for stage in plan.stages})
     matches: Counter[str] = Counter()

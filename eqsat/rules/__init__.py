@@ -71,6 +71,17 @@ def registry() -> dict[str, Any]:
     return found
 
 
+def seed(egraph, program, families=None) -> int:
+    """Let every family that reads facts from outside the e-graph (loop payloads, scatter kinds)
+    state them for `program` (each family module's `seed(egraph, program)`); returns how many."""
+    count = 0
+    for name in (families if families is not None else FAMILIES):
+        module = family_module(name)
+        if module is not None and callable(getattr(module, "seed", None)):
+            count += module.seed(egraph, program)
+    return count
+
+
 def examples_of(ruleset) -> list["Example"]:
     """The `EXAMPLES` of the family that owns `ruleset` ([] for a user's own ruleset)."""
     for name in FAMILIES:
@@ -507,7 +518,7 @@ def _lift(example: Example, args: tuple) -> _Lifted:
     leaves = jax.tree.leaves(args)
     env = {f"arg{i}": leaf for i, leaf in enumerate(leaves)}
     with jax.default_matmul_precision("highest"):
-        expected = [np.asarray(x) for x in jax.tree.leaves(example.fn(*args))]
+        expected = [np.asarray(x) for x in jax.tree.leaves(example.fn(*jax.tree.map(jax.numpy.asarray, args)))]
         naive = evaluate(list(program.outputs), env, program.constants, program.payloads)
     why = _compare([np.asarray(x) for x in naive], expected)
     if why is not None:
@@ -522,6 +533,7 @@ def _saturate(ruleset, lifted: _Lifted, iterations: int, support: Sequence[str] 
 
     builder = Builder()
     handles = builder.add(list(lifted.program.outputs))
+    seed(builder.egraph, lifted.program)
     schedule = ruleset
     for name in support:
         helper = family_ruleset(name)
