@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import BigInt, BigRat, EGraph, String, f64, i64, relation, rewrite, rule, ruleset, union
+from egglog import BigInt, BigRat, EGraph, String, f64, function, i64, relation, rewrite, rule, ruleset, set_, union
 
 from eqsat.lang import (
     AssignDynamic, AssignScatter, AssignStatic, Binary, Broadcast, DynamicSlice, Expr, Iota, Lit, Load, Pad,
@@ -38,6 +38,11 @@ functionalize = ruleset(name="functionalize")
 RowScatter = relation("FunctionalizeRowScatter", String, String, String)
 
 MAX_RANK = 4  # dynamic writes are matched per rank of the start list
+
+
+@function(egg_fn="FunctionalizeValueType", merge=lambda old, new: old)
+def value_type(v: Expr) -> String:
+    """The type of an expression written by an `Assign*` (Expr variables carry no type)."""
 
 
 def py_float(fn, *args):
@@ -132,15 +137,22 @@ def _slack_padded(box: str, ty: str, axis: str) -> str:
 
 
 @functionalize.register
+def _value_type(a: Tensor, t: Tensor, starts: String, dynamic: TensorList, v: Expr, ty: String, tv: String):
+    """Bookkeeping: the type of every written value (one rule per Expr constructor)."""
+    for form in typed_forms(tv):
+        yield rule(a == AssignStatic(t, starts, v, ty), v == form).then(set_(value_type(v)).to(tv))
+        yield rule(a == AssignDynamic(t, dynamic, v, ty), v == form).then(set_(value_type(v)).to(tv))
+
+
+@functionalize.register
 def _assign_static(a: Tensor, t: Tensor, starts: String, v: Expr, ty: String, tv: String):
     """AssignStatic(t, starts, v) = Pointwise(Select(Pad(true[box], false), Load(t), Pad(v, 0))): a write is a select."""
     padding = py_string(_box_padding, starts, tv, ty)
     mask = Pad(Lit(1.0, py_string(_with_dtype, tv, String("bool"))), Lit(0.0, String("bool[]")), padding,
                py_string(_with_dtype, ty, String("bool")))
     placed = Pad(v, Lit(0.0, py_string(_scalar, ty)), padding, ty)
-    for form in typed_forms(tv):
-        yield rule(a == AssignStatic(t, starts, v, ty), v == form, py_true(_box_fits, starts, tv, ty)).then(
-            union(a).with_(Pointwise(Select(mask, Load(t, ty), placed, ty), ty)))
+    yield rule(a == AssignStatic(t, starts, v, ty), value_type(v) == tv, py_true(_box_fits, starts, tv, ty)).then(
+        union(a).with_(Pointwise(Select(mask, Load(t, ty), placed, ty), ty)))
 
 
 @lru_cache(maxsize=None)
@@ -152,9 +164,8 @@ def _box_fits(starts: str, box: str, ty: str) -> str:
 def _forward_store(t: Tensor, starts: String, v: Expr, ty: String, ts: String, axis: i64, start: i64, stop: i64):
     """Load(AssignStatic(t, starts, v))[the written box] = v: store-to-load forwarding."""
     exact = py_true(_exact_box, starts, ts, ty, axis.to_string(), start.to_string(), stop.to_string())
-    for form in typed_forms(ts):
-        yield rewrite(Slice(Load(AssignStatic(t, starts, v, ty), ty), axis, start, stop, 1, ts)).to(
-            v, v == form, exact)
+    yield rewrite(Slice(Load(AssignStatic(t, starts, v, ty), ty), axis, start, stop, 1, ts)).to(
+        v, value_type(v) == ts, exact)
 
 
 @functionalize.register
@@ -162,9 +173,8 @@ def _disjoint_read(t: Tensor, starts: String, v: Expr, ty: String, tv: String, t
                    start: i64, stop: i64, stride: i64):
     """Load(AssignStatic(t, starts, v))[s:e] = Load(t)[s:e] when [s, e) misses the box along that axis."""
     disjoint = py_true(_disjoint, starts, tv, axis.to_string(), start.to_string(), stop.to_string())
-    for form in typed_forms(tv):
-        yield rewrite(Slice(Load(AssignStatic(t, starts, v, ty), ty), axis, start, stop, stride, ts)).to(
-            Slice(Load(t, ty), axis, start, stop, stride, ts), v == form, disjoint)
+    yield rewrite(Slice(Load(AssignStatic(t, starts, v, ty), ty), axis, start, stop, stride, ts)).to(
+        Slice(Load(t, ty), axis, start, stop, stride, ts), value_type(v) == tv, disjoint)
 
 
 # --- dynamic writes ----------------------------------------------------------------------------------
@@ -206,9 +216,9 @@ def _assign_dynamic(a: Tensor, t: Tensor, s: Tensor, v: Expr, ty: String, tv: St
             placed = DynamicSlice(padded, axis, Binary("sub", Lit(slack, i32), clamped, i32),
                                   py_int(_extent, ty, ax), ty)
             starts = _start_lists(s, rank, axis, f"_dyn{rank}_{axis}")
-            for form in typed_forms(tv, prefix=f"_dyn{rank}_{axis}_typed"):
-                yield rule(a == AssignDynamic(t, starts, v, ty), v == form, py_true(_one_partial_axis, tv, ty, ax)).then(
-                    union(a).with_(Pointwise(Select(inside, Load(t, ty), placed, ty), ty)))
+            yield rule(a == AssignDynamic(t, starts, v, ty), value_type(v) == tv,
+                       py_true(_one_partial_axis, tv, ty, ax)).then(
+                union(a).with_(Pointwise(Select(inside, Load(t, ty), placed, ty), ty)))
 
 
 # --- row scatters ------------------------------------------------------------------------------------
