@@ -276,6 +276,8 @@ class SerializedGraph:
             if op == "Ref":
                 self.handle_class[int(nodes[node["children"][0]]["op"])] = cls
                 continue
+            if node.get("subsumed"):
+                continue  # equal, but not extractable (e.g. a LoopArg merged with its operand)
             if sort in _LANG_SORTS:
                 if op not in lang.OPS:
                     continue  # helper functions of some family: not part of any plan
@@ -366,6 +368,7 @@ class SerializedGraph:
     def terms(self, choice: dict[str, str], roots: Sequence[str]) -> list[Term]:
         """The Terms of `roots` under `choice` (children before parents, no recursion)."""
         built: dict[str, Term] = {}
+        opened: set[str] = set()
         stack: list[tuple[str, bool]] = [(root, False) for root in roots]
         while stack:
             cls, ready = stack.pop()
@@ -375,6 +378,9 @@ class SerializedGraph:
             op = self.op[node]
             sorts = lang.OPS[op][1]
             if not ready:
+                if cls in opened:
+                    raise ValueError(f"the choice of nodes is cyclic at e-class {cls}")
+                opened.add(cls)
                 stack.append((cls, True))
                 for child, sort in zip(self.children[node], sorts):
                     if sort in _LANG_SORTS and self.node_class[child] not in built:
@@ -388,6 +394,74 @@ class SerializedGraph:
                     args.append(_literal(self.op[child], sort))
             built[cls] = Term(op, *args)
         return [built[root] for root in roots]
+
+
+def min_kernel_plan(graph: SerializedGraph, roots: Sequence[str], *, time_limit: float = 60.0) -> list[Term] | None:
+    """A plan of `roots` with the fewest kernels the e-graph offers (to show that a fused plan exists).
+
+    An exact ILP (`scipy.optimize.milp`): a 0/1 variable per node and per class, every used class
+    picks a node, a picked node uses its children's classes, an order per class forbids cycles;
+    minimize kernels, then nodes. For small e-graphs (tests, examples), not SD-sized ones: the
+    cost-model extractor lives in `extract/`.
+    """
+    import scipy.sparse as sparse
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    classes = graph.reachable(roots)
+    class_index = {cls: i for i, cls in enumerate(classes)}
+    nodes = [(cls, node) for cls in classes for node in graph.members.get(cls, [])]
+    n_nodes, n_classes = len(nodes), len(classes)
+    # variables: nodes x, classes y, orders o
+    n_vars = n_nodes + 2 * n_classes
+    y = lambda c: n_nodes + class_index[c]  # noqa: E731
+    o = lambda c: n_nodes + n_classes + class_index[c]  # noqa: E731
+    rows, cols, vals, lower, upper = [], [], [], [], []
+
+    def constraint(coefficients: dict[int, float], lo: float, hi: float) -> None:
+        row = len(lower)
+        for col, val in coefficients.items():
+            rows.append(row)
+            cols.append(col)
+            vals.append(val)
+        lower.append(lo)
+        upper.append(hi)
+
+    big = float(n_classes + 1)
+    by_class: dict[str, list[int]] = defaultdict(list)
+    for i, (cls, node) in enumerate(nodes):
+        by_class[cls].append(i)
+        for child in set(graph.child_classes(node)):
+            constraint({i: 1.0, y(child): -1.0}, -np.inf, 0.0)              # x_n <= y_child
+            if child == cls:
+                constraint({i: 1.0}, 0.0, 0.0)                                # a node inside its own class
+            else:
+                constraint({o(cls): 1.0, o(child): -1.0, i: -big}, 1.0 - big, np.inf)  # o_c >= o_d + 1 if x_n
+    for cls in classes:
+        coefficients = {i: 1.0 for i in by_class[cls]}
+        coefficients[y(cls)] = -1.0
+        constraint(coefficients, 0.0, 0.0)                                    # a used class picks one node
+    for root in roots:
+        constraint({y(root): 1.0}, 1.0, 1.0)
+    cost = np.zeros(n_vars)
+    for i, (cls, node) in enumerate(nodes):
+        cost[i] = (1000.0 if graph.op[node] in lang.KERNEL_OPS else 0.0) + 1.0
+    integrality = np.ones(n_vars)
+    integrality[n_nodes + n_classes:] = 0
+    lo_bounds = np.zeros(n_vars)
+    hi_bounds = np.ones(n_vars)
+    hi_bounds[n_nodes + n_classes:] = big
+    matrix = sparse.csr_array((vals, (rows, cols)), shape=(len(lower), n_vars))
+    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
+                  bounds=Bounds(lo_bounds, hi_bounds), options={"time_limit": time_limit})
+    if result.x is None:
+        return None
+    choice = {cls: node for i, (cls, node) in enumerate(nodes) if result.x[i] > 0.5}
+    return graph.terms(choice, roots)
+
+
+def kernel_terms(roots: Sequence[Term]) -> list[Term]:
+    """The kernel terms of a plan (loop bodies included)."""
+    return [term for term in postorder(roots) if term.op in lang.KERNEL_OPS]
 
 
 def _literal(text: str, sort: str):
