@@ -22,7 +22,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from egglog import BigInt, BigRat, PyObject, String, StringLike, function, i64, i64Like, ne, relation, rule, ruleset
-from egglog import set_, union
+from egglog import set_, union, var
 
 from eqsat.lang import Acc, Binary, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Ref, Slice, Tensor
 from eqsat.types import format_type, ints, ints_key, parse_type
@@ -149,29 +149,38 @@ def _wide_order(
     ).then(WidePrefix(a, group, i, Ref(i), rhs, tw, t))
 
 
+HOPS = (4, 1)  # members a prefix advances by per rule match: a group of N takes ~N/8 iterations
+
+
 @horizontal.register
-def _wide_matmul(
-    a: Expr, group: String, i: i64, j: i64, prefix: Tensor, rhs: Expr, rhs2: Expr, dims: String,
-    trhs: String, tp: String, tw2: String, t2: String,
-):
+def _wide_matmul(a: Expr, group: String, i: i64, prefix: Tensor, rhs: Expr, dims: String, trhs: String, tp: String):
     """Load(P) = Load(P')[.., :n] and Load(M_j) = Load(P')[.., n:] for P' = dot(a, concat(rhs(P), W_j))."""
     axis_w = py_int(_rhs_free_axis, dims)
     axis_out = py_int(_last_axis, tp)
-    n = py_int(_extent, trhs, axis_w.to_string())
-    n_j = py_int(_extent, t2, py_string(_last_axis, t2))
-    wide_rhs_ty = py_string(_concat_type, trhs, tw2, axis_w.to_string())
-    wide_ty = py_string(_concat_type, tp, t2, axis_out.to_string())
-    wide_rhs = Concat(rhs, rhs2, axis_w, n, wide_rhs_ty)
-    wide = Matmul(a, wide_rhs, dims, Acc(wide_ty), wide_ty)
-    yield rule(
-        WidePrefix(a, group, i, prefix, rhs, trhs, tp),
-        wide_next(a, group, i) == j,
-        WideMember(a, group, j, rhs2, tw2, t2, dims),
-    ).then(
-        union(Load(prefix, tp)).with_(Slice(Load(wide, wide_ty), axis_out, 0, n, 1, tp)),
-        union(Load(Ref(j), t2)).with_(Slice(Load(wide, wide_ty), axis_out, n, n + n_j, 1, t2)),
-        WidePrefix(a, group, j, wide, wide_rhs, wide_rhs_ty, wide_ty),
-    )
+    for hops in HOPS:
+        # the next `hops` members j_1..j_h after the prefix's last member i, each appended in turn; the
+        # prefix terms are left-nested concats, so every path to the same member builds the same term
+        facts = [WidePrefix(a, group, i, prefix, rhs, trhs, tp)]
+        actions = []
+        last, last_rhs, last_rhs_ty, last_ty = i, rhs, trhs, tp
+        last_tensor = prefix
+        for hop in range(hops):
+            j, member_rhs = var(f"j{hop}", i64), var(f"rhs{hop}", Expr)
+            member_rhs_ty, member_ty = var(f"tw{hop}", String), var(f"t{hop}", String)
+            facts += [wide_next(a, group, last) == j, WideMember(a, group, j, member_rhs, member_rhs_ty, member_ty, dims)]
+            n = py_int(_extent, last_rhs_ty, axis_w.to_string())
+            n_j = py_int(_extent, member_ty, axis_out.to_string())
+            wide_rhs_ty = py_string(_concat_type, last_rhs_ty, member_rhs_ty, axis_w.to_string())
+            wide_ty = py_string(_concat_type, last_ty, member_ty, axis_out.to_string())
+            wide_rhs = Concat(last_rhs, member_rhs, axis_w, n, wide_rhs_ty)
+            wide = Matmul(a, wide_rhs, dims, Acc(wide_ty), wide_ty)
+            actions += [
+                union(Load(last_tensor, last_ty)).with_(Slice(Load(wide, wide_ty), axis_out, 0, n, 1, last_ty)),
+                union(Load(Ref(j), member_ty)).with_(Slice(Load(wide, wide_ty), axis_out, n, n + n_j, 1, member_ty)),
+                WidePrefix(a, group, j, wide, wide_rhs, wide_rhs_ty, wide_ty),
+            ]
+            last, last_rhs, last_rhs_ty, last_ty, last_tensor = j, wide_rhs, wide_rhs_ty, wide_ty, wide
+        yield rule(*facts).then(*actions)
 
 
 # --- dot(a, W) + dot(b, V) -> one matmul (or conv) over the concatenated contraction range ------
