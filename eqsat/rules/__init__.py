@@ -396,20 +396,22 @@ class SerializedGraph:
         return [built[root] for root in roots]
 
 
-def min_kernel_plan(graph: SerializedGraph, roots: Sequence[str], *, time_limit: float = 60.0) -> list[Term] | None:
+def min_kernel_plan(graph: SerializedGraph, roots: Sequence[str], *, forbid: Sequence[str] = (),
+                    time_limit: float = 60.0) -> list[Term] | None:
     """A plan of `roots` with the fewest kernels the e-graph offers (to show that a fused plan exists).
 
     An exact ILP (`scipy.optimize.milp`): a 0/1 variable per node and per class, every used class
     picks a node, a picked node uses its children's classes, an order per class forbids cycles;
-    minimize kernels, then nodes. For small e-graphs (tests, examples), not SD-sized ones: the
-    cost-model extractor lives in `extract/`.
+    minimize kernels, then nodes. Nodes whose op is in `forbid` are never picked. None if no plan
+    exists. For small e-graphs (tests, examples), not SD-sized ones: the cost-model extractor lives
+    in `extract/`.
     """
     import scipy.sparse as sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     classes = graph.reachable(roots)
     class_index = {cls: i for i, cls in enumerate(classes)}
-    nodes = [(cls, node) for cls in classes for node in graph.members.get(cls, [])]
+    nodes = [(cls, node) for cls in classes for node in graph.members.get(cls, []) if graph.op[node] not in forbid]
     n_nodes, n_classes = len(nodes), len(classes)
     # variables: nodes x, classes y, orders o
     n_vars = n_nodes + 2 * n_classes
@@ -453,7 +455,7 @@ def min_kernel_plan(graph: SerializedGraph, roots: Sequence[str], *, time_limit:
     matrix = sparse.csr_array((vals, (rows, cols)), shape=(len(lower), n_vars))
     result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
                   bounds=Bounds(lo_bounds, hi_bounds), options={"time_limit": time_limit})
-    if result.x is None:
+    if result.x is None or not result.success:
         return None
     choice = {cls: node for i, (cls, node) in enumerate(nodes) if result.x[i] > 0.5}
     return graph.terms(choice, roots)
@@ -613,8 +615,13 @@ def _saturate(ruleset, lifted: _Lifted, iterations: int, support: Sequence[str] 
         helper = family_ruleset(name)
         if helper is not None and helper is not ruleset:
             schedule = schedule + helper
-    report = builder.egraph.run(schedule * iterations)
-    return builder, handles, report
+    matches: Counter = Counter()
+    for _ in range(iterations):  # until nothing changes (analyses settle one level per iteration)
+        report = builder.egraph.run(schedule)
+        matches.update({decl: count for decl, count in report.num_matches_per_rule.items() if count})
+        if not report.updated:
+            break
+    return builder, handles, matches
 
 
 def _plans(builder, handles, extractions_limit: int, seed: int) -> list[list[Term]]:
@@ -661,12 +668,12 @@ def resolve_ruleset(ruleset):
     return ruleset
 
 
-def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None, iterations: int = 10,
+def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None, iterations: int = 32,
           extractions_per_draw: int = 24, rules: Sequence[str] | None = None) -> CheckReport:
     """Check `ruleset` (a ruleset, family module or family name) for soundness on its `EXAMPLES`.
 
-    For each example, `examples` hypothesis draws of shapes and values: lift, run the ruleset
-    `iterations` times, then evaluate up to `extractions_per_draw` distinct extractions of the
+    For each example, `examples` hypothesis draws of shapes and values: lift, run the ruleset until
+    it changes nothing (at most `iterations` times), then evaluate up to `extractions_per_draw` distinct extractions of the
     outputs (random acyclic ones and one forcing each alternative e-node) against the function.
     Also asserts that each example's rules matched at least once over its draws (or never, for
     `fires=False`). `rules` restricts the examples to those naming one of these rules.
@@ -712,11 +719,10 @@ def _property(ruleset, named, example: Example, fired: Counter, report: CheckRep
     def prop(data):
         args = example.args(data.draw)
         lifted = _lift(example, args)
-        builder, handles, run_report = _saturate(ruleset, lifted, iterations, example.support)
+        builder, handles, decl_matches = _saturate(ruleset, lifted, iterations, example.support)
         matched: Counter = Counter()
-        for decl, count in run_report.num_matches_per_rule.items():
-            if count:
-                matched[rule_name(ruleset, decl)] += count
+        for decl, count in decl_matches.items():
+            matched[rule_name(ruleset, decl)] += count
         fired.update(matched)
         draws[0] += 1
         plans = _plans(builder, handles, extractions_per_draw, seed=draws[0])
