@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from egglog import String, eq, f64, i64, rewrite, ruleset
 
-from eqsat.lang import Broadcast, Expr, Lit, Pad, Reshape, Slice, Transpose
+from eqsat.lang import Broadcast, Expr, Lit, Pad, Reshape, Slice, Transpose, Unary
 from eqsat.rules import Example, dim, flag, py_string, py_true, tensor, typed_forms
 from eqsat.types import ints, ints_key
 
@@ -101,6 +101,13 @@ def _identity_view(x: Expr, ty: String, dims: String, axis: i64, start: i64, sto
 
 
 @view_folding.register
+def _identity_convert(x: Expr, ty: String):
+    """Unary("convert", x, ty) = x when x already has type ty (weak-typed index arithmetic)."""
+    for form in typed_forms(ty, prefix="_convert"):
+        yield rewrite(Unary("convert", x, ty)).to(x, x == form)
+
+
+@view_folding.register
 def _identity_transpose(x: Expr, permutation: String, ty: String):
     """Transpose(x, 0,1,..,n-1) = x."""
     yield rewrite(Transpose(x, permutation, ty)).to(x, py_true(_is_identity_permutation, permutation))
@@ -168,6 +175,17 @@ def _zero_pad(x):
     return lax.pad(x, 0.0, [(0, 0, 0)] * x.ndim) + 1.0
 
 
+def _index_update(x, i):
+    """`.at[i]` index arithmetic converts a weak-typed int32 index to int32."""
+    from jax import lax
+
+    return lax.fori_loop(0, x.shape[0], lambda k, b: b.at[k].add(1.0), x) * 2.0
+
+
+def _matrix_index(draw):
+    return tensor(draw, (dim(draw), dim(draw))), tensor(draw, (), "int32", low=0, high=2)
+
+
 def _slices_args(draw):
     return (tensor(draw, (dim(draw, 2, 6), dim(draw))),)
 
@@ -182,4 +200,5 @@ EXAMPLES = [
     Example(_slice_chain, _slices_args, ("slice_of_slice",), support=("absorb",)),
     Example(_literal_view, _cube, ("view_of_literal",), support=("absorb",)),
     Example(_zero_pad, _cube, ("identity_pad",)),
+    Example(_index_update, _matrix_index, ("identity_convert",), support=("absorb",)),
 ]
