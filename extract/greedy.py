@@ -26,11 +26,14 @@ Rounds, each scored by the caller's `score` (the plan's roofline cost), the best
 1. shared: a tensor's weight is divided among the classes that could read it. An expression
    inlined into k consumers is computed k times, while a tensor is written once and read k times;
    without the split, inlining always looks cheaper locally (the tensor's cost includes the same
-   expression) and long elementwise chains get recomputed in every consumer. The split also lets
-   one horizontally fused kernel (QKV) win over three separate ones that each look cheaper alone;
+   expression) and long elementwise chains get recomputed in every consumer ("plain", whole
+   weights, does exactly that, so it is not in the default rounds);
 2. reuse: tensors that round 1 materializes count as already paid, so a consumer may reuse a
    tensor another consumer needs anyway instead of recomputing it (in a fused epilogue, say);
-3. plain: whole weights.
+3. horizontal: tensors read only through slices by several classes (a QKV matmul, stacked norm
+   statistics: the horizontal fusions) count as paid. Each reader alone prefers its own narrow
+   kernel, which is cheaper than the wide one; only together do they save launches and reads;
+4. horizontal+reuse: what round 3 materializes counts as paid.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Callable
 
 import numpy as np
 
+from eqsat.lang import KERNEL_OPS
 from extract.serialized import (
     EPSILON,
     GLOBAL,
@@ -123,6 +127,14 @@ class _Problem:
                 if graph.node_op[node] == "Load":
                     load_classes.setdefault(graph.node_children[node][0], set()).add(cls)
         self.load_classes = {tensor: sorted(loads) for tensor, loads in load_classes.items()}
+        # Horizontal candidates: tensors read only through slices, by two or more classes (one
+        # wide matmul for Q, K and V; both statistics of a norm from one reduction).
+        self.sliced: set[int] = set()
+        for tensor, loads in load_classes.items():
+            users = [p for load in loads for p in self.parents.get(load, ())]
+            if users and all(graph.node_op[p] in ("Slice", "DynamicSlice") for p in users):
+                if len({graph.node_class[p] for p in users}) >= 2:
+                    self.sliced.add(tensor)
         self.readers: dict[int, int] = {}
         for tensor, loads in load_classes.items():
             readers = {graph.node_class[p] for load in loads for p in self.parents.get(load, ())}
@@ -248,47 +260,396 @@ def _acyclic_pass(problem: _Problem, banned: set[int], paid, shared: bool, max_e
         selection, sweeps = _pass(problem, banned, paid, shared, max_evaluations_per_node)
         cycle = selection.find_cycle()
         if cycle is None:
-            reached = selection.postorder()
-            selection.nodes = {slot: selection.nodes[slot] for slot in reached}
+            full = selection.nodes
+            selection = selection.pruned()
+            selection.fallback = full
             return selection, sweeps
-        banned.add(selection.nodes[cycle[0]])  # break the cycle at its entry and search again
+        banned.add(selection.node_of(cycle[0]))  # break the cycle at its entry and search again
     raise RuntimeError("greedy extraction could not break its cycles")
+
+
+ROUNDS = ("horizontal", "shared")  # also available: "reuse", "horizontal+reuse", "plain"
 
 
 def extract_greedy(graph: EGraphData, roots, costs, *,
                    score: Callable[[Selection, float], float] | None = None,
-                   max_evaluations_per_node: int = 16,
-                   rounds: tuple[str, ...] = ("shared", "reuse", "plain"), banned=()) -> GreedyResult:
+                   max_evaluations_per_node: int = 16, rounds: tuple[str, ...] = ROUNDS,
+                   polish_passes: int = 3, banned=()) -> GreedyResult:
     """A greedy DAG-aware selection for `roots` (class indices) under per-node `costs` (seconds).
 
-    `score(selection, cutoff)` rates a finished selection (default: the sum of node costs it
-    reaches); it may return `inf` once the rating exceeds `cutoff`. The best-scoring round wins
-    (the first on ties). Deterministic: the same graph, roots and costs give the same selection.
+    `score(selection, cutoff)` rates a finished selection (default: `Selection.cost`, the plan's
+    modeled seconds); it may return `inf` once past `cutoff`. The best-scoring round wins (the
+    first on ties) and is then improved by `polish` (`polish_passes=0` skips that). Deterministic:
+    the same graph, roots and costs give the same selection.
     """
     problem = _Problem(graph, list(roots), costs)
     if score is None:
         def score(selection: Selection, cutoff: float) -> float:
-            return selection.node_sum(problem.costs)
+            return selection.cost(costs, cutoff)
     best: Selection | None = None
     best_score = math.inf
     total_sweeps = 0.0
     history: list[tuple[str, float]] = []
     seen: dict[tuple, float] = {}
-    first_materialized: frozenset[int] = frozenset()
+    materialized: dict[str, frozenset[int]] = {}
     for name in rounds:
-        if name == "reuse" and not first_materialized:
-            continue
-        paid = first_materialized if name == "reuse" else frozenset()
-        selection, sweeps = _acyclic_pass(problem, set(banned), paid, name == "shared", max_evaluations_per_node)
+        shared = name != "plain"
+        if name == "plain" or name == "shared":
+            paid: frozenset[int] = frozenset()
+        elif name == "reuse":
+            paid = materialized.get("shared", frozenset())
+        elif name == "horizontal":
+            paid = frozenset(problem.sliced)
+            if not paid:
+                continue
+        elif name == "horizontal+reuse":
+            if "horizontal" not in materialized:
+                continue
+            paid = materialized["horizontal"]
+        else:
+            raise ValueError(f"unknown greedy round {name!r}; known: plain, {', '.join(ROUNDS)}")
+        selection, sweeps = _acyclic_pass(problem, set(banned), paid, shared, max_evaluations_per_node)
         total_sweeps += sweeps
+        materialized[name] = frozenset(
+            cls for cls, context in selection.nodes if context == GLOBAL and problem.is_tensor[cls])
         key = tuple(sorted(selection.nodes.items()))
         value = seen[key] if key in seen else score(selection, best_score)
         seen[key] = value
         history.append((name, value))
-        if not first_materialized:
-            first_materialized = frozenset(
-                cls for cls, context in selection.nodes if context == GLOBAL and problem.is_tensor[cls])
         if best is None or value < best_score * (1 - 1e-12):  # a later round must be strictly better
             best, best_score = selection, value
     assert best is not None
+    if polish_passes:
+        polished = polish(best, costs, fallback=best.fallback, max_passes=polish_passes)
+        value = score(polished, math.inf)
+        history.append(("polish", value))
+        if value < best_score * (1 - 1e-12):
+            polished.fallback = best.fallback
+            best, best_score = polished, value
     return GreedyResult(best, best_score, total_sweeps, history)
+
+
+# --- polish: local moves on a finished selection ---------------------------------------------------
+
+
+def polish(selection: Selection, costs, *, fallback: dict | None = None, max_passes: int = 3) -> Selection:
+    """Improve `selection` by local moves, each kept only if the plan's modeled cost drops.
+
+    Moves, for every kernel of the plan in order:
+    - switch the kernel's node (a bias-add `Pointwise` over a matmul -> the matmul with the add in
+      its epilogue, say), and
+    - switch one expression node inside the kernel, for this kernel only (read `Load(T)` instead
+      of recomputing `T`, or one slice of a wide matmul instead of another).
+    A move may read only tensors the plan already materializes earlier in its order, so the plan
+    stays acyclic; tensors no kernel reads any more after the move are dropped, and their cost with
+    them. `fallback` (slot -> node, e.g. a greedy pass's choice for every class) supplies nodes
+    for expression classes the selection does not reach yet.
+    """
+    graph = selection.graph
+    node_op, sort = graph.node_op, graph.class_sort
+    nodes: dict = dict(fallback or {})
+    nodes.update(selection.nodes)
+    roots = list(selection.roots)
+
+    def resolve(child: int, owner: int, overrides: dict) -> tuple[int, int]:
+        return (child, GLOBAL) if sort[child] == "Tensor" else (child, owner)
+
+    def lookup(slot, overrides: dict):
+        node = overrides.get(slot)
+        if node is None:
+            node = nodes.get(slot)
+        if node is None and slot[1] != GLOBAL:
+            node = nodes.get((slot[0], GLOBAL))
+        return node
+
+    def context(owner: int, kernel_node: int, overrides: dict):
+        """(cost, reads, slots) of the kernel of class `owner` built from `kernel_node`; `slots` are
+        its expression slots in the order met, each as (slot, tensor it loads or -1, index of its
+        parent slot in `slots` or -1)."""
+        total = costs[kernel_node]
+        reads: set[int] = set()
+        if node_op[kernel_node] not in KERNEL_OPS:
+            return total, reads, []
+        loads: dict = {}
+        seen: set = set()
+        slots: list = []
+        stack = [((owner, GLOBAL), kernel_node, -1)]
+        while stack:
+            slot, node, parent_index = stack.pop()
+            parent_op = node_op[node]
+            for child in graph.node_children[node]:
+                if child < 0:
+                    continue
+                child_slot = resolve(child, owner, overrides)
+                if child_slot[1] == GLOBAL and sort[child] == "Tensor":
+                    reads.add(child)
+                    continue
+                child_node = lookup(child_slot, overrides)
+                if child_node is None:
+                    return math.inf, reads, slots
+                if node_op[child_node] == "Load":
+                    entry = loads.setdefault(child_slot, [False, 0.0, child_node])
+                    if parent_op in ("Slice", "DynamicSlice"):
+                        entry[1] += graph.slice_fraction(node)
+                    elif parent_op == "Gather" and graph.node_children[node][0] == child:
+                        entry[1] += graph.gather_fraction(node)
+                    else:
+                        entry[0] = True
+                if child_slot in seen:
+                    continue
+                if len(seen) > 4096:
+                    return math.inf, reads, slots  # runaway inlining: not a candidate
+                seen.add(child_slot)
+                slots.append((child_slot, graph.node_children[child_node][0] if node_op[child_node] == "Load" else -1,
+                              parent_index))
+                if node_op[child_node] != "Load":
+                    total += costs[child_node]
+                stack.append((child_slot, child_node, len(slots) - 1))
+        for whole, fraction, load_node in loads.values():
+            read = costs[load_node]
+            total += read if whole else read * min(1.0, fraction)
+        return total, reads, slots
+
+    load_nodes: dict[int, list[int]] = {}
+    for cls_nodes in graph.class_nodes:
+        for n in cls_nodes:
+            if node_op[n] == "Load":
+                load_nodes.setdefault(graph.node_class[n], []).append(n)
+    current = Selection(graph, nodes, roots)
+    order = [cls for cls, ctx in current.postorder() if ctx == GLOBAL and sort[cls] == "Tensor"]
+    position = {cls: i for i, cls in enumerate(order)}
+    kernel_cost: dict[int, float] = {}
+    kernel_reads: dict[int, set[int]] = {}
+    refcount: dict[int, int] = {cls: 0 for cls in order}
+    for cls in order:
+        cost, reads, _ = context(cls, nodes[(cls, GLOBAL)], {})
+        kernel_cost[cls], kernel_reads[cls] = cost, reads
+        for read in reads:
+            refcount[read] = refcount.get(read, 0) + 1
+    for root in roots:
+        refcount[root] = refcount.get(root, 0) + 1
+
+    def freed(owner: int, old_reads: set[int], new_reads: set[int]) -> tuple[float, list[int]]:
+        """Cost and classes dropped when `owner` stops reading `old_reads - new_reads`."""
+        drop: dict[int, int] = {}
+        gone: list[int] = []
+        saved = 0.0
+        stack = [r for r in old_reads if r not in new_reads]
+        while stack:
+            tensor = stack.pop()
+            drop[tensor] = drop.get(tensor, 0) + 1
+            if refcount.get(tensor, 0) - drop[tensor] == 0 and tensor not in new_reads:
+                gone.append(tensor)
+                saved += kernel_cost.get(tensor, 0.0)
+                stack.extend(kernel_reads.get(tensor, ()))
+        return saved, gone
+
+    state = {"dirty": False}
+
+    def reorder() -> None:
+        """Recompute a topological order of the plan's tensors from the kernels' reads."""
+        seen: set[int] = set()
+        fresh: list[int] = []
+        for root in roots:
+            stack = [(root, False)]
+            while stack:
+                tensor, done = stack.pop()
+                if done:
+                    fresh.append(tensor)
+                    continue
+                if tensor in seen:
+                    continue
+                seen.add(tensor)
+                stack.append((tensor, True))
+                stack.extend((r, False) for r in sorted(kernel_reads.get(tensor, ())) if r not in seen)
+        position.clear()
+        position.update({cls: i for i, cls in enumerate(fresh)})
+        state["dirty"] = False
+
+    def depends(tensor: int, owner: int) -> bool:
+        """Whether `tensor` (transitively) reads `owner` in the current plan."""
+        if state["dirty"]:
+            reorder()
+        floor = position[owner]
+        stack, seen = [tensor], {tensor}
+        while stack:
+            t = stack.pop()
+            if t == owner:
+                return True
+            for r in kernel_reads.get(t, ()):
+                if r not in seen and position.get(r, -1) >= floor:
+                    seen.add(r)
+                    stack.append(r)
+        return False
+
+    def valid(owner: int, reads: set[int]) -> bool:
+        if state["dirty"]:
+            reorder()
+        for r in reads:
+            if r == owner:
+                return False
+            if r not in position or (refcount.get(r, 0) == 0 and r not in roots):
+                if not any(node_op[n] in ("Input", "Constant", "LoopArg") for n in graph.class_nodes[r]):
+                    return False
+                continue
+            if position[r] > position[owner] and depends(r, owner):
+                return False
+        return True
+
+    def apply(owner: int, cost: float, reads: set[int], gone: list[int]) -> None:
+        for r in reads - kernel_reads[owner]:
+            refcount[r] = refcount.get(r, 0) + 1
+            if r not in position or position[r] > position[owner]:
+                state["dirty"] = True
+        stack = list(kernel_reads[owner] - reads)
+        while stack:
+            tensor = stack.pop()
+            refcount[tensor] -= 1
+            if refcount[tensor] == 0:
+                stack.extend(kernel_reads.get(tensor, ()))
+        kernel_cost[owner], kernel_reads[owner] = cost, reads
+
+    for _ in range(max_passes):
+        improved = False
+        if state["dirty"]:
+            reorder()
+        order = sorted(position, key=position.get)
+        for owner in order:
+            if refcount.get(owner, 0) == 0:
+                continue
+            node = nodes[(owner, GLOBAL)]
+            if node_op[node] not in KERNEL_OPS:
+                continue
+            # Move 1: another node for the kernel itself.
+            for alternative in graph.class_nodes[owner]:
+                if alternative == node:
+                    continue
+                cost, reads, _ = context(owner, alternative, {})
+                if not math.isfinite(cost) or not valid(owner, reads):
+                    continue
+                saved, gone = freed(owner, kernel_reads[owner], reads)
+                if cost - kernel_cost[owner] - saved < -1e-12:
+                    apply(owner, cost, reads, gone)
+                    nodes[(owner, GLOBAL)] = node = alternative
+                    improved = True
+            if node_op[node] not in KERNEL_OPS:
+                continue
+            # Move 2: read a tensor the plan materializes anyway instead of recomputing it here
+            # (switch an expression slot, in this kernel only, to a `Load` of that tensor).
+            _, _, slots = context(owner, node, {})
+            for slot, loaded, _ in slots:
+                if loaded >= 0:
+                    continue
+                cls = slot[0]
+                for alternative in load_nodes.get(cls, ()):
+                    tensor = graph.node_children[alternative][0]
+                    if refcount.get(tensor, 0) == 0 or lookup(slot, {}) == alternative:
+                        continue
+                    overrides = {(cls, owner): alternative}
+                    cost, reads, _ = context(owner, node, overrides)
+                    if not math.isfinite(cost) or not valid(owner, reads):
+                        continue
+                    saved, gone = freed(owner, kernel_reads[owner], reads)
+                    if cost - kernel_cost[owner] - saved < -1e-12:
+                        apply(owner, cost, reads, gone)
+                        nodes[(cls, owner)] = alternative
+                        improved = True
+                        break
+        # Move 3: retire a tensor: every kernel that reads it switches expression slots (in its
+        # own context) until it does not, all at once; a narrow matmul whose readers can all read
+        # a slice of a wider one already in the plan goes away only this way.
+        readers: dict[int, set[int]] = {}
+        for owner in order:
+            if refcount.get(owner, 0) > 0:
+                for read in kernel_reads[owner]:
+                    readers.setdefault(read, set()).add(owner)
+        for tensor in reversed(order):
+            if refcount.get(tensor, 0) == 0 or tensor in roots or node_op[nodes[(tensor, GLOBAL)]] not in KERNEL_OPS:
+                continue
+            plan_moves = []
+            for owner in sorted(readers.get(tensor, ()), key=lambda o: position.get(o, -1)):
+                if refcount.get(owner, 0) == 0 or owner not in position:
+                    continue
+                move = _retire_in(owner, tensor, nodes, context, graph, valid, lambda r: r != tensor)
+                if move is None:
+                    plan_moves = None
+                    break
+                plan_moves.append((owner, *move))
+            if not plan_moves:
+                continue
+            delta = sum(cost - kernel_cost[owner] for owner, cost, _, _ in plan_moves)
+            # What retiring frees: the tensor and whatever only it (and the old reads) kept alive.
+            drop: dict[int, int] = {}
+            for owner, _, reads, _ in plan_moves:
+                for r in kernel_reads[owner] - reads:
+                    drop[r] = drop.get(r, 0) + 1
+            saved = 0.0
+            stack = [r for r in drop if refcount.get(r, 0) - drop[r] == 0]
+            freed_set: set[int] = set()
+            new_reads = set().union(*(reads for _, _, reads, _ in plan_moves))
+            while stack:
+                t = stack.pop()
+                if t in freed_set or t in new_reads:
+                    continue
+                freed_set.add(t)
+                saved += kernel_cost.get(t, 0.0)
+                for r in kernel_reads.get(t, ()):
+                    drop[r] = drop.get(r, 0) + 1
+                    if refcount.get(r, 0) - drop[r] == 0:
+                        stack.append(r)
+            if tensor not in freed_set or delta - saved >= -1e-12:
+                continue
+            for owner, cost, reads, overrides in plan_moves:
+                apply(owner, cost, reads, [])
+                nodes.update(overrides)
+                for r in reads:
+                    readers.setdefault(r, set()).add(owner)
+            improved = True
+        if not improved:
+            break
+    return Selection(graph, nodes, roots).pruned()
+
+
+def _retire_in(owner, tensor, nodes, context, graph, valid, allowed):
+    """Overrides that stop kernel `owner` from reading `tensor`: (cost, reads, overrides) or None.
+
+    Greedy: repeatedly take the cheapest single switch of a slot on the way to a `tensor` load
+    (in `owner`'s context) that lowers the number of such loads, until none is left."""
+    overrides: dict = {}
+    kernel_node = nodes[(owner, GLOBAL)]
+    cost, reads, slots = context(owner, kernel_node, overrides)
+    for _ in range(8):
+        loads = sum(1 for _, t, _ in slots if t == tensor)
+        if tensor not in reads and loads == 0:
+            return cost, reads, overrides
+        on_path: dict = {}
+        for index, (slot, t, parent) in enumerate(slots):
+            if t != tensor:
+                continue
+            while index >= 0 and index not in on_path:
+                on_path[index] = None
+                index = slots[index][2]
+        best = None
+        for index in sorted(on_path):
+            slot = slots[index][0]
+            cls = slot[0]
+            if len(graph.class_nodes[cls]) < 2:
+                continue
+            chosen = overrides.get((cls, owner), nodes.get((cls, owner), nodes.get((cls, GLOBAL))))
+            for alternative in graph.class_nodes[cls]:
+                if alternative == chosen:
+                    continue
+                trial = dict(overrides)
+                trial[(cls, owner)] = alternative
+                c, r, sl = context(owner, kernel_node, trial)
+                if not math.isfinite(c) or not valid(owner, r - {tensor}):
+                    continue
+                n = sum(1 for _, t, _ in sl if t == tensor)
+                if n >= loads and tensor in r:
+                    continue
+                if best is None or (n, c) < (best[0], best[1]):
+                    best = (n, c, r, sl, trial)
+        if best is None:
+            return None
+        _, cost, reads, slots, overrides = best
+    return None

@@ -142,7 +142,8 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
         for node in graph.class_nodes[tensor]:
             if node not in banned:
                 new_var(tensor, GLOBAL, node)
-        contexts[tensor] = _context_classes(graph, tensor, is_tensor, banned, max_context_classes)
+        must = _incumbent_context(incumbent, tensor) if incumbent is not None else []
+        contexts[tensor] = _context_classes(graph, tensor, is_tensor, banned, max_context_classes, must)
         for cls in contexts[tensor]:
             for node in graph.class_nodes[cls]:
                 if node not in banned:
@@ -255,6 +256,8 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
                "mip_rel_gap": 1e-7}
     if node_limit is not None:
         options["node_limit"] = node_limit
+    if _DEBUG_INCUMBENT and incumbent is not None:
+        _check_incumbent(graph, incumbent, free, var_slot, var_node, slot_vars, rows, upper, num_x, total)
     result = milp(c, integrality=integrality, bounds=Bounds(lower, upper),
                   constraints=LinearConstraint(matrix, np.array(rows.lb), np.array(rows.ub)), options=options)
     seconds = time.perf_counter() - started
@@ -306,9 +309,29 @@ def _context_reads(selection: Selection, tensor: int) -> set[int]:
     return reads
 
 
-def _context_classes(graph: EGraphData, tensor: int, is_tensor, banned, limit: int) -> list[int]:
-    """Expression/list classes a kernel of `tensor` may compute: breadth first, at most `limit`."""
-    seen: dict[int, None] = {}
+def _incumbent_context(selection: Selection, tensor: int) -> list[int]:
+    """The expression/list classes the kernel of `tensor` computes under `selection` (if chosen)."""
+    if (tensor, GLOBAL) not in selection.nodes:
+        return []
+    graph = selection.graph
+    seen = {(tensor, GLOBAL)}
+    stack = [(tensor, GLOBAL)]
+    classes: list[int] = []
+    while stack:
+        slot = stack.pop()
+        for child in selection.child_slots(slot):
+            if graph.class_sort[child[0]] == "Tensor" or child in seen:
+                continue
+            seen.add(child)
+            classes.append(child[0])
+            stack.append(child)
+    return classes
+
+
+def _context_classes(graph: EGraphData, tensor: int, is_tensor, banned, limit: int, must=()) -> list[int]:
+    """Expression/list classes a kernel of `tensor` may compute: `must` (the incumbent's), then
+    breadth first from the kernel's operands until `limit` classes."""
+    seen: dict[int, None] = dict.fromkeys(must)
     frontier: list[int] = []
     for node in graph.class_nodes[tensor]:
         if node in banned:
@@ -318,6 +341,7 @@ def _context_classes(graph: EGraphData, tensor: int, is_tensor, banned, limit: i
                 seen[child] = None
                 frontier.append(child)
     head = 0
+    limit = max(limit, len(seen) + 8)
     while head < len(frontier) and len(seen) < limit:
         cls = frontier[head]
         head += 1
@@ -375,3 +399,42 @@ def _scc(successors: dict) -> dict:
                     if member == key:
                         break
     return label
+
+
+_DEBUG_INCUMBENT = False
+
+
+def _check_incumbent(graph, incumbent, free, var_slot, var_node, slot_vars, rows, upper, num_x, total):
+    """Debugging aid: which constraints the incumbent (restricted to the region) violates."""
+    x = np.zeros(total)
+    index = {(slot, node): v for v, (slot, node) in enumerate(zip(var_slot, var_node))}
+    reached = incumbent.postorder()
+    for cls, ctx in reached:
+        if ctx != GLOBAL or cls not in free:
+            continue
+        node = incumbent.node_of((cls, ctx))
+        x[index[((cls, GLOBAL), node)]] = 1
+        stack = [(cls, GLOBAL)]
+        seen = set(stack)
+        while stack:
+            slot = stack.pop()
+            for child in incumbent.child_slots(slot):
+                if graph.class_sort[child[0]] == "Tensor" or child in seen:
+                    continue
+                seen.add(child)
+                key = ((child[0], cls), incumbent.node_of(child))
+                if key not in index:
+                    print("missing context var", key, graph.node_op[incumbent.nodes[child]])
+                    continue
+                x[index[key]] = 1
+                stack.append(child)
+    for v in np.flatnonzero(x[:num_x] > upper[:num_x]):
+        print("fixed-zero var used", var_slot[v], graph.node_op[var_node[v]],
+              [graph.class_sort[c] for c in graph.node_children[var_node[v]] if c >= 0])
+    matrix = coo_matrix((rows.vals, (rows.rows, rows.cols)), shape=(len(rows), total)).tocsr()
+    values = matrix @ x
+    bad = [r for r in range(len(rows)) if not (rows.lb[r] - 1e-9 <= values[r] <= rows.ub[r] + 1e-9)]
+    print("violated rows", len(bad))
+    for r in bad[:5]:
+        cols = matrix.indices[matrix.indptr[r]:matrix.indptr[r + 1]]
+        print("  row", r, rows.lb[r], values[r], rows.ub[r], [(var_slot[c] if c < num_x else c) for c in cols][:6])

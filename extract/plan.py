@@ -374,25 +374,68 @@ def render(kernel, names: dict, limit: int = 4000) -> str:
     return out[id(kernel)]
 
 
-def components_of_classes(class_handles: dict[int, list[int]], handle_terms: dict[int, object],
-                          components: dict) -> dict[int, str]:
-    """E-class -> component: that of its lowest builder handle whose lifted term has one."""
-    result: dict[int, str] = {}
-    for cls, handles in class_handles.items():
+def components_of_classes(graph, handle_components: dict[int, str], rounds: int = 8) -> dict[int, str]:
+    """E-class -> component path, for every class of `graph` (an `extract.EGraphData`) it can tell.
+
+    A class with builder handles takes the component of its lowest handle that has one
+    (`handle_components`: handle -> component). An expression class `Load(T)` takes `T`'s. Any
+    other class takes that of the first labelled class reading it (a horizontally fused matmul
+    takes its slices' readers'), a few hops up, else of its first labelled operand.
+    """
+    label: dict[int, str] = {}
+    for cls, handles in sorted(graph.class_handles.items()):
         for handle in handles:
-            term = handle_terms.get(handle)
-            component = components.get(term) if term is not None else None
+            component = handle_components.get(handle)
             if component:
-                result[cls] = component
+                label[cls] = component
                 break
-    return result
+    for node, op in enumerate(graph.node_op):
+        cls = graph.node_class[node]
+        if op == "Load" and cls not in label:
+            tensor = graph.node_children[node][0]
+            if tensor in label:
+                label[cls] = label[tensor]
+    parents: dict[int, list[int]] = {}
+    for node, cls in enumerate(graph.node_class):
+        for child in graph.node_children[node]:
+            if child >= 0:
+                parents.setdefault(child, []).append(cls)
+    for _ in range(rounds):
+        changed = False
+        for cls in range(graph.num_classes):
+            if cls in label:
+                continue
+            for parent in parents.get(cls, ()):
+                if parent in label:
+                    label[cls] = label[parent]
+                    changed = True
+                    break
+        if not changed:
+            break
+    for _ in range(rounds):
+        changed = False
+        for cls in range(graph.num_classes):
+            if cls in label:
+                continue
+            for node in graph.class_nodes[cls]:
+                found = next((label[c] for c in graph.node_children[node] if c >= 0 and c in label), None)
+                if found:
+                    label[cls] = found
+                    changed = True
+                    break
+        if not changed:
+            break
+    return label
 
 
-def plan_from_extraction(extraction, program=None, handles: dict | None = None, device="h100") -> Plan:
-    """The `Plan` of an `extract.Extraction`; `handles` is `Builder.handles` (Term -> handle)."""
-    class_components: dict[int, str] = {}
-    if program is not None and handles is not None:
-        handle_terms = {h: t for t, h in handles.items()}
-        class_components = components_of_classes(extraction.graph.class_handles, handle_terms, program.components)
+def plan_from_extraction(extraction, program=None, handles: dict | None = None, device="h100", *,
+                         handle_components: dict[int, str] | None = None) -> Plan:
+    """The `Plan` of an `extract.Extraction`; `handles` is `Builder.handles` (Term -> handle), or
+    pass `handle_components` (handle -> component) directly."""
+    if handle_components is None:
+        handle_components = {}
+        if program is not None and handles is not None:
+            handle_components = {h: program.components.get(t, "") for t, h in handles.items()}
+    class_components = components_of_classes(extraction.graph, handle_components)
     return Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
                       class_components=class_components, device=device, extractor=extraction.extractor)

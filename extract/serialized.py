@@ -22,8 +22,13 @@ from dataclasses import dataclass, field
 
 from eqsat.cost import get_device, node_cost
 from eqsat.lang import KERNEL_OPS, OPS
+from eqsat.types import parse_type
 
 PRIMITIVE_SORTS = ("String", "i64", "f64", "bool", "Unit")
+
+
+def _size(ty) -> int:
+    return parse_type(ty).size if ty else 0
 
 
 def parse_literal(text: str, sort: str):
@@ -89,6 +94,16 @@ class EGraphData:
                 cache[key] = value
             costs.append(value)
         return costs
+
+    def slice_fraction(self, node: int) -> float:
+        """The part of its operand a Slice/DynamicSlice node reads (elements out / elements in)."""
+        child = next(c for c in self.node_children[node] if c >= 0)
+        return _size(self.class_type[self.node_class[node]]) / max(_size(self.class_type[child]), 1)
+
+    def gather_fraction(self, node: int) -> float:
+        """The part of its table a Gather reads, at most all of it (output elements / table elements)."""
+        table = self.node_children[node][0]
+        return _size(self.class_type[self.node_class[node]]) / max(_size(self.class_type[table]), 1)
 
     def roots_of_handles(self, handles) -> list[int]:
         """The classes of builder handles (e.g. `[builder.handle(t) for t in program.outputs]`)."""
@@ -251,9 +266,10 @@ def strongly_connected(graph: EGraphData, classes) -> list[int]:
 #
 # A tensor is materialized once and shared, so a Tensor class has one node for the whole plan:
 # slot `(cls, GLOBAL)`. An Expr is computed inside a kernel, and the same Expr class may be
-# computed differently in different kernels: inside the kernel of tensor class `P`, the Expr
-# class `E` fills slot `(E, P)` if the selection has it, else `(E, GLOBAL)`. That is what lets a
-# consumer read `Load(P)` while `P`'s own kernel computes the body that `Load(P)` equals
+# computed differently in different kernels: inside the kernel of tensor class `P`, Expr class
+# `E` is slot `(E, P)`, whose node is `nodes[(E, P)]` if the selection has one, else the default
+# `nodes[(E, GLOBAL)]`; its Expr children are slots of `P` again. That is what lets a consumer
+# read `Load(P)` while `P`'s own kernel computes the body that `Load(P)` equals
 # (`Load(Pointwise(e)) == e` puts both in one e-class).
 
 GLOBAL = -1
@@ -266,25 +282,27 @@ Slot = tuple[int, int]
 class Selection:
     """`nodes[(cls, context)]` = the chosen node; see the comment above for how slots resolve."""
 
+    def node_of(self, slot: Slot) -> int | None:
+        node = self.nodes.get(slot)
+        if node is None and slot[1] != GLOBAL:
+            node = self.nodes.get((slot[0], GLOBAL))
+        return node
+
     graph: EGraphData
     nodes: dict[Slot, int]
     roots: list[int]
+    fallback: dict[Slot, int] | None = field(default=None, repr=False)  # choices for unreached classes
 
     def child_slots(self, slot: Slot) -> list[Slot]:
         cls, context = slot
         graph = self.graph
-        node = self.nodes[slot]
+        node = self.node_of(slot)
         inner = cls if graph.class_sort[cls] == "Tensor" else context
         out = []
         for child in graph.node_children[node]:
             if child < 0:
                 continue
-            if graph.class_sort[child] == "Tensor":
-                out.append((child, GLOBAL))
-            elif inner != GLOBAL and (child, inner) in self.nodes:
-                out.append((child, inner))
-            else:
-                out.append((child, GLOBAL))
+            out.append((child, GLOBAL) if graph.class_sort[child] == "Tensor" else (child, inner))
         return out
 
     def postorder(self) -> list[Slot]:
@@ -307,7 +325,7 @@ class Selection:
                     continue
                 if mark == 1:
                     raise ValueError(f"cyclic selection through class {self.graph.class_ids[slot[0]]}")
-                if slot not in self.nodes:
+                if self.node_of(slot) is None:
                     raise ValueError(f"nothing selected for class {self.graph.class_ids[slot[0]]}")
                 state[slot] = 1
                 stack.append((slot, True))
@@ -328,7 +346,7 @@ class Selection:
                 continue
             path = [start]
             state[start] = 1
-            stack = [(start, self.child_slots(start) if start in self.nodes else [], 0)]
+            stack = [(start, self.child_slots(start) if self.node_of(start) is not None else [], 0)]
             while stack:
                 slot, children, position = stack[-1]
                 if position < len(children):
@@ -340,7 +358,7 @@ class Selection:
                     if mark is None:
                         state[child] = 1
                         path.append(child)
-                        stack.append((child, self.child_slots(child) if child in self.nodes else [], 0))
+                        stack.append((child, self.child_slots(child) if self.node_of(child) is not None else [], 0))
                     continue
                 stack.pop()
                 path.pop()
@@ -349,7 +367,7 @@ class Selection:
 
     def node_sum(self, costs) -> float:
         """The sum of `costs` over the selected nodes reached (each slot once)."""
-        return sum(costs[self.nodes[slot]] for slot in self.postorder())
+        return sum(costs[self.node_of(slot)] for slot in self.postorder())
 
     def to_terms(self) -> tuple[list, dict]:
         """The `eqsat.term.Term`s of the roots, and the class of each Tensor term built."""
@@ -359,7 +377,7 @@ class Selection:
         built: dict[Slot, object] = {}
         class_of: dict[object, int] = {}
         for slot in self.postorder():
-            node = self.nodes[slot]
+            node = self.node_of(slot)
             children = iter(self.child_slots(slot))
             args = [lit if child < 0 else built[next(children)]
                     for child, lit in zip(graph.node_children[node], graph.node_literals[node])]
@@ -369,7 +387,58 @@ class Selection:
                 class_of.setdefault(term, slot[0])
         return [built[(r, GLOBAL)] for r in self.roots], class_of
 
+    def cost(self, costs, cutoff: float = float("inf")) -> float:
+        """The plan's modeled seconds, from node `costs` (`EGraphData.node_costs`) without building
+        terms: each kernel pays its own node and, once per kernel, each expression slot it computes
+        (so an expression inlined into two kernels is paid twice); a tensor read only through
+        slices pays the slices (as `eqsat.cost.kernel_reads`). Returns `inf` once past `cutoff`."""
+        graph = self.graph
+        node_op, sort = graph.node_op, graph.class_sort
+        total = 0.0
+        for cls, context in self.postorder():
+            if context != GLOBAL or sort[cls] != "Tensor":
+                continue
+            node = self.node_of((cls, GLOBAL))
+            total += costs[node]
+            if node_op[node] not in KERNEL_OPS:
+                continue
+            seen = {(cls, GLOBAL)}
+            stack = [(cls, GLOBAL)]
+            loads: dict[Slot, list] = {}  # Load slot -> [read whole?, sliced fraction]
+            while stack:
+                slot = stack.pop()
+                parent_node = self.node_of(slot)
+                parent_op = node_op[parent_node]
+                for child in self.child_slots(slot):
+                    if sort[child[0]] == "Tensor":
+                        continue
+                    child_node = self.node_of(child)
+                    if node_op[child_node] == "Load":
+                        entry = loads.setdefault(child, [False, 0.0])
+                        if parent_op in ("Slice", "DynamicSlice"):
+                            entry[1] += graph.slice_fraction(parent_node)
+                        elif parent_op == "Gather" and graph.node_children[parent_node][0] == child[0]:
+                            entry[1] += graph.gather_fraction(parent_node)
+                        else:
+                            entry[0] = True
+                    if child not in seen:
+                        seen.add(child)
+                        if node_op[child_node] != "Load":
+                            total += costs[child_node]
+                        stack.append(child)
+            for slot, (whole, fraction) in loads.items():
+                read = costs[self.node_of(slot)]
+                total += read if whole else read * min(1.0, fraction)
+            if total > cutoff:
+                return float("inf")
+        return total
+
     def kernel_classes(self) -> list[int]:
         """Tensor classes whose selected node is a kernel, producers first."""
         return [cls for cls, context in self.postorder()
-                if context == GLOBAL and self.graph.node_op[self.nodes[(cls, context)]] in KERNEL_OPS]
+                if context == GLOBAL and self.graph.node_op[self.node_of((cls, context))] in KERNEL_OPS]
+
+    def pruned(self) -> "Selection":
+        """The same selection with exactly the slots it reaches, each with its node spelled out."""
+        nodes = {slot: self.node_of(slot) for slot in self.postorder()}
+        return Selection(self.graph, nodes, list(self.roots), self.fallback)
