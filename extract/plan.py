@@ -286,8 +286,10 @@ class Plan:
         program = self.program
         if program is None:
             raise ValueError("this plan has no program: evaluate its terms with eqsat.interpret.evaluate")
-        if program.static_argnums and program.in_tree is not None and len(args) != program.in_tree.num_children:
-            args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
+        if program.static_argnums and program.in_tree is not None:
+            expected = len(jax.tree_util.treedef_children(program.in_tree))
+            if len(args) != expected:
+                args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
         leaves, tree = jax.tree_util.tree_flatten(args)
         if program.in_tree is not None and tree != program.in_tree:
             raise TypeError(f"arguments {tree} do not match the plan's {program.in_tree}")
