@@ -15,6 +15,15 @@ asserts the named rules matched (or, for must-not-fire examples, did not), and e
 extractions of the output e-classes with the reference interpreter against the plain-JAX function.
 A mismatch raises `RuleCheckError` naming the rule (re-run alone to localize it) and the
 counterexample.
+
+Also here, for rule writers and tests:
+
+    registry(), family_ruleset(name), rules_of(ruleset)   the families and their named rules
+    seed(egraph, program)              facts a family reads from the program's payloads (hoist, functionalize)
+    py_string / py_int / py_true       shape arithmetic on type strings in Python, from a rule
+    typed_forms(ty)                    bind an Expr variable's type (one pattern per constructor)
+    SerializedGraph, extractions       random acyclic plans of a serialized e-graph
+    min_kernel_plan(graph, roots)      the plan with the fewest kernels (exact ILP; small graphs)
 """
 
 from __future__ import annotations
