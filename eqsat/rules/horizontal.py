@@ -5,10 +5,10 @@ Two laws, both "beyond the seeds" (DESIGN.md, family 5):
 - Matmuls that read the same `a` with identity epilogues are column blocks of one matmul over the
   concatenated weights: QKV of self-attention, the time projections of every ResNet (they all read
   silu(temb)), the K/V projections of every cross-attention (they all read the text context).
-  With N such matmuls the rules build ONE chain of N-1 prefix matmuls (ordered by builder handle),
-  each a Concat of the previous prefix's weights and the next member's, so the e-graph grows by
-  O(N) e-nodes, not by one matmul per subset. Every member (and every prefix) is a Slice of the
-  next prefix, so the widest prefix serves them all.
+  With N such matmuls the rules build ONE chain of N-1 Concats of the weights (in builder-handle
+  order; the group's sorted handle list is a merged function value, so order needs no pairwise
+  matching) and ONE wide matmul over the whole chain; every member is a direct Slice of it. The
+  e-graph grows by O(N) e-nodes, not by one matmul per subset, and the extractor sees one choice.
 - `dot(a, W) + dot(b, V)` is one matmul over the concatenated contraction range, and the same for
   convolutions: a 1x1 shortcut conv added to a 3x3 conv is one 3x3 conv over the channel-concat
   of both inputs whose weight holds the 1x1 weight at the centre tap (ResNet conv2 + conv_shortcut).
@@ -103,21 +103,67 @@ def _concat_type(first: str, second: str, axis: str) -> str:
     return _resize(first, axis, a[axis] + b[axis])
 
 
+@lru_cache(maxsize=None)
+def _merge_members(old: str, new: str) -> str:
+    """The union of two member lists "handle:width,...", sorted by handle."""
+    entries = dict(tuple(map(int, e.split(":"))) for e in (old + "," + new).split(",") if e)
+    return ",".join(f"{h}:{entries[h]}" for h in sorted(entries))
+
+
+def _entries(members: str) -> list[tuple[str, int]]:
+    return [(h, int(w)) for h, w in (e.split(":") for e in members.split(","))]
+
+
+@lru_cache(maxsize=None)
+def _member_entry(handle: str, ty: str) -> str:
+    return f"{handle}:{_shape(ty)[-1]}"
+
+
+@lru_cache(maxsize=None)
+def _count(members: str) -> str:
+    return str(len(members.split(",")))
+
+
+@lru_cache(maxsize=None)
+def _position(members: str, handle: str) -> str:
+    """The member's index in handle order ("" if absent)."""
+    handles = [h for h, _ in _entries(members)]
+    return str(handles.index(handle)) if handle in handles else ""
+
+
+@lru_cache(maxsize=None)
+def _offset(members: str, handle: str) -> str:
+    """The first output column of the member in the wide matmul: the widths of those before it."""
+    total = 0
+    for h, width in _entries(members):
+        if h == handle:
+            return str(total)
+        total += width
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _first(members: str) -> str:
+    return members.split(":", 1)[0]
+
+
+def _as_int(text) -> i64:
+    return BigRat(BigInt.from_string(text), BigInt(1)).to_f64().to_i64()
+
+
 # (a, group, handle, rhs, rhs type, output type, dims): matmul `Ref(handle)` reads `a` and can widen.
 WideMember = relation("WideMember", Expr, String, i64, Expr, String, String, String)
-# (a, group, handle, prefix, prefix rhs, its type, prefix type): `prefix` is the wide matmul over
-# the group's members up to and including `handle`, in handle order.
-WidePrefix = relation("WidePrefix", Expr, String, i64, Tensor, Expr, String, String)
+# (a, members, level, position, rhs, rhs type, dims): the weights of the members (a list value of
+# `wide_members`) at positions [position, position + 2**level), concatenated (fewer at the end of
+# the list): a balanced tree. Keyed by the list itself, so a list that grows later starts afresh.
+WideNode = relation("WideNode", Expr, String, i64, i64, Expr, String, String)
+# (a, members, wide matmul, its type): the matmul over the weights of every member of the list.
+WideMatmul = relation("WideMatmul", Expr, String, Tensor, String)
 
 
-@function(egg_fn="WideFirst", merge=lambda old, new: old.min(new))
-def wide_first(a: Expr, group: StringLike) -> i64:
-    """The smallest handle of the group of matmuls reading `a`."""
-
-
-@function(egg_fn="WideNext", merge=lambda old, new: old.min(new))
-def wide_next(a: Expr, group: StringLike, handle: i64Like) -> i64:
-    """The next larger handle after `handle` in the group of matmuls reading `a`."""
+@function(egg_fn="WideMembers", merge=lambda old, new: py_string(_merge_members, old, new))
+def wide_members(a: Expr, group: StringLike) -> String:
+    """The group of matmuls reading `a`: "handle:width,..." sorted by handle (width: output columns)."""
 
 
 @horizontal.register
@@ -127,60 +173,72 @@ def _wide_member(a: Expr, w: Tensor, dims: String, tw: String, t: String, i: i64
     yield rule(
         Ref(i) == Matmul(a, Load(w, tw), dims, Acc(t), t),
         ne(group).to(String("")),
-    ).then(WideMember(a, group, i, Load(w, tw), tw, t, dims))
+    ).then(
+        WideMember(a, group, i, Load(w, tw), tw, t, dims),
+        set_(wide_members(a, group)).to(py_string(_member_entry, i.to_string(), t)),
+    )
 
 
 @horizontal.register
-def _wide_order(
-    a: Expr, group: String, i: i64, j: i64, rhs: Expr, rhs2: Expr, dims: String,
-    tw: String, tw2: String, t: String, t2: String,
-):
-    """Order a group by handle: its first member, and each member's next (a different matmul)."""
-    yield rule(WideMember(a, group, i, rhs, tw, t, dims)).then(set_(wide_first(a, group)).to(i))
+def _wide_concat(a: Expr, group: String, members: String, i: i64, level: i64, p: i64, q: i64,
+                 rhs: Expr, rhs2: Expr, trhs: String, trhs2: String, t: String, dims: String):
+    """The weights of a group of two or more, concatenated along N as a balanced tree (log N iterations)."""
+    count = py_int(_count, members)
+    position = py_string(_position, members, i.to_string())
     yield rule(
-        WideMember(a, group, i, rhs, tw, t, dims),
-        WideMember(a, group, j, rhs2, tw2, t2, dims),
-        i < j,
-        ne(Ref(i)).to(Ref(j)),
-    ).then(set_(wide_next(a, group, i)).to(j))
-    yield rule(
-        wide_first(a, group) == i,
-        WideMember(a, group, i, rhs, tw, t, dims),
-    ).then(WidePrefix(a, group, i, Ref(i), rhs, tw, t))
-
-
-HOPS = (4, 1)  # members a prefix advances by per rule match: a group of N takes ~N/8 iterations
-
-
-@horizontal.register
-def _wide_matmul(a: Expr, group: String, i: i64, prefix: Tensor, rhs: Expr, dims: String, trhs: String, tp: String):
-    """Load(P) = Load(P')[.., :n] and Load(M_j) = Load(P')[.., n:] for P' = dot(a, concat(rhs(P), W_j))."""
+        wide_members(a, group) == members,
+        count >= i64(2),
+        WideMember(a, group, i, rhs, trhs, t, dims),
+        ne(position).to(String("")),
+    ).then(WideNode(a, members, i64(0), _as_int(position), rhs, trhs, dims))
+    span = i64(1) << level
     axis_w = py_int(_rhs_free_axis, dims)
-    axis_out = py_int(_last_axis, tp)
-    for hops in HOPS:
-        # the next `hops` members j_1..j_h after the prefix's last member i, each appended in turn; the
-        # prefix terms are left-nested concats, so every path to the same member builds the same term
-        facts = [WidePrefix(a, group, i, prefix, rhs, trhs, tp)]
-        actions = []
-        last, last_rhs, last_rhs_ty, last_ty = i, rhs, trhs, tp
-        last_tensor = prefix
-        for hop in range(hops):
-            j, member_rhs = var(f"j{hop}", i64), var(f"rhs{hop}", Expr)
-            member_rhs_ty, member_ty = var(f"tw{hop}", String), var(f"t{hop}", String)
-            facts += [wide_next(a, group, last) == j, WideMember(a, group, j, member_rhs, member_rhs_ty, member_ty, dims)]
-            n = py_int(_extent, last_rhs_ty, axis_w.to_string())
-            n_j = py_int(_extent, member_ty, axis_out.to_string())
-            wide_rhs_ty = py_string(_concat_type, last_rhs_ty, member_rhs_ty, axis_w.to_string())
-            wide_ty = py_string(_concat_type, last_ty, member_ty, axis_out.to_string())
-            wide_rhs = Concat(last_rhs, member_rhs, axis_w, n, wide_rhs_ty)
-            wide = Matmul(a, wide_rhs, dims, Acc(wide_ty), wide_ty)
-            actions += [
-                union(Load(last_tensor, last_ty)).with_(Slice(Load(wide, wide_ty), axis_out, 0, n, 1, last_ty)),
-                union(Load(Ref(j), member_ty)).with_(Slice(Load(wide, wide_ty), axis_out, n, n + n_j, 1, member_ty)),
-                WidePrefix(a, group, j, wide, wide_rhs, wide_rhs_ty, wide_ty),
-            ]
-            last, last_rhs, last_rhs_ty, last_ty, last_tensor = j, wide_rhs, wide_rhs_ty, wide_ty, wide
-        yield rule(*facts).then(*actions)
+    width = py_int(_extent, trhs, axis_w.to_string())
+    wide_ty = py_string(_concat_type, trhs, trhs2, axis_w.to_string())
+    # node(level + 1, p) = concat(node(level, p), node(level, p + 2**level)) for p a multiple of 2**(level+1)
+    yield rule(
+        WideNode(a, members, level, p, rhs, trhs, dims),
+        p % (span * 2) == i64(0),
+        span < count,
+        q == p + span,
+        WideNode(a, members, level, q, rhs2, trhs2, dims),
+    ).then(WideNode(a, members, level + 1, p, Concat(rhs, rhs2, axis_w, width, wide_ty), wide_ty, dims))
+    # ... and node(level + 1, p) = node(level, p) when the list ends before p + 2**level
+    yield rule(
+        WideNode(a, members, level, p, rhs, trhs, dims),
+        p % (span * 2) == i64(0),
+        span < count,
+        p + span >= count,
+    ).then(WideNode(a, members, level + 1, p, rhs, trhs, dims))
+
+
+@lru_cache(maxsize=None)
+def _wide_type(member_ty: str, wide_rhs_ty: str, dims: str) -> str:
+    """The output type of a member's matmul with the wide weight (its last axis widened)."""
+    axis_w = int(_rhs_free_axis(dims))
+    return _resize(member_ty, len(_shape(member_ty)) - 1, _shape(wide_rhs_ty)[axis_w])
+
+
+@horizontal.register
+def _wide_matmul(a: Expr, group: String, members: String, level: i64, j: i64, rhs: Expr, member_rhs: Expr,
+                 trhs: String, tw: String, t: String, dims: String, wide: Tensor, wide_ty: String):
+    """Load(M_j) = Load(dot(a, concat(W_1..W_N)))[.., offset_j : offset_j + n_j] for every member j."""
+    count = py_int(_count, members)
+    out_ty = py_string(_wide_type, t, trhs, dims)
+    yield rule(
+        WideNode(a, members, level, i64(0), rhs, trhs, dims),
+        (i64(1) << level) >= count,
+        WideMember(a, group, _as_int(py_string(_first, members)), member_rhs, tw, t, dims),
+    ).then(WideMatmul(a, members, Matmul(a, rhs, dims, Acc(out_ty), out_ty), out_ty))
+    axis_out = py_int(_last_axis, t)
+    offset = py_string(_offset, members, j.to_string())
+    n_j = py_int(_extent, t, axis_out.to_string())
+    start = _as_int(offset)
+    yield rule(
+        WideMatmul(a, members, wide, wide_ty),
+        WideMember(a, group, j, member_rhs, tw, t, dims),
+        ne(offset).to(String("")),
+    ).then(union(Load(Ref(j), t)).with_(Slice(Load(wide, wide_ty), axis_out, start, start + n_j, 1, t)))
 
 
 # --- dot(a, W) + dot(b, V) -> one matmul (or conv) over the concatenated contraction range ------
@@ -413,7 +471,7 @@ def _examples():
     from eqsat.rules import Example
 
     return [
-        Example(_projections, _projections_args, ("wide_member", "wide_order", "wide_matmul")),
+        Example(_projections, _projections_args, ("wide_member", "wide_concat", "wide_matmul")),
         Example(_unshared_projections, _unshared_args, ("wide_matmul",), fires=False),
         Example(_dot_plus_dot, _dot_plus_dot_args, ("concat_contraction",)),
         Example(_conv_plus_shortcut, _conv_plus_shortcut_args, ("concat_conv_features",)),
