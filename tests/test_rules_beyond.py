@@ -262,8 +262,14 @@ class Serialized:
         self.classes: dict[str, list[str]] = {}
         for node_id, node in self.nodes.items():
             self.classes.setdefault(node["eclass"], []).append(node_id)
-        self._best = self._smallest()
+        self._best_cache = None
         self._terms: dict[str, Term] = {}
+
+    @property
+    def _best(self):
+        if self._best_cache is None:
+            self._best_cache = self._smallest()
+        return self._best_cache
 
     def is_language(self, node_id) -> bool:
         return self.nodes[node_id]["op"] in lang.OPS
@@ -777,3 +783,64 @@ from eqsat.rules import check  # noqa: E402
 def test_family_examples_pass_the_shared_checker(family):
     report = check(family, examples=3, iterations=16)
     assert report.examples >= 1
+
+
+def test_sd15_resnet_shortcut_joins_conv2_after_absorption():
+    """The real ResNet block: after the absorb family puts biases into epilogues, conv2 + shortcut is one conv."""
+    from sd15.layers import resnet_block
+
+    ci, co = 4, 6
+    shapes = {"norm1.weight": (ci,), "norm1.bias": (ci,), "conv1.weight": (co, ci, 3, 3), "conv1.bias": (co,),
+              "time_emb_proj.weight": (co, 8), "time_emb_proj.bias": (co,), "norm2.weight": (co,),
+              "norm2.bias": (co,), "conv2.weight": (co, co, 3, 3), "conv2.bias": (co,),
+              "conv_shortcut.weight": (co, ci, 1, 1), "conv_shortcut.bias": (co,)}
+    rng = np.random.default_rng(0)
+    params = {f"r.{k}": rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    x, temb = rng.standard_normal((1, 3, 3, ci)).astype(np.float32), rng.standard_normal((1, 8)).astype(np.float32)
+    fn = lambda p, x, t: resnet_block(p, "r", x, t, 2, 1e-5)  # noqa: E731
+    from eqsat.lift import lift
+
+    program = lift(fn, params, x, temb)
+    env = {f"arg{i}": a for i, a in enumerate(jax.tree.leaves((params, x, temb)))}
+    graph = check_alternatives(program.outputs, env, program.constants, family_ruleset("absorb"),
+                               family_ruleset("view_folding"), horizontal, tolerance=1e-3)
+    assert _kernel_count(graph, "Pad") == 2  # the shortcut's weight at the centre tap (and conv2's, unpadded)
+
+
+# --- full size: SD 1.5 UNet step, batch 2, 64x64 latents, float16 ---------------------------------
+
+
+def test_full_size_unet_default_schedule():
+    """Attention everywhere (32), one wide matmul per shared input (16 QKV + all cross K/V + all time
+    projections = 18), stacked statistics per norm (109), and the whole schedule under 10 s."""
+    import time
+
+    from eqsat.saturate import saturate as run_schedule
+    from eqsat.schedule import default_schedule
+    from sd15 import params as sd_params
+    from sd15 import unet
+    from sd15.config import UNetConfig
+
+    config = UNetConfig()
+    weights = sd_params.abstract_params("unet", config, dtype=jnp.float16)
+    from eqsat.lift import lift
+
+    program = lift(lambda p, x, t, c: unet.apply(p, config, x, t, c), weights, _sds((2, 4, 64, 64), jnp.float16),
+                   _sds((), jnp.int32), _sds((2, 77, 768), jnp.float16))
+    builder = Builder(EGraph())
+    builder.add(program.outputs)
+    started = time.perf_counter()
+    report = run_schedule(builder.egraph, default_schedule(), time_limit=60.0)
+    seconds = time.perf_counter() - started
+    assert report.saturated and seconds < 10.0, report.summary()
+    assert report.e_nodes_per_op["Attention"] == 32
+    graph = Serialized(builder.egraph)
+    ops = graph.ops()
+    assert ops["WideMatmul"] == 18
+
+    def child_ops(node, index):
+        child_class = graph.nodes[graph.nodes[node]["children"][index]]["eclass"]
+        return {graph.nodes[n]["op"] for n in graph.classes[child_class]}
+
+    stacked = [n for n, node in graph.nodes.items() if node["op"] == "Reduce" and "Concat" in child_ops(n, 1)]
+    assert len(stacked) == 109  # 61 GroupNorms + 48 LayerNorms

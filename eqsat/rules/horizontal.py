@@ -24,7 +24,7 @@ from functools import lru_cache
 from egglog import BigInt, BigRat, PyObject, String, StringLike, function, i64, i64Like, ne, relation, rule, ruleset
 from egglog import set_, union, var
 
-from eqsat.lang import Acc, Binary, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Ref, Slice, Tensor
+from eqsat.lang import Acc, Binary, Broadcast, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Ref, Slice, Tensor
 from eqsat.types import format_type, ints, ints_key, parse_type
 
 horizontal = ruleset(name="horizontal")
@@ -325,40 +325,45 @@ def _conv_merge(p1: str, p2: str, tx1: str, tx2: str, tw1: str, tw2: str) -> str
     )))
 
 
-def _bias_epilogues(t, c1: Tensor, c2: Tensor):
-    """(epilogue 1, epilogue 2, epilogue of the sum): identity or acc + a loaded tensor, either order."""
-    def forms(c):
-        return [(Acc(t), None), (Binary("add", Acc(t), Load(c, t), t), c), (Binary("add", Load(c, t), Acc(t), t), c)]
+# (epilogue, type, c): the epilogue is Acc(type) + c for an accumulator-free c: a loaded tensor or a
+# broadcast of one (a bias, a time embedding, a residual), in either operand order.
+BiasOf = relation("HorizontalBiasOf", Expr, String, Expr)
 
-    for e1, b1 in forms(c1):
-        for e2, b2 in forms(c2):
-            if b1 is None and b2 is None:
-                merged = Acc(t)
-            elif b2 is None:
-                merged = Binary("add", Acc(t), Load(b1, t), t)
-            elif b1 is None:
-                merged = Binary("add", Acc(t), Load(b2, t), t)
-            else:
-                merged = Binary("add", Acc(t), Binary("add", Load(b1, t), Load(b2, t), t), t)
-            yield e1, e2, merged
+
+@horizontal.register
+def _bias_epilogue(e: Expr, x: Expr, w: Expr, p: String, t: String, c: Tensor, tc: String, dims: String):
+    """BiasOf(e, t, c): a Matmul/Conv epilogue e = Acc + c (c a Load or a broadcast Load)."""
+    for kernel in (Matmul(x, w, p, e, t), Conv(x, w, p, e, t)):
+        for c_expr in (Load(c, t), Broadcast(Load(c, tc), dims, t)):
+            yield rule(kernel, e == Binary("add", Acc(t), c_expr, t)).then(BiasOf(e, t, c_expr))
+            yield rule(kernel, e == Binary("add", c_expr, Acc(t), t)).then(BiasOf(e, t, c_expr))
+
+
+def _summed_epilogues(t, e1: Expr, e2: Expr, c1: Expr, c2: Expr):
+    """(facts on the two epilogues, the epilogue of the sum): identity or Acc + bias on each side."""
+    yield [e1 == Acc(t), e2 == Acc(t)], Acc(t)
+    yield [BiasOf(e1, t, c1), e2 == Acc(t)], Binary("add", Acc(t), c1, t)
+    yield [e1 == Acc(t), BiasOf(e2, t, c2)], Binary("add", Acc(t), c2, t)
+    yield [BiasOf(e1, t, c1), BiasOf(e2, t, c2)], Binary("add", Acc(t), Binary("add", c1, c2, t), t)
 
 
 @horizontal.register
 def _concat_contraction(
-    e: Expr, m1: Tensor, m2: Tensor, a: Tensor, b: Tensor, w: Tensor, v: Tensor, c1: Tensor, c2: Tensor,
-    dims: String, ta: String, tb: String, tw: String, tv: String, t: String,
+    e: Expr, m1: Tensor, m2: Tensor, a: Tensor, b: Tensor, w: Tensor, v: Tensor, e1: Expr, e2: Expr, c1: Expr,
+    c2: Expr, dims: String, ta: String, tb: String, tw: String, tv: String, t: String,
 ):
     """dot(a, W) + dot(b, V) = dot(concat(a, b, K), concat(W, V, K)) (biases add up in the epilogue)."""
     merge = py_string(_matmul_merge, dims, ta, tb, tw, tv)
     field = [py_string(_part, merge, String(str(k))) for k in range(6)]
-    lc, ka, rc, kw = (BigRat(BigInt.from_string(field[k]), BigInt(1)).to_f64().to_i64() for k in (0, 1, 3, 4))
+    lc, ka, rc, kw = (_as_int(field[k]) for k in (0, 1, 3, 4))
     lhs = Concat(Load(a, ta), Load(b, tb), lc, ka, field[2])
     rhs = Concat(Load(w, tw), Load(v, tv), rc, kw, field[5])
-    for e1, e2, merged in _bias_epilogues(t, c1, c2):
+    for epilogue_facts, merged in _summed_epilogues(t, e1, e2, c1, c2):
         yield rule(
             e == Binary("add", Load(m1, t), Load(m2, t), t),
             m1 == Matmul(Load(a, ta), Load(w, tw), dims, e1, t),
             m2 == Matmul(Load(b, tb), Load(v, tv), dims, e2, t),
+            *epilogue_facts,
             ne(m1).to(m2),
             ne(merge).to(String("")),
         ).then(union(e).with_(Load(Matmul(lhs, rhs, dims, merged, t), t)))
@@ -366,23 +371,24 @@ def _concat_contraction(
 
 @horizontal.register
 def _concat_conv_features(
-    e: Expr, m1: Tensor, m2: Tensor, x1: Tensor, x2: Tensor, w1: Tensor, w2: Tensor, c1: Tensor, c2: Tensor,
-    p1: String, p2: String, tx1: String, tx2: String, tw1: String, tw2: String, t: String,
+    e: Expr, m1: Tensor, m2: Tensor, x1: Tensor, x2: Tensor, w1: Tensor, w2: Tensor, e1: Expr, e2: Expr,
+    c1: Expr, c2: Expr, p1: String, p2: String, tx1: String, tx2: String, tw1: String, tw2: String, t: String,
 ):
     """conv(x1, w1) + conv(x2, w2) = conv(concat(x1, x2, C), concat(pad(w1), pad(w2), I)): a 1x1 shortcut
     joins a 3x3 conv as extra input channels with its weight at the centre tap."""
     merge = py_string(_conv_merge, p1, p2, tx1, tx2, tw1, tw2)
     field = [py_string(_part, merge, String(str(k))) for k in range(12)]
-    feature, c_1, in_feature, i_1 = (BigRat(BigInt.from_string(field[k]), BigInt(1)).to_f64().to_i64() for k in (0, 1, 3, 4))
+    feature, c_1, in_feature, i_1 = (_as_int(field[k]) for k in (0, 1, 3, 4))
     zero = Lit(0.0, field[11])
     lhs = Concat(Load(x1, tx1), Load(x2, tx2), feature, c_1, field[2])
     rhs = Concat(Pad(Load(w1, tw1), zero, field[6], field[7]), Pad(Load(w2, tw2), zero, field[8], field[9]),
                  in_feature, i_1, field[5])
-    for e1, e2, merged in _bias_epilogues(t, c1, c2):
+    for epilogue_facts, merged in _summed_epilogues(t, e1, e2, c1, c2):
         yield rule(
             e == Binary("add", Load(m1, t), Load(m2, t), t),
             m1 == Conv(Load(x1, tx1), Load(w1, tw1), p1, e1, t),
             m2 == Conv(Load(x2, tx2), Load(w2, tw2), p2, e2, t),
+            *epilogue_facts,
             ne(m1).to(m2),
             ne(merge).to(String("")),
         ).then(union(e).with_(Load(Conv(lhs, rhs, field[10], merged, t), t)))
