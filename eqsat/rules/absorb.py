@@ -23,7 +23,7 @@ from functools import lru_cache
 from egglog import String, StringLike, f64, function, i64, rewrite, rule, ruleset, set_, union
 
 from eqsat.lang import (
-    Attention, Binary, Broadcast, Concat, Constant, Conv, DynamicSlice, Expr, Input, Iota, Lit, Load, Matmul, Pad,
+    Acc, Attention, Binary, Broadcast, Concat, Constant, Conv, DynamicSlice, Expr, Input, Iota, Lit, Load, Matmul, Pad,
     Pointwise, Reduce, Ref, Reshape, Select, Slice, Tensor, Transpose, Unary,
 )
 from eqsat.rules import Example, dim, flag, py_string, py_true, tensor
@@ -85,7 +85,8 @@ def _kinds(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64):
 
 @function(egg_fn="AbsorbOrder", merge=lambda old, new: old.min(new))
 def order(t: Tensor) -> i64:
-    """The smallest builder handle in `t`'s e-class (-1 for inputs and constants)."""
+    """The smallest builder handle in `t`'s e-class (-1 for inputs and constants); a rule that makes
+    a kernel outside any lifted e-class gives it its source's order."""
 
 
 @function(egg_fn="AbsorbReads", merge=lambda old, new: old.min(new))
@@ -216,6 +217,41 @@ def _epilogue_through_view(a: Expr, b: Expr, c: Expr, key: String, axes: String,
                 union(p).with_(Pointwise(rebuild(Load(kernel(Binary(op, y_at_k, epi, at_k), at_k), at_k)), ty)))
 
 
+# --- sinks: a permute of a kernel's output as that kernel's output layout -----------------------------
+
+
+@lru_cache(maxsize=None)
+def _permuted_out_spec(params: str, permutation: str) -> str:
+    """The conv params whose output is `transpose(output, permutation)`."""
+    from dataclasses import replace
+
+    from eqsat.conv_params import ConvParams
+
+    p = ConvParams.parse(params)
+    perm = ints(permutation)
+    inverse = [0] * len(perm)
+    for position, axis in enumerate(perm):
+        inverse[axis] = position
+    return replace(p, out_spec=tuple(inverse[axis] for axis in p.out_spec)).key
+
+
+@absorb.register
+def _transpose_of_binary(op: String, x: Expr, y: Expr, p: String, t: String, t2: String):
+    """Transpose(Binary(op, x, y), p) = Binary(op, Transpose(x, p), Transpose(y, p)) (ops keeping the dtype)."""
+    yield rewrite(Transpose(Binary(op, x, y, t), p, t2)).to(
+        Binary(op, Transpose(x, p, t2), Transpose(y, p, t2), t2), py_true(_same_dtype_op, op))
+
+
+@absorb.register
+def _conv_output_layout(a: Expr, b: Expr, params: String, p: String, t: String, t2: String, x: Expr, i: i64):
+    """Transpose(Load(Conv(a, b, params)), p) = Load(Conv(a, b, params with a permuted out_spec)): a layout sink."""
+    permuted = Conv(a, b, py_string(_permuted_out_spec, params, p), Acc(t2), t2)
+    yield rule(x == Transpose(Load(Conv(a, b, params, Acc(t), t), t), p, t2), conv_core(a, b, params) == i).then(
+        union(x).with_(Load(permuted, t2)),
+        set_(order(permuted)).to(i),  # as old as the conv it re-lays out (for the epilogue guard)
+    )
+
+
 # --- soundness examples ------------------------------------------------------------------------------
 
 
@@ -270,6 +306,14 @@ def _conv_bias(x, w, bias):
     return _silu(y + _bcast(bias, y))
 
 
+def _conv_to_nchw(x, w, bias):
+    """The UNet's last step: conv_out + bias on NHWC, returned as NCHW."""
+    from jax import lax
+
+    y = lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "OIHW", "NHWC"))
+    return (y + _bcast(bias, y)).transpose(0, 3, 1, 2)
+
+
 def _mean_last(x):
     import jax.numpy as jnp
 
@@ -308,6 +352,7 @@ EXAMPLES = [
     Example(_tanh_of_matmul, _matmul_args, ("epilogue_unary", "epilogue_binary")),
     Example(_conv_bias, _conv_args, ("epilogue_binary", "epilogue_merge")),
     Example(_mean_last, _rows, ("epilogue_binary",)),
+    Example(_conv_to_nchw, _conv_args, ("transpose_of_binary", "conv_output_layout", "epilogue_binary")),
     Example(_mean_keepdims, _rows, ("epilogue_through_view",)),
     Example(_sum_times_x, _rows_wide, ("epilogue_through_view",), fires=False, name="sum_times_x (replicating broadcast)"),
 ]
