@@ -332,6 +332,14 @@ def _exp_chain(x):
     return jnp.exp(x) * 0.5 + x
 
 
+def _gated(x, w, bias, residual):
+    """h * tanh(h): the other operand reads h's own core, so only the merge may fire."""
+    import jax.numpy as jnp
+
+    h = x @ w
+    return h * jnp.tanh(h)
+
+
 def _sum_times_x(x):
     """A full reduction broadcast back over x: the broadcast replicates, so no epilogue through it."""
     import jax.numpy as jnp
@@ -354,5 +362,7 @@ EXAMPLES = [
     Example(_mean_last, _rows, ("epilogue_binary",)),
     Example(_conv_to_nchw, _conv_args, ("transpose_of_binary", "conv_output_layout", "epilogue_binary")),
     Example(_mean_keepdims, _rows, ("epilogue_through_view",)),
+    Example(_gated, _matmul_args, ("epilogue_binary",), fires=False, name="h * tanh(h) (operand reads the core)"),
+    Example(_gated, _matmul_args, ("epilogue_merge", "epilogue_unary"), name="h * tanh(h)"),
     Example(_sum_times_x, _rows_wide, ("epilogue_through_view",), fires=False, name="sum_times_x (replicating broadcast)"),
 ]

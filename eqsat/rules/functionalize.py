@@ -295,6 +295,11 @@ def _rows_index(draw):
     return tensor(draw, (n, c)), tensor(draw, (c,)), tensor(draw, (), "int32", low=-1, high=n)
 
 
+def _block_index(draw):
+    n, c = dim(draw, 3, 5), dim(draw, 2, 4)
+    return tensor(draw, (n, c)), tensor(draw, (2, c)), tensor(draw, (), "int32", low=-1, high=n)
+
+
 def _block(draw):
     n, c = dim(draw, 3, 5), dim(draw, 2, 4)
     return tensor(draw, (n, c)), tensor(draw, (2, c))
@@ -325,6 +330,22 @@ def _ref_forward(x, row):
     return r[1] * 2.0, r[0] + 1.0
 
 
+def _ref_overlap(x, block):
+    """Write rows 0:2, read rows 1:3: neither the written box nor disjoint from it."""
+    import jax
+
+    r = jax.new_ref(x)
+    r[0:2] = block
+    return r[1:3] * 2.0
+
+
+def _dynamic_corner(x, block, i):
+    """A write partial along two axes: not the one-axis dynamic form."""
+    from jax import lax
+
+    return lax.dynamic_update_slice(x, block[:, :1], (i, i)) * 2.0
+
+
 def _dynamic_update(x, row, i):
     from jax import lax
 
@@ -350,7 +371,11 @@ EXAMPLES = [
     Example(_static_update, _block, ("assign_static",), support=("absorb",)),
     Example(_ref_swap, _rows, ("assign_static",), support=("absorb",)),
     Example(_ref_forward, _rows, ("forward_store", "disjoint_read"), support=("absorb",)),
+    Example(_ref_overlap, _block, ("forward_store", "disjoint_read"), fires=False, support=("absorb",),
+            name="a read overlapping the written box"),
     Example(_dynamic_update, _rows_index, ("assign_dynamic",), support=("absorb",)),
+    Example(_dynamic_corner, _block_index, ("assign_dynamic",), fires=False, support=("absorb",),
+            name="a dynamic write partial along two axes"),
     Example(_at_set, _rows_index, ("row_scatter",), support=("absorb",)),
     Example(_at_add, _rows_index, ("row_scatter",), support=("absorb",)),
     Example(_loop_increment, _rows_index, ("row_scatter",), support=("absorb",)),
