@@ -69,7 +69,7 @@ def score_selection(selection: Selection, device="h100", cutoff: float = math.in
 
 
 def extract(data, handles=None, *, roots=None, device="h100", method: str = "auto",
-            time_limit: float = 10.0, ilp_max_variables: int = 20_000, region_kernels: int = 24,
+            time_limit: float = 5.0, ilp_max_variables: int = 5_000, region_kernels: int = 24,
             region_budget: int = 0, node_limit: int | None = 1000) -> Extraction:
     """Extract the plan of `handles` (builder handles of the root terms) or `roots` (classes)."""
     started = time.perf_counter()

@@ -320,7 +320,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             best, best_score = selection, value
     assert best is not None
     if polish_passes:
-        polished = polish(best, costs, fallback=best.fallback, max_passes=polish_passes)
+        try:
+            polished = polish(best, costs, fallback=best.fallback, max_passes=polish_passes)
+        except ValueError:  # a move closed a cycle the checks missed: keep the unpolished plan
+            polished = best
         value = score(polished, math.inf)
         history.append(("polish", value))
         if value < best_score * (1 - 1e-12):
@@ -371,11 +374,26 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
         if node_op[kernel_node] not in KERNEL_OPS:
             return total, reads, []
         loads: dict = {}
-        seen: set = set()
+        state: dict = {}  # slot -> 1 while on the depth-first path, 2 when done
         slots: list = []
-        stack = [((owner, GLOBAL), kernel_node, -1)]
+        stack = [((owner, GLOBAL), kernel_node, -1, False)]
         while stack:
-            slot, node, parent_index = stack.pop()
+            slot, node, parent_index, leaving = stack.pop()
+            if leaving:
+                state[slot] = 2
+                continue
+            if slot in state:
+                continue  # entered already through another parent
+            state[slot] = 1
+            index = -1
+            if slot[1] != GLOBAL:
+                index = len(slots)
+                slots.append((slot, graph.node_children[node][0] if node_op[node] == "Load" else -1, parent_index))
+                if node_op[node] != "Load":
+                    total += costs[node]
+                if index > 4096:
+                    return math.inf, reads, slots  # runaway inlining: not a candidate
+            stack.append((slot, node, parent_index, True))
             parent_op = node_op[node]
             for child in graph.node_children[node]:
                 if child < 0:
@@ -395,16 +413,11 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
                         entry[1] += graph.gather_fraction(node)
                     else:
                         entry[0] = True
-                if child_slot in seen:
-                    continue
-                if len(seen) > 4096:
-                    return math.inf, reads, slots  # runaway inlining: not a candidate
-                seen.add(child_slot)
-                slots.append((child_slot, graph.node_children[child_node][0] if node_op[child_node] == "Load" else -1,
-                              parent_index))
-                if node_op[child_node] != "Load":
-                    total += costs[child_node]
-                stack.append((child_slot, child_node, len(slots) - 1))
+                mark = state.get(child_slot)
+                if mark == 1:
+                    return math.inf, reads, slots  # a cycle inside the kernel
+                if mark is None:
+                    stack.append((child_slot, child_node, index, False))
         for whole, fraction, load_node in loads.values():
             read = costs[load_node]
             total += read if whole else read * min(1.0, fraction)
