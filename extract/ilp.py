@@ -256,8 +256,6 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
                "mip_rel_gap": 1e-7}
     if node_limit is not None:
         options["node_limit"] = node_limit
-    if _DEBUG_INCUMBENT and incumbent is not None:
-        _check_incumbent(graph, incumbent, free, var_slot, var_node, slot_vars, rows, upper, num_x, total)
     result = milp(c, integrality=integrality, bounds=Bounds(lower, upper),
                   constraints=LinearConstraint(matrix, np.array(rows.lb), np.array(rows.ub)), options=options)
     seconds = time.perf_counter() - started
@@ -400,41 +398,3 @@ def _scc(successors: dict) -> dict:
                         break
     return label
 
-
-_DEBUG_INCUMBENT = False
-
-
-def _check_incumbent(graph, incumbent, free, var_slot, var_node, slot_vars, rows, upper, num_x, total):
-    """Debugging aid: which constraints the incumbent (restricted to the region) violates."""
-    x = np.zeros(total)
-    index = {(slot, node): v for v, (slot, node) in enumerate(zip(var_slot, var_node))}
-    reached = incumbent.postorder()
-    for cls, ctx in reached:
-        if ctx != GLOBAL or cls not in free:
-            continue
-        node = incumbent.node_of((cls, ctx))
-        x[index[((cls, GLOBAL), node)]] = 1
-        stack = [(cls, GLOBAL)]
-        seen = set(stack)
-        while stack:
-            slot = stack.pop()
-            for child in incumbent.child_slots(slot):
-                if graph.class_sort[child[0]] == "Tensor" or child in seen:
-                    continue
-                seen.add(child)
-                key = ((child[0], cls), incumbent.node_of(child))
-                if key not in index:
-                    print("missing context var", key, graph.node_op[incumbent.nodes[child]])
-                    continue
-                x[index[key]] = 1
-                stack.append(child)
-    for v in np.flatnonzero(x[:num_x] > upper[:num_x]):
-        print("fixed-zero var used", var_slot[v], graph.node_op[var_node[v]],
-              [graph.class_sort[c] for c in graph.node_children[var_node[v]] if c >= 0])
-    matrix = coo_matrix((rows.vals, (rows.rows, rows.cols)), shape=(len(rows), total)).tocsr()
-    values = matrix @ x
-    bad = [r for r in range(len(rows)) if not (rows.lb[r] - 1e-9 <= values[r] <= rows.ub[r] + 1e-9)]
-    print("violated rows", len(bad))
-    for r in bad[:5]:
-        cols = matrix.indices[matrix.indptr[r]:matrix.indptr[r + 1]]
-        print("  row", r, rows.lb[r], values[r], rows.ub[r], [(var_slot[c] if c < num_x else c) for c in cols][:6])

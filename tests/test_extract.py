@@ -322,3 +322,32 @@ def test_greedy_scales_linearly_enough():
     elapsed = time.perf_counter() - started
     assert count_kernels(result.terms) < count_kernels([out])
     assert elapsed < 20, elapsed  # ~0.5 s on a laptop core; generous for loaded CI machines
+
+
+def test_regional_ilp_keeps_the_plan_valid_and_never_worse():
+    out = linear_layers(8)
+    builder, handles = build([out])
+    graph = graph_of(builder)
+    greedy = extract(graph, handles, method="greedy")
+    regional = extract(graph, handles, method="auto", ilp_max_variables=0, region_kernels=4, region_budget=10**6)
+    assert regional.details["regions"]["solved"] >= 2
+    assert regional.cost <= greedy.cost * (1 + 1e-12)
+    regional.selection.postorder()
+    env = random_env(inputs_of([out]))
+    np.testing.assert_allclose(np.asarray(evaluate(regional.terms, env)[0], np.float32),
+                               np.asarray(evaluate([out], env)[0], np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_a_region_ilp_from_a_worse_incumbent_finds_the_better_plan():
+    """Start from an unpolished plain-greedy plan: one region covering every tensor recovers the
+    optimum the whole-graph ILP finds."""
+    outputs = dict(small_graphs())["fan-out"]
+    builder, handles = build(outputs)
+    graph = graph_of(builder)
+    costs = graph.node_costs()
+    roots = graph.roots_of_handles(handles)
+    naive = extract_greedy(graph, roots, costs, rounds=("plain",), polish_passes=0).selection
+    everything = {c for c in range(graph.num_classes) if graph.class_sort[c] == "Tensor"}
+    regional = extract_ilp(graph, roots, costs, region=everything, incumbent=naive, node_limit=None)
+    whole = extract_ilp(graph, roots, costs, node_limit=None)
+    assert regional.optimal and regional.selection.cost(costs) == pytest.approx(whole.selection.cost(costs))
