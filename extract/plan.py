@@ -380,17 +380,15 @@ def components_of_classes(graph, handle_components: dict[int, str], rounds: int 
     """E-class -> component path, for every class of `graph` (an `extract.EGraphData`) it can tell.
 
     A class with builder handles takes the component of its lowest handle that has one
-    (`handle_components`: handle -> component). An expression class `Load(T)` takes `T`'s. Any
-    other class takes that of the first labelled class reading it (a horizontally fused matmul
-    takes its slices' readers'), a few hops up, else of its first labelled operand.
+    (`handle_components`: handle -> component), `""` if none has (lifted outside any scope). An
+    expression class `Load(T)` takes `T`'s. Any other class takes that of the first labelled class
+    reading it (a horizontally fused matmul takes its slices' readers'), a few hops up, else of
+    its first labelled operand.
     """
     label: dict[int, str] = {}
     for cls, handles in sorted(graph.class_handles.items()):
-        for handle in handles:
-            component = handle_components.get(handle)
-            if component:
-                label[cls] = component
-                break
+        scoped = [handle_components[h] for h in handles if handle_components.get(h)]
+        label[cls] = scoped[0] if scoped else ""  # a lifted node outside any scope stays there
     for node, op in enumerate(graph.node_op):
         cls = graph.node_class[node]
         if op == "Load" and cls not in label:
