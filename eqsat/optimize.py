@@ -188,7 +188,7 @@ def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit
             from eqsat.saturate import saturate
 
             report = saturate(builder.egraph, _schedule(rulesets), node_limit=node_limit,
-                              iteration_limit=iteration_limit, time_limit=time_limit)
+                              iteration_limit=iteration_limit, time_limit=time_limit, program=program)
         if not report.saturated:
             message = (f"saturation stopped by {report.limit_reached} after {report.iterations} iterations "
                        f"({report.e_nodes} e-nodes): the plan is the best found so far")
