@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import sys
 import time
 import traceback
@@ -427,6 +428,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_command(options: argparse.Namespace) -> int:
     """Run `sd15 plan` with parsed options; prints the table or the JSON."""
+    # Planning only traces: keep this process on the CPU backend (the H100 compile runs in a
+    # subprocess of its own), so an installed CUDA plugin without a GPU stays quiet.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
     def log(message):
         if not options.json:
             print(message, file=sys.stderr, flush=True)

@@ -28,6 +28,11 @@ comparisons against torch measure the model code, not TF32/bf16 passes.
 
 from __future__ import annotations
 
+import os
+
+# Tests run on the CPU backend; an installed CUDA plugin (the H100 compile target) stays quiet.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import dataclasses
 import json
 from pathlib import Path
