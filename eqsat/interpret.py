@@ -11,6 +11,7 @@ Semantics, per constructor (the rest of the stack relies on these):
 - `Matmul`/`Conv`/`Reduce`/`Attention` compute their core in the dtype of the epilogue's `Acc`
   (the kernel's type when the epilogue has none), then the epilogue with `Acc` bound to the core.
   Attention is `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, computed in float32.
+- `RowReduce` (an Expr) is `Reduce` over its one `axis`, with the same epilogue semantics.
 - `DynamicSlice` and `AssignDynamic` clamp starts as the `dynamic_slice`/`dynamic_update_slice`
   primitives do (no negative-index wrapping; the lift makes wrapping explicit).
 - `Gather`/`AssignScatter`/`Opaque` bind `payloads[key] = (primitive, params)`.
@@ -144,8 +145,10 @@ class _Evaluator:
 
     def _finish(self, node: Term) -> None:
         if node.sort == "Expr":
+            # A RowReduce binds the `Acc` of its own epilogue: only its body can read the kernel's.
+            children = node.children[:1] if node.op == "RowReduce" else node.children
             has_acc = node.op == "Acc" or any(
-                self.acc_flags.get(child, False) for child in node.children if child.sort == "Expr")
+                self.acc_flags.get(child, False) for child in children if child.sort == "Expr")
             self.acc_flags[node] = has_acc
             if has_acc:
                 return
@@ -220,6 +223,12 @@ class _Evaluator:
         op, body, axes, epilogue, ty = node.args
         dtype = self._acc_dtype(epilogue, ty)
         return self._epilogue(epilogue, apply_reduce(op, get(body), ints(axes), dtype))
+
+    def _op_RowReduce(self, node, get, acc):
+        """An Expr: the Reduce of `body` over `axis`, its epilogue's `Acc` bound to that reduction."""
+        op, body, axis, epilogue, ty = node.args
+        dtype = self._acc_dtype(epilogue, ty)
+        return self._epilogue(epilogue, apply_reduce(op, get(body), (int(axis),), dtype))
 
     def _op_Matmul(self, node, get, acc):
         lhs, rhs, dims, epilogue, ty = node.args

@@ -202,6 +202,18 @@ def Pad(x: Expr, value: Expr, config: StringLike, ty: StringLike) -> Expr:
     """`lax.pad(x, value, config)` with config "lo,hi,interior;..." per axis."""
 
 
+@function(egg_fn="RowReduce")
+def RowReduce(op: StringLike, body: Expr, axis: i64Like, epilogue: Expr, ty: StringLike) -> Expr:
+    """`Reduce(op, body, axis, epilogue, ty)` computed inside the kernel that reads it (not a kernel).
+
+    Same value as `Load(Reduce(op, body, str(axis), epilogue, ty), ty)`; `Acc` in `epilogue` is bound
+    to this reduction (not to the enclosing kernel). Legal wherever the reading kernel walks full
+    rows of `body` along `axis`: the `row_stats` family only makes it for the row statistics a
+    Matmul's lhs prologue reads (LayerNorm mean/E[x^2] over the contraction axis K), which the
+    matmul computes in a pre-pass over its row block's K strips.
+    """
+
+
 ConstructorArgs = tuple[str, ...]
 
 # name -> (result sort, argument sorts). "String", "i64", "f64" are egglog primitives.
@@ -236,6 +248,7 @@ OPS: dict[str, tuple[str, ConstructorArgs]] = {
     "DynamicSlice": ("Expr", ("Expr", "i64", "Expr", "i64", "String")),
     "Concat": ("Expr", ("Expr", "Expr", "i64", "i64", "String")),
     "Pad": ("Expr", ("Expr", "Expr", "String", "String")),
+    "RowReduce": ("Expr", ("String", "Expr", "i64", "Expr", "String")),
 }
 
 # Kernels: the Tensor constructors that launch. Input/Constant/LoopArg are leaves, not launches.
@@ -252,6 +265,6 @@ CONSTRUCTORS = {
     "LoopArg": LoopArg, "Ref": Ref, "TNil": TNil, "TCons": TCons, "Load": Load, "Acc": Acc, "Lit": Lit,
     "Iota": Iota, "Unary": Unary, "Binary": Binary, "Select": Select, "Reshape": Reshape,
     "Transpose": Transpose, "Broadcast": Broadcast, "Slice": Slice, "DynamicSlice": DynamicSlice,
-    "Concat": Concat, "Pad": Pad,
+    "Concat": Concat, "Pad": Pad, "RowReduce": RowReduce,
 }
 assert set(CONSTRUCTORS) == set(OPS) | {"Ref"}

@@ -9,11 +9,15 @@ until a round changes nothing. The default order is cleanup first, then fusion:
     concat_slice    slices/elementwise push through concats; K-range concats
     absorb          prologues and epilogues: elementwise work joins kernels
     norm_split      normalization = statistics + apply                       (beyond the seeds)
+    row_stats       row statistics computed inside the matmul reading them   (beyond the seeds)
     attention       softmax(q k^T) v patterns -> Attention
     horizontal      matmuls sharing an input -> one matmul
     hoist           loop-invariant work out of loop bodies
 
-Families that do not exist yet are left out silently (see `eqsat.rules.FAMILIES`).
+Families that do not exist yet are left out silently (see `eqsat.rules.FAMILIES`). A family
+module with `FIXPOINT_STAGE = True` (context relations propagated one term level per iteration,
+adding few e-nodes: `row_stats`) runs to its own fixpoint in each stage iteration, so its
+propagation depth does not eat the saturation's iteration limit.
 """
 
 from __future__ import annotations
@@ -22,18 +26,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from egglog.egraph import Ruleset, UnstableCombinedRuleset
+from egglog.egraph import Schedule as Schedule_
 
 DEFAULT_ORDER = (
-    "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "attention", "horizontal", "hoist",
+    "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "row_stats", "attention", "horizontal",
+    "hoist",
 )
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One ruleset, run at most `iterations` times per visit (None: until it changes nothing)."""
+    """One ruleset, run at most `iterations` times per visit (None: until it changes nothing).
+
+    `ruleset` may also be an egglog schedule such as `ruleset.saturate()` (one run = its fixpoint).
+    """
 
     name: str
-    ruleset: Ruleset | UnstableCombinedRuleset
+    ruleset: Ruleset | UnstableCombinedRuleset | Schedule_
     iterations: int | None = 32
 
 
@@ -67,6 +76,8 @@ def default_schedule(families: Iterable[str] | None = None, *, iterations: int |
     for name in ordered:
         ruleset = rules.family_ruleset(name)
         if ruleset is not None:
+            if getattr(rules.family_module(name), "FIXPOINT_STAGE", False):
+                ruleset = ruleset.saturate()  # one stage iteration runs it to its fixpoint
             stages.append(Stage(name, ruleset, iterations))
     return Schedule(tuple(stages))
 

@@ -21,7 +21,7 @@ SEED_FAMILIES = ("view_folding", "functionalize", "concat_slice", "absorb")  # t
 
 def test_registry_lists_every_family_in_order():
     assert rules.FAMILIES == ("view_folding", "functionalize", "concat_slice", "absorb", "horizontal",
-                              "norm_split", "hoist", "attention")
+                              "norm_split", "hoist", "attention", "row_stats")
     assert list(rules.registry()) == [name for name in rules.FAMILIES if rules.family_module(name) is not None]
     for name in ("view_folding", "functionalize", "concat_slice", "absorb"):
         assert name in FAMILIES

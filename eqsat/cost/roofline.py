@@ -16,7 +16,14 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `AssignScatter` | size(updates) |
 | `Opaque` | size(out) (unknown work: one op per element) |
 | `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
+| `RowReduce` (Expr) | size(body), no bytes, no launch (see below) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
+
+`RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
+matmul's lhs prologue): its body's loads are the kernel's own reads (shared `Load` e-nodes), so
+it owns only its flops, counted once. The real kernel recomputes them per output-column tile
+(N / block_n times); that recompute is not modeled (for LayerNorm stats it is a few flops per
+lhs element against 2·N per element of the matmul itself).
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
@@ -53,7 +60,7 @@ KERNEL_OPS = frozenset(
 )
 LEAF_OPS = frozenset({"Input", "Constant", "LoopArg"})
 EXPR_OPS = frozenset({"Load", "Acc", "Lit", "Iota", "Unary", "Binary", "Select", "Reshape", "Transpose",
-                      "Broadcast", "Slice", "DynamicSlice", "Concat", "Pad"})
+                      "Broadcast", "Slice", "DynamicSlice", "Concat", "Pad", "RowReduce"})
 KNOWN_OPS = KERNEL_OPS | LEAF_OPS | EXPR_OPS | {"TNil", "TCons", "Ref"}
 Term = object  # eqsat.term.Term, by duck typing
 
@@ -138,7 +145,7 @@ def own_flops(op: str, args: Sequence) -> float:
         k_shape = parse_type(k_ty).shape
         kv_len = k_shape[-2] if len(k_shape) >= 2 else 1
         return 4.0 * _size(q_ty) * kv_len
-    if op == "Reduce":
+    if op in ("Reduce", "RowReduce"):
         return float(_size(args[1]))
     if op == "AssignScatter":
         return float(_size(args[2]))
@@ -274,6 +281,8 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
         seen.add(id(node))
         if node.op in COMPUTE_OPS:
             vector_flops += _size(node.ty)
+        elif node.op == "RowReduce":
+            vector_flops += _size(node.args[1].ty)
     seconds = device.launch_overhead + nbytes / device.hbm_bandwidth + vector_flops / device.peak_fp32
     if dense_flops:
         args = _args_of(kernel)

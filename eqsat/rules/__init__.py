@@ -44,6 +44,7 @@ from eqsat.term import Term, postorder
 
 FAMILIES = (
     "view_folding", "functionalize", "concat_slice", "absorb", "horizontal", "norm_split", "hoist", "attention",
+    "row_stats",
 )
 
 # --- the registry ------------------------------------------------------------------------------------
