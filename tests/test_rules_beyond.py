@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
 
 import jax
 import jax.extend.core
@@ -869,7 +868,6 @@ def test_sd15_transformer_block_attention_and_qkv_at_tiny_size():
     from eqsat.lift import lift
 
     program = lift(lambda p, x, c: transformer_block(p, "b", x, c, heads), params, x, context)
-    env = {f"arg{i}": a for i, a in enumerate(jax.tree.leaves((params, x, context)))}
     builder = saturate(program.outputs, family_ruleset("view_folding"), family_ruleset("absorb"), norm_split,
                        attention, horizontal)
     ops = Serialized(builder.egraph).ops()

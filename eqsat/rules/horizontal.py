@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import BigInt, BigRat, PyObject, String, StringLike, function, i64, i64Like, ne, relation, rule, ruleset
-from egglog import set_, union, var
+from egglog import BigInt, BigRat, PyObject, String, StringLike, function, i64, ne, relation, rule, ruleset, set_, union
 
 from eqsat.lang import Acc, Binary, Broadcast, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Ref, Slice, Tensor
-from eqsat.types import format_type, ints, ints_key, parse_type
+from eqsat.types import format_type, ints, parse_type
 
 horizontal = ruleset(name="horizontal")
 
