@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from egglog import BigInt, BigRat, PyObject, String, StringLike, function, i64, ne, relation, rule, ruleset, set_, union
 
-from eqsat.lang import Acc, Binary, Broadcast, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Ref, Slice, Tensor
+from eqsat.lang import Acc, Binary, Broadcast, Concat, Conv, Expr, Lit, Load, Matmul, Pad, Pointwise, Ref, Slice, Tensor
 from eqsat.types import format_type, ints, parse_type
 
 horizontal = ruleset(name="horizontal")
@@ -324,54 +324,71 @@ def _conv_merge(p1: str, p2: str, tx1: str, tx2: str, tw1: str, tw2: str) -> str
     )))
 
 
-# (epilogue, type, c): the epilogue is Acc(type) + c for an accumulator-free c: a loaded tensor or a
-# broadcast of one (a bias, a time embedding, a residual), in either operand order.
-BiasOf = relation("HorizontalBiasOf", Expr, String, Expr)
+# (value, kind, lhs, lhs type, rhs, rhs type, params, type): value = the kernel's core result,
+# `kind` "Matmul" or "Conv", `params` its dims / conv params key.
+KernelValue = relation("HorizontalKernelValue", Expr, String, Expr, String, Expr, String, String, String)
+# (value, kind, lhs, lhs type, rhs, rhs type, params, type, c): value = core result + c (a bias, a
+# time embedding, ...), as an epilogue (absorbed form) or as an add kernel after it (lifted form).
+KernelPlus = relation("HorizontalKernelPlus", Expr, String, Expr, String, Expr, String, String, String, Expr)
+
+_KERNELS = (("Matmul", Matmul), ("Conv", Conv))
 
 
 @horizontal.register
-def _bias_epilogue(e: Expr, x: Expr, w: Expr, p: String, t: String, c: Tensor, tc: String, dims: String):
-    """BiasOf(e, t, c): a Matmul/Conv epilogue e = Acc + c (c a Load or a broadcast Load)."""
-    for kernel in (Matmul(x, w, p, e, t), Conv(x, w, p, e, t)):
-        for c_expr in (Load(c, t), Broadcast(Load(c, tc), dims, t)):
-            yield rule(kernel, e == Binary("add", Acc(t), c_expr, t)).then(BiasOf(e, t, c_expr))
-            yield rule(kernel, e == Binary("add", c_expr, Acc(t), t)).then(BiasOf(e, t, c_expr))
+def _kernel_values(
+    v: Expr, v0: Expr, m: Tensor, x: Tensor, w: Tensor, b: Tensor, c: Expr, lhs: Expr, rhs: Expr,
+    kind: String, p: String, tx: String, tw: String, tb: String, t: String, dims: String,
+):
+    """KernelValue(v, ..): v = dot/conv(lhs, rhs); KernelPlus(v, .., c): v = dot/conv(lhs, rhs) + c."""
+    for name, kernel in _KERNELS:
+        core = (String(name), Load(x, tx), tx, Load(w, tw), tw, p, t)
+        yield rule(v == Load(m, t), m == kernel(Load(x, tx), Load(w, tw), p, Acc(t), t)).then(KernelValue(v, *core))
+        # absorbed: Acc + c in the epilogue, c a (broadcast) load so it cannot read the accumulator
+        for bias in (Load(b, t), Broadcast(Load(b, tb), dims, t)):
+            for epilogue in (Binary("add", Acc(t), bias, t), Binary("add", bias, Acc(t), t)):
+                yield rule(v == Load(m, t), m == kernel(Load(x, tx), Load(w, tw), p, epilogue, t)).then(
+                    KernelPlus(v, *core, bias))
+    # lifted: an add after the kernel (outside any kernel, so c reads no accumulator), and copies
+    plus = (kind, lhs, tx, rhs, tw, p, t)
+    yield rule(v == Binary("add", v0, c, t), KernelValue(v0, *plus)).then(KernelPlus(v, *plus, c))
+    yield rule(v == Binary("add", c, v0, t), KernelValue(v0, *plus)).then(KernelPlus(v, *plus, c))
+    yield rule(v == Load(Pointwise(v0, t), t), KernelPlus(v0, *plus, c)).then(KernelPlus(v, *plus, c))
 
 
-def _summed_epilogues(t, e1: Expr, e2: Expr, c1: Expr, c2: Expr):
-    """(facts on the two epilogues, the epilogue of the sum): identity or Acc + bias on each side."""
-    yield [e1 == Acc(t), e2 == Acc(t)], Acc(t)
-    yield [BiasOf(e1, t, c1), e2 == Acc(t)], Binary("add", Acc(t), c1, t)
-    yield [e1 == Acc(t), BiasOf(e2, t, c2)], Binary("add", Acc(t), c2, t)
-    yield [BiasOf(e1, t, c1), BiasOf(e2, t, c2)], Binary("add", Acc(t), Binary("add", c1, c2, t), t)
+def _summed(kind, t, v1: Expr, v2: Expr, operands1, operands2, c1: Expr, c2: Expr):
+    """(facts on the two added values, the epilogue of the merged kernel): each value plain or + bias."""
+    plain1, plain2 = KernelValue(v1, kind, *operands1, t), KernelValue(v2, kind, *operands2, t)
+    biased1, biased2 = KernelPlus(v1, kind, *operands1, t, c1), KernelPlus(v2, kind, *operands2, t, c2)
+    yield [plain1, plain2], Acc(t)
+    yield [biased1, plain2], Binary("add", Acc(t), c1, t)
+    yield [plain1, biased2], Binary("add", Acc(t), c2, t)
+    yield [biased1, biased2], Binary("add", Acc(t), Binary("add", c1, c2, t), t)
 
 
 @horizontal.register
 def _concat_contraction(
-    e: Expr, m1: Tensor, m2: Tensor, a: Tensor, b: Tensor, w: Tensor, v: Tensor, e1: Expr, e2: Expr, c1: Expr,
-    c2: Expr, dims: String, ta: String, tb: String, tw: String, tv: String, t: String,
+    e: Expr, v1: Expr, v2: Expr, a: Expr, b: Expr, w: Expr, v: Expr, c1: Expr, c2: Expr,
+    dims: String, ta: String, tb: String, tw: String, tv: String, t: String,
 ):
     """dot(a, W) + dot(b, V) = dot(concat(a, b, K), concat(W, V, K)) (biases add up in the epilogue)."""
     merge = py_string(_matmul_merge, dims, ta, tb, tw, tv)
     field = [py_string(_part, merge, String(str(k))) for k in range(6)]
     lc, ka, rc, kw = (_as_int(field[k]) for k in (0, 1, 3, 4))
-    lhs = Concat(Load(a, ta), Load(b, tb), lc, ka, field[2])
-    rhs = Concat(Load(w, tw), Load(v, tv), rc, kw, field[5])
-    for epilogue_facts, merged in _summed_epilogues(t, e1, e2, c1, c2):
+    lhs = Concat(a, b, lc, ka, field[2])
+    rhs = Concat(w, v, rc, kw, field[5])
+    for facts, merged in _summed(String("Matmul"), t, v1, v2, (a, ta, w, tw, dims), (b, tb, v, tv, dims), c1, c2):
         yield rule(
-            e == Binary("add", Load(m1, t), Load(m2, t), t),
-            m1 == Matmul(Load(a, ta), Load(w, tw), dims, e1, t),
-            m2 == Matmul(Load(b, tb), Load(v, tv), dims, e2, t),
-            *epilogue_facts,
-            ne(m1).to(m2),
+            e == Binary("add", v1, v2, t),
+            *facts,
+            ne(v1).to(v2),
             ne(merge).to(String("")),
         ).then(union(e).with_(Load(Matmul(lhs, rhs, dims, merged, t), t)))
 
 
 @horizontal.register
 def _concat_conv_features(
-    e: Expr, m1: Tensor, m2: Tensor, x1: Tensor, x2: Tensor, w1: Tensor, w2: Tensor, e1: Expr, e2: Expr,
-    c1: Expr, c2: Expr, p1: String, p2: String, tx1: String, tx2: String, tw1: String, tw2: String, t: String,
+    e: Expr, v1: Expr, v2: Expr, x1: Expr, x2: Expr, w1: Expr, w2: Expr, c1: Expr, c2: Expr,
+    p1: String, p2: String, tx1: String, tx2: String, tw1: String, tw2: String, t: String,
 ):
     """conv(x1, w1) + conv(x2, w2) = conv(concat(x1, x2, C), concat(pad(w1), pad(w2), I)): a 1x1 shortcut
     joins a 3x3 conv as extra input channels with its weight at the centre tap."""
@@ -379,16 +396,13 @@ def _concat_conv_features(
     field = [py_string(_part, merge, String(str(k))) for k in range(12)]
     feature, c_1, in_feature, i_1 = (_as_int(field[k]) for k in (0, 1, 3, 4))
     zero = Lit(0.0, field[11])
-    lhs = Concat(Load(x1, tx1), Load(x2, tx2), feature, c_1, field[2])
-    rhs = Concat(Pad(Load(w1, tw1), zero, field[6], field[7]), Pad(Load(w2, tw2), zero, field[8], field[9]),
-                 in_feature, i_1, field[5])
-    for epilogue_facts, merged in _summed_epilogues(t, e1, e2, c1, c2):
+    lhs = Concat(x1, x2, feature, c_1, field[2])
+    rhs = Concat(Pad(w1, zero, field[6], field[7]), Pad(w2, zero, field[8], field[9]), in_feature, i_1, field[5])
+    for facts, merged in _summed(String("Conv"), t, v1, v2, (x1, tx1, w1, tw1, p1), (x2, tx2, w2, tw2, p2), c1, c2):
         yield rule(
-            e == Binary("add", Load(m1, t), Load(m2, t), t),
-            m1 == Conv(Load(x1, tx1), Load(w1, tw1), p1, e1, t),
-            m2 == Conv(Load(x2, tx2), Load(w2, tw2), p2, e2, t),
-            *epilogue_facts,
-            ne(m1).to(m2),
+            e == Binary("add", v1, v2, t),
+            *facts,
+            ne(v1).to(v2),
             ne(merge).to(String("")),
         ).then(union(e).with_(Load(Conv(lhs, rhs, field[10], merged, t), t)))
 
@@ -459,6 +473,18 @@ def _conv_plus_shortcut_args(draw):
             tensor(draw, (out, c1, 3, 3)), tensor(draw, (out, c2, 1, 1)))
 
 
+def _biased_conv_plus_shortcut(h, x, w3, w1, b3, b1):
+    """The ResNet tail as sd15 writes it: conv2 + bias, shortcut + bias, then the residual add."""
+    return (_conv(h, w3) + b3) + (_conv(x, w1) + b1)
+
+
+def _biased_conv_args(draw):
+    from eqsat.rules import tensor
+
+    h, x, w3, w1 = _conv_plus_shortcut_args(draw)
+    return h, x, w3, w1, tensor(draw, (w3.shape[0],)), tensor(draw, (w1.shape[0],))
+
+
 def _conv_plus_strided_conv(h, x, w3, w1):
     """Different strides: outputs agree in shape but the windows do not align."""
     return _conv(h, w3) + _conv(x, w1, 2)
@@ -480,6 +506,7 @@ def _examples():
         Example(_unshared_projections, _unshared_args, ("wide_matmul",), fires=False),
         Example(_dot_plus_dot, _dot_plus_dot_args, ("concat_contraction",)),
         Example(_conv_plus_shortcut, _conv_plus_shortcut_args, ("concat_conv_features",)),
+        Example(_biased_conv_plus_shortcut, _biased_conv_args, ("kernel_values", "concat_conv_features")),
         Example(_conv_plus_strided_conv, _conv_strided_args, ("concat_conv_features",), fires=False),
     ]
 
