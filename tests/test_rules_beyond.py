@@ -879,3 +879,41 @@ def test_sd15_transformer_block_attention_and_qkv_at_tiny_size():
     plans = extractions(graph, roots, limit=4, seed=0)  # the interpreter takes seconds per plan here
     _check_plans(lambda p, x, c: transformer_block(p, "b", x, c, heads), (params, x, context), plans, program,
                  tolerance=1e-3)
+
+
+def test_text_kv_projections_are_hoisted_out_of_a_denoising_scan():
+    """Cross-attention inside lax.scan: K/V of the (constant) text context read no LoopArg any more and
+    join one wide matmul; Q, which reads the carry, stays in the loop."""
+    from sd15.unet import cross_attention
+
+    width, context_width, heads = 4, 6, 2
+    rng = np.random.default_rng(0)
+    params = {"a.to_q.weight": rng.standard_normal((width, width)), "a.to_k.weight": rng.standard_normal((width, context_width)),
+              "a.to_v.weight": rng.standard_normal((width, context_width)),
+              "a.to_out.0.weight": rng.standard_normal((width, width)), "a.to_out.0.bias": rng.standard_normal(width)}
+    params = {k: (0.3 * v).astype(np.float32) for k, v in params.items()}
+    x = rng.standard_normal((1, 3, width)).astype(np.float32)
+    context = rng.standard_normal((1, 5, context_width)).astype(np.float32)
+
+    def denoise(p, x, c):
+        return lax.scan(lambda h, _: (h + cross_attention(p, "a", h, c, heads), None), x, None, length=2)[0]
+
+    from eqsat.lift import lift
+
+    program = lift(denoise, params, x, context)
+    builder = Builder(EGraph())
+    handles = builder.add(list(program.outputs))
+    assert seed(builder.egraph, program) == 6  # 5 weights and the context
+    builder.egraph.run((hoist.saturate() + horizontal.saturate()) * 2)
+    data = json.loads(builder.egraph._serialize().to_json())
+    for node in data["nodes"].values():
+        if node.get("subsumed"):
+            node["op"] = "subsumed:" + node["op"]
+    graph = SerializedGraph(data)
+    assert sum(1 for op in graph.op.values() if op == "Matmul") > 0
+    plans = extractions(graph, [graph.handle_class[h] for h in handles], limit=6, seed=0)
+    projections = [t for plan in plans for t in postorder(plan) if t.op == "Matmul" and t.args[2] == "2;1;;"]
+    by_lhs_reads_carry = {_reads_loop_arg(t.args[0]) for t in projections}
+    assert by_lhs_reads_carry == {True, False}  # Q (and the output projection) read the carry; K/V do not
+    assert any(t.ty.endswith(f",{2 * width}]") and not _reads_loop_arg(t) for t in projections)  # wide K/V
+    _check_plans(denoise, (params, x, context), plans, program, tolerance=1e-4)
