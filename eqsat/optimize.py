@@ -70,7 +70,7 @@ class Optimized:
     """A function wrapped by `optimize`: `.lower(*args)` plans it, calling it runs the plan."""
 
     def __init__(self, fn, *, static_argnums=(), device="h100", rulesets=None, node_limit=200_000,
-                 iteration_limit=100, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
+                 iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
                  progress=None):
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
@@ -123,7 +123,7 @@ class Optimized:
 
 
 def optimize(fn=None, *, static_argnums=(), device="h100", rulesets=None, node_limit: int = 200_000,
-             iteration_limit: int = 100, time_limit: float = 60.0, extractor: str = "auto",
+             iteration_limit: int = 400, time_limit: float = 60.0, extractor: str = "auto",
              extract_time_limit: float = 5.0, progress: bool | None = None):
     """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
 
@@ -152,7 +152,7 @@ def _schedule(rulesets):
     return rulesets
 
 
-def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit=200_000, iteration_limit=100,
+def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit=200_000, iteration_limit=400,
           time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None) -> Lowered:
     """Run the stages on `fn(*args)` and return the `Lowered` result (see the module docstring)."""
     from tqdm.auto import tqdm
