@@ -12,8 +12,10 @@
   stop the absorption: the op moves into the epilogue and the view stays on the outside
   (keepdims means: reduce, expand, divide).
 
-Permutes into sinks are not expressed here: the language has no output layout on kernels, and
-every consumer absorbs a view of a kernel output as index arithmetic in its prologue anyway.
+- Permutes into sinks: a transpose moves through dtype-keeping elementwise ops toward the kernel
+  that produces its operand, and a transposed conv output is the conv with a permuted `out_spec`
+  (the NCHW <-> NHWC permutes around SD's convs). Matmuls have no output layout in the language;
+  their consumers read a permuted output as index arithmetic in their prologue instead.
 """
 
 from __future__ import annotations
