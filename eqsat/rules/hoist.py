@@ -84,9 +84,28 @@ def _loop_constant(key: String, i: i64, ty: String, x: Tensor):
         union(LoopArg(key, i, ty)).with_(x), subsume(LoopArg(key, i, ty)))
 
 
-# --- soundness examples (eqsat.rules.check) ------------------------------------------------------
-# The positive cases need `seed` (tests/test_rules_beyond.py runs them); here the must-not-fire
-# case: a scan with no loop constants, all of whose body work depends on the carry.
+# --- soundness examples (eqsat.rules.check, which calls `seed`) ---------------------------------
+# Positive: a scan whose body projects a loop constant (the text context) with a constant weight.
+# Must not fire: a scan with no loop constants, all of whose body work depends on the carry.
+
+
+def _invariant_projection_scan(h, xs, context, weight):
+    import jax.numpy as jnp
+    from jax import lax
+
+    def step(carry, x):
+        keys = context @ weight                      # reads only loop constants
+        return jnp.tanh(carry * x + keys.sum(axis=0)), None
+
+    return lax.scan(step, h, xs)[0]
+
+
+def _invariant_projection_scan_args(draw):
+    from eqsat.rules import dim, tensor
+
+    n, s, k = dim(draw, 1, 3), dim(draw, 1, 3), dim(draw, 1, 3)
+    return (tensor(draw, (n,), low=-0.5, high=0.5), tensor(draw, (dim(draw, 1, 3), n)),
+            tensor(draw, (s, k)), tensor(draw, (k, n)))
 
 
 def _carried_scan(h, xs):
@@ -106,7 +125,10 @@ def _carried_scan_args(draw):
 def _examples():
     from eqsat.rules import Example
 
-    return [Example(_carried_scan, _carried_scan_args, ("loop_constant",), fires=False)]
+    return [
+        Example(_invariant_projection_scan, _invariant_projection_scan_args, ("loop_operands", "loop_constant")),
+        Example(_carried_scan, _carried_scan_args, ("loop_constant",), fires=False),
+    ]
 
 
 EXAMPLES = _examples()
