@@ -43,19 +43,8 @@ def evaluate(terms, env, constants=None, payloads=None) -> list:
 
 def evaluate_program(program, *args):
     """Run a lifted `Program` on the arguments of the function it was lifted from."""
-    in_tree = program.in_tree
-    if program.static_argnums and in_tree is not None and len(args) != len(in_tree.children()):
-        args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    if in_tree is not None and tree != in_tree:
-        raise TypeError(f"arguments {tree} do not match the program's {in_tree}")
-    if len(leaves) != len(program.inputs):
-        raise TypeError(f"{len(leaves)} argument leaves for {len(program.inputs)} inputs")
-    env = {term.args[0]: leaf for term, leaf in zip(program.inputs, leaves)}
-    outputs = evaluate(program.outputs, env, program.constants, program.payloads)
-    if program.out_tree is None:
-        return outputs
-    return jax.tree_util.tree_unflatten(program.out_tree, outputs)
+    env = program.environment(*args)
+    return program.results(evaluate(program.outputs, env, program.constants, program.payloads))
 
 
 def _dims(text: str) -> tuple[tuple[int, ...], ...]:

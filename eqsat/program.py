@@ -41,6 +41,27 @@ class Program:
         """The number of kernels of the lifted plan (one per kernel term)."""
         return len(self.kernel_terms())
 
+    def environment(self, *args) -> dict[str, object]:
+        """Input name -> argument leaf, for the arguments of the lifted function (static ones may be
+        included or left out)."""
+        import jax
+
+        if self.static_argnums and self.in_tree is not None:
+            if len(args) != len(jax.tree_util.treedef_children(self.in_tree)):
+                args = tuple(arg for i, arg in enumerate(args) if i not in self.static_argnums)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if self.in_tree is not None and tree != self.in_tree:
+            raise TypeError(f"arguments {tree} do not match the program's {self.in_tree}")
+        if len(leaves) != len(self.inputs):
+            raise TypeError(f"{len(leaves)} argument leaves for {len(self.inputs)} inputs")
+        return {term.args[0]: leaf for term, leaf in zip(self.inputs, leaves)}
+
+    def results(self, values: list):
+        """The output leaves `values` in the function's output structure."""
+        import jax
+
+        return values if self.out_tree is None else jax.tree_util.tree_unflatten(self.out_tree, values)
+
     def component(self, term: Term) -> str:
         """The full named-scope path of `term` (`"a/a.b/a.b.c"`), `""` if unknown."""
         return self.components.get(term, "")

@@ -279,25 +279,13 @@ class Plan:
 
     def evaluate(self, *args):
         """Run the plan through the reference interpreter on the function's own arguments."""
-        import jax
-
         from eqsat.interpret import evaluate
 
         program = self.program
         if program is None:
             raise ValueError("this plan has no program: evaluate its terms with eqsat.interpret.evaluate")
-        if program.static_argnums and program.in_tree is not None:
-            expected = len(jax.tree_util.treedef_children(program.in_tree))
-            if len(args) != expected:
-                args = tuple(arg for i, arg in enumerate(args) if i not in program.static_argnums)
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        if program.in_tree is not None and tree != program.in_tree:
-            raise TypeError(f"arguments {tree} do not match the plan's {program.in_tree}")
-        env = {term.args[0]: leaf for term, leaf in zip(program.inputs, leaves)}
-        values = evaluate(self.outputs, env, program.constants, program.payloads)
-        if program.out_tree is None:
-            return values
-        return jax.tree_util.tree_unflatten(program.out_tree, values)
+        env = program.environment(*args)
+        return program.results(evaluate(self.outputs, env, program.constants, program.payloads))
 
 
 def _nbytes(term) -> int:
