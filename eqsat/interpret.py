@@ -11,7 +11,8 @@ Semantics, per constructor (the rest of the stack relies on these):
 - `Matmul`/`Conv`/`Reduce`/`Attention` compute their core in the dtype of the epilogue's `Acc`
   (the kernel's type when the epilogue has none), then the epilogue with `Acc` bound to the core.
   Attention is `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, computed in float32.
-- `RowReduce` (an Expr) is `Reduce` over its one `axis`, with the same epilogue semantics.
+- `RowReduce` (an Expr) is `Reduce` over its one `axis`, with the same epilogue semantics;
+  `EpilogueReduce` is `Reduce` with the identity epilogue (its producer only says who computes it).
 - `DynamicSlice` and `AssignDynamic` clamp starts as the `dynamic_slice`/`dynamic_update_slice`
   primitives do (no negative-index wrapping; the lift makes wrapping explicit).
 - `Gather`/`AssignScatter`/`Opaque` bind `payloads[key] = (primitive, params)`.
@@ -212,6 +213,11 @@ class _Evaluator:
         op, body, axes, epilogue, ty = node.args
         dtype = self._acc_dtype(epilogue, ty)
         return self._epilogue(epilogue, apply_reduce(op, get(body), ints(axes), dtype))
+
+    def _op_EpilogueReduce(self, node, get, acc):
+        """`Reduce(op, body, axes, Acc(ty), ty)`; which kernel computes it does not change its value."""
+        _producer, op, body, axes, ty = node.args
+        return apply_reduce(op, get(body), ints(axes), parse_type(ty).dtype)
 
     def _op_RowReduce(self, node, get, acc):
         """An Expr: the Reduce of `body` over `axis`, its epilogue's `Acc` bound to that reduction."""

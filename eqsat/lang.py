@@ -96,6 +96,18 @@ def AssignScatter(target: Tensor, indices: Expr, updates: Expr, key: StringLike,
     """`scatter`/`scatter-add` into `target` (`key`: mode and dimension numbers in the side table)."""
 
 
+@function(egg_fn="EpilogueReduce")
+def EpilogueReduce(producer: Tensor, op: StringLike, body: Expr, axes: StringLike, ty: StringLike) -> Tensor:
+    """`Reduce(op, body, axes, Acc(ty), ty)` computed by the kernel that writes `producer`, as a second output.
+
+    Not a launch: each output tile of `producer`'s kernel adds its part of the reduction into an fp32
+    buffer (atomic adds; the buffer is zeroed by a driver memset, not a kernel) while the tile is
+    still in registers. Legal only where `body` reads `producer` at the element being written
+    (`eqsat.cost.hosting` checks the extracted plan; an illegal one runs as its own Reduce kernel).
+    Made by the `epilogue_stats` family for normalization statistics.
+    """
+
+
 @function(egg_fn="Opaque")
 def Opaque(key: StringLike, operands: TensorList, index: i64Like, ty: StringLike) -> Tensor:
     """Output `index` of a primitive no template covers; runs as the original primitive."""
@@ -229,6 +241,7 @@ OPS: dict[str, tuple[str, ConstructorArgs]] = {
     "AssignStatic": ("Tensor", ("Tensor", "String", "Expr", "String")),
     "AssignDynamic": ("Tensor", ("Tensor", "TensorList", "Expr", "String")),
     "AssignScatter": ("Tensor", ("Tensor", "Expr", "Expr", "String", "String")),
+    "EpilogueReduce": ("Tensor", ("Tensor", "String", "Expr", "String", "String")),
     "Opaque": ("Tensor", ("String", "TensorList", "i64", "String")),
     "Loop": ("Tensor", ("String", "TensorList", "TensorList", "i64", "String")),
     "LoopArg": ("Tensor", ("String", "i64", "String")),
@@ -261,7 +274,8 @@ LEAF_TENSOR_OPS = frozenset({"Input", "Constant", "LoopArg"})
 CONSTRUCTORS = {
     "Input": Input, "Constant": Constant, "Pointwise": Pointwise, "Reduce": Reduce, "Matmul": Matmul,
     "Conv": Conv, "Attention": Attention, "Gather": Gather, "AssignStatic": AssignStatic,
-    "AssignDynamic": AssignDynamic, "AssignScatter": AssignScatter, "Opaque": Opaque, "Loop": Loop,
+    "AssignDynamic": AssignDynamic, "AssignScatter": AssignScatter, "EpilogueReduce": EpilogueReduce,
+    "Opaque": Opaque, "Loop": Loop,
     "LoopArg": LoopArg, "Ref": Ref, "TNil": TNil, "TCons": TCons, "Load": Load, "Acc": Acc, "Lit": Lit,
     "Iota": Iota, "Unary": Unary, "Binary": Binary, "Select": Select, "Reshape": Reshape,
     "Transpose": Transpose, "Broadcast": Broadcast, "Slice": Slice, "DynamicSlice": DynamicSlice,

@@ -220,6 +220,7 @@ def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit
         "iterations": report.iterations,
         "device": device.name,
         "kinds": plan.kinds(),
+        "hosted_reductions": plan.hosted_reductions,
     }
     return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught)
 

@@ -10,13 +10,14 @@ until a round changes nothing. The default order is cleanup first, then fusion:
     absorb          prologues and epilogues: elementwise work joins kernels
     norm_split      normalization = statistics + apply                       (beyond the seeds)
     row_stats       row statistics computed inside the matmul reading them   (beyond the seeds)
+    epilogue_stats  statistics computed by the kernel writing the normalized tensor  (beyond the seeds)
     attention       softmax(q k^T) v patterns -> Attention
     horizontal      matmuls sharing an input -> one matmul
     hoist           loop-invariant work out of loop bodies
 
 Families that do not exist yet are left out silently (see `eqsat.rules.FAMILIES`). A family
 module with `FIXPOINT_STAGE = True` (context relations propagated one term level per iteration,
-adding few e-nodes: `row_stats`) runs to its own fixpoint in each stage iteration, so its
+adding few e-nodes: `row_stats`, `epilogue_stats`) runs to its own fixpoint in each stage iteration, so its
 propagation depth does not eat the saturation's iteration limit.
 """
 
@@ -29,8 +30,8 @@ from egglog.egraph import Ruleset, UnstableCombinedRuleset
 from egglog.egraph import Schedule as Schedule_
 
 DEFAULT_ORDER = (
-    "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "row_stats", "attention", "horizontal",
-    "hoist",
+    "view_folding", "functionalize", "concat_slice", "absorb", "norm_split", "row_stats", "epilogue_stats",
+    "attention", "horizontal", "hoist",
 )
 
 

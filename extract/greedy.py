@@ -54,6 +54,7 @@ from typing import Callable
 
 import numpy as np
 
+from eqsat.cost.roofline import HOSTED_OPS
 from eqsat.lang import KERNEL_OPS
 from extract.serialized import (
     EPSILON,
@@ -379,6 +380,8 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
         parent slot in `slots` or -1)."""
         total = costs[kernel_node]
         reads: set[int] = set()
+        if node_op[kernel_node] in HOSTED_OPS:
+            return total, _hosted_reads(owner, kernel_node, overrides), []
         if node_op[kernel_node] not in KERNEL_OPS:
             return total, reads, []
         loads: dict = {}
@@ -430,6 +433,25 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
             read = costs[load_node]
             total += read if whole else read * min(1.0, fraction)
         return total, reads, slots
+
+    def _hosted_reads(owner: int, node: int, overrides: dict) -> set[int]:
+        """The tensors a hosted reduction needs: its producer and what its body loads. Its cost is
+        its own node's (no launch; see `Selection.cost`)."""
+        found: set[int] = set()
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            for child in graph.node_children[current]:
+                if child < 0:
+                    continue
+                if sort[child] == "Tensor":
+                    found.add(child)
+                    continue
+                child_node = lookup((child, owner), overrides)
+                if child_node is not None and child_node not in seen:
+                    seen.add(child_node)
+                    stack.append(child_node)
+        return found
 
     load_nodes: dict[int, list[int]] = {}
     for cls_nodes in graph.class_nodes:
@@ -539,9 +561,9 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
             if refcount.get(owner, 0) == 0:
                 continue
             node = nodes[(owner, GLOBAL)]
-            if node_op[node] not in KERNEL_OPS:
+            if node_op[node] not in KERNEL_OPS and node_op[node] not in HOSTED_OPS:
                 continue
-            # Move 1: another node for the kernel itself.
+            # Move 1: another node for the kernel (or hosted reduction) itself.
             for alternative in graph.class_nodes[owner]:
                 if alternative == node:
                     continue

@@ -18,6 +18,9 @@
   of the lifted node whose e-class the kernel fills (`Ref` handles map a class to lifted terms);
   a kernel of a class no lifted node is in (a horizontal fusion, say) takes the component of its
   first reader, else of its first operand.
+- Statistics a kernel computes in its epilogue (`EpilogueReduce`, see `eqsat.cost.hosting`) are
+  extra outputs of that kernel, not kernels; `hosted_reductions` counts them (each needs its fp32
+  accumulator zeroed by a driver memset, as XLA's `memsets` are counted apart from its kernels).
 - Buffers: one per materialized tensor, live from its producing kernel to its last reader;
   program outputs live to the end. `peak_bytes` is the largest sum of live activation buffers
   over the kernel order (inputs, weights and constants are not counted).
@@ -31,13 +34,13 @@ import io
 import json
 from dataclasses import dataclass, field
 
-from eqsat.cost import get_device, kernel_cost, kernel_reads, kernels as kernel_order
+from eqsat.cost import get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
 
 KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "opaque")
 _KIND = {
     "Pointwise": "pointwise", "Reduce": "reduce", "Matmul": "matmul", "Conv": "conv", "Attention": "attention",
     "Gather": "gather", "AssignStatic": "pointwise", "AssignDynamic": "pointwise", "AssignScatter": "gather",
-    "Opaque": "opaque", "Loop": "opaque",
+    "Opaque": "opaque", "Loop": "opaque", "EpilogueReduce": "reduce",
 }
 
 
@@ -75,7 +78,7 @@ class Kernel:
     kind: str
     component: str
     inputs: list                 # tensors it reads (kernel outputs, inputs, constants), each once
-    outputs: list                # tensors it writes: [term]
+    outputs: list                # tensors it writes: [term, *the EpilogueReduce statistics it adds into]
     bytes: float
     flops: float
     seconds: float
@@ -107,6 +110,7 @@ class Plan:
     naive_kernels: int | None = None
     naive_by_component: dict[str, int] = field(default_factory=dict)
     peak_bytes: int = 0
+    hosted_reductions: int = 0   # EpilogueReduce outputs computed by their producer (one memset each)
 
     # --- construction --------------------------------------------------------------------
 
@@ -124,6 +128,14 @@ class Plan:
         lifted = program.components if program is not None else {}
         order = kernel_order(outputs)
         index_of = {term: i for i, term in enumerate(order)}
+        hosted: dict[int, list] = {}  # kernel index -> the EpilogueReduce outputs it adds into
+        share: dict = {}              # reduction -> how many kernels host it
+        for reduction, hosts in hosted_reductions(outputs).items():
+            if hosts is not None:
+                for host in hosts:
+                    hosted.setdefault(index_of[host], []).append(reduction)
+                index_of[reduction] = min(index_of[host] for host in hosts)
+                share[reduction] = len(hosts)
 
         components: list[str | None] = []
         for term in order:
@@ -155,13 +167,19 @@ class Plan:
         kernels = []
         for i, term in enumerate(order):
             cost = kernel_cost(term, device)
+            for reduction in hosted.get(i, ()):
+                part = hosted_cost(reduction, device)
+                n = share[reduction]
+                cost = cost + type(part)(part.bytes / n, part.flops / n, part.seconds / n)
             component = components[i] or ""
-            kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]), [term],
-                                  cost.bytes, cost.flops, cost.seconds, class_of.get(term)))
+            kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]),
+                                  [term, *hosted.get(i, ())], cost.bytes, cost.flops, cost.seconds,
+                                  class_of.get(term)))
 
-        buffers = _buffers(order, reads, outputs)
+        buffers = _buffers([k.outputs for k in kernels], reads, outputs)
         plan = cls(kernels, buffers, list(outputs), device.name, extractor, program)
         plan.peak_bytes = _peak(buffers, len(order))
+        plan.hosted_reductions = len(share)
         if program is not None:
             naive = kernel_order(program.outputs)
             plan.naive_kernels = len(naive)
@@ -259,12 +277,14 @@ class Plan:
             "flops": self.flops,
             "seconds": self.seconds,
             "peak_bytes": self.peak_bytes,
+            "hosted_reductions": self.hosted_reductions,
             "kinds": self.kinds(),
             "kernels": [
                 {"index": k.index, "kind": k.kind, "op": k.op, "component": k.component,
                  "inputs": [names.get(t, "?") for t in k.inputs], "outputs": [names[t] for t in k.outputs],
                  "bytes": k.bytes, "flops": k.flops, "seconds": k.seconds, "type": k.term.ty,
-                 "expression": render(k.term, names)}
+                 "expression": render(k.term, names),
+                 "hosted": [render(t, names) for t in k.outputs[1:]]}
                 for k in self.kernels
             ],
             "buffers": [{"name": b.name, "kind": b.kind, "bytes": b.bytes, "first": b.first, "last": b.last}
@@ -297,8 +317,12 @@ def _nbytes(term) -> int:
                           "uint64": 8}[parsed.dtype]
 
 
-def _buffers(order, reads, outputs) -> list[Buffer]:
-    index_of = {term: i for i, term in enumerate(order)}
+def _buffers(written, reads, outputs) -> list[Buffer]:
+    """Buffers of a plan whose kernel i writes the tensors `written[i]` and reads `reads[i]`."""
+    index_of: dict = {}
+    for i, terms in enumerate(written):
+        for term in terms:
+            index_of.setdefault(term, i)  # a reduction several kernels add into: the first one
     last_read: dict = {}
     external: dict = {}
     for i, tensors in enumerate(reads):
@@ -306,7 +330,7 @@ def _buffers(order, reads, outputs) -> list[Buffer]:
             last_read[tensor] = i
             if tensor not in index_of:
                 external.setdefault(tensor, None)
-    end = len(order) - 1
+    end = len(written) - 1
     output_set = set(outputs)
     buffers = []
     for tensor in external:
@@ -315,10 +339,14 @@ def _buffers(order, reads, outputs) -> list[Buffer]:
         if tensor.op == "Constant":
             name = f"const:{name}"
         buffers.append(Buffer(tensor, name, _nbytes(tensor), -1, last_read[tensor], kind))
-    for i, term in enumerate(order):
-        is_output = term in output_set
-        last = end if is_output else last_read.get(term, i)
-        buffers.append(Buffer(term, f"%{i}", _nbytes(term), i, last, "output" if is_output else "activation"))
+    for i, terms in enumerate(written):
+        for j, term in enumerate(terms):
+            if index_of[term] != i:
+                continue
+            is_output = term in output_set
+            last = end if is_output else last_read.get(term, i)
+            name = f"%{i}" if j == 0 else f"%{i}.{j}"
+            buffers.append(Buffer(term, name, _nbytes(term), i, last, "output" if is_output else "activation"))
     for term in outputs:  # outputs that are inputs or constants themselves
         if term not in index_of and term not in external:
             buffers.append(Buffer(term, term.args[0] if term.op in ("Input", "Constant") else "?", _nbytes(term),

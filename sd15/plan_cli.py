@@ -196,6 +196,7 @@ def measure_plan(workload: Workload, optimize, device: str) -> dict[str, Any]:
         "plan_peak_bytes": _stat(stats, "plan_peak_bytes"),
         "plan_modeled_seconds": _stat(stats, "plan_seconds"),
         "plan_kernels_by_kind": _stat(stats, "kinds"),
+        "plan_hosted_reductions": _stat(stats, "hosted_reductions"),
         "optimize_seconds": seconds,
         "optimize_wall_seconds": wall,
         "extractor": _stat(stats, "extractor"),

@@ -20,7 +20,7 @@ FAMILIES = list(rules.registry())
 
 def test_registry_lists_every_family_in_order():
     assert rules.FAMILIES == ("view_folding", "functionalize", "concat_slice", "absorb", "horizontal",
-                              "norm_split", "hoist", "attention", "row_stats")
+                              "norm_split", "hoist", "attention", "row_stats", "epilogue_stats")
     assert list(rules.registry()) == list(rules.FAMILIES)  # every family ships
 
 

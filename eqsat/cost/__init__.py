@@ -5,6 +5,7 @@
 """
 
 from eqsat.cost.devices import A100, CPU, DEVICES, H100, H200, Device, get_device
+from eqsat.cost.hosting import hosted_reductions, hosts_of
 from eqsat.cost.roofline import (
     COMPUTE_OPS,
     DENSE_OPS,
@@ -12,6 +13,7 @@ from eqsat.cost.roofline import (
     Cost,
     count_kernels,
     dag_cost,
+    hosted_cost,
     kernel_cost,
     kernel_reads,
     kernels,
@@ -21,6 +23,7 @@ from eqsat.cost.roofline import (
 
 __all__ = [
     "A100", "CPU", "DEVICES", "H100", "H200", "Device", "get_device",
-    "COMPUTE_OPS", "DENSE_OPS", "VIEW_OPS", "Cost", "count_kernels", "dag_cost", "kernel_cost",
+    "COMPUTE_OPS", "DENSE_OPS", "VIEW_OPS", "Cost", "count_kernels", "dag_cost", "hosted_cost",
+    "hosted_reductions", "hosts_of", "kernel_cost",
     "kernel_reads", "kernels", "node_cost", "own_flops",
 ]

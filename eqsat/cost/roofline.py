@@ -17,6 +17,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `Opaque` | size(out) (unknown work: one op per element) |
 | `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
 | `RowReduce` (Expr) | size(body), no bytes, no launch (see below) |
+| `EpilogueReduce` (Tensor, hosted) | size(body) + its body's ops, its output's bytes, no launch (`hosted_cost`) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
 
 `RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
@@ -61,7 +62,9 @@ KERNEL_OPS = frozenset(
 LEAF_OPS = frozenset({"Input", "Constant", "LoopArg"})
 EXPR_OPS = frozenset({"Load", "Acc", "Lit", "Iota", "Unary", "Binary", "Select", "Reshape", "Transpose",
                       "Broadcast", "Slice", "DynamicSlice", "Concat", "Pad", "RowReduce"})
-KNOWN_OPS = KERNEL_OPS | LEAF_OPS | EXPR_OPS | {"TNil", "TCons", "Ref"}
+# Tensors computed inside another kernel (its epilogue): no launch of their own when hosted.
+HOSTED_OPS = frozenset({"EpilogueReduce"})
+KNOWN_OPS = KERNEL_OPS | LEAF_OPS | EXPR_OPS | HOSTED_OPS | {"TNil", "TCons", "Ref"}
 Term = object  # eqsat.term.Term, by duck typing
 
 # Expr ops that are index arithmetic: free.
@@ -147,6 +150,8 @@ def own_flops(op: str, args: Sequence) -> float:
         return 4.0 * _size(q_ty) * kv_len
     if op in ("Reduce", "RowReduce"):
         return float(_size(args[1]))
+    if op == "EpilogueReduce":
+        return float(_size(args[2]))
     if op == "AssignScatter":
         return float(_size(args[2]))
     if op == "Opaque":
@@ -164,7 +169,7 @@ def _own_bytes(op: str, args: Sequence) -> float:
         return float(_nbytes(args[2]))  # written in place: only the box
     if op == "AssignScatter":
         return float(_nbytes(args[2]))
-    if op in KERNEL_OPS:
+    if op in KERNEL_OPS or op in HOSTED_OPS:
         return float(_nbytes(args[-1]))
     return 0.0
 
@@ -266,9 +271,13 @@ def _kernel_body(kernel: Term) -> Iterator[tuple[Term, Term | None]]:
 
 
 def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
-    """The roofline cost of one kernel term as planned: launch + reads + write + flops."""
+    """The roofline cost of one kernel term as planned: launch + reads + write + flops.
+
+    An `EpilogueReduce` passed here is priced as its own Reduce kernel (what it is when it cannot
+    be hosted); `hosted_cost` prices it inside its host.
+    """
     device = get_device(device)
-    if kernel.op not in KERNEL_OPS:
+    if kernel.op not in KERNEL_OPS and kernel.op not in HOSTED_OPS:
         return ZERO
     reads = kernel_reads(kernel)
     nbytes = sum(reads.values()) + _own_bytes(kernel.op, _args_of(kernel))
@@ -295,6 +304,25 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     return Cost(nbytes, dense_flops + vector_flops, seconds) + body
 
 
+def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
+    """What an `EpilogueReduce` adds to the kernels hosting it, all together: its side inputs'
+    reads, the fp32 accumulator's atomic writes (once per tile: modeled as once) and its body's
+    flops; no launch and no read of the hosts (their values are the tiles being written)."""
+    from eqsat.cost.hosting import hosts_of
+
+    device = get_device(device)
+    hosts = {id(h) for h in hosts_of(reduction) or (reduction.args[0],)}
+    reads = {t: b for t, b in kernel_reads(reduction).items() if id(t) not in hosts}
+    nbytes = sum(reads.values()) + _own_bytes(reduction.op, _args_of(reduction))
+    flops = own_flops(reduction.op, _args_of(reduction))
+    seen: set[int] = set()
+    for node, _ in _kernel_body(reduction):
+        if id(node) not in seen and node is not reduction and node.op in COMPUTE_OPS:
+            seen.add(id(node))
+            flops += _size(node.ty)
+    return Cost(nbytes, flops, nbytes / device.hbm_bandwidth + flops / device.peak_fp32)
+
+
 def _list_items(lst) -> list:
     items = []
     while lst.op == "TCons":
@@ -307,7 +335,17 @@ def kernels(roots: Iterable[Term]) -> list[Term]:
     """The distinct kernel terms reachable from `roots`, producers first (no recursion).
 
     A `Loop`'s body belongs to the loop: its kernels are not listed (the `Loop` is one kernel).
+    An `EpilogueReduce` is not listed when its producer's kernel hosts it (`eqsat.cost.hosting`);
+    that kernel then comes after the reduction's side inputs. One that cannot be hosted is listed.
     """
+    from eqsat.cost.hosting import hosted_reductions, side_inputs
+
+    roots = list(roots)
+    hosting = hosted_reductions(roots)
+    extra: dict[int, list[Term]] = {}
+    for reduction, hosts in hosting.items():
+        for host in hosts or ():
+            extra.setdefault(id(host), []).extend(side_inputs(reduction))
     order: list[Term] = []
     done: set[int] = set()
     stack: list[tuple[Term, bool]] = [(r, False) for r in reversed(list(roots))]
@@ -317,13 +355,15 @@ def kernels(roots: Iterable[Term]) -> list[Term]:
             continue
         if ready:
             done.add(id(node))
-            if node.op in KERNEL_OPS:
+            if node.op in KERNEL_OPS or (node.op in HOSTED_OPS and hosting.get(node) is None):
                 order.append(node)
             continue
         stack.append((node, True))
         children = node.children
         if node.op == "Loop":
             children = (node.args[1],)
+        if id(node) in extra:
+            children = (*children, *extra[id(node)])
         for child in reversed(children):
             if id(child) not in done:
                 stack.append((child, False))
@@ -337,7 +377,13 @@ def count_kernels(roots: Iterable[Term]) -> int:
 
 def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once)."""
+    from eqsat.cost.hosting import hosted_reductions
+
+    roots = list(roots)
     total = Cost()
     for kernel in kernels(roots):
         total = total + kernel_cost(kernel, device)
+    for reduction, hosts in hosted_reductions(roots).items():
+        if hosts is not None:
+            total = total + hosted_cost(reduction, device)
     return total

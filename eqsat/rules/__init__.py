@@ -44,7 +44,7 @@ from eqsat.term import Term, postorder
 
 FAMILIES = (
     "view_folding", "functionalize", "concat_slice", "absorb", "horizontal", "norm_split", "hoist", "attention",
-    "row_stats",
+    "row_stats", "epilogue_stats",
 )
 
 # --- the registry ------------------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""Reductions computed in their producers' epilogues (`EpilogueReduce`): when that is legal.
+
+`EpilogueReduce(producer, op, body, axes, ty)` is `Reduce(op, body, axes, Acc(ty), ty)` computed by
+the kernels that write the tensors its body reads: every output tile adds its part of the
+reduction into an fp32 buffer (atomic adds) while the tile's values are still in registers. When
+the body concatenates several kernels' outputs (GroupNorm over a skip connection: `concat(h,
+skip)`), each of those kernels adds the elements it writes; `producer` is the first of them.
+
+The rules state it wherever it is worth trying; whether the *extracted* term can be hosted is
+decided here, on the chosen terms. The body is split into its spine (what the hosts compute) and
+side values (what they read besides):
+
+    Load(T), T a Matmul/Conv/Attention output (`HOST_OPS`)   spine, hosted by T
+    Unary, Reshape, Transpose, Slice of a spine              spine (each element still comes from
+                                                             one element of one host)
+    Concat of spines                                         spine (each element from one side)
+    Binary/Select whose spine operands are one and the same  spine (x*x: both read the same element)
+      term, the others side values
+    anything else (Broadcast, Lit, Iota, a Load of an input   side value; must not read a host
+      or of another kernel, ...)
+
+Legal when the body is a spine, `op` is `sum` (an atomic add), and no side input depends on a
+host (it must exist when the host runs). Otherwise the reduction is its own `Reduce` kernel
+(`eqsat.cost.kernels` lists it, `kernel_cost` prices it as one): a plan never counts a fusion it
+could not emit.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+HOST_OPS = frozenset({"Pointwise", "Matmul", "Conv", "Attention"})
+HOSTED_REDUCTIONS = frozenset({"sum"})
+_THROUGH = frozenset({"Unary", "Reshape", "Transpose", "Slice"})
+_ELEMENTWISE = frozenset({"Binary", "Select"})
+
+
+class _NotHostable(Exception):
+    pass
+
+
+def _side_loads(expr, out: dict) -> None:
+    seen: set[int] = set()
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "Load":
+            out[id(node.args[0])] = node.args[0]
+            continue
+        stack.extend(child for child in node.children if child.sort == "Expr")
+
+
+def _split(body) -> tuple[list, list]:
+    """(hosts, side inputs) of a reduction body; raises `_NotHostable`."""
+    hosts: dict[int, object] = {}
+    side: dict[int, object] = {}
+    memo: dict[int, bool] = {}  # id -> is spine
+
+    def spine(node) -> bool:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if node.op == "Load" and node.args[0].op in HOST_OPS:
+            hosts[id(node.args[0])] = node.args[0]
+            result = True
+        elif node.op in _THROUGH:
+            result = spine(node.args[0] if node.op != "Unary" else node.args[1])
+        elif node.op == "Concat":
+            parts = [spine(node.args[0]), spine(node.args[1])]
+            if any(parts) and not all(parts):
+                raise _NotHostable("a concat of a spine and a side value")
+            result = all(parts)
+        elif node.op in _ELEMENTWISE:
+            operands = [c for c in node.children if c.sort == "Expr"]
+            spines = {id(c): c for c in operands if spine(c)}
+            if len(spines) > 1:
+                raise _NotHostable("an elementwise op of two different reads of the producers")
+            result = bool(spines)
+        else:
+            result = False
+        if not result:
+            _side_loads(node, side)
+        memo[key] = result
+        return result
+
+    if not spine(body):
+        raise _NotHostable("the body reads no producer at the element it writes")
+    for key in hosts:
+        side.pop(key, None)
+    return list(hosts.values()), list(side.values())
+
+
+def _depends_on(tensor, targets: set[int], cache: dict[int, bool]) -> bool:
+    """Whether computing `tensor` needs any term of `targets` (ids), by an iterative walk."""
+    stack = [(tensor, False)]
+    while stack:
+        node, ready = stack.pop()
+        key = id(node)
+        if key in cache:
+            continue
+        if key in targets:
+            cache[key] = True
+            continue
+        children = node.children
+        if ready:
+            cache[key] = any(cache.get(id(c), False) for c in children)
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in cache)
+    return cache[id(tensor)]
+
+
+def hosts_of(reduction) -> list | None:
+    """The kernel terms computing `reduction` (an `EpilogueReduce`) in their epilogues, in body
+    order, or None when it must run as its own kernel (also None for any other term)."""
+    if reduction.op != "EpilogueReduce" or reduction.args[1] not in HOSTED_REDUCTIONS:
+        return None
+    try:
+        hosts, side = _split(reduction.args[2])
+    except _NotHostable:
+        return None
+    if reduction.args[0] not in hosts:
+        return None
+    targets = {id(h) for h in hosts}
+    cache: dict[int, bool] = {}
+    if any(_depends_on(tensor, targets, cache) for tensor in side):
+        return None
+    return hosts
+
+
+def side_inputs(reduction) -> list:
+    """What a hostable reduction's body reads besides its hosts (they must run before the hosts)."""
+    try:
+        return _split(reduction.args[2])[1]
+    except _NotHostable:
+        return []
+
+
+def hosted_reductions(roots: Iterable) -> dict:
+    """Every `EpilogueReduce` reachable from `roots` -> its host kernel terms (None: runs alone)."""
+    found: dict = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "EpilogueReduce":
+            found[node] = hosts_of(node)
+        stack.extend(node.children)
+    return found
