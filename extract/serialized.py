@@ -87,13 +87,32 @@ class EGraphData:
         cache: dict[tuple, float] = {}
         costs = []
         for node, op in enumerate(self.node_op):
-            key = (op, self.node_args(node))
+            weights = self.nonzero_weight_elements(self.node_children[node][1]) if op == "Conv" else None
+            key = (op, self.node_args(node), weights)
             value = cache.get(key)
             if value is None:
-                value = node_cost(op, key[1], device).seconds
+                value = node_cost(op, key[1], device, weights).seconds
                 cache[key] = value
             costs.append(value)
         return costs
+
+    def nonzero_weight_elements(self, cls: int, depth: int = 4) -> int:
+        """`eqsat.cost.roofline.nonzero_weight_elements` of the cheapest form in weight class `cls`
+        (a concat of zero-padded parts: the sum of the parts)."""
+        best = _size(self.class_type[cls])
+        if depth == 0:
+            return best
+        for node in self.class_nodes[cls]:
+            op, kids = self.node_op[node], self.node_children[node]
+            if op == "Concat":
+                best = min(best, self.nonzero_weight_elements(kids[0], depth - 1)
+                           + self.nonzero_weight_elements(kids[1], depth - 1))
+            elif op == "Pad" and self._is_zero_class(kids[1]):
+                best = min(best, self.nonzero_weight_elements(kids[0], depth - 1))
+        return best
+
+    def _is_zero_class(self, cls: int) -> bool:
+        return any(self.node_op[n] == "Lit" and float(self.node_literals[n][0]) == 0.0 for n in self.class_nodes[cls])
 
     def slice_fraction(self, node: int) -> float:
         """The part of its operand a Slice/DynamicSlice node reads (elements out / elements in)."""

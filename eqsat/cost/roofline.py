@@ -10,7 +10,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | kernel | flops |
 |---|---|
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
-| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
 | `Reduce` | size(body): one op per element reduced |
 | `AssignScatter` | size(updates) |
@@ -129,8 +129,26 @@ def _conv_out_features(out_ty: str, rhs_ty: str, params: str) -> int:
     return max(rhs_shape) if rhs_shape else 1
 
 
-def own_flops(op: str, args: Sequence) -> float:
-    """Flops of one node's own work; `args` aligned with `lang.OPS[op]` (child positions hold types)."""
+def nonzero_weight_elements(rhs: Term) -> int:
+    """Elements of a conv weight expression that are not zero padding: a merged shortcut's weight
+    `concat(pad(w3x3), pad(w1x1))` has size(w3x3) + size(w1x1), not 9 taps of both. The conv template
+    runs one K range per concatenated input part, each over its own taps, so zero taps cost nothing."""
+    if rhs.op == "Concat":
+        return nonzero_weight_elements(rhs.args[0]) + nonzero_weight_elements(rhs.args[1])
+    if rhs.op == "Pad" and _is_zero(rhs.args[1]):
+        return nonzero_weight_elements(rhs.args[0])
+    return _size(rhs.ty)
+
+
+def _is_zero(value: Term) -> bool:
+    return value.op == "Lit" and float(value.args[0]) == 0.0
+
+
+def own_flops(op: str, args: Sequence, weight_elements: int | None = None) -> float:
+    """Flops of one node's own work; `args` aligned with `lang.OPS[op]` (child positions hold types).
+
+    `weight_elements`: a `Conv`'s weight elements that are not zero padding (default: all of them,
+    see `nonzero_weight_elements`)."""
     if op in COMPUTE_OPS:
         return float(_size(args[-1]))
     if op == "Matmul":
@@ -142,7 +160,8 @@ def own_flops(op: str, args: Sequence) -> float:
     if op == "Conv":
         lhs_ty, rhs_ty, params, out_ty = args[0], args[1], args[2], args[4]
         cout = _conv_out_features(out_ty, rhs_ty, params)
-        return 2.0 * _size(out_ty) * (_size(rhs_ty) / max(cout, 1))
+        weights = _size(rhs_ty) if weight_elements is None else weight_elements
+        return 2.0 * _size(out_ty) * (weights / max(cout, 1))
     if op == "Attention":
         q_ty, k_ty = args[0], args[1]
         k_shape = parse_type(k_ty).shape
@@ -178,7 +197,7 @@ def _dense_dtype(op: str, args: Sequence) -> str:
     return _dtype(args[0]) if op in DENSE_OPS else "float32"
 
 
-def node_cost(op: str, args: Sequence, device: "str | Device" = "h100") -> Cost:
+def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_elements: int | None = None) -> Cost:
     """The cost of one e-node's own work (see the module docstring).
 
     `args` is aligned with `lang.OPS[op][1]`: literal values at String/i64/f64 positions, the child's
@@ -190,7 +209,7 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100") -> Cost:
     device = get_device(device)
     if op not in KNOWN_OPS:
         return ZERO
-    flops = own_flops(op, args)
+    flops = own_flops(op, args, weight_elements)
     nbytes = _own_bytes(op, args)
     seconds = nbytes / device.hbm_bandwidth
     if flops:
@@ -281,7 +300,8 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
         return ZERO
     reads = kernel_reads(kernel)
     nbytes = sum(reads.values()) + _own_bytes(kernel.op, _args_of(kernel))
-    dense_flops = own_flops(kernel.op, _args_of(kernel))
+    weights = nonzero_weight_elements(kernel.args[1]) if kernel.op == "Conv" else None
+    dense_flops = own_flops(kernel.op, _args_of(kernel), weights)
     vector_flops = 0.0
     seen: set[int] = set()
     for node, _ in _kernel_body(kernel):
