@@ -380,9 +380,8 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
         parent slot in `slots` or -1)."""
         total = costs[kernel_node]
         reads: set[int] = set()
-        if node_op[kernel_node] in HOSTED_OPS:
-            return total, _hosted_reads(owner, kernel_node, overrides), []
-        if node_op[kernel_node] not in KERNEL_OPS:
+        hosted = node_op[kernel_node] in HOSTED_OPS  # costs its own node only (`Selection.cost`)
+        if not hosted and node_op[kernel_node] not in KERNEL_OPS:
             return total, reads, []
         loads: dict = {}
         state: dict = {}  # slot -> 1 while on the depth-first path, 2 when done
@@ -429,29 +428,12 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
                     return math.inf, reads, slots  # a cycle inside the kernel
                 if mark is None:
                     stack.append((child_slot, child_node, index, False))
+        if hosted:
+            return costs[kernel_node], reads, slots
         for whole, fraction, load_node in loads.values():
             read = costs[load_node]
             total += read if whole else read * min(1.0, fraction)
         return total, reads, slots
-
-    def _hosted_reads(owner: int, node: int, overrides: dict) -> set[int]:
-        """The tensors a hosted reduction needs: its producer and what its body loads. Its cost is
-        its own node's (no launch; see `Selection.cost`)."""
-        found: set[int] = set()
-        stack, seen = [node], set()
-        while stack:
-            current = stack.pop()
-            for child in graph.node_children[current]:
-                if child < 0:
-                    continue
-                if sort[child] == "Tensor":
-                    found.add(child)
-                    continue
-                child_node = lookup((child, owner), overrides)
-                if child_node is not None and child_node not in seen:
-                    seen.add(child_node)
-                    stack.append(child_node)
-        return found
 
     load_nodes: dict[int, list[int]] = {}
     for cls_nodes in graph.class_nodes:
@@ -657,9 +639,23 @@ def _retire_in(owner, tensor, nodes, context, graph, valid, allowed):
     """Overrides that stop kernel `owner` from reading `tensor`: (cost, reads, overrides) or None.
 
     Greedy: repeatedly take the cheapest single switch of a slot on the way to a `tensor` load
-    (in `owner`'s context) that lowers the number of such loads, until none is left."""
-    overrides: dict = {}
-    kernel_node = nodes[(owner, GLOBAL)]
+    (in `owner`'s context) that lowers the number of such loads, until none is left. A hosted
+    reduction reads its producer itself, not through a slot: every form of its class is tried
+    (another producer's epilogue, its own kernel), each with its slots switched the same way."""
+    current = nodes[(owner, GLOBAL)]
+    if graph.node_op[current] not in HOSTED_OPS:
+        return _retire_from(owner, tensor, current, {}, nodes, context, graph, valid)
+    best = None
+    for start in graph.class_nodes[owner]:
+        overrides = {} if start == current else {(owner, GLOBAL): start}
+        found = _retire_from(owner, tensor, start, overrides, nodes, context, graph, valid)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return best
+
+
+def _retire_from(owner, tensor, kernel_node, overrides, nodes, context, graph, valid):
+    overrides = dict(overrides)
     cost, reads, slots = context(owner, kernel_node, overrides)
     for _ in range(8):
         loads = sum(1 for _, t, _ in slots if t == tensor)
