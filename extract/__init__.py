@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from eqsat.cost import get_device, kernel_cost, kernels
 from extract.greedy import GreedyResult, extract_greedy
 from extract.ilp import IlpResult, extract_ilp
-from extract.serialized import GLOBAL, EGraphData, Selection, load, reachable_classes
+from extract.serialized import EGraphData, Selection, load, reachable_classes
 
 __all__ = ["Extraction", "extract", "load", "EGraphData", "Selection", "score_selection", "Plan"]
 

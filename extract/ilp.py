@@ -43,7 +43,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from extract.serialized import EPSILON, GLOBAL, EGraphData, Selection, reachable_classes, strongly_connected
+from extract.serialized import EPSILON, GLOBAL, EGraphData, Selection, reachable_classes
 
 _LEAF_OPS = frozenset({"Input", "Constant", "LoopArg"})
 _SCALE = 1e6  # solve in microseconds: HiGHS's absolute tolerances would swallow costs in seconds
