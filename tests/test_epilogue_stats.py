@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,8 @@ def test_a_sum_of_squares_is_hosted_and_keeps_its_value():
     np.testing.assert_allclose(np.asarray(evaluate([hosted], env)[0]), expected, rtol=1e-5)
     plan = Plan.build([hosted])
     assert len(plan.kernels) == 1 and plan.kernels[0].outputs == [t, hosted] and plan.hosted_reductions == 1
+    described = json.loads(plan.to_json())["kernels"][0]
+    assert described["outputs"] == ["%0", "%0.1"] and described["hosted"][0].startswith("EpilogueReduce(%0")
 
 
 def test_reading_the_producer_at_another_element_is_not_hosted():
