@@ -10,7 +10,8 @@ Semantics, per constructor (the rest of the stack relies on these):
 - An `Expr` evaluates to a whole array of its type's shape; `Load(t, ty)` is `t`'s value.
 - `Matmul`/`Conv`/`Reduce`/`Attention` compute their core in the dtype of the epilogue's `Acc`
   (the kernel's type when the epilogue has none), then the epilogue with `Acc` bound to the core.
-  Attention is `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, computed in float32.
+  Attention is `softmax(q·kᵀ·scale + bias)·v` over `[batch, heads, seq, head_dim]` (the bias broadcast to
+  the scores), computed in float32.
 - `RowReduce` (an Expr) is `Reduce` over its one `axis`, with the same epilogue semantics;
   `EpilogueReduce` is `Reduce` with the identity epilogue (its producer only says who computes it).
 - `DynamicSlice` and `AssignDynamic` clamp starts as the `dynamic_slice`/`dynamic_update_slice`
@@ -184,7 +185,7 @@ class _Evaluator:
     # --- one node -----------------------------------------------------------------------------
 
     def _compute(self, node: Term, get, acc):
-        op, args = node.op, node.args
+        op = node.op
         if node.sort == "TensorList":
             return tuple(get(item) for item in list_items(node))
         method = getattr(self, "_op_" + op)
@@ -240,9 +241,10 @@ class _Evaluator:
         return self._epilogue(epilogue, core)
 
     def _op_Attention(self, node, get, acc):
-        q, k, v, scale, epilogue, ty = node.args
+        q, k, v, bias, scale, epilogue, ty = node.args
         dtype = self._acc_dtype(epilogue, ty)
         scores = jnp.einsum("bhqd,bhkd->bhqk", get(q), get(k), preferred_element_type=jnp.float32) * scale
+        scores = scores + jnp.broadcast_to(jnp.asarray(get(bias), jnp.float32), scores.shape)
         weights = jax.nn.softmax(scores, axis=-1)
         core = jnp.einsum("bhqk,bhkd->bhqd", weights, get(v).astype(jnp.float32)).astype(dtype)
         return self._epilogue(epilogue, core)

@@ -72,8 +72,13 @@ def Conv(lhs: Expr, rhs: Expr, params: StringLike, epilogue: Expr, ty: StringLik
 
 
 @function(egg_fn="Attention")
-def Attention(q: Expr, k: Expr, v: Expr, scale: f64Like, epilogue: Expr, ty: StringLike) -> Tensor:
-    """softmax(q·kᵀ·scale)·v over [batch, heads, seq, head_dim] operands, then `epilogue` (flash attention)."""
+def Attention(q: Expr, k: Expr, v: Expr, bias: Expr, scale: f64Like, epilogue: Expr, ty: StringLike) -> Tensor:
+    """softmax(q·kᵀ·scale + bias)·v over [batch, heads, seq, head_dim] operands, then `epilogue` (flash attention).
+
+    `bias` is an additive score bias of the scores' shape [batch, heads, q_seq, kv_seq] (a causal
+    mask, ALiBi, ...), read per score tile and never materialized by this kernel; no bias is
+    `Lit(0.0, "f32[B,H,Sq,Sk]")`.
+    """
 
 
 @function(egg_fn="Gather")
@@ -236,7 +241,7 @@ OPS: dict[str, tuple[str, ConstructorArgs]] = {
     "Reduce": ("Tensor", ("String", "Expr", "String", "Expr", "String")),
     "Matmul": ("Tensor", ("Expr", "Expr", "String", "Expr", "String")),
     "Conv": ("Tensor", ("Expr", "Expr", "String", "Expr", "String")),
-    "Attention": ("Tensor", ("Expr", "Expr", "Expr", "f64", "Expr", "String")),
+    "Attention": ("Tensor", ("Expr", "Expr", "Expr", "Expr", "f64", "Expr", "String")),
     "Gather": ("Tensor", ("Expr", "Expr", "String", "String")),
     "AssignStatic": ("Tensor", ("Tensor", "String", "Expr", "String")),
     "AssignDynamic": ("Tensor", ("Tensor", "TensorList", "Expr", "String")),

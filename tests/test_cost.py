@@ -92,7 +92,7 @@ def test_conv_flops_follow_the_weight_layout():
 
 def test_attention_and_reduce_flops():
     q, kv = "f16[2,8,1024,40]", "f16[2,8,77,40]"
-    attention = node_cost("Attention", (q, kv, kv, 0.125, q, q))
+    attention = node_cost("Attention", (q, kv, kv, "f32[2,8,1024,77]", 0.125, q, q))
     assert attention.flops == 4 * 2 * 8 * 1024 * 77 * 40
     reduce = node_cost("Reduce", ("sum", "f32[2,4096,32,10]", "1,3", "f32[2,32]", "f32[2,32]"))
     assert reduce.flops == 2 * 4096 * 32 * 10 and reduce.bytes == 2 * 32 * 4

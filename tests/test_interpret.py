@@ -73,7 +73,7 @@ def test_shared_epilogue_binds_each_kernels_own_accumulator():
 def test_attention_matches_explicit_softmax():
     q, k, v = inp("q", (2, 3, 5, 4)), inp("k", (2, 3, 7, 4)), inp("v", (2, 3, 7, 4))
     out = ty((2, 3, 5, 4))
-    attention = T("Attention", load(q), load(k), load(v), 0.5, T("Acc", out), out)
+    attention = T("Attention", load(q), load(k), load(v), T("Lit", 0.0, ty((2, 3, 5, 7))), 0.5, T("Acc", out), out)
     env = {"q": rand(0, (2, 3, 5, 4)), "k": rand(1, (2, 3, 7, 4)), "v": rand(2, (2, 3, 7, 4))}
     (got,) = evaluate([attention], env)
     scores = jnp.einsum("bhqd,bhkd->bhqk", env["q"], env["k"]) * 0.5
@@ -87,7 +87,7 @@ def test_attention_with_head_permutes_as_views_and_residual():
     x, res = inp("x", (b, s, h * d)), inp("res", (b, h, s, d))
     heads = T("Transpose", T("Reshape", load(x), ty((b, s, h, d))), "0,2,1,3", ty((b, h, s, d)))
     out = ty((b, h, s, d))
-    attention = T("Attention", heads, heads, heads, 1 / np.sqrt(d), T("Binary", "add", T("Acc", out), load(res), out), out)
+    attention = T("Attention", heads, heads, heads, T("Lit", 0.0, ty((b, h, s, s))), 1 / np.sqrt(d), T("Binary", "add", T("Acc", out), load(res), out), out)
     env = {"x": rand(0, (b, s, h * d)), "res": rand(1, (b, h, s, d))}
     (got,) = evaluate([attention], env)
     qkv = env["x"].reshape(b, s, h, d).transpose(0, 2, 1, 3)
@@ -98,7 +98,7 @@ def test_attention_with_head_permutes_as_views_and_residual():
 def test_attention_fp16_accumulates_in_float32():
     q = inp("q", (1, 1, 4, 8), "float16")
     out = ty((1, 1, 4, 8), "float16")
-    attention = T("Attention", load(q), load(q), load(q), 0.25, T("Acc", out), out)
+    attention = T("Attention", load(q), load(q), load(q), T("Lit", 0.0, ty((1, 1, 4, 4))), 0.25, T("Acc", out), out)
     x = rand(0, (1, 1, 4, 8), jnp.float16)
     (got,) = evaluate([attention], {"q": x})
     assert got.dtype == jnp.float16

@@ -212,10 +212,10 @@ def _mini_evaluate(terms, env, constants):
                                            preferred_element_type=jnp.float32, **ConvParams.parse(args[2]).lax_kwargs())
             value = expr(args[3], acc.astype(dtype))
         elif op == "Attention":
-            q, k, v = (expr(a, None).astype(jnp.float32) for a in args[:3])
-            scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=lax.Precision.HIGHEST) * args[3]
+            q, k, v, bias = (expr(a, None).astype(jnp.float32) for a in args[:4])
+            scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=lax.Precision.HIGHEST) * args[4] + bias
             out = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v, precision=lax.Precision.HIGHEST)
-            value = expr(args[4], out.astype(dtype))
+            value = expr(args[5], out.astype(dtype))
         else:
             raise NotImplementedError(op)
         values[key] = value

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, StringLike, f64, function, i64, rewrite, rule, ruleset, set_, union
+from egglog import String, StringLike, f64, function, i64, rewrite, rule, ruleset, set_, union, var
 
 from eqsat.lang import (
     Acc, Attention, Binary, Broadcast, Concat, Constant, Conv, DynamicSlice, Expr, Input, Iota, Lit, Load, Matmul, Pad,
@@ -67,12 +67,14 @@ def _expand_only(dims: str, source: str, target: str) -> str:
 
 def _kinds(a: Expr, b: Expr, c: Expr, key: String, axes: String, scale: f64):
     """Each kernel kind with an epilogue over shared pattern variables, as a pair:
-    `(epilogue, ty) -> Tensor` and the kind's `core` (the kernel without its epilogue, see below)."""
+    `(epilogue, ty) -> Tensor` and the kind's `core` (the kernel without its epilogue, see below).
+    Attention's score bias is one more pattern variable (`absorb_attention_bias`, an Expr)."""
+    bias = var("absorb_attention_bias", Expr)
     return (
         (lambda epi, ty: Matmul(a, b, key, epi, ty), matmul_core(a, b, key)),
         (lambda epi, ty: Conv(a, b, key, epi, ty), conv_core(a, b, key)),
         (lambda epi, ty: Reduce(key, a, axes, epi, ty), reduce_core(key, a, axes)),
-        (lambda epi, ty: Attention(a, b, c, scale, epi, ty), attention_core(a, b, c)),
+        (lambda epi, ty: Attention(a, b, c, bias, scale, epi, ty), attention_core(a, b, c, bias)),
     )
 
 
@@ -113,8 +115,8 @@ def reduce_core(op: StringLike, body: Expr, axes: StringLike) -> i64:
 
 
 @function(egg_fn="AbsorbAttentionCore", merge=lambda old, new: old.min(new))
-def attention_core(q: Expr, k: Expr, v: Expr) -> i64:
-    """The smallest `order` of an Attention over (q, k, v)."""
+def attention_core(q: Expr, k: Expr, v: Expr, bias: Expr) -> i64:
+    """The smallest `order` of an Attention over (q, k, v, bias)."""
 
 
 @absorb.register

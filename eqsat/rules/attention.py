@@ -11,7 +11,7 @@ The lifted pattern (sd15/layers.py `attention`, `jax.nn.softmax`, or the explici
     o = dot_general(convert(p), v4)    Matmul, batch (B, H), contracting Sk     [B, H, Sq, D]
 
 with q4/k4/v4 read through any layout the dot_generals name (SD: [B, S, H, D] head splits).
-Then `o == Attention(Transpose(q4), Transpose(k4), Transpose(v4), scale, Acc, ty)`: the head
+Then `o == Attention(Transpose(q4), Transpose(k4), Transpose(v4), Lit(0.0), scale, Acc, ty)`: the head
 permutes are views inside the operands, and `o`'s own layout ([B, H, Sq, D]) is Attention's.
 Subtracting the row max does not change softmax (any row-constant shift cancels); requiring
 the max of the same scores only keeps the match specific.
@@ -19,8 +19,16 @@ the max of the same scores only keeps the match specific.
 Found through helper relations that see through `Load(Pointwise(..))` copies, so the lifted form
 and the absorbed form both match (StatView and Scalar are shared with `norm_split`):
 
-    Scores(e, q, k, scale, ty)   e = scale · q·kᵀ, q and k as [B, H, S, D] Exprs
-    Shifted / Exps / Probs       s - rowmax(s), exp of that, exp / rowsum(exp)
+    Scores(e, q, k, scale, ty)         e = scale · q·kᵀ, q and k as [B, H, S, D] Exprs
+    Biased(e, q, k, bias, scale, ty)   e = scale · q·kᵀ + bias (either operand order)
+    Shifted / Exps / Probs             s - rowmax(s), exp of that, exp / rowsum(exp), over scores s
+                                       that are Scores (bias `Lit(0.0, f32[B,H,Sq,Sk])`) or Biased
+
+Masked attention (flash attention with an additive score bias: CLIP's causal mask, ALiBi, ...)
+adds `bias` to the scaled scores before the softmax; `bias` is any Expr of the scores' shape
+(a `Binary` add's operands have the output's shape: a [1, 1, S, S] mask arrives as its
+`Broadcast`), read by the kernel per score tile. A bias added before the scale (or scaled
+afterwards) is not matched.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from functools import lru_cache
 
 from egglog import String, f64, ne, relation, rule, ruleset, union
 
-from eqsat.lang import Acc, Attention, Binary, Expr, Load, Matmul, Pointwise, Reduce, Tensor, Transpose, Unary
+from eqsat.lang import Acc, Attention, Binary, Expr, Lit, Load, Matmul, Pointwise, Reduce, Tensor, Transpose, Unary
 from eqsat.rules.horizontal import py_string
 from eqsat.rules.norm_split import Scalar, StatView, scalar_rules, stat_view_rules
 from eqsat.types import format_type, ints, parse_type
@@ -39,9 +47,10 @@ scalar_rules(attention)
 stat_view_rules(attention)
 
 Scores = relation("AttentionScores", Expr, Expr, Expr, f64, String)
-Shifted = relation("AttentionShifted", Expr, Expr, Expr, f64, String)
-Exps = relation("AttentionExps", Expr, Expr, Expr, f64, String)
-Probs = relation("AttentionProbs", Expr, Expr, Expr, f64, String)
+Biased = relation("AttentionBiased", Expr, Expr, Expr, Expr, f64, String)
+Shifted = relation("AttentionShifted", Expr, Expr, Expr, Expr, f64, String)
+Exps = relation("AttentionExps", Expr, Expr, Expr, Expr, f64, String)
+Probs = relation("AttentionProbs", Expr, Expr, Expr, Expr, f64, String)
 
 
 
@@ -94,6 +103,12 @@ def _is_row_view(view: str, row_ty: str) -> str:
 
 
 @lru_cache(maxsize=None)
+def _as_f32(ty: str) -> str:
+    """`ty`'s shape as float32 (the type of Attention's no-bias `Lit`)."""
+    return format_type("float32", parse_type(ty).shape)
+
+
+@lru_cache(maxsize=None)
 def _part(text: str, index: str) -> str:
     return text.split("|")[int(index)]
 
@@ -127,44 +142,56 @@ def _scores(
 
 
 @attention.register
+def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: String):
+    """Biased(e, q, k, b, scale): e = scale · q·kᵀ + b, the bias b any Expr of the scores' shape (either order)."""
+    yield rule(e == Binary("add", x, b, ty), Scores(x, q, k, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+    yield rule(e == Binary("add", b, x, ty), Scores(x, q, k, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+    yield rule(e == Load(Pointwise(x, ty), ty), Biased(x, q, k, b, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+
+
+@attention.register
 def _softmax(
-    e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, scale: f64, ty: String, tr: String,
+    e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, ty: String, tr: String,
     view: String,
 ):
-    """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s: Shifted, Exps, Probs."""
+    """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs."""
     row_ok = ne(py_string(_is_row_view, view, tr)).to(String(""))
-    yield rule(
+    shift = (
         e == Binary("sub", s, row, ty),
-        Scores(s, q, k, scale, ty),
         StatView(row, ty, r, f64(1.0), view),
         r == Reduce("max", s, "3", Acc(tr), tr),
         row_ok,
-    ).then(Shifted(e, q, k, scale, ty))
-    yield rule(e == Unary("exp", x, ty), Shifted(x, q, k, scale, ty)).then(Exps(e, q, k, scale, ty))
+    )
+    no_bias = Lit(0.0, py_string(_as_f32, ty))
+    yield rule(*shift, Scores(s, q, k, scale, ty)).then(Shifted(e, q, k, no_bias, scale, ty))
+    yield rule(*shift, Biased(s, q, k, b, scale, ty)).then(Shifted(e, q, k, b, scale, ty))
+    yield rule(e == Unary("exp", x, ty), Shifted(x, q, k, b, scale, ty)).then(Exps(e, q, k, b, scale, ty))
     yield rule(
         e == Binary("div", x, row, ty),
-        Exps(x, q, k, scale, ty),
+        Exps(x, q, k, b, scale, ty),
         StatView(row, ty, r, f64(1.0), view),
         r == Reduce("sum", x, "3", Acc(tr), tr),
         row_ok,
-    ).then(Probs(e, q, k, scale, ty))
-    yield rule(e == Unary("convert", x, ty), Probs(x, q, k, scale, tr)).then(Probs(e, q, k, scale, ty))
+    ).then(Probs(e, q, k, b, scale, ty))
+    yield rule(e == Unary("convert", x, ty), Probs(x, q, k, b, scale, tr)).then(Probs(e, q, k, b, scale, ty))
     for relation_ in (Shifted, Exps, Probs):
-        yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, scale, ty)).then(relation_(e, q, k, scale, ty))
+        yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, b, scale, ty)).then(
+            relation_(e, q, k, b, scale, ty))
 
 
 @attention.register
 def _flash_attention(
-    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, scale: f64, dims: String, tp: String, tv: String, t: String,
+    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
+    t: String,
 ):
-    """dot(softmax(q·kᵀ·scale), v) = Attention(q, k, v, scale): the score matrix stays on chip."""
+    """dot(softmax(q·kᵀ·scale + b), v) = Attention(q, k, v, b, scale): the score matrix stays on chip."""
     layout = py_string(_value_layout, dims, tp, tv, t)
     v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
     yield rule(
         o == Matmul(p, Load(vt, tv), dims, Acc(t), t),
-        Probs(p, q, k, scale, tp),
+        Probs(p, q, k, b, scale, tp),
         ne(layout).to(String("")),
-    ).then(union(o).with_(Attention(q, k, v_view, scale, Acc(t), t)))
+    ).then(union(o).with_(Attention(q, k, v_view, b, scale, Acc(t), t)))
 
 
 # --- soundness examples (eqsat.rules.check) ------------------------------------------------------
@@ -211,6 +238,47 @@ def _bhsd_args(draw):
             tensor(draw, (batch, heads, kv_len, head_dim)))
 
 
+def _causal_attention(q, k, v):
+    """CLIP's self-attention: sd15's multi-head attention (2 heads) plus the causal mask."""
+    from sd15.clip import causal_bias
+    from sd15.layers import attention as sd15_attention
+
+    return sd15_attention(q, k, v, 2, bias=causal_bias(q.shape[1]))
+
+
+def _causal_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, length, width = dim(draw, 1, 2), dim(draw), 2 * dim(draw, 1, 3)
+    return tuple(tensor(draw, (batch, length, width)) for _ in range(3))
+
+
+def _biased_attention(q, k, v, bias):
+    """jax.nn.softmax of bias + scores (bias on the left), a [1, H, Sq, Sk] bias broadcast over batch."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(bias + scores, axis=-1), v)
+
+
+def _bias_before_scale(q, k, v, bias):
+    """(q·kᵀ + bias) · scale: the bias is scaled too, not an additive score bias; must not match."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = (jnp.einsum("bhqd,bhkd->bhqk", q, k) + bias) * 0.5
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _bhsd_bias_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, heads, q_len, head_dim)), tensor(draw, (batch, heads, kv_len, head_dim)),
+            tensor(draw, (batch, heads, kv_len, head_dim)), tensor(draw, (1, heads, q_len, kv_len), low=-4.0))
+
+
 def _square_args(draw):
     from eqsat.rules import dim, tensor
 
@@ -225,6 +293,9 @@ def _examples():
         Example(_sd15_attention, _sd15_attention_args, ("scores", "softmax", "flash_attention")),
         Example(_softmax_attention, _bhsd_args, ("flash_attention",)),
         Example(_softmax_other_axis, _square_args, ("flash_attention",), fires=False),
+        Example(_causal_attention, _causal_args, ("scores", "biased_scores", "softmax", "flash_attention")),
+        Example(_biased_attention, _bhsd_bias_args, ("biased_scores", "flash_attention")),
+        Example(_bias_before_scale, _bhsd_bias_args, ("flash_attention",), fires=False),
     ]
 
 

@@ -76,12 +76,13 @@ def _descend(e: Expr, x: Expr, y: Expr, z: Expr, op: String, s: String, ty: Stri
 
 @epilogue_stats.register
 def _producer(e: Expr, t: Tensor, ty: String, lhs: Expr, rhs: Expr, v: Expr, p: String, epi: Expr, tt: String,
-              scale: f64):
+              scale: f64, bias: Expr):
     """Want(Load(x)) with x written by a Matmul, Conv or Attention kernel => Of(Load(x), x).
 
     Not a Pointwise producer: elementwise work is absorbed into its readers, and hosting a
     reduction there would force it to be materialized (a kernel that need not exist)."""
-    for host in (Matmul(lhs, rhs, p, epi, tt), Conv(lhs, rhs, p, epi, tt), Attention(lhs, rhs, v, scale, epi, tt)):
+    for host in (Matmul(lhs, rhs, p, epi, tt), Conv(lhs, rhs, p, epi, tt),
+                 Attention(lhs, rhs, v, bias, scale, epi, tt)):
         yield rule(Want(e), e == Load(t, ty), t == host).then(Of(e, t))
 
 
