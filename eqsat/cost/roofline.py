@@ -17,7 +17,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `Opaque` | size(out) (unknown work: one op per element) |
 | `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
 | `RowReduce` (Expr) | size(body), no bytes, no launch (see below) |
-| `EpilogueReduce` (Tensor, hosted) | size(body) + its body's ops, its output's bytes, no launch (`hosted_cost`) |
+| `EpilogueReduce` (Tensor, hosted) | size(body) + its body's ops, its output's bytes, a memset (a quarter launch), no launch (`hosted_cost`) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
 
 `RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
@@ -216,6 +216,8 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_e
         seconds += flops / device.peak(_dense_dtype(op, args), op in DENSE_OPS)
     if op in KERNEL_OPS:
         seconds += device.launch_overhead
+    elif op in HOSTED_OPS:
+        seconds += device.memset_overhead  # its accumulator is zeroed before the producers run
     return Cost(nbytes, flops, seconds)
 
 
@@ -325,9 +327,10 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
 
 
 def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
-    """What an `EpilogueReduce` adds to the kernels hosting it, all together: its side inputs'
-    reads, the fp32 accumulator's atomic writes (once per tile: modeled as once) and its body's
-    flops; no launch and no read of the hosts (their values are the tiles being written)."""
+    """What an `EpilogueReduce` adds to the kernels hosting it, all together: the memset zeroing its
+    fp32 accumulator, its side inputs' reads, the accumulator's atomic writes (once per tile:
+    modeled as once) and its body's flops; no launch and no read of the hosts (their values are
+    the tiles being written)."""
     from eqsat.cost.hosting import hosts_of
 
     device = get_device(device)
@@ -340,7 +343,8 @@ def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
         if id(node) not in seen and node is not reduction and node.op in COMPUTE_OPS:
             seen.add(id(node))
             flops += _size(node.ty)
-    return Cost(nbytes, flops, nbytes / device.hbm_bandwidth + flops / device.peak_fp32)
+    seconds = device.memset_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32
+    return Cost(nbytes, flops, seconds)
 
 
 def _list_items(lst) -> list:
