@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 import eqsat
-from eqsat.cost import hosts_of, kernels
+from eqsat.cost import hosted_reductions, hosts_of, kernels
 from eqsat.interpret import evaluate
 from eqsat.term import Term
 from extract.plan import Plan
@@ -146,3 +146,18 @@ def test_the_variance_of_a_matmul_centered_on_its_own_mean_is_not_stated_hosted(
     assert len(hosted_classes) == 1  # the bare sum of h only (its mean's 1/n moved out)
     assert reduce_classes - hosted_classes  # the variance (and the mean with its 1/n) are not
     np.testing.assert_allclose(np.asarray(lowered(*inputs)), np.asarray(centered(*inputs)), rtol=1e-4, atol=1e-4)
+
+
+def test_statistics_inside_a_scan_body_stay_with_the_loop():
+    """A GroupNorm inside a scan body is hosted by the body's conv; the plan (one Loop kernel) runs right."""
+
+    def two_blocks(x, w1, w2):
+        return lax.scan(lambda c, _: (resnet_half(c, w1, w2), None), x, None, length=2)[0]
+
+    rng = np.random.default_rng(4)
+    inputs = (_normal(rng, (1, 4, 4, 4)), _normal(rng, (3, 3, 4, 8), 0.3), _normal(rng, (3, 3, 8, 4), 0.3))
+    lowered = eqsat.optimize(two_blocks).lower(*inputs)
+    assert [k.op for k in lowered.plan.kernels] == ["Loop"]
+    body = lowered.plan.kernels[0].term.args[2]
+    assert any(hosts for hosts in hosted_reductions([body]).values())
+    np.testing.assert_allclose(np.asarray(lowered(*inputs)), np.asarray(two_blocks(*inputs)), rtol=1e-4, atol=1e-4)

@@ -140,7 +140,10 @@ def side_inputs(reduction) -> list:
 
 
 def hosted_reductions(roots: Iterable) -> dict:
-    """Every `EpilogueReduce` reachable from `roots` -> its host kernel terms (None: runs alone)."""
+    """Every `EpilogueReduce` reachable from `roots` -> its host kernel terms (None: runs alone).
+
+    Like `eqsat.cost.kernels`, a `Loop`'s body is not entered: its reductions belong to the body's
+    own plan (the loop's cost)."""
     found: dict = {}
     seen: set[int] = set()
     stack = list(roots)
@@ -151,5 +154,5 @@ def hosted_reductions(roots: Iterable) -> dict:
         seen.add(id(node))
         if node.op == "EpilogueReduce":
             found[node] = hosts_of(node)
-        stack.extend(node.children)
+        stack.extend((node.args[1],) if node.op == "Loop" else node.children)
     return found

@@ -321,8 +321,7 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     body = Cost()
     if kernel.op == "Loop":
         # The body's kernels, once per launch of the loop (trip counts live in the payload).
-        for inner in kernels(_list_items(kernel.args[2])):
-            body = body + kernel_cost(inner, device)
+        body = dag_cost(_list_items(kernel.args[2]), device)
     return Cost(nbytes, dense_flops + vector_flops, seconds) + body
 
 
