@@ -6,7 +6,6 @@ The oracle is the torch models' own state dicts: every loaded tensor must equal 
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import jax.numpy as jnp

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import BigInt, BigRat, EGraph, String, f64, function, i64, relation, rewrite, rule, ruleset, set_, union
+from egglog import BigInt, BigRat, EGraph, String, function, i64, relation, rewrite, rule, ruleset, set_, union
 
 from eqsat.lang import (
     AssignDynamic, AssignScatter, AssignStatic, Binary, Broadcast, DynamicSlice, Expr, Iota, Lit, Load, Pad,
