@@ -59,9 +59,7 @@ class Lowered:
         lines = [
             f"{s['naive_kernels']} naive kernels -> {s['fused_kernels']} fused ({s['extractor']}) on {s['device']}",
             f"modeled {s['plan_seconds'] * 1e6:,.1f} µs, {s['plan_bytes'] / 1e6:,.1f} MB moved, "
-            f"peak activations {s['plan_peak_bytes'] / 1e6:,.1f} MB"
-            + (f", {s['hosted_reductions']} reductions in their producers' epilogues (one accumulator memset each)"
-               if s.get("hosted_reductions") else ""),
+            f"peak activations {s['plan_peak_bytes'] / 1e6:,.1f} MB",
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]

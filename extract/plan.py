@@ -255,6 +255,9 @@ class Plan:
         console = Console(file=io.StringIO(), width=120, record=True, force_terminal=False)
         console.print(table)
         console.print(f"peak activation memory {self.peak_bytes / 1e6:,.1f} MB")
+        if self.hosted_reductions:
+            console.print(f"{self.hosted_reductions} reductions computed in their producers' epilogues "
+                          f"(not kernels; one accumulator memset each)")
         text = console.export_text()
         if print_it:
             Console().print(table)
