@@ -126,11 +126,12 @@ class Plan:
         class_of = class_of or {}
         class_components = class_components or {}
         lifted = program.components if program is not None else {}
-        order = kernel_order(outputs)
+        hosting = hosted_reductions(outputs)
+        order = kernel_order(outputs, hosting)
         index_of = {term: i for i, term in enumerate(order)}
         hosted: dict[int, list] = {}  # kernel index -> the EpilogueReduce outputs it adds into
         share: dict = {}              # reduction -> how many kernels host it
-        for reduction, hosts in hosted_reductions(outputs).items():
+        for reduction, hosts in hosting.items():
             if hosts is not None:
                 for host in hosts:
                     hosted.setdefault(index_of[host], []).append(reduction)

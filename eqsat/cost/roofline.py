@@ -354,17 +354,19 @@ def _list_items(lst) -> list:
     return items
 
 
-def kernels(roots: Iterable[Term]) -> list[Term]:
+def kernels(roots: Iterable[Term], hosting: dict | None = None) -> list[Term]:
     """The distinct kernel terms reachable from `roots`, producers first (no recursion).
 
     A `Loop`'s body belongs to the loop: its kernels are not listed (the `Loop` is one kernel).
     An `EpilogueReduce` is not listed when its producer's kernel hosts it (`eqsat.cost.hosting`);
     that kernel then comes after the reduction's side inputs. One that cannot be hosted is listed.
+    `hosting`: `eqsat.cost.hosted_reductions(roots)` when the caller has it already.
     """
     from eqsat.cost.hosting import hosted_reductions, side_inputs
 
     roots = list(roots)
-    hosting = hosted_reductions(roots)
+    if hosting is None:
+        hosting = hosted_reductions(roots)
     extra: dict[int, list[Term]] = {}
     for reduction, hosts in hosting.items():
         for host in hosts or ():
@@ -403,10 +405,11 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     from eqsat.cost.hosting import hosted_reductions
 
     roots = list(roots)
+    hosting = hosted_reductions(roots)
     total = Cost()
-    for kernel in kernels(roots):
+    for kernel in kernels(roots, hosting):
         total = total + kernel_cost(kernel, device)
-    for reduction, hosts in hosted_reductions(roots).items():
+    for reduction, hosts in hosting.items():
         if hosts is not None:
             total = total + hosted_cost(reduction, device)
     return total
