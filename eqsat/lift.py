@@ -78,6 +78,7 @@ from jax._src import core
 from jax._src import source_info_util
 
 from eqsat.conv_params import conv_params_key
+from eqsat.moments import two_pass
 from eqsat.program import Program
 from eqsat.term import Term, tensor_list
 from eqsat.types import format_type, ints, ints_key
@@ -124,6 +125,7 @@ REDUCE_OPS: dict[str, Callable] = {
     "and": lax.reduce_and, "or": lax.reduce_or, "xor": lax.reduce_xor,
     "argmax": lambda x, axes, dtype: lax.argmax(x, axes[0], dtype),
     "argmin": lambda x, axes, dtype: lax.argmin(x, axes[0], dtype),
+    "moments": two_pass,  # [sum, sum of centred squares] (eqsat.moments); not a jaxpr primitive
 }
 
 
