@@ -1,0 +1,176 @@
+"""The flash-attention template: `softmax(q kᵀ · scale + bias) v` over `[batch, heads, seq, head_dim]`
+operands as one Pallas Triton kernel; the scores never reach memory.
+
+    kernel     one (batch, head, query block) program: the online-softmax loop over key blocks
+               (FlashAttention-2, Dao 2023, §3.1: running max m, running sum l, unnormalized
+               output o rescaled by exp(m_old - m_new); one division at the end)
+    build      grid, validation, tile sizes, the `pallas_call`
+    reference  the same computation in plain `jax.numpy`
+
+The operands are closures over the kernel's input refs and an index tile (so q, k and v can be
+slices of a fused QKV output read through views, in place):
+
+    q(refs, (b, h, rows, ds), mask)       -> [block_q, head_dim_padded]    rows [bq, 1], ds [1, dp]
+    k(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]    cols [bk, 1]
+    v(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]
+    bias(refs, (b, h, rows, cols), mask)  -> [block_q, block_k]            cols [1, bk]; None: no bias
+    epilogue(refs, acc, (b, h, rows, ds), mask) -> [block_q, head_dim_padded]
+
+`b` and `h` are program ids (scalars). Sequence lengths and head dims need not be powers of two
+(77 tokens; heads of 40, 80, 160): the head dim is padded to the next power of two and the padded
+lanes read as zero, padded keys get a score of -inf, padded query rows are not stored. The softmax
+statistics are float32; `p` is cast to v's dtype for the second dot, as FlashAttention does. A
+row whose scores are all -inf yields NaN, as `jax.nn.softmax` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from emit.pallas.matmul import MIN_DOT_BLOCK, next_power_of_2, store
+
+Index = tuple[Any, Any, Any, Any]
+OperandFn = Callable[[Sequence[Any], Index, Any], jax.Array]
+EpilogueFn = Callable[[Sequence[Any], jax.Array, Index, Any], jax.Array]
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Tile sizes (powers of two, >= 16) and launch parameters of one attention kernel."""
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
+        """64x64 tiles (32 keys for head dims above 128), shrunk to short sequences."""
+        padded = next_power_of_2(head_dim)
+        block_q = min(64, max(MIN_DOT_BLOCK, next_power_of_2(q_len)))
+        block_k = min(32 if padded > 128 else 64, max(MIN_DOT_BLOCK, next_power_of_2(kv_len)))
+        return cls(block_q, block_k, num_warps=4 if padded <= 64 else 8)
+
+    def validate(self) -> None:
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if value < MIN_DOT_BLOCK or value != next_power_of_2(value):
+                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """Attention over `[batch, heads, q_len | kv_len, head_dim]` operands given as closures."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    q: OperandFn
+    k: OperandFn
+    v: OperandFn
+    bias: OperandFn | None
+    scale: float
+    epilogue: EpilogueFn
+    out_dtype: Any
+
+    def validate(self) -> None:
+        for name in ("batch", "heads", "q_len", "kv_len", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"attention {name}={getattr(self, name)} must be >= 1")
+
+
+# --- kernel -------------------------------------------------------------------------------------
+
+
+def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
+    inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
+    bq, bk = blocks.block_q, blocks.block_k
+    dp = max(MIN_DOT_BLOCK, next_power_of_2(problem.head_dim))
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    ds = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
+    row_ok, d_ok = rows < problem.q_len, ds < problem.head_dim
+    q_mask = row_ok & d_ok
+    q = problem.q(inputs, (b, h, rows, ds), q_mask)
+    q = jnp.where(q_mask, q, jnp.zeros((), q.dtype))
+
+    def kv_step(t, carry):
+        o, m, l = carry
+        cols = t * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+        kv_mask = (cols < problem.kv_len) & d_ok
+        k = problem.k(inputs, (b, h, cols, ds), kv_mask)
+        k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
+        dtype = jnp.promote_types(q.dtype, k.dtype)
+        s = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * problem.scale
+        score_cols = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        score_mask = row_ok & (score_cols < problem.kv_len)
+        if problem.bias is not None:
+            s = s + problem.bias(inputs, (b, h, rows, score_cols), score_mask).astype(jnp.float32)
+        s = jnp.where(score_mask, s * LOG2_E, -jnp.inf)  # base 2: exp(x) = exp2(x log2 e)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
+        correction = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe)
+        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+        v = problem.v(inputs, (b, h, cols, ds), kv_mask)
+        v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))
+        o = o * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o, m_next, l
+
+    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((bq, 1), jnp.float32))
+    o, _, l = lax.fori_loop(0, pl.cdiv(problem.kv_len, bk), kv_step, init)
+    out = problem.epilogue(inputs, o / l, (b, h, rows, ds), q_mask)
+    flat = ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds
+    store(out_ref, flat, out, q_mask)
+
+
+# --- build --------------------------------------------------------------------------------------
+
+
+def build(problem: AttentionProblem, inputs: Sequence[jax.Array], *, blocks: AttentionBlocks | None = None,
+          interpret: bool = False, name: str = "attention") -> jax.Array:
+    """Run `problem` on `inputs` (passed flat) as one `pallas_call`; returns
+    `[batch, heads, q_len, head_dim]`."""
+    problem.validate()
+    blocks = blocks or AttentionBlocks.get_default(problem.q_len, problem.kv_len, problem.head_dim)
+    blocks.validate()
+    flat_inputs = [jnp.reshape(x, (-1,)) if jnp.ndim(x) != 1 else x for x in inputs]
+    kernel = functools.partial(attention_kernel, problem=problem, blocks=blocks, num_inputs=len(flat_inputs))
+    shape = (problem.batch, problem.heads, problem.q_len, problem.head_dim)
+    out = pl.pallas_call(
+        kernel,
+        grid=(problem.batch, problem.heads, pl.cdiv(problem.q_len, blocks.block_q)),
+        out_shape=jax.ShapeDtypeStruct((math.prod(shape),), problem.out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*flat_inputs)
+    return out.reshape(shape)
+
+
+# --- reference ----------------------------------------------------------------------------------
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None,
+              epilogue: Callable[[jax.Array], jax.Array] = lambda acc: acc, out_dtype=None) -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, heads, seq, head_dim]`, in float32."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        scores = scores + jnp.asarray(bias, jnp.float32)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = epilogue(jnp.einsum("bhqk,bhkd->bhqd", weights, v.astype(jnp.float32)))
+    return out.astype(out_dtype or q.dtype)
