@@ -1,0 +1,312 @@
+"""Convolution: an implicit GEMM in Pallas Triton (kernel | build | reference).
+
+A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels
+(batch × output rows × output columns), N the output channels and K the input channels times the
+window's taps. Each program owns one output tile [block_m pixels, block_n channels], accumulated
+in fp32 over every tap (ky, kx) and every block_k chunk of input channels:
+
+    A[m, c] = prologue(b, c, oy·sy − pad_y + ky·dy, ox·sx − pad_x + kx·dx)   (0 in the padding)
+    W[c, n] = weight(n, c, ky, kx)
+    acc    += dot(A, W)                                                     (2-D, fp32 result)
+
+`prologue` and `weight` are closures evaluated at index tiles: one int32 array per axis of the
+operand, broadcast-compatible ([block_m, 1] pixels, [1, block_k] channels), with a validity
+mask. They are the conv's operand expressions compiled by `emit.expr`, so an input read through
+a view (NCHW↔NHWC permute, nearest-2× upsample `y // 2`) or through GroupNorm apply + SiLU is
+computed on the fly and never stored. Zero padding applies AFTER the prologue: a tap in the
+padding contributes 0, not prologue(0). Which operand axis is batch, feature or spatial comes
+from the conv's dimension numbers (`eqsat.conv_params.ConvParams`), never from an assumed layout.
+
+K ranges (`KRange`): the input channels split into consecutive ranges, each with its own
+closures and taps. `concat(h, skip)` is two ranges reading two buffers; a merged 1×1 shortcut
+(`Conv(concat(x, h), concat(pad(w1x1), w3x3))`) runs the 1×1 range over the centre tap only, so
+its zero weight taps cost nothing (the cost model's `nonzero_weight_elements` assumes exactly
+this). Skipping a zero-weight tap differs from the dense conv only where the prologue is inf or
+NaN there (the dense conv computes 0·inf = NaN).
+
+The epilogue closure maps the fp32 accumulator tile to the output tile at the output index
+(bias, time-embedding row, residual, cast); the tile is stored through the output's dimension
+numbers, so conv_out writes NCHW directly.
+
+Cost: a 3×3 conv evaluates its prologue once per tap and per output-channel tile, i.e.
+taps × ceil(Cout / block_n) times per input element; `eqsat.cost.roofline` charges exactly that
+with `DEFAULT_BLOCK_N` (tests/test_emit_conv.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from eqsat.conv_params import ConvParams
+
+# (refs, index, mask) -> tile: an operand expression evaluated at an index tile. `refs` are the
+# kernel's flat input refs, `index` one int32 array per axis of the operand.
+OperandFn = Callable[[Sequence, tuple, jax.Array], jax.Array]
+# (refs, acc, index, mask) -> output tile: the epilogue over the fp32 accumulator tile.
+EpilogueFn = Callable[[Sequence, jax.Array, tuple, jax.Array], jax.Array]
+
+DEFAULT_BLOCK_M = 128
+DEFAULT_BLOCK_N = 128
+DEFAULT_BLOCK_K = 64
+MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# --- geometry ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """The static shape of one 2-D convolution, read through its dimension numbers."""
+
+    params: ConvParams
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        p = self.params
+        if len(p.strides) != 2 or len(self.lhs_shape) != 4:
+            raise ValueError(f"the conv template handles 2-D convolutions; got {len(p.strides)} spatial dims")
+        if any(d != 1 for d in p.lhs_dilation):
+            raise ValueError(f"lhs_dilation={p.lhs_dilation} (a transposed conv) is not supported")
+        if p.feature_groups != 1 or p.batch_groups != 1:
+            raise ValueError(f"grouped convs are not supported ({p.feature_groups=}, {p.batch_groups=})")
+        if self.rhs_shape[p.rhs_spec[1]] != self.in_features:
+            raise ValueError(f"weight in-features {self.rhs_shape[p.rhs_spec[1]]} != input features {self.in_features}")
+        expected = [0] * 4
+        expected[p.out_spec[0]], expected[p.out_spec[1]] = self.batch, self.out_features
+        for axis, size in zip(p.out_spec[2:], self._spatial_out()):
+            expected[axis] = size
+        if tuple(expected) != tuple(self.out_shape):
+            raise ValueError(f"output shape {self.out_shape} does not match the conv's {tuple(expected)}")
+
+    def _spatial_out(self) -> tuple[int, int]:
+        p = self.params
+        sizes = []
+        for i in range(2):
+            span = (self.window[i] - 1) * p.rhs_dilation[i] + 1
+            padded = self.in_size[i] + p.padding[i][0] + p.padding[i][1]
+            sizes.append(max((padded - span) // p.strides[i] + 1, 0))
+        return tuple(sizes)
+
+    @property
+    def batch(self) -> int:
+        return self.lhs_shape[self.params.lhs_spec[0]]
+
+    @property
+    def in_features(self) -> int:
+        return self.lhs_shape[self.params.lhs_spec[1]]
+
+    @property
+    def out_features(self) -> int:
+        return self.rhs_shape[self.params.rhs_spec[0]]
+
+    @property
+    def in_size(self) -> tuple[int, int]:
+        return tuple(self.lhs_shape[a] for a in self.params.lhs_spec[2:])
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return tuple(self.rhs_shape[a] for a in self.params.rhs_spec[2:])
+
+    @property
+    def out_size(self) -> tuple[int, int]:
+        return tuple(self.out_shape[a] for a in self.params.out_spec[2:])
+
+    @property
+    def pixels(self) -> int:
+        """Output pixels: the GEMM's M."""
+        return self.batch * self.out_size[0] * self.out_size[1]
+
+    @property
+    def taps(self) -> int:
+        return self.window[0] * self.window[1]
+
+
+def _place(spec: Sequence[int], values: Sequence) -> tuple:
+    """An index tuple in an operand's axis order: `values[i]` goes to axis `spec[i]`."""
+    index = [None] * len(spec)
+    for axis, value in zip(spec, values):
+        index[axis] = value
+    return tuple(index)
+
+
+# --- K ranges and tiles -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KRange:
+    """Consecutive input channels with their own operand closures.
+
+    `lhs` is evaluated at an index of the conv's lhs axes whose feature entry counts from the
+    range's first channel (0..channels-1); `rhs` at an index of the weight's axes with the same
+    local in-feature and window taps counted from `taps`' first row/column. `taps` is the part of
+    the window with nonzero weights, `((ky0, ky1), (kx0, kx1))` half-open; None is all of it.
+    """
+
+    channels: int
+    lhs: OperandFn
+    rhs: OperandFn
+    taps: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+    def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
+        (kh, kw) = geometry.window
+        taps = self.taps if self.taps is not None else ((0, kh), (0, kw))
+        (y0, y1), (x0, x1) = taps
+        if not (0 <= y0 < y1 <= kh and 0 <= x0 < x1 <= kw):
+            raise ValueError(f"K range taps {taps} outside the {kh}x{kw} window")
+        return taps
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """Tile sizes (powers of two, >= 16) and Triton launch parameters."""
+
+    block_m: int = DEFAULT_BLOCK_M
+    block_n: int = DEFAULT_BLOCK_N
+    block_k: int = DEFAULT_BLOCK_K
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < MIN_BLOCK or value != next_pow2(value):
+                raise ValueError(f"{name}={value} must be a power of two >= {MIN_BLOCK}")
+
+    @classmethod
+    def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
+        """128×128 output tiles and 64-channel K chunks, shrunk to fit small convs."""
+        widest = max((r.channels for r in ranges), default=geometry.in_features)
+        block_m = min(DEFAULT_BLOCK_M, max(MIN_BLOCK, next_pow2(geometry.pixels)))
+        block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
+        block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+        return cls(block_m, block_n, block_k, num_warps)
+
+
+def output_channel_tiles(out_features: int, block_n: int = DEFAULT_BLOCK_N) -> int:
+    """How many times the template evaluates each prologue element per tap: one per N tile."""
+    return -(-out_features // min(block_n, max(MIN_BLOCK, next_pow2(out_features))))
+
+
+# --- kernel -----------------------------------------------------------------------------------
+
+
+def _iota(n: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _flat_offset(index: Sequence[jax.Array], shape: Sequence[int]) -> jax.Array:
+    offset, stride = 0, 1
+    for i, size in zip(reversed(index), reversed(shape)):
+        offset = offset + i * stride
+        stride *= size
+    return offset
+
+
+def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epilogue: EpilogueFn,
+                 config: ConvConfig, n_inputs: int, dot_dtype):
+    inputs, out_ref = refs[:n_inputs], refs[n_inputs]
+    g, p = geometry, geometry.params
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
+    (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
+    (pad_y, _), (pad_x, _) = p.padding
+
+    m = pl.program_id(0) * bm + _iota(bm)[:, None]     # output pixel   [bm, 1]
+    n = pl.program_id(1) * bn + _iota(bn)[None, :]     # output channel [1, bn]
+    rows_ok, cols_ok = m < g.pixels, n < g.out_features
+    m = jnp.where(rows_ok, m, 0)
+    b = lax.div(m, out_h * out_w)
+    oy = lax.rem(lax.div(m, out_w), out_h)
+    ox = lax.rem(m, out_w)
+
+    acc = jnp.zeros((bm, bn), jnp.float32)
+    for k_range in ranges:
+        (y0, y1), (x0, x1) = k_range.window(g)
+        tap_cols = x1 - x0
+        chunks = -(-k_range.channels // bk)
+
+        def step(i, acc, k_range=k_range, y0=y0, x0=x0, tap_cols=tap_cols, chunks=chunks):
+            tap, chunk = lax.div(i, chunks), lax.rem(i, chunks)
+            ty, tx = lax.div(tap, tap_cols), lax.rem(tap, tap_cols)
+            iy = oy * stride_y - pad_y + (y0 + ty) * dil_y
+            ix = ox * stride_x - pad_x + (x0 + tx) * dil_x
+            inside = rows_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+            channel = chunk * bk + _iota(bk)
+            a_mask = inside & (channel[None, :] < k_range.channels)
+            a = k_range.lhs(inputs, _place(p.lhs_spec, (b, channel[None, :], iy, ix)), a_mask)
+            a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+            w_mask = (channel[:, None] < k_range.channels) & cols_ok
+            tap_index = (jnp.reshape(ty, (1, 1)), jnp.reshape(tx, (1, 1)))
+            w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
+            w = jnp.where(w_mask, w, 0).astype(dot_dtype)
+            return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
+
+        taps = (y1 - y0) * tap_cols
+        acc = lax.fori_loop(0, taps * chunks, step, acc)
+
+    out_mask = rows_ok & cols_ok
+    out_index = _place(p.out_spec, (b, n, oy, ox))
+    value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), (bm, bn))
+    # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
+    offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
+    pltriton.store(out_ref.at[offset], value.astype(out_ref.dtype), mask=out_mask)
+
+
+# --- build ------------------------------------------------------------------------------------
+
+
+def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn, inputs: Sequence[jax.Array],
+          out_dtype, *, config: ConvConfig | None = None, dot_dtype=None, interpret: bool = False,
+          name: str = "conv") -> jax.Array:
+    """Run the conv template: `inputs` are the arrays the closures read (flattened here, so the
+    closures see flat refs in the same order); returns the output of `geometry.out_shape`."""
+    ranges = tuple(ranges)
+    if not ranges:
+        raise ValueError("a conv needs at least one K range")
+    total = sum(r.channels for r in ranges)
+    if total != geometry.in_features:
+        raise ValueError(f"K ranges cover {total} input channels, the conv has {geometry.in_features}")
+    for r in ranges:
+        r.window(geometry)
+    config = config or ConvConfig.get_default(geometry, ranges)
+    dot_dtype = jnp.dtype(dot_dtype or out_dtype)
+    if dot_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+        raise ValueError(f"dot dtype {dot_dtype} is not one of float16, bfloat16, float32")
+    kernel = functools.partial(_conv_kernel, geometry=geometry, ranges=ranges, epilogue=epilogue, config=config,
+                               n_inputs=len(inputs), dot_dtype=dot_dtype)
+    grid = (pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n))
+    flat = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=jax.ShapeDtypeStruct((math.prod(geometry.out_shape),), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*(jnp.reshape(x, (-1,)) for x in inputs))
+    return flat.reshape(geometry.out_shape)
+
+
+# --- reference --------------------------------------------------------------------------------
+
+
+def reference(lhs: jax.Array, rhs: jax.Array, params: ConvParams,
+              epilogue: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """The same conv with `lax.conv_general_dilated` (fp32 accumulation), then `epilogue`."""
+    acc = lax.conv_general_dilated(lhs, rhs, **params.lax_kwargs(), preferred_element_type=jnp.float32)
+    return acc if epilogue is None else epilogue(acc)
