@@ -6,12 +6,17 @@
     lowered.plan.summary(); lowered.stats; lowered.egraph
 
 Attributes are imported on first use, so `import eqsat.cost` (or `eqsat.types`) stays free of
-egglog and jax tracing machinery.
+egglog and jax tracing machinery. On a machine without a GPU, an installed CUDA plugin is kept
+from loading, so JAX prints no CUDA errors (`eqsat.quiet_cuda`; a GPU machine is untouched).
 """
 
 from __future__ import annotations
 
 import importlib
+
+from eqsat.quiet_cuda import hide_plugin_without_gpu
+
+hide_plugin_without_gpu()
 
 _EXPORTS = {
     "optimize": ("eqsat.optimize", "optimize"),

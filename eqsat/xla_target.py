@@ -339,6 +339,7 @@ def _child_env(dump: Path) -> dict[str, str]:
     goes along so that whatever it could import (the repo, test modules), the child can."""
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
+    env["EQSAT_CUDA_PLUGIN"] = "1"  # the H100 compiler is the CUDA plugin (see eqsat.quiet_cuda)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_dump_to")]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_dump_to={dump}"])
     package_root = str(Path(__file__).resolve().parent.parent)

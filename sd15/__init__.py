@@ -13,6 +13,8 @@ flat diffusers-keyed parameters), `weights` and `single_file` (checkpoints), `to
 `cli` (the `sd15` command).
 """
 
+import eqsat  # noqa: F401  first: keeps an installed CUDA plugin quiet on a machine without a GPU
+
 from sd15.ddim import DDIM
 from sd15.params import abstract_params
 from sd15.pipeline import (

@@ -33,6 +33,8 @@ import os
 # Tests run on the CPU backend; an installed CUDA plugin (the H100 compile target) stays quiet.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import eqsat  # noqa: F401  before jax: no CUDA plugin noise on a machine without a GPU (eqsat.quiet_cuda)
+
 import dataclasses
 import json
 from pathlib import Path
