@@ -1,0 +1,707 @@
+"""The expression compiler every template shares: an `Expr` term evaluated at an index tile.
+
+An `Expr` (`eqsat.lang`) says what a kernel computes per element. A template does not evaluate it
+on whole arrays; it asks for its value at a *point*: a tuple of indices, one per axis of the
+expression's type, and a validity mask (MLKL's IExpr idea, composed in Python at trace time).
+
+    fn = compile_expr(term)                       # once per kernel, at trace time
+    value = fn(memory, index, mask)               # an array of the point's shape, the term's dtype
+
+- `index`: one entry per axis of `term`'s type; each entry is a Python `int` (the same index for
+  every lane) or an int32 array. Arrays have the same rank and broadcast together, e.g. `[BM, 1]`
+  and `[1, BK]` for a matmul operand tile; the point's shape is their broadcast shape.
+- `mask`: `True` or a bool array broadcasting with the index; lanes where it is False may hold
+  out-of-range indices and their values are unspecified (never read past a tensor: `memory.load`
+  clamps). Views narrow the mask further (a `Concat` side, a `Pad` border).
+- `memory`: where `Load(T)` reads, any object with `load(tensor, index, mask) -> array` (the
+  `Memory` protocol): `emit.pallas.triton.RefMemory` gathers from a tensor's flat Pallas ref at the
+  linearized index; `ArrayMemory` here indexes whole jax arrays (tests, references).
+- `acc`: what `Acc(ty)` means in an epilogue, a function `acc(ty, index, mask) -> array` the
+  template provides (its accumulator at those output indices); `None` outside epilogues.
+
+A view is index arithmetic, never a copy: `Transpose` permutes the index tuple, `Reshape`
+linearizes and unravels (constant div/mod, only across the axes it really merges or splits),
+`Broadcast` drops or zeroes axes, `Slice`/`DynamicSlice` offset and stride, `Concat` evaluates both
+sides at clamped indices and selects, `Pad` masks its border. Elementwise ops have
+`eqsat.lift.apply_unary`/`apply_binary` semantics; half-precision arithmetic runs in float32 and
+rounds per op (as XLA does); ops the Triton lowering lacks are built from ones it has (`erf` is a
+polynomial, `round` from `floor`, products by halving). `unsupported_ops(term)` names what this
+compiler cannot emit, so a dispatcher can fall back before tracing.
+
+`RowReduce(op, body, axis, epilogue, ty)` is a reduction inside the kernel: for each point it
+walks `body`'s `axis` in power-of-two chunks (`lax.fori_loop`), in a fixed order: `sum`, `max`,
+`min`, `prod`, `and`/`or`/`xor`, `argmax`/`argmin` (first index wins, NaN counts as largest) and
+`moments` (`f32[2, ...]`: `[0]` the sum, `[1]` M2 = sum((x - mean)^2), from per-chunk count/mean/M2
+merged with Chan's parallel formula). `reduce_at` is the same machinery for templates whose
+accumulator is a reduction (the `Reduce` template's `Acc`).
+
+Evaluation memoizes per point: a subterm read twice at the same index arrays (`x * sigmoid(x)`,
+both rows of one `moments`) is computed once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from eqsat.lift import CONVERT, apply_binary
+from eqsat.term import Term, postorder
+from eqsat.types import ints, parse_type
+
+IndexEntry = Union[int, jax.Array]
+Index = tuple[IndexEntry, ...]
+Mask = Union[bool, jax.Array]
+AccFn = Callable[[str, Index, Mask], jax.Array]
+
+# Elements of one reduction chunk (point lanes × chunk length), unless a memory says otherwise.
+DEFAULT_CHUNK_ELEMENTS = 4096
+REDUCE_OPS = ("sum", "max", "min", "prod", "and", "or", "xor", "argmax", "argmin", "moments")
+
+
+class Memory(Protocol):
+    """Where `Load(tensor)` reads: `load` returns `tensor`'s elements at `index` (one entry per
+    axis of `tensor`), zero (or anything) where `mask` is False, never reading out of bounds."""
+
+    def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array: ...
+
+
+# --- index arithmetic (ints stay ints, so static indices fold at trace time) ---------------------
+
+
+def is_static(entry) -> bool:
+    return isinstance(entry, (int, np.integer))
+
+
+def shape_of(entries) -> tuple[int, ...]:
+    """The broadcast shape of index entries / mask (ints and bools are scalars)."""
+    shapes = [tuple(e.shape) for e in entries if not isinstance(e, (int, bool, np.integer, np.bool_))]
+    return tuple(np.broadcast_shapes(*shapes)) if shapes else ()
+
+
+def add(a: IndexEntry, b: IndexEntry) -> IndexEntry:
+    if is_static(a) and is_static(b):
+        return int(a) + int(b)
+    if is_static(b) and b == 0:
+        return a
+    if is_static(a) and a == 0:
+        return b
+    return a + b
+
+
+def mul(a: IndexEntry, k: int) -> IndexEntry:
+    if is_static(a):
+        return int(a) * k
+    return a if k == 1 else a * k
+
+
+def div(a: IndexEntry, k: int) -> IndexEntry:
+    """`a // k` for a >= 0."""
+    if is_static(a):
+        return int(a) // k
+    return a if k == 1 else a // k
+
+
+def mod(a: IndexEntry, k: int) -> IndexEntry:
+    """`a % k` for a >= 0."""
+    if is_static(a):
+        return int(a) % k
+    return 0 if k == 1 else a % k
+
+
+def clip(a: IndexEntry, lo: int, hi: int) -> IndexEntry:
+    if is_static(a):
+        return min(max(int(a), lo), hi)
+    return jnp.clip(a, lo, hi)
+
+
+def both(a: Mask, b: Mask) -> Mask:
+    """The conjunction of two masks (`True` is "every lane")."""
+    if a is True or b is False:
+        return b
+    if b is True or a is False:
+        return a
+    return jnp.logical_and(a, b)
+
+
+def compare(op: str, a: IndexEntry, k: int) -> Mask:
+    """`a <op> k` as a mask ("lt", "ge", "eq")."""
+    if is_static(a):
+        return bool({"lt": int(a) < k, "ge": int(a) >= k, "eq": int(a) == k}[op])
+    return {"lt": a < k, "ge": a >= k, "eq": a == k}[op]
+
+
+def linearize(index: Index, shape: Sequence[int]) -> IndexEntry:
+    """The row-major flat offset of `index` in an array of `shape`."""
+    flat: IndexEntry = 0
+    stride = 1
+    for entry, size in zip(reversed(index), reversed(tuple(shape))):
+        if size != 1:
+            flat = add(flat, mul(entry, stride))
+        stride *= size
+    return flat
+
+
+def unravel(flat: IndexEntry, shape: Sequence[int]) -> Index:
+    """The row-major multi-index of flat offset `flat` (>= 0) in `shape` (constant div/mod)."""
+    out: list[IndexEntry] = []
+    stride = math.prod(shape)
+    for size in shape:
+        stride //= size
+        out.append(0 if size == 1 else mod(div(flat, stride), size))
+    return tuple(out)
+
+
+def grid_index(shape: Sequence[int]) -> Index:
+    """Every index of `shape` as broadcast iotas (a whole-array point, for tests and references)."""
+    rank = len(shape)
+    return tuple(
+        lax.broadcasted_iota(jnp.int32, tuple(size if a == axis else 1 for a in range(rank)), axis)
+        for axis, size in enumerate(shape))
+
+
+def _reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair up axes of `src` and `dst` (size-1 axes left out) into groups of equal element count."""
+    a = [i for i, n in enumerate(src) if n != 1]
+    b = [i for i, n in enumerate(dst) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        ga, gb = [a[i]], [b[j]]
+        pa, pb = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ga.append(a[i]); pa *= src[a[i]]; i += 1
+            else:
+                gb.append(b[j]); pb *= dst[b[j]]; j += 1
+        groups.append((ga, gb))
+    return groups
+
+
+def reshape_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+    """The index into a tensor of `in_shape` that a row-major reshape to `out_shape` reads at `index`."""
+    result: list[IndexEntry] = [0] * len(in_shape)
+    if math.prod(in_shape) == 0:
+        return tuple(result)
+    for out_axes, in_axes in _reshape_groups(tuple(out_shape), tuple(in_shape)):
+        if len(out_axes) == 1 and len(in_axes) == 1:
+            result[in_axes[0]] = index[out_axes[0]]
+            continue
+        flat = linearize(tuple(index[a] for a in out_axes), [out_shape[a] for a in out_axes])
+        for axis, entry in zip(in_axes, unravel(flat, [in_shape[a] for a in in_axes])):
+            result[axis] = entry
+    return tuple(result)
+
+
+# --- elementwise ops, Triton-lowerable ------------------------------------------------------------
+
+_HALF = ("float16", "bfloat16")
+# Ops whose lax primitive the Pallas Triton lowering has (jax 0.10.2, `jax/_src/pallas/triton/lowering.py`).
+_DIRECT_UNARY = {
+    "neg": lax.neg, "sign": lax.sign, "floor": lax.floor, "ceil": lax.ceil, "is_finite": lax.is_finite,
+    "exp": lax.exp, "exp2": lax.exp2, "log": lax.log, "log1p": lax.log1p, "expm1": lax.expm1,
+    "tanh": lax.tanh, "logistic": lax.logistic, "sin": lax.sin, "cos": lax.cos, "tan": lax.tan,
+    "asin": lax.asin, "acos": lax.acos, "atan": lax.atan, "sinh": lax.sinh, "cosh": lax.cosh,
+    "asinh": lax.asinh, "acosh": lax.acosh, "atanh": lax.atanh, "abs": lax.abs, "sqrt": lax.sqrt,
+    "rsqrt": lax.rsqrt, "cbrt": lax.cbrt, "square": lax.square, "not": lax.bitwise_not,
+    "population_count": lax.population_count, "clz": lax.clz, "erf_inv": lax.erf_inv,
+}
+# Ops whose result does not depend on rounding intermediate values: run in the operand dtype.
+_EXACT_UNARY = frozenset({"neg", "sign", "floor", "ceil", "is_finite", "abs", "not", "population_count", "clz"})
+_BUILT_UNARY = frozenset({"erf", "erfc"})
+_PARAMETRIC_UNARY = frozenset({"integer_pow", "round"})
+_DIRECT_BINARY = frozenset({
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "and", "or", "xor",
+    "eq", "ne", "lt", "le", "gt", "ge", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+})
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+def erf(x: jax.Array) -> jax.Array:
+    """erf in float32 from a rational polynomial (|error| < 1e-6); Triton has no erf lowering.
+
+    The odd/even minimax pair Eigen and XLA use for float32 (`generic_fast_erf_float`): x clamped
+    to [-4, 4] (erf is ±1 in float32 beyond), erf(x) = x·p(x²)/q(x²).
+    """
+    x = jnp.clip(x.astype(jnp.float32), -4.0, 4.0)
+    x2 = x * x
+    p = jnp.float32(-2.72614225801306e-10)
+    for c in (2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+              -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02):
+        p = p * x2 + jnp.float32(c)
+    q = jnp.float32(-1.45660718464996e-05)
+    for c in (-2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02):
+        q = q * x2 + jnp.float32(c)
+    return x * p / q
+
+
+def _round(x: jax.Array, method: int) -> jax.Array:
+    """lax.round: method 0 rounds half away from zero, 1 half to even (from floor; no round lowering)."""
+    if method == 0:
+        return jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)
+    down = jnp.floor(x)
+    frac = x - down
+    odd = (down - 2.0 * jnp.floor(down * 0.5)) == 1.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return jnp.where(up, down + 1.0, down)
+
+
+def unary(op: str, x: jax.Array, dtype) -> jax.Array:
+    """`Unary(op, x, ty)` (`eqsat.lift.apply_unary` semantics) from Triton-lowerable primitives."""
+    dtype = jnp.dtype(dtype)
+    if op == CONVERT:
+        if dtype == jnp.bool_:
+            return x != 0
+        return x.astype(dtype)
+    name, _, param = op.partition(":")
+    half = jnp.dtype(x.dtype).name in _HALF
+    if name in _EXACT_UNARY:
+        return _DIRECT_UNARY[name](x)
+    xf = x.astype(jnp.float32) if half else x
+    if name in _DIRECT_UNARY:
+        out = _DIRECT_UNARY[name](xf)
+    elif name == "erf":
+        out = erf(xf)
+    elif name == "erfc":
+        out = 1.0 - erf(xf)
+    elif name == "integer_pow":
+        out = lax.integer_pow(xf, int(param))
+    elif name == "round":
+        out = _round(xf, int(param))
+    else:
+        raise NotImplementedError(f"unary op {op!r} has no Triton-lowerable form")
+    return out.astype(dtype)
+
+
+def binary(op: str, x: jax.Array, y: jax.Array, dtype) -> jax.Array:
+    """`Binary(op, x, y, ty)` (`eqsat.lift.apply_binary` semantics); operands broadcast."""
+    if op not in _DIRECT_BINARY:
+        raise NotImplementedError(f"binary op {op!r} has no Triton-lowerable form")
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(x.dtype).name in _HALF and op not in ("and", "or", "xor"):
+        out = apply_binary(op, x.astype(jnp.float32), y.astype(jnp.float32))
+        return out if op in _COMPARISONS else out.astype(dtype)
+    return apply_binary(op, x, y)
+
+
+def unsupported_ops(term: Term) -> list[str]:
+    """The ops under `term` (an Expr, or a kernel's Expr arguments) this compiler cannot emit."""
+    bad: set[str] = set()
+    for node in postorder([term]):
+        if node.op == "Unary":
+            name = node.args[0].partition(":")[0]
+            if node.args[0] != CONVERT and name not in _DIRECT_UNARY and name not in _BUILT_UNARY \
+                    and name not in _PARAMETRIC_UNARY:
+                bad.add(f"Unary {node.args[0]}")
+        elif node.op == "Binary" and node.args[0] not in _DIRECT_BINARY:
+            bad.add(f"Binary {node.args[0]}")
+        elif node.op == "RowReduce" and node.args[0] not in REDUCE_OPS:
+            bad.add(f"RowReduce {node.args[0]}")
+    return sorted(bad)
+
+
+# --- reductions at a point -------------------------------------------------------------------------
+
+
+def _identity(op: str, dtype):
+    dtype = jnp.dtype(dtype)
+    if op in ("sum", "or", "xor"):
+        return jnp.zeros((), dtype)
+    if op in ("prod", "and"):
+        return jnp.ones((), dtype)
+    big = jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+    if dtype == jnp.bool_:
+        return jnp.asarray(op == "min")
+    return jnp.asarray(-big if op in ("max", "argmax") else big, dtype)
+
+
+def _tree_prod(values: jax.Array) -> jax.Array:
+    """Product over the last (power-of-two) axis by halving (Triton has no reduce_prod)."""
+    while values.shape[-1] > 1:
+        left, right = jnp.split(values, 2, axis=-1)
+        values = left * right
+    return values[..., 0]
+
+
+def _chunk_size(length: int, lanes: int, budget: int) -> int:
+    """A power-of-two chunk of the reduced axis: as long as `budget` allows, no longer than needed."""
+    chunk = 1 << max(0, (length - 1).bit_length())
+    cap = max(1, budget // max(1, lanes))
+    cap = 1 << (cap.bit_length() - 1)
+    return max(1, min(chunk, cap))
+
+
+def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, mask: Mask,
+              reduced: Sequence[int], *, value_dtype, out_dtype, budget: int = DEFAULT_CHUNK_ELEMENTS):
+    """Reduce `body` over axes of sizes `reduced` at the point `kept` (the kept axes' index).
+
+    `body(index, mask)` evaluates the reduced values: `index` is `kept` with one trailing array
+    axis added, followed by the reduced axes' indices (a chunk of the reduced axes' row-major
+    offsets, unravelled). Chunks are powers of two walked in order by `lax.fori_loop`; a lane
+    holds at most `budget` // lanes elements at once. Sums and products accumulate in `out_dtype`
+    (the `Acc` dtype); `value_dtype` is the dtype `body` returns. Returns an array of `kept`'s
+    point shape, or for `moments` the pair `(sum, m2)` in float32 (Chan's merge of per-chunk
+    count/mean/M2).
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; expected one of {REDUCE_OPS}")
+    if op in ("argmax", "argmin") and len(reduced) != 1:
+        raise ValueError(f"{op} reduces exactly one axis, got {len(reduced)}")
+    length = math.prod(reduced)
+    lane_shape = shape_of(kept)
+    if not isinstance(mask, bool) and tuple(np.broadcast_shapes(lane_shape, mask.shape)) != lane_shape:
+        mask = True  # a mask wider than the kept index only guards lanes; loads clamp, so drop it
+    rank = len(lane_shape)
+    expanded = tuple(e if is_static(e) else e[..., None] for e in kept)
+    lane_mask = mask if isinstance(mask, bool) else mask[..., None]
+    chunk = _chunk_size(length, math.prod(lane_shape), budget)
+    steps = -(-length // chunk)
+    ragged = steps * chunk != length
+    iota = lax.broadcasted_iota(jnp.int32, (1,) * rank + (chunk,), rank)
+    value_dtype = jnp.dtype(value_dtype)
+    acc_type = jnp.float32 if op == "moments" else jnp.dtype(out_dtype)
+
+    def chunk_values(start):
+        offset = iota + start
+        in_range = offset < length if ragged else True
+        values = body(expanded + unravel(offset, tuple(reduced)), both(lane_mask, in_range))
+        values = jnp.broadcast_to(values, np.broadcast_shapes(values.shape, lane_shape + (chunk,)))
+        return values, in_range
+
+    def neutral(values, in_range, fill):
+        return values if in_range is True else jnp.where(in_range, values, fill)
+
+    def fold(carry, start):
+        values, in_range = chunk_values(start)
+        if op == "moments":
+            x = values.astype(jnp.float32)
+            if in_range is True:
+                n_c = jnp.full(lane_shape, float(chunk), jnp.float32)
+            else:
+                n_c = jnp.sum(jnp.where(in_range, 1.0, 0.0), axis=-1) + jnp.zeros(lane_shape, jnp.float32)
+            s_c = jnp.sum(neutral(x, in_range, 0.0), axis=-1)
+            mean_c = s_c / jnp.maximum(n_c, 1.0)
+            m2_c = jnp.sum(neutral(jnp.square(x - mean_c[..., None]), in_range, 0.0), axis=-1)
+            n, total, mean, m2 = carry
+            merged = n + n_c
+            delta = mean_c - mean
+            weight = n_c / jnp.maximum(merged, 1.0)
+            return merged, total + s_c, mean + delta * weight, m2 + m2_c + jnp.square(delta) * n * weight
+        if op in ("argmax", "argmin"):
+            best, best_at = carry
+            values = neutral(values, in_range, _identity(op, value_dtype))
+            if op == "argmax":
+                at, value = jnp.argmax(values, axis=-1), jnp.max(values, axis=-1)
+                better = value > best
+            else:
+                at, value = jnp.argmin(values, axis=-1), jnp.min(values, axis=-1)
+                better = value < best
+            if jnp.issubdtype(value_dtype, jnp.floating):  # the first NaN wins, as in lax.argmax
+                better = better | (jnp.isnan(value) & ~jnp.isnan(best))
+            return jnp.where(better, value, best), jnp.where(better, at.astype(jnp.int32) + start, best_at)
+        if op in ("and", "or", "xor"):
+            bits = neutral(values, in_range, op == "and").astype(jnp.int32)
+            if op == "and":
+                return carry & (jnp.min(bits, axis=-1) != 0)
+            if op == "or":
+                return carry | (jnp.max(bits, axis=-1) != 0)
+            return carry ^ (jnp.sum(bits, axis=-1) % 2 != 0)
+        values = neutral(values.astype(acc_type), in_range, _identity(op, acc_type))
+        if op == "sum":
+            return carry + jnp.sum(values, axis=-1).astype(acc_type)
+        if op == "max":
+            return jnp.maximum(carry, jnp.max(values, axis=-1))
+        if op == "min":
+            return jnp.minimum(carry, jnp.min(values, axis=-1))
+        return carry * _tree_prod(values)
+
+    if op == "moments":
+        zeros = jnp.zeros(lane_shape, jnp.float32)
+        init = (zeros, zeros, zeros, zeros)
+    elif op in ("argmax", "argmin"):
+        init = (jnp.full(lane_shape, _identity(op, value_dtype), value_dtype), jnp.zeros(lane_shape, jnp.int32))
+    elif op in ("and", "or", "xor"):
+        init = jnp.full(lane_shape, op == "and", jnp.bool_)
+    else:
+        init = jnp.full(lane_shape, _identity(op, acc_type), acc_type)
+    if steps == 1:
+        result = fold(init, 0)
+    else:
+        result = lax.fori_loop(0, steps, lambda step, carry: fold(carry, step * chunk), init)
+    if op == "moments":
+        return result[1], result[3]
+    if op in ("argmax", "argmin"):
+        return result[1].astype(out_dtype)
+    return result.astype(out_dtype)
+
+
+def select_moment(row: IndexEntry, moments) -> jax.Array:
+    """Row `row` (0: the sum, 1: M2) of a `(sum, m2)` pair, for a static or an array index."""
+    total, m2 = moments
+    if is_static(row):
+        return total if row == 0 else m2
+    return jnp.where(row == 0, total, m2)
+
+
+# --- the compiler ------------------------------------------------------------------------------------
+
+
+class CompiledExpr:
+    """`compile_expr(term)`: call it as `fn(memory, index, mask=True, acc=None)`."""
+
+    def __init__(self, term: Term, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+        if term.sort != "Expr":
+            raise TypeError(f"compile_expr takes an Expr term, got {term!r}")
+        missing = unsupported_ops(term)
+        if missing:
+            raise NotImplementedError(f"no Triton-lowerable form for {', '.join(missing)} in {term!r}")
+        self.term = term
+        self.ty = parse_type(term.ty)
+        self.chunk_elements = chunk_elements
+
+    def __call__(self, memory: Memory, index: Index, mask: Mask = True, acc: AccFn | None = None) -> jax.Array:
+        if len(index) != len(self.ty.shape):
+            raise ValueError(f"{self.term.op} of type {self.term.ty} evaluated at a {len(index)}-axis index")
+        evaluator = _Evaluator(memory, self.chunk_elements)
+        value = evaluator.at(self.term, tuple(index), mask, acc)
+        shape = shape_of(tuple(index) + ((mask,) if not isinstance(mask, bool) else ()))
+        return jnp.broadcast_to(value, np.broadcast_shapes(value.shape, shape))
+
+
+def compile_expr(term: Term, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> CompiledExpr:
+    """The closure computing `term` at an index tile (see the module docstring)."""
+    return CompiledExpr(term, chunk_elements=chunk_elements)
+
+
+def _key(entry):
+    return ("i", int(entry)) if is_static(entry) else ("a", id(entry))
+
+
+class _Evaluator:
+    """One evaluation: memo of (term, point, acc binding) -> value, alive only while tracing it."""
+
+    def __init__(self, memory: Memory, chunk_elements: int, parent: "_Evaluator | None" = None):
+        self.memory = memory
+        self.chunk_elements = chunk_elements
+        self.memo: dict = {}
+        self.keep: list = []  # hold the index arrays a key names, so their ids stay unique
+        self.parent = parent
+
+    def at(self, term: Term, index: Index, mask: Mask, acc: AccFn | None) -> jax.Array:
+        key = (id(term), tuple(_key(e) for e in index), _key(mask) if not isinstance(mask, bool) else mask,
+               id(acc))
+        evaluator = self
+        while evaluator is not None:
+            if key in evaluator.memo:
+                return evaluator.memo[key]
+            evaluator = evaluator.parent
+        value = getattr(self, "_" + term.op)(term, index, mask, acc)
+        dtype = jnp.dtype(parse_type(term.ty).dtype)
+        if value.dtype != dtype:
+            value = value.astype(dtype)
+        self.memo[key] = value
+        self.keep.append((term, index, mask, acc))
+        return value
+
+    # leaves
+
+    def _Load(self, term, index, mask, acc):
+        return jnp.asarray(self.memory.load(term.args[0], index, mask))
+
+    def _Acc(self, term, index, mask, acc):
+        if acc is None:
+            raise ValueError(f"{term!r} outside an epilogue: the template bound no accumulator")
+        return jnp.asarray(acc(term.args[0], index, mask))
+
+    def _Lit(self, term, index, mask, acc):
+        value, ty = term.args
+        return jnp.asarray(value, parse_type(ty).dtype)
+
+    def _Iota(self, term, index, mask, acc):
+        entry = index[term.args[0]]
+        return jnp.asarray(entry, parse_type(term.ty).dtype) if is_static(entry) else \
+            entry.astype(parse_type(term.ty).dtype)
+
+    # elementwise
+
+    def _Unary(self, term, index, mask, acc):
+        op, x, ty = term.args
+        return unary(op, self.at(x, index, mask, acc), parse_type(ty).dtype)
+
+    def _Binary(self, term, index, mask, acc):
+        op, x, y, ty = term.args
+        return binary(op, self.at(x, index, mask, acc), self.at(y, index, mask, acc), parse_type(ty).dtype)
+
+    def _Select(self, term, index, mask, acc):
+        pred, on_false, on_true, ty = term.args
+        p = self.at(pred, index, mask, acc)
+        if p.dtype != jnp.bool_:
+            p = p != 0
+        return jnp.where(p, self.at(on_true, index, mask, acc), self.at(on_false, index, mask, acc))
+
+    # views: index arithmetic
+
+    def _Reshape(self, term, index, mask, acc):
+        x, ty = term.args
+        inner = reshape_index(index, parse_type(ty).shape, parse_type(x.ty).shape)
+        return self.at(x, inner, mask, acc)
+
+    def _Transpose(self, term, index, mask, acc):
+        x, permutation, ty = term.args
+        inner: list[IndexEntry] = [0] * len(index)
+        for out_axis, in_axis in enumerate(ints(permutation)):
+            inner[in_axis] = index[out_axis]
+        return self.at(x, tuple(inner), mask, acc)
+
+    def _Broadcast(self, term, index, mask, acc):
+        x, dims, ty = term.args
+        in_shape, out_shape = parse_type(x.ty).shape, parse_type(ty).shape
+        inner = tuple(0 if in_shape[j] == 1 and out_shape[d] != 1 else index[d]
+                      for j, d in enumerate(ints(dims)))
+        return self.at(x, inner, mask, acc)
+
+    def _Slice(self, term, index, mask, acc):
+        x, axis, start, stop, stride, ty = term.args
+        inner = list(index)
+        inner[axis] = add(mul(index[axis], stride), start)
+        return self.at(x, tuple(inner), mask, acc)
+
+    def _DynamicSlice(self, term, index, mask, acc):
+        x, axis, start, size, ty = term.args
+        extent = parse_type(x.ty).shape[axis]
+        offset = self.at(start, tuple(0 for _ in parse_type(start.ty).shape), True, acc)
+        offset = jnp.clip(jnp.reshape(offset, ()).astype(jnp.int32), 0, extent - size)
+        inner = list(index)
+        inner[axis] = index[axis] + offset
+        return self.at(x, tuple(inner), mask, acc)
+
+    def _Concat(self, term, index, mask, acc):
+        x, y, axis, split, ty = term.args
+        i = index[axis]
+        if is_static(i):  # a static index picks its side at trace time
+            inner = list(index)
+            if i < split:
+                return self.at(x, index, mask, acc)
+            inner[axis] = i - split
+            return self.at(y, tuple(inner), mask, acc)
+        extent = parse_type(ty).shape[axis]
+        left, right = list(index), list(index)
+        left[axis] = jnp.minimum(i, split - 1)
+        right[axis] = jnp.clip(i - split, 0, extent - split - 1)
+        in_left = i < split
+        a = self.at(x, tuple(left), both(mask, in_left), acc)
+        b = self.at(y, tuple(right), both(mask, jnp.logical_not(in_left)), acc)
+        return jnp.where(in_left, a, b)
+
+    def _Pad(self, term, index, mask, acc):
+        x, value, config, ty = term.args
+        in_shape = parse_type(x.ty).shape
+        inner, inside = [], True
+        for entry, size, part in zip(index, in_shape, config.split(";")):
+            lo, _hi, interior = ints(part)
+            step = interior + 1
+            shifted = add(entry, -lo)
+            if is_static(shifted):
+                ok = shifted >= 0 and shifted % step == 0 and shifted // step < size
+                inner.append(min(max(shifted, 0) // step, size - 1))
+                inside = both(inside, bool(ok))
+                continue
+            nonneg = jnp.maximum(shifted, 0)
+            position = div(nonneg, step)
+            ok = (shifted >= 0) & (position < size)
+            if step > 1:
+                ok = ok & (mod(nonneg, step) == 0)
+            inner.append(jnp.minimum(position, size - 1))
+            inside = both(inside, ok)
+        fill = self.at(value, tuple(0 for _ in parse_type(value.ty).shape), True, acc)
+        fill = jnp.reshape(fill, ())
+        if inside is False:
+            return fill
+        inner_value = self.at(x, tuple(inner), both(mask, inside), acc)
+        return inner_value if inside is True else jnp.where(inside, inner_value, fill)
+
+    # a reduction inside the kernel
+
+    def _RowReduce(self, term, index, mask, acc):
+        op, body, axis, epilogue, ty = term.args
+        body_shape = parse_type(body.ty).shape
+        acc_dtype = _acc_dtype(epilogue, ty)
+        body_dtype = parse_type(body.ty).dtype
+        outer_acc = acc
+        budget = getattr(self.memory, "chunk_elements", self.chunk_elements)
+        cache: dict = {}
+
+        def row_acc(acc_ty, acc_index, acc_mask):
+            kept = tuple(acc_index[1:]) if op == "moments" else tuple(acc_index)
+            if len(kept) != len(body_shape) - 1:
+                raise TypeError(f"{term!r}: Acc({acc_ty}) does not fit a reduction of {body.ty} over axis {axis}")
+            key = tuple(_key(e) for e in kept)
+            if key not in cache:
+                child = _Evaluator(self.memory, self.chunk_elements, parent=self)
+
+                def at_body(body_index, body_mask):
+                    full = body_index[:-1]
+                    reduced = body_index[-1]
+                    point = full[:axis] + (reduced,) + full[axis:]
+                    return child.at(body, point, body_mask, outer_acc)
+
+                cache[key] = (reduce_at(op, at_body, kept, acc_mask, (body_shape[axis],), value_dtype=body_dtype,
+                                        out_dtype=acc_dtype, budget=budget), kept)
+            result, _ = cache[key]
+            return select_moment(acc_index[0], result) if op == "moments" else result
+
+        return self.at(epilogue, index, mask, row_acc)
+
+
+def _acc_dtype(epilogue: Term, default_ty: str):
+    """The dtype of the `Acc` an epilogue reads (a nested RowReduce's own epilogue aside), else `default_ty`'s."""
+    stack, seen = [epilogue], set()
+    while stack:
+        node = stack.pop()
+        if node.op == "Acc":
+            return parse_type(node.args[0]).dtype
+        children = (node.args[1],) if node.op == "RowReduce" else node.children
+        for child in children:
+            if child.sort == "Expr" and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return parse_type(default_ty).dtype
+
+
+def acc_dtype(epilogue: Term, default_ty: str):
+    """The accumulator dtype a kernel with this epilogue computes its core in."""
+    return _acc_dtype(epilogue, default_ty)
+
+
+# --- whole arrays as memory (tests, references) ------------------------------------------------------
+
+
+class ArrayMemory:
+    """`Memory` over whole jax arrays: `load` gathers `values[tensor]` at the (clamped) index."""
+
+    chunk_elements = 1 << 16
+
+    def __init__(self, values):
+        self.values = values
+
+    def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
+        array = jnp.asarray(self.values[tensor])
+        shape = array.shape
+        if not shape:
+            return array
+        clamped = tuple(clip(e, 0, size - 1) for e, size in zip(index, shape))
+        if all(is_static(e) for e in clamped):
+            return array[clamped]
+        flat = linearize(clamped, shape)
+        value = jnp.reshape(array, (-1,))[flat]
+        return value if mask is True else jnp.where(mask, value, jnp.zeros((), array.dtype))
+
+
+def evaluate_whole(term: Term, values, acc: AccFn | None = None) -> jax.Array:
+    """`term` at every index of its type, reading `values[tensor]` (the reference path in tests)."""
+    shape = parse_type(term.ty).shape
+    return compile_expr(term)(ArrayMemory(values), grid_index(shape), True, acc)
