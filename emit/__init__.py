@@ -1,0 +1,110 @@
+"""`emit`: a `Plan` becomes a callable of the original function's arguments.
+
+    run = emit.emit(plan, backend="auto")      # "auto" | "pallas" | "xla" | "interpret"
+    outputs = run(*args)                       # the function's own arguments and output structure
+
+Backends:
+
+- `pallas`: every kernel of the plan is a Pallas `pallas_call` named `"<component>:<kind>"`
+  (`emit.pallas` dispatches each kernel op to its template), lowered through Triton on a GPU and
+  run with `interpret=True` elsewhere (override with `interpret=`). A kernel no template covers
+  runs through the XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
+- `xla`: every kernel in jax.numpy/lax (`emit.xla`), the reference for the templates and the fast
+  path on a CPU.
+- `auto`: `pallas` when jax's default backend is a GPU, else `xla`.
+- `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
+
+The callable jits the whole plan (one `jax.jit` over the flattened arguments), can itself be
+called inside `jax.jit`, and each kernel is traced under `jax.named_scope(kernel name)`. It holds
+the plan; it pickles when the plan's program does (opaque primitives do not survive pickling:
+pickle the `eqsat.optimize` function instead, which re-plans where it is unpickled).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from emit.pallas import EmitContext, KernelCall, emit_kernel as emit_pallas_kernel
+from emit.xla import emit_kernel as emit_xla_kernel
+
+BACKENDS = ("auto", "pallas", "xla", "interpret")
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` -> `pallas` on a GPU, `xla` elsewhere; other names are checked and returned."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def kernel_name(component: str, kind: str) -> str:
+    """The `pallas_call` / named-scope name of a kernel: `"<component>:<kind>"` (`kind` alone at top level)."""
+    return f"{component}:{kind}" if component else kind
+
+
+def kernel_calls(plan) -> list[KernelCall]:
+    """The plan's kernels, in order, as `KernelCall`s (hosted statistics attached to their host)."""
+    return [KernelCall(k.term, kernel_name(k.component, k.kind), tuple(k.outputs[1:])) for k in plan.kernels]
+
+
+def run_kernels(calls, ctx: EmitContext, backend: str) -> None:
+    """Emit `calls` in order into `ctx.values` (each under its named scope). A hosted statistic the
+    Pallas template does not compute itself is emitted right after its host as its own kernel."""
+    for call in calls:
+        with jax.named_scope(call.name):
+            if backend == "xla":
+                produced = emit_xla_kernel(call, ctx)
+            else:
+                produced = emit_pallas_kernel(call, ctx)
+            ctx.values.update(produced)
+            for reduction in call.hosted:
+                if reduction not in produced:
+                    name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
+                    ctx.values.update(emit_pallas_kernel(KernelCall(reduction, name), ctx))
+
+
+class Emitted:
+    """A plan as a callable of the original function's arguments (see the module docstring)."""
+
+    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None):
+        if plan.program is None:
+            raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
+        self.plan = plan
+        self.backend = resolve_backend(backend)
+        self.interpret = (jax.default_backend() != "gpu") if interpret is None else bool(interpret)
+        self._jitted = jax.jit(self._run_leaves)
+
+    @property
+    def program(self):
+        return self.plan.program
+
+    def __call__(self, *args):
+        if self.backend == "interpret":
+            return self.plan.evaluate(*args)
+        env = self.program.environment(*args)
+        leaves = [env[term.args[0]] for term in self.program.inputs]
+        return self.program.results(self._jitted(leaves))
+
+    def _run_leaves(self, leaves):
+        program = self.program
+        ctx = EmitContext(dict(zip(program.inputs, leaves)), program.constants, program.payloads,
+                          interpret=self.interpret, backend=self.backend)
+        run_kernels(kernel_calls(self.plan), ctx, self.backend)
+        return [ctx.value(term) for term in self.plan.outputs]
+
+    def __getstate__(self):
+        return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret}
+
+    def __setstate__(self, state):
+        self.__init__(state["plan"], state["backend"], interpret=state["interpret"])
+
+    def __repr__(self) -> str:
+        mode = " interpreted" if self.backend == "pallas" and self.interpret else ""
+        return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
+
+
+def emit(plan, backend: str = "auto", *, interpret: bool | None = None) -> Emitted:
+    """The callable running `plan` with `backend` (see the module docstring)."""
+    return Emitted(plan, backend, interpret=interpret)

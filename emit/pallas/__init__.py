@@ -1,0 +1,143 @@
+"""Pallas templates and the dispatch from a kernel term to the template that emits it.
+
+A template is a module (the layout of jax's `pallas/ops/gpu`) with three parts:
+
+    emit(kernel: KernelCall, ctx: EmitContext) -> dict[Term, jax.Array]
+        Emit `kernel.term` as Pallas kernel(s) named `kernel.name` and return its value under
+        `kernel.term`, plus any of `kernel.hosted` (the `EpilogueReduce` statistics the plan asks
+        this kernel to compute) that it computes itself. Hosted reductions it leaves out are
+        computed by the driver as their own reduce kernel. Build closures with `emit.expr`, read
+        tensors with `ctx.value(tensor)`, launch with `emit.pallas.triton.pallas_call(...,
+        name=kernel.name, interpret=ctx.interpret)`. Raise `NotImplementedError("why")` for a form
+        the template does not cover: the dispatcher then runs that kernel with the XLA emitter
+        and warns (`XlaFallbackWarning`, naming the kernel and the reason) — never silently.
+    build(...)       the pallas_call: grid, block sizes and validation (`ValueError` with a clear message)
+    reference(...)   the same computation in plain jax.numpy
+
+`TEMPLATES` maps each kernel op to its module. `emit_kernel(kernel, ctx)` dispatches; a module
+that does not exist yet, a `NotImplementedError`, or an op with no template (`AssignScatter`)
+falls back to `emit.xla.emit_kernel` for that kernel with a warning.
+
+    ctx = EmitContext(values={...}, constants=program.constants, payloads=program.payloads, interpret=True)
+    outputs = emit_kernel(KernelCall(term, "mid_block.resnets.0:pointwise"), ctx)
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import jax
+
+from eqsat.term import Term, list_items, postorder
+
+TEMPLATES: dict[str, str] = {
+    "Pointwise": "emit.pallas.pointwise",
+    "AssignStatic": "emit.pallas.pointwise",
+    "AssignDynamic": "emit.pallas.pointwise",
+    "Reduce": "emit.pallas.reduce",
+    "EpilogueReduce": "emit.pallas.reduce",
+    "Gather": "emit.pallas.gather",
+    "Matmul": "emit.pallas.matmul",
+    "Attention": "emit.pallas.attention",
+    "Conv": "emit.pallas.conv",
+    "Opaque": "emit.pallas.loops",
+    "Loop": "emit.pallas.loops",
+}
+
+
+class XlaFallbackWarning(UserWarning):
+    """A kernel ran through the XLA emitter because no Pallas template covers it (yet)."""
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel to emit: its term, its `pallas_call` name, the statistics it should also produce."""
+
+    term: Term                       # the kernel's Tensor term (its operand, epilogue and view Exprs inside)
+    name: str                        # "<component>:<kind>", e.g. "mid_block.attentions.0.proj_in:matmul"
+    hosted: tuple[Term, ...] = ()    # EpilogueReduce terms the plan computes in this kernel's epilogue
+
+
+@dataclass
+class EmitContext:
+    """What a template sees: tensor values computed so far, the program's side tables, the mode."""
+
+    values: dict = field(default_factory=dict)      # Tensor term -> jax array (inputs, constants, earlier kernels, loop args)
+    constants: dict = field(default_factory=dict)   # Program.constants: Constant key -> array
+    payloads: dict = field(default_factory=dict)    # Program.payloads: Opaque/Gather/Loop key -> what it needs
+    interpret: bool = True                          # pallas_call(interpret=...): True without a GPU
+    backend: str = "pallas"                         # "pallas" or "xla": how nested loop bodies are emitted
+
+    def value(self, tensor: Term) -> jax.Array:
+        """The value of a Tensor term the kernel reads (already computed, or a leaf)."""
+        value = self.values.get(tensor)
+        if value is not None:
+            return value
+        if tensor.op == "Constant":
+            import jax.numpy as jnp
+
+            value = jnp.asarray(self.constants[tensor.args[0]])
+            self.values[tensor] = value
+            return value
+        raise KeyError(f"{tensor!r} has not been computed before the kernel that reads it")
+
+    def child(self, bound: dict) -> "EmitContext":
+        """A context for a loop body: `bound` (LoopArg terms -> values) plus everything known here."""
+        return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend)
+
+
+def loaded_tensors(*exprs: Term) -> list[Term]:
+    """The distinct tensors `Load`ed by `exprs` (Expr terms), in first-seen order: a kernel's operands."""
+    seen: dict[int, Term] = {}
+    for node in postorder([e for e in exprs if e is not None]):
+        if node.op == "Load" and id(node.args[0]) not in seen:
+            seen[id(node.args[0])] = node.args[0]
+    return list(seen.values())
+
+
+def kernel_exprs(term: Term) -> list[Term]:
+    """The Expr arguments of a kernel term (operands, epilogue, bias ...)."""
+    return [arg for arg in term.args if isinstance(arg, Term) and arg.sort == "Expr"]
+
+
+def template_for(op: str):
+    """The template module for kernel op `op`, or None when it has none (yet)."""
+    name = TEMPLATES.get(op)
+    if name is None:
+        return None
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name == name:
+            return None
+        raise
+    return module if hasattr(module, "emit") else None
+
+
+def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
+    """The values of `kernel.term` (and the hosted statistics it computes), from its Pallas template,
+    or from the XLA emitter with an `XlaFallbackWarning` when no template covers it."""
+    from emit import xla
+
+    module = template_for(kernel.term.op)
+    if module is None:
+        reason = f"no Pallas template for {kernel.term.op}"
+    else:
+        try:
+            return module.emit(kernel, ctx)
+        except NotImplementedError as error:
+            reason = str(error) or f"{module.__name__} does not cover this {kernel.term.op}"
+    warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through the XLA emitter: {reason}",
+                  XlaFallbackWarning, stacklevel=2)
+    return xla.emit_kernel(kernel, ctx)
+
+
+def tensors_of(items: Iterable[Term]) -> list[Term]:
+    """Flatten TensorLists among `items` into their tensors."""
+    out: list[Term] = []
+    for item in items:
+        out.extend(list_items(item) if item.sort == "TensorList" else [item])
+    return out
