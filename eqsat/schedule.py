@@ -67,8 +67,12 @@ def ruleset_name(ruleset) -> str:
     return ident.name if ident is not None else str(ruleset.__egg_ident__.name)
 
 
-def default_schedule(families: Iterable[str] | None = None, *, iterations: int | None = 32) -> Schedule:
-    """Every available family of `families` (default: all of `eqsat.rules.FAMILIES`) in `DEFAULT_ORDER`."""
+def default_schedule(families: Iterable[str] | None = None, *, iterations: int | None = 32,
+                     extra: Iterable = ()) -> Schedule:
+    """Every available family of `families` (default: all of `eqsat.rules.FAMILIES`) in `DEFAULT_ORDER`,
+    then a stage per ruleset of `extra` (a user's own rulesets: `optimize(fn, rulesets=default_schedule(
+    extra=[my_rules]))`; the whole list repeats until a round changes nothing, so the families see
+    what the extra rules add)."""
     from eqsat import rules
 
     wanted = list(families) if families is not None else list(rules.FAMILIES)
@@ -80,13 +84,18 @@ def default_schedule(families: Iterable[str] | None = None, *, iterations: int |
             if getattr(rules.family_module(name), "FIXPOINT_STAGE", False):
                 ruleset = ruleset.saturate()  # one stage iteration runs it to its fixpoint
             stages.append(Stage(name, ruleset, iterations))
+    for ruleset in extra:
+        stages.append(Stage(ruleset_name(ruleset), ruleset, iterations))
     return Schedule(tuple(stages))
 
 
 def as_schedule(schedule) -> Schedule:
-    """`None` -> the default schedule; a ruleset or a sequence of rulesets/stages -> one stage each."""
+    """`None` -> the default schedule; a family name, a ruleset, or a sequence of them (or of stages)
+    -> one stage each (`["absorb", my_rules]`: a family, then a user's ruleset)."""
     if schedule is None:
         return default_schedule()
+    if isinstance(schedule, str):
+        return default_schedule([schedule])
     if isinstance(schedule, Schedule):
         return schedule
     if isinstance(schedule, Stage):
