@@ -43,9 +43,9 @@ def evaluate(terms, env, constants=None, payloads=None) -> list:
     return _Evaluator(env, constants or {}, payloads or {}).run(list(terms))
 
 
-def evaluate_program(program, *args):
+def evaluate_program(program, *args, **kwargs):
     """Run a lifted `Program` on the arguments of the function it was lifted from."""
-    env = program.environment(*args)
+    env = program.environment(*args, **kwargs)
     return program.results(evaluate(program.outputs, env, program.constants, program.payloads))
 
 

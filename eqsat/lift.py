@@ -985,25 +985,39 @@ def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
         constants=lifter.constants,
         payloads=lifter.payloads,
         components=lifter.components,
-        in_tree=jax.tree_util.tree_structure(tuple(range(len(inputs)))),
+        in_tree=jax.tree_util.tree_structure((tuple(range(len(inputs))), {})),
         out_tree=jax.tree_util.tree_structure(list(range(len(outputs)))),
         warnings=lifter.warnings,
     )
 
 
-def lift(fn, *args, static_argnums=()) -> Program:
-    """Trace `fn(*args)` (arrays or `ShapeDtypeStruct`s) and lift its jaxpr.
+def lift(fn, *args, static_argnums=(), static_argnames=(), kwargs=None) -> Program:
+    """Trace `fn(*args, **kwargs)` (arrays or `ShapeDtypeStruct`s) and lift its jaxpr.
 
-    The program's inputs are the flattened non-static arguments; `eqsat.interpret.evaluate_program`
-    takes the same arguments as `fn`.
+    Positional arguments at `static_argnums` and keyword arguments named in `static_argnames` are
+    static (closed over, as `jax.jit` treats them); the program's inputs are the flattened leaves of
+    the other `(args, kwargs)`. `eqsat.interpret.evaluate_program` takes the same arguments as `fn`.
     """
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
-    static_argnums = tuple(i % len(args) for i in static_argnums) if args else ()
-    closed, out_shape = jax.make_jaxpr(fn, static_argnums=static_argnums, return_shape=True)(*args)
-    program = lift_jaxpr(closed)
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    static_argnums = tuple(sorted({i % len(args) for i in static_argnums})) if args else ()
+    kwargs = dict(kwargs or {})
+    static_kwargs = {name: value for name, value in kwargs.items() if name in static_argnames}
+    dynamic_kwargs = {name: value for name, value in kwargs.items() if name not in static_argnames}
     dynamic = tuple(arg for i, arg in enumerate(args) if i not in static_argnums)
-    program.in_tree = jax.tree_util.tree_structure(dynamic)
+
+    def with_statics(dynamic_args, keyword_args):
+        positional, rest = [], iter(dynamic_args)
+        for i in range(len(args)):
+            positional.append(args[i] if i in static_argnums else next(rest))
+        return fn(*positional, **static_kwargs, **keyword_args)
+
+    closed, out_shape = jax.make_jaxpr(with_statics, return_shape=True)(dynamic, dynamic_kwargs)
+    program = lift_jaxpr(closed)
+    program.in_tree = jax.tree_util.tree_structure((dynamic, dynamic_kwargs))
     program.out_tree = jax.tree_util.tree_structure(out_shape)
     program.static_argnums = static_argnums
+    program.static_argnames = tuple(static_kwargs)
     return program

@@ -17,6 +17,13 @@ extracted plan is the best found so far; a warning says which limit stopped it. 
 optimized function evaluates the plan with the reference interpreter (`eqsat.interpret`):
 correct everywhere, fast nowhere. Emitting the plan as Pallas kernels is the `emit/` stage.
 Lowerings are cached per argument signature (shapes, dtypes, pytree structure, static values).
+
+Arguments are `jax.jit`'s: positional and keyword arguments (keywords are dynamic unless named in
+`static_argnames`), `static_argnums`/`static_argnames` and `donate_argnums`/`donate_argnames`,
+each completed from the other through the function's signature and validated as `jax.jit` does
+(`jax._src.api_util.resolve_argnums`). The reference interpreter runs op by op, so it cannot
+donate buffers: a call that passes a donated argument says so once (`DonationWarning`); inside an
+outer `jax.jit` the interpreter's ops are traced into it and donation is that jit's.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ class SaturationLimitWarning(UserWarning):
     """Saturation stopped at a limit: the plan is the best found in the e-graph so far."""
 
 
+class DonationWarning(UserWarning):
+    """Donated arguments were not donated (the call ran outside any jit)."""
+
+
 @dataclass
 class Lowered:
     """One lowering of an optimized function for one argument signature."""
@@ -48,8 +59,8 @@ class Lowered:
     builder: object = None          # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
     warnings: list = field(default_factory=list)
 
-    def __call__(self, *args):
-        return self.plan.evaluate(*args)
+    def __call__(self, *args, **kwargs):
+        return self.plan.evaluate(*args, **kwargs)
 
     def report(self, depth: int = 1) -> str:
         """The stats and the per-component table of the plan."""
@@ -69,13 +80,17 @@ class Lowered:
 class Optimized:
     """A function wrapped by `optimize`: `.lower(*args)` plans it, calling it runs the plan."""
 
-    def __init__(self, fn, *, static_argnums=(), device="h100", rulesets=None, node_limit=200_000,
-                 iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
-                 progress=None):
-        if isinstance(static_argnums, int):
-            static_argnums = (static_argnums,)
+    def __init__(self, fn, *, static_argnums=None, static_argnames=None, donate_argnums=None,
+                 donate_argnames=None, device="h100", rulesets=None, node_limit=200_000, iteration_limit=400,
+                 time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None):
+        from jax._src import api_util
+
+        if not callable(fn):
+            raise TypeError(f"Expected a callable value, got {fn!r}")
+        (self.donate_argnums, self.donate_argnames, self.static_argnums,
+         self.static_argnames) = api_util.resolve_argnums(fn, api_util.fun_signature(fn), donate_argnums,
+                                                          donate_argnames, static_argnums, static_argnames)
         self.fn = fn
-        self.static_argnums = tuple(static_argnums)
         self.device = device
         self.rulesets = rulesets
         self.node_limit = node_limit
@@ -85,54 +100,84 @@ class Optimized:
         self.extract_time_limit = extract_time_limit
         self.progress = progress
         self._cache: dict = {}
+        self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args):
-        return self.lower(*args).plan.evaluate(*args)
+    def __call__(self, *args, **kwargs):
+        self._note_donation(args, kwargs)
+        return self.lower(*args, **kwargs).plan.evaluate(*args, **kwargs)
 
-    def _signature(self, args) -> tuple:
+    def _note_donation(self, args, kwargs) -> None:
+        """Say once that donated buffers stay valid: the reference interpreter runs op by op. Under
+        an outer jit (tracer arguments) the interpreter is traced into it: nothing to say."""
+        import jax
+
+        if self._said_not_donated:
+            return
+        donated = [args[i] for i in self.donate_argnums if -len(args) <= i < len(args)]
+        donated += [kwargs[name] for name in self.donate_argnames if name in kwargs]
+        leaves = jax.tree_util.tree_leaves(donated)
+        if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return
+        self._said_not_donated = True
+        warnings.warn(f"eqsat.optimize({getattr(self.fn, '__qualname__', self.fn)!r}): "
+                      f"donate_argnums={self.donate_argnums}, donate_argnames={self.donate_argnames}: the "
+                      f"arguments are not donated (the plan runs through the reference interpreter, op by op, "
+                      f"outside any jit); their buffers stay valid", DonationWarning, stacklevel=3)
+
+    def _is_static(self, i: int, count: int) -> bool:
+        return i in self.static_argnums or (i - count) in self.static_argnums
+
+    def _signature(self, args, kwargs) -> tuple:
         import jax
         import numpy as np
 
         static = []
         dynamic = []
         for i, arg in enumerate(args):
-            if i in self.static_argnums or (i - len(args)) in self.static_argnums:
+            if self._is_static(i, len(args)):
                 static.append((i, arg))
             else:
                 dynamic.append(arg)
-        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        static_kwargs = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, tree = jax.tree_util.tree_flatten((dynamic, dynamic_kwargs))
         shapes = tuple((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
-        return tree, shapes, tuple(static)
+        return tree, shapes, tuple(static), static_kwargs
 
-    def lower(self, *args) -> Lowered:
+    def lower(self, *args, **kwargs) -> Lowered:
         try:
-            key = self._signature(args)
+            key = self._signature(args, kwargs)
             hash(key)
         except TypeError:
             key = None
         if key is not None and key in self._cache:
             return self._cache[key]
-        lowered = lower(self.fn, *args, static_argnums=self.static_argnums, device=self.device,
-                        rulesets=self.rulesets, node_limit=self.node_limit, iteration_limit=self.iteration_limit,
-                        time_limit=self.time_limit, extractor=self.extractor,
-                        extract_time_limit=self.extract_time_limit, progress=self.progress)
+        static_argnums = tuple(i for i in range(len(args)) if self._is_static(i, len(args)))
+        lowered = lower(self.fn, *args, static_argnums=static_argnums, static_argnames=self.static_argnames,
+                        kwargs=kwargs, device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
+                        iteration_limit=self.iteration_limit, time_limit=self.time_limit,
+                        extractor=self.extractor, extract_time_limit=self.extract_time_limit,
+                        progress=self.progress)
         if key is not None:
             self._cache[key] = lowered
         return lowered
 
 
-def optimize(fn=None, *, static_argnums=(), device="h100", rulesets=None, node_limit: int = 200_000,
-             iteration_limit: int = 400, time_limit: float = 60.0, extractor: str = "auto",
-             extract_time_limit: float = 5.0, progress: bool | None = None):
+def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,
+             device="h100", rulesets=None, node_limit: int = 200_000, iteration_limit: int = 400,
+             time_limit: float = 60.0, extractor: str = "auto", extract_time_limit: float = 5.0,
+             progress: bool | None = None):
     """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
 
-    `rulesets`: None for `eqsat.schedule.default_schedule()`, family names (`["absorb"]`), or
-    anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets). `node_limit`,
-    `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy" or "ilp"
-    (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
+    `static_argnums`/`static_argnames`/`donate_argnums`/`donate_argnames` as in `jax.jit` (see the
+    module docstring). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
+    (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
+    `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
+    or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
     """
-    options = dict(static_argnums=static_argnums, device=device, rulesets=rulesets, node_limit=node_limit,
+    options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
+                   donate_argnames=donate_argnames, device=device, rulesets=rulesets, node_limit=node_limit,
                    iteration_limit=iteration_limit, time_limit=time_limit, extractor=extractor,
                    extract_time_limit=extract_time_limit, progress=progress)
     if fn is None:
@@ -152,9 +197,10 @@ def _schedule(rulesets):
     return rulesets
 
 
-def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit=200_000, iteration_limit=400,
-          time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None) -> Lowered:
-    """Run the stages on `fn(*args)` and return the `Lowered` result (see the module docstring)."""
+def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device="h100", rulesets=None,
+          node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
+          progress=None) -> Lowered:
+    """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring)."""
     from tqdm.auto import tqdm
 
     from eqsat.cost import count_kernels, get_device
@@ -175,7 +221,8 @@ def lower(fn, *args, static_argnums=(), device="h100", rulesets=None, node_limit
 
             with warnings.catch_warnings(record=True) as lift_warnings:
                 warnings.simplefilter("always")
-                program = lift(fn, *args, static_argnums=static_argnums)
+                program = lift(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames,
+                               kwargs=kwargs)
             for w in lift_warnings:
                 caught.append(str(w.message))
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -7,7 +7,9 @@ A program is a term DAG plus the side tables its terms refer to by key:
 - `constants`: `Constant(key, ty)` -> the literal array;
 - `payloads`: what `Opaque`/`Gather`/`AssignScatter`/`Loop` keys need to run (see `eqsat.lift`);
 - `components`: kernel term -> the named-scope path it was traced under (`""` if none);
-- `in_tree`/`out_tree`: the pytree structures of the arguments and results;
+- `in_tree`/`out_tree`: the pytree structures of the arguments, `(dynamic args, dynamic kwargs)`,
+  and of the results;
+- `static_argnums`/`static_argnames`: the arguments closed over when tracing (see `eqsat.lift.lift`);
 - `warnings`: messages about primitives lifted as `Opaque`.
 """
 
@@ -31,6 +33,7 @@ class Program:
     in_tree: object = None
     out_tree: object = None
     static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
 
     def kernel_terms(self) -> list[Term]:
@@ -41,15 +44,17 @@ class Program:
         """The number of kernels of the lifted plan (one per kernel term)."""
         return len(self.kernel_terms())
 
-    def environment(self, *args) -> dict[str, object]:
+    def environment(self, *args, **kwargs) -> dict[str, object]:
         """Input name -> argument leaf, for the arguments of the lifted function (static ones may be
         included or left out)."""
         import jax
 
         if self.static_argnums and self.in_tree is not None:
-            if len(args) != len(jax.tree_util.treedef_children(self.in_tree)):
+            dynamic_args = jax.tree_util.treedef_children(self.in_tree)[0]
+            if len(args) != len(jax.tree_util.treedef_children(dynamic_args)):
                 args = tuple(arg for i, arg in enumerate(args) if i not in self.static_argnums)
-        leaves, tree = jax.tree_util.tree_flatten(args)
+        kwargs = {name: value for name, value in kwargs.items() if name not in self.static_argnames}
+        leaves, tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
         if self.in_tree is not None and tree != self.in_tree:
             raise TypeError(f"arguments {tree} do not match the program's {self.in_tree}")
         if len(leaves) != len(self.inputs):

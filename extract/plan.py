@@ -301,14 +301,14 @@ class Plan:
 
     # --- running ----------------------------------------------------------------------------
 
-    def evaluate(self, *args):
+    def evaluate(self, *args, **kwargs):
         """Run the plan through the reference interpreter on the function's own arguments."""
         from eqsat.interpret import evaluate
 
         program = self.program
         if program is None:
             raise ValueError("this plan has no program: evaluate its terms with eqsat.interpret.evaluate")
-        env = program.environment(*args)
+        env = program.environment(*args, **kwargs)
         return program.results(evaluate(self.outputs, env, program.constants, program.payloads))
 
 
