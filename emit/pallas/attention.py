@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from emit.pallas.matmul import MIN_DOT_BLOCK, next_power_of_2, store
+from emit import expr as ex
+from emit.pallas import triton as tr
+from emit.pallas.matmul import MIN_DOT_BLOCK, store
+from eqsat.types import parse_type
 
 Index = tuple[Any, Any, Any, Any]
 OperandFn = Callable[[Sequence[Any], Index, Any], jax.Array]
@@ -56,15 +58,15 @@ class AttentionBlocks:
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
         """64x64 tiles (32 keys for head dims above 128), shrunk to short sequences."""
-        padded = next_power_of_2(head_dim)
-        block_q = min(64, max(MIN_DOT_BLOCK, next_power_of_2(q_len)))
-        block_k = min(32 if padded > 128 else 64, max(MIN_DOT_BLOCK, next_power_of_2(kv_len)))
+        padded = tr.next_pow2(head_dim)
+        block_q = min(64, max(MIN_DOT_BLOCK, tr.next_pow2(q_len)))
+        block_k = min(32 if padded > 128 else 64, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len)))
         return cls(block_q, block_k, num_warps=4 if padded <= 64 else 8)
 
     def validate(self) -> None:
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
-            if value < MIN_DOT_BLOCK or value != next_power_of_2(value):
+            if value < MIN_DOT_BLOCK or value != tr.next_pow2(value):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
 
 
@@ -97,7 +99,7 @@ class AttentionProblem:
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
-    dp = max(MIN_DOT_BLOCK, next_power_of_2(problem.head_dim))
+    dp = max(MIN_DOT_BLOCK, tr.next_pow2(problem.head_dim))
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     ds = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
@@ -143,23 +145,17 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
 
 def build(problem: AttentionProblem, inputs: Sequence[jax.Array], *, blocks: AttentionBlocks | None = None,
           interpret: bool = False, name: str = "attention") -> jax.Array:
-    """Run `problem` on `inputs` (passed flat) as one `pallas_call`; returns
+    """Run `problem` as one `pallas_call` reading `inputs` (flat refs, in this order); returns
     `[batch, heads, q_len, head_dim]`."""
     problem.validate()
     blocks = blocks or AttentionBlocks.get_default(problem.q_len, problem.kv_len, problem.head_dim)
     blocks.validate()
-    flat_inputs = [jnp.reshape(x, (-1,)) if jnp.ndim(x) != 1 else x for x in inputs]
-    kernel = functools.partial(attention_kernel, problem=problem, blocks=blocks, num_inputs=len(flat_inputs))
+    kernel = functools.partial(attention_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs))
     shape = (problem.batch, problem.heads, problem.q_len, problem.head_dim)
-    out = pl.pallas_call(
-        kernel,
-        grid=(problem.batch, problem.heads, pl.cdiv(problem.q_len, blocks.block_q)),
-        out_shape=jax.ShapeDtypeStruct((math.prod(shape),), problem.out_dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-        interpret=interpret,
-        name=name,
-    )(*flat_inputs)
-    return out.reshape(shape)
+    (out,) = tr.pallas_call(kernel, inputs, [jax.ShapeDtypeStruct(shape, problem.out_dtype)],
+                            grid=(problem.batch, problem.heads, pl.cdiv(problem.q_len, blocks.block_q)),
+                            name=name, interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return out
 
 
 # --- reference ----------------------------------------------------------------------------------
@@ -174,3 +170,54 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.
     weights = jax.nn.softmax(scores, axis=-1)
     out = epilogue(jnp.einsum("bhqk,bhkd->bhqd", weights, v.astype(jnp.float32)))
     return out.astype(out_dtype or q.dtype)
+
+
+# --- emit: a plan's Attention term --------------------------------------------------------------
+
+
+def _is_zero(bias) -> bool:
+    """Whether a bias expression is the literal 0 (no bias: the template skips it)."""
+    return bias.op == "Lit" and bias.args[0] == 0.0
+
+
+def emit(kernel, ctx) -> dict:
+    """`{kernel.term: value}` for a plan's `Attention` kernel (`emit.pallas.KernelCall`) in `ctx`."""
+    from emit.pallas import loaded_tensors
+
+    term = kernel.term
+    q, k, v, bias, scale, epilogue, ty = term.args
+    q_shape, k_shape, v_shape = (parse_type(x.ty).shape for x in (q, k, v))
+    out_type = parse_type(ty)
+    if not (len(q_shape) == len(k_shape) == len(v_shape) == 4):
+        raise NotImplementedError(f"attention over operands of rank {len(q_shape)}, {len(k_shape)}, {len(v_shape)}")
+    batch, heads, q_len, head_dim = q_shape
+    if k_shape != v_shape or k_shape[:2] != (batch, heads) or k_shape[3] != head_dim:
+        raise NotImplementedError(f"attention with q {q_shape}, k {k_shape}, v {v_shape}")
+    if min(batch, heads, q_len, head_dim, k_shape[2]) == 0:
+        raise NotImplementedError("an empty attention")
+    bias = None if _is_zero(bias) else bias
+    expressions = [e for e in (q, k, v, bias, epilogue) if e is not None]
+    for expression in expressions:
+        missing = ex.unsupported_ops(expression)
+        if missing:
+            raise NotImplementedError(f"no Triton form for {', '.join(missing)}")
+    q_fn, k_fn, v_fn, epilogue_fn = (ex.compile_expr(e) for e in (q, k, v, epilogue))
+    bias_fn = ex.compile_expr(bias) if bias is not None else None
+    tensors = loaded_tensors(*expressions)
+
+    def operand(fn):
+        return lambda refs, index, mask: fn(tr.RefMemory(dict(zip(tensors, refs))), index, mask)
+
+    def epilogue_tile(refs, acc, index, mask):
+        def accumulator(acc_ty, at, acc_mask):
+            if any(a is not o and not (ex.is_static(a) and ex.is_static(o) and a == o) for a, o in zip(at, index)):
+                raise NotImplementedError("the epilogue reads the accumulator through a view")
+            return acc
+
+        return epilogue_fn(tr.RefMemory(dict(zip(tensors, refs))), index, mask, accumulator)
+
+    problem = AttentionProblem(batch, heads, q_len, k_shape[2], head_dim, operand(q_fn), operand(k_fn),
+                               operand(v_fn), operand(bias_fn) if bias_fn is not None else None, float(scale),
+                               epilogue_tile, jnp.dtype(out_type.dtype))
+    out = build(problem, [ctx.value(t) for t in tensors], interpret=ctx.interpret, name=kernel.name)
+    return {term: out.reshape(out_type.shape)}
