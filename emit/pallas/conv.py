@@ -44,9 +44,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from emit.expr import compile_expr
+from emit.pallas import loaded_tensors, triton
+from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
+from eqsat.term import Term
+from eqsat.types import ints, parse_type
 
 # (refs, index, mask) -> tile: an operand expression evaluated at an index tile. `refs` are the
 # kernel's flat input refs, `index` one int32 array per axis of the operand.
@@ -60,8 +64,7 @@ DEFAULT_BLOCK_K = 64
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+next_pow2 = triton.next_pow2
 
 
 # --- geometry ---------------------------------------------------------------------------------
@@ -220,7 +223,7 @@ def _flat_offset(index: Sequence[jax.Array], shape: Sequence[int]) -> jax.Array:
 
 def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epilogue: EpilogueFn,
                  config: ConvConfig, n_inputs: int, dot_dtype):
-    inputs, out_ref = refs[:n_inputs], refs[n_inputs]
+    inputs, out_ref = refs[:n_inputs], refs[n_inputs]  # every ref flat (`triton.pallas_call`)
     g, p = geometry, geometry.params
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
@@ -265,7 +268,7 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), (bm, bn))
     # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
     offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
-    pltriton.store(out_ref.at[offset], value.astype(out_ref.dtype), mask=out_mask)
+    triton.store(out_ref, offset, value, out_mask)
 
 
 # --- build ------------------------------------------------------------------------------------
@@ -291,15 +294,10 @@ def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn
     kernel = functools.partial(_conv_kernel, geometry=geometry, ranges=ranges, epilogue=epilogue, config=config,
                                n_inputs=len(inputs), dot_dtype=dot_dtype)
     grid = (pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n))
-    flat = pl.pallas_call(
-        kernel,
-        grid=grid,
-        out_shape=jax.ShapeDtypeStruct((math.prod(geometry.out_shape),), out_dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name=name,
-    )(*(jnp.reshape(x, (-1,)) for x in inputs))
-    return flat.reshape(geometry.out_shape)
+    (out,) = triton.pallas_call(kernel, list(inputs), [jax.ShapeDtypeStruct(geometry.out_shape, out_dtype)],
+                                grid=grid, name=name, interpret=interpret, num_warps=config.num_warps,
+                                num_stages=config.num_stages)
+    return out
 
 
 # --- reference --------------------------------------------------------------------------------
@@ -310,3 +308,135 @@ def reference(lhs: jax.Array, rhs: jax.Array, params: ConvParams,
     """The same conv with `lax.conv_general_dilated` (fp32 accumulation), then `epilogue`."""
     acc = lax.conv_general_dilated(lhs, rhs, **params.lax_kwargs(), preferred_element_type=jnp.float32)
     return acc if epilogue is None else epilogue(acc)
+
+
+# --- from a Conv term ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RangeTerms:
+    """One K range of a `Conv` term: which subexpressions produce it, at which offsets.
+
+    `lhs` holds the range's channels from `lhs_offset`, `rhs` its in-features from `rhs_offset`;
+    `rhs` is evaluated at taps counted from `taps`' first row/column (a zero-padded weight
+    `pad(w1x1)` is read as `w1x1` over the one tap it covers)."""
+
+    start: int
+    channels: int
+    lhs: Term
+    lhs_offset: int
+    rhs: Term
+    rhs_offset: int
+    taps: tuple[tuple[int, int], tuple[int, int]]
+
+
+def _concat_bounds(expr: Term, axis: int, base: int, out: set[int]) -> None:
+    while expr.op == "Concat" and expr.args[2] == axis:
+        left, right, _, split, _ = expr.args
+        out.add(base + split)
+        _concat_bounds(left, axis, base, out)
+        expr, base = right, base + split
+
+
+def _descend(expr: Term, axis: int, start: int, stop: int) -> tuple[Term, int]:
+    """The subexpression of concats along `axis` holding [start, stop), and where it starts in it."""
+    while expr.op == "Concat" and expr.args[2] == axis:
+        left, right, _, split, _ = expr.args
+        if stop <= split:
+            expr = left
+        elif start >= split:
+            expr, start, stop = right, start - split, stop - split
+        else:
+            break
+    return expr, start
+
+
+def _zero_pad_window(rhs: Term, spec: Sequence[int], window: tuple[int, int]):
+    """`(inner, taps)` when `rhs` is `pad(inner, 0)` on the window axes only (no interior padding),
+    else None: the taps outside `inner` multiply zeros and are skipped."""
+    if rhs.op != "Pad" or rhs.args[1].op != "Lit" or float(rhs.args[1].args[0]) != 0.0:
+        return None
+    config = [ints(part) for part in rhs.args[2].split(";")]
+    taps = []
+    for axis, (lo, hi, interior) in enumerate(config):
+        spatial = axis in spec[2:]
+        if interior != 0 or lo < 0 or hi < 0 or (not spatial and (lo, hi) != (0, 0)):
+            return None
+    for i, axis in enumerate(spec[2:]):
+        lo, hi, _ = config[axis]
+        taps.append((lo, window[i] - hi))
+    return rhs.args[0], tuple(taps)
+
+
+def k_ranges(term: Term) -> list[_RangeTerms]:
+    """The K ranges of a `Conv` term: its input channels split wherever the lhs or the weight is
+    a concat along the feature axis; each range reads only its own parts."""
+    lhs, rhs, params_key, _epilogue, _ty = term.args
+    params = ConvParams.parse(params_key)
+    lhs_axis, rhs_axis = params.lhs_spec[1], params.rhs_spec[1]
+    channels = parse_type(lhs.ty).shape[lhs_axis]
+    window = tuple(parse_type(rhs.ty).shape[a] for a in params.rhs_spec[2:])
+    bounds: set[int] = {0, channels}
+    _concat_bounds(lhs, lhs_axis, 0, bounds)
+    _concat_bounds(rhs, rhs_axis, 0, bounds)
+    edges = sorted(bounds)
+    ranges = []
+    for start, stop in zip(edges, edges[1:]):
+        lhs_part, lhs_offset = _descend(lhs, lhs_axis, start, stop)
+        rhs_part, rhs_offset = _descend(rhs, rhs_axis, start, stop)
+        taps = ((0, window[0]), (0, window[1]))
+        padded = _zero_pad_window(rhs_part, params.rhs_spec, window)
+        if padded is not None:
+            rhs_part, taps = padded
+        ranges.append(_RangeTerms(start, stop - start, lhs_part, lhs_offset, rhs_part, rhs_offset, taps))
+    return ranges
+
+
+def _shifted(index: tuple, axis: int, offset: int) -> tuple:
+    index = list(index)
+    if offset:
+        index[axis] = index[axis] + offset
+    return tuple(index)
+
+
+def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int) -> OperandFn:
+    """A K-range closure: `expr` compiled, read at the range's local feature index + `offset`."""
+    compiled = compile_expr(expr)
+
+    def evaluate(refs, index, mask):
+        return compiled(RefMemory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask)
+
+    return evaluate
+
+
+def _epilogue(expr: Term, tensors: Sequence[Term], term_ty: str) -> EpilogueFn:
+    compiled = compile_expr(expr)
+
+    def evaluate(refs, acc, index, mask):
+        def bound(ty, acc_index, acc_mask):
+            if len(acc_index) != len(index) or any(a is not b for a, b in zip(acc_index, index)):
+                raise NotImplementedError("the conv epilogue reads its accumulator through a view")
+            return acc.astype(parse_type(ty).dtype)
+
+        return compiled(RefMemory(dict(zip(tensors, refs))), index, mask, bound)
+
+    return evaluate
+
+
+def emit(kernel, ctx) -> dict:
+    """Emit a `Conv` kernel term (`emit.pallas.KernelCall`) with this template; returns
+    `{kernel.term: output}`. Hosted statistics are left to the driver."""
+    term = kernel.term
+    lhs, rhs, params_key, epilogue, ty = term.args
+    params = ConvParams.parse(params_key)
+    geometry = ConvGeometry(params, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty).shape)
+    tensors = loaded_tensors(lhs, rhs, epilogue)
+    ranges = []
+    for part in k_ranges(term):
+        taps = part.taps
+        ranges.append(KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
+                             _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), taps))
+    dot_dtype = jnp.promote_types(parse_type(lhs.ty).dtype, parse_type(rhs.ty).dtype)
+    out = build(geometry, ranges, _epilogue(epilogue, tensors, ty), [ctx.value(t) for t in tensors],
+                parse_type(ty).dtype, dot_dtype=dot_dtype, interpret=ctx.interpret, name=kernel.name)
+    return {term: out}
