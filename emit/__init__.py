@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import jax
 
-from emit.pallas import EmitContext, KernelCall, emit_kernel as emit_pallas_kernel
-from emit.xla import emit_kernel as emit_xla_kernel
+from emit.pallas import EmitContext, KernelCall, name_of, run_kernels
 
 BACKENDS = ("auto", "pallas", "xla", "interpret")
 
@@ -39,30 +38,9 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def kernel_name(component: str, kind: str) -> str:
-    """The `pallas_call` / named-scope name of a kernel: `"<component>:<kind>"` (`kind` alone at top level)."""
-    return f"{component}:{kind}" if component else kind
-
-
 def kernel_calls(plan) -> list[KernelCall]:
     """The plan's kernels, in order, as `KernelCall`s (hosted statistics attached to their host)."""
-    return [KernelCall(k.term, kernel_name(k.component, k.kind), tuple(k.outputs[1:])) for k in plan.kernels]
-
-
-def run_kernels(calls, ctx: EmitContext, backend: str) -> None:
-    """Emit `calls` in order into `ctx.values` (each under its named scope). A hosted statistic the
-    Pallas template does not compute itself is emitted right after its host as its own kernel."""
-    for call in calls:
-        with jax.named_scope(call.name):
-            if backend == "xla":
-                produced = emit_xla_kernel(call, ctx)
-            else:
-                produced = emit_pallas_kernel(call, ctx)
-            ctx.values.update(produced)
-            for reduction in call.hosted:
-                if reduction not in produced:
-                    name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
-                    ctx.values.update(emit_pallas_kernel(KernelCall(reduction, name), ctx))
+    return [KernelCall(k.term, name_of(k.component, k.kind), tuple(k.outputs[1:])) for k in plan.kernels]
 
 
 class Emitted:
@@ -90,8 +68,8 @@ class Emitted:
     def _run_leaves(self, leaves):
         program = self.program
         ctx = EmitContext(dict(zip(program.inputs, leaves)), program.constants, program.payloads,
-                          interpret=self.interpret, backend=self.backend)
-        run_kernels(kernel_calls(self.plan), ctx, self.backend)
+                          interpret=self.interpret, backend=self.backend, components=program.components)
+        run_kernels(kernel_calls(self.plan), ctx)
         return [ctx.value(term) for term in self.plan.outputs]
 
     def __getstate__(self):

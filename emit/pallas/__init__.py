@@ -31,7 +31,7 @@ from typing import Iterable
 
 import jax
 
-from eqsat.term import Term, list_items, postorder
+from eqsat.term import Term, postorder
 
 TEMPLATES: dict[str, str] = {
     "Pointwise": "emit.pallas.pointwise",
@@ -69,7 +69,9 @@ class EmitContext:
     constants: dict = field(default_factory=dict)   # Program.constants: Constant key -> array
     payloads: dict = field(default_factory=dict)    # Program.payloads: Opaque/Gather/Loop key -> what it needs
     interpret: bool = True                          # pallas_call(interpret=...): True without a GPU
-    backend: str = "pallas"                         # "pallas" or "xla": how nested loop bodies are emitted
+    backend: str = "pallas"                         # "pallas" or "xla": which emitter runs each kernel
+    components: dict = field(default_factory=dict)  # Program.components: lifted kernel term -> scope path
+    shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site
 
     def value(self, tensor: Term) -> jax.Array:
         """The value of a Tensor term the kernel reads (already computed, or a leaf)."""
@@ -86,7 +88,23 @@ class EmitContext:
 
     def child(self, bound: dict) -> "EmitContext":
         """A context for a loop body: `bound` (LoopArg terms -> values) plus everything known here."""
-        return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend)
+        return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend,
+                           self.components, dict(self.shared))
+
+    def kernel_name(self, term: Term, default: str = "") -> str:
+        """`"<component>:<kind>"` for a kernel term the program's lift named, else `default`."""
+        from extract.plan import kernel_kind, module_path
+
+        component = self.components.get(term)
+        if component is None:
+            return default or kernel_kind(term)
+        component = module_path(component)
+        return name_of(component, kernel_kind(term, component))
+
+
+def name_of(component: str, kind: str) -> str:
+    """The `pallas_call` / named-scope name of a kernel: `"<component>:<kind>"` (`kind` alone at top level)."""
+    return f"{component}:{kind}" if component else kind
 
 
 def loaded_tensors(*exprs: Term) -> list[Term]:
@@ -135,9 +153,17 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
     return xla.emit_kernel(kernel, ctx)
 
 
-def tensors_of(items: Iterable[Term]) -> list[Term]:
-    """Flatten TensorLists among `items` into their tensors."""
-    out: list[Term] = []
-    for item in items:
-        out.extend(list_items(item) if item.sort == "TensorList" else [item])
-    return out
+def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
+    """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
+    emitter `ctx.backend` names. A hosted statistic the Pallas template does not compute itself is
+    emitted right after its host as its own reduce kernel."""
+    from emit import xla
+
+    for call in calls:
+        with jax.named_scope(call.name):
+            produced = xla.emit_kernel(call, ctx) if ctx.backend == "xla" else emit_kernel(call, ctx)
+            ctx.values.update(produced)
+            for reduction in call.hosted:
+                if reduction not in produced:
+                    name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
+                    ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))

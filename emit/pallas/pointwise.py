@@ -72,7 +72,7 @@ def _box_kernel(*refs, value: ValueFn, tensors: tuple[Term, ...], box: tuple[int
     out = value(RefMemory(dict(zip(tensors, operand_refs))), index, mask)
     target_index = tuple(i + s for i, s in zip(index, starts))
     where = jnp.broadcast_to(linearize(target_index, out_shape), (block,))
-    store(out_ref, jnp.clip(where, 0, max(1, math.prod(out_shape)) - 1), jnp.broadcast_to(out, (block,)), mask)
+    store(out_ref, where, jnp.broadcast_to(out, (block,)), mask)
 
 
 def build(value: ValueFn, tensors: Sequence[Term], operands: Sequence[jax.Array], out: jax.ShapeDtypeStruct, *,

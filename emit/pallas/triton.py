@@ -126,13 +126,17 @@ def gather_load(ref, offsets, mask: Mask = True, *, size: int | None = None) -> 
 
 
 def store(ref, where, value, mask: Mask = True) -> None:
-    """Write `value` into flat `ref` at `where`: a `pl.ds` block or an int offsets array (masked)."""
+    """Write `value` into flat `ref` at `where`: a `pl.ds` block or an int offsets array (masked; live
+    lanes must not repeat an offset)."""
     if not isinstance(where, pl.Slice) and not is_static(where):
         shape = jnp.broadcast_shapes(where.shape, jnp.shape(value), () if isinstance(mask, bool) else mask.shape)
         where = jnp.broadcast_to(where, shape)
         value = jnp.broadcast_to(value, shape)
         if not isinstance(mask, bool):
             mask = jnp.broadcast_to(mask, shape)
+            # Masked lanes address one past the end: interpret mode writes every lane back (masked ones
+            # with the old value), so a masked lane must never share an offset with a live one.
+            where = jnp.where(mask, where, ref.shape[0])
     value = jnp.asarray(value).astype(ref.dtype)
     if isinstance(mask, bool):
         if mask:
