@@ -62,6 +62,17 @@ class Lowered:
     def __call__(self, *args, **kwargs):
         return self.plan.evaluate(*args, **kwargs)
 
+    def show(self, **options) -> None:
+        """Draw the plan in a notebook (`eqsat.viz.plan_drawing`; text where Graphviz is missing)."""
+        from eqsat import viz
+
+        viz.show(viz.plan_drawing(self.plan, **options))
+
+    def _repr_svg_(self):
+        from eqsat import viz
+
+        return viz.plan_drawing(self.plan)._repr_svg_()
+
     def report(self, depth: int = 1) -> str:
         """The stats and the per-component table of the plan."""
         s = self.stats

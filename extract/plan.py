@@ -299,6 +299,12 @@ class Plan:
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
+    def to_dot(self, **options) -> str:
+        """The plan as a Graphviz digraph: kernels as boxes, tensors as edges (`eqsat.viz.plan_to_dot`)."""
+        from eqsat.viz import plan_to_dot
+
+        return plan_to_dot(self, **options)
+
     # --- running ----------------------------------------------------------------------------
 
     def evaluate(self, *args, **kwargs):

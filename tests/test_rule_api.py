@@ -57,7 +57,8 @@ unguarded = ruleset(name="test_mask_bias_unguarded")
 @unguarded.register
 def any_fill_is_bias(e: Expr, m: Expr, fill: Expr, s: Expr, ty: String):
     """where(m, s, c) = s + where(m, 0, c) for any fill c: wrong unless c is -inf."""
-    yield rule(e == Select(m, fill, s, ty)).then(union(e).with_(Binary("add", s, Select(m, fill, Lit(0.0, ty), ty), ty)))
+    yield rule(e == Select(m, fill, s, ty)).then(
+        union(e).with_(Binary("add", s, Select(m, fill, Lit(0.0, ty), ty), ty)))
 
 
 def masked_attention(q, k, v, mask):

@@ -1,0 +1,398 @@
+"""Drawing plans and e-graphs: Graphviz DOT text, SVG where a `dot` program exists, matplotlib plots.
+
+    plan.to_dot()                              kernels as boxes (kind, component, fused expression),
+                                               tensors as edges labelled with their type and size
+    lowered.show() / plan_drawing(plan)        the same, displayed inline in a notebook
+    egraph_view(lowered, component="mid_block.attentions.0", depth=2)
+                                               the e-classes around one component, tensor or class,
+                                               the extracted e-nodes highlighted
+    plot_memory(plan), plot_lifetimes(plan)    live activation bytes over the kernel order; buffer lifetimes
+    plot_kernel_counts({"eqsat": ..., "XLA": ...})   kernels per component, side by side
+
+A `Drawing` shows as SVG in Jupyter when Graphviz's `dot` is on the PATH (`apt-get install
+graphviz`); without it, one line says so and the drawing shows as text.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from eqsat.lang import KERNEL_OPS
+
+NO_DOT = "Graphviz's `dot` program is not installed (apt-get install graphviz): showing text instead."
+
+KIND_COLORS = {
+    "matmul": "#cfe2f3", "conv": "#d9ead3", "attention": "#fce5cd", "pointwise": "#eeeeee",
+    "reduce": "#fff2cc", "norm": "#fff2cc", "gather": "#ead1dc", "opaque": "#f4cccc",
+}
+
+
+def dot_program() -> str | None:
+    """The path of Graphviz's `dot`, or None."""
+    return shutil.which("dot")
+
+
+def to_svg(source: str, timeout: float = 60.0) -> str | None:
+    """`source` (DOT) rendered as SVG text by `dot`, or None when there is no `dot`."""
+    dot = dot_program()
+    if dot is None:
+        return None
+    result = subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"dot failed ({result.returncode}): {result.stderr.strip()[:500]}")
+    return result.stdout
+
+
+@dataclass
+class Drawing:
+    """DOT source and a text rendering of the same picture; Jupyter shows the SVG, or the text."""
+
+    source: str
+    text: str
+
+    def svg(self) -> str | None:
+        return to_svg(self.source)
+
+    def _repr_svg_(self) -> str | None:
+        return self.svg()
+
+    def __repr__(self) -> str:
+        return self.text if dot_program() else f"{NO_DOT}\n{self.text}"
+
+
+def show(drawing: Drawing) -> None:
+    """Display `drawing` in a running notebook (SVG, or text without `dot`); print its text elsewhere."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(drawing)
+    else:
+        print(repr(drawing))
+
+
+def human_bytes(count: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{int(count)} B"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\l") + '"'
+
+
+def _wrap(text: str, width: int, limit: int) -> str:
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False)) + "\n"
+
+
+# --- the plan ----------------------------------------------------------------------------------------
+
+
+def _plan_parts(plan, expression_chars: int):
+    """Per kernel: (label lines, color); per edge: (source id, target id, label, hosted statistics?)."""
+    from extract.plan import render
+
+    names = {buffer.term: buffer.name for buffer in plan.buffers}
+    buffers = {buffer.term: buffer for buffer in plan.buffers}
+    kernels = []
+    for kernel in plan.kernels:
+        head = f"%{kernel.index} {kernel.kind}  {human_bytes(kernel.bytes)} moved, {kernel.seconds * 1e6:.1f} µs"
+        component = kernel.component or "(no scope)"
+        expression = render(kernel.term, names, limit=expression_chars + 1)
+        if len(expression) > expression_chars:
+            expression = expression[: expression_chars - 1] + "…"
+        statistics = [f"+ statistics {names[t]}: {render(t, names, limit=80)}" for t in kernel.outputs[1:]]
+        kernels.append((kernel, head, component, expression, statistics))
+    edges = []
+    for kernel in plan.kernels:
+        for tensor in kernel.inputs:
+            buffer = buffers.get(tensor)
+            if buffer is None:
+                continue
+            source = f"k{buffer.first}" if buffer.first >= 0 else f"in_{buffer.name}"
+            label = f"{buffer.name} {tensor.ty} {human_bytes(buffer.bytes)}"
+            edges.append((source, f"k{kernel.index}", label, tensor.op == "EpilogueReduce"))
+    return kernels, edges, buffers
+
+
+def plan_to_dot(plan, *, expression_chars: int = 240, inputs: bool | None = None, title: str | None = None) -> str:
+    """The plan as a DOT digraph: a box per kernel (kind, modeled bytes and time, component, its fused
+    expression with tensors by buffer name), an edge per tensor read (name, type, size; dashed for
+    statistics computed in a producer's epilogue), program inputs as ellipses (`inputs=None`: only
+    when there are at most 24 of them, else one node stands for all) and the outputs."""
+    kernels, edges, buffers = _plan_parts(plan, expression_chars)
+    external = [b for b in plan.buffers if b.first < 0]
+    draw_inputs = inputs if inputs is not None else len(external) <= 24
+    lines = ["digraph plan {",
+             "  rankdir=TB; node [fontname=Helvetica, fontsize=10]; edge [fontname=Helvetica, fontsize=9];"]
+    if title:
+        lines.append(f"  labelloc=t; label={_quote(title)};")
+    for kernel, head, component, expression, statistics in kernels:
+        label = head + "\n" + component + "\n" + _wrap(expression, 60, expression_chars)
+        label += "".join(_wrap(line, 60, 200) for line in statistics)
+        color = KIND_COLORS.get(kernel.kind, "#ffffff")
+        lines.append(f"  k{kernel.index} [shape=box, style=filled, fillcolor={_quote(color)}, label={_quote(label)}];")
+    if draw_inputs:
+        for buffer in external:
+            label = f"{buffer.name}\n{buffer.term.ty}"
+            lines.append(f"  in_{_node_id(buffer.name)} [shape=ellipse, label={_quote(label)}];")
+    elif external:
+        total = sum(b.bytes for b in external)
+        label = f"{len(external)} inputs and constants, {human_bytes(total)}"
+        lines.append(f"  inputs [shape=ellipse, label={_quote(label)}];")
+    for source, target, label, statistics in edges:
+        if source.startswith("in_"):
+            if not draw_inputs:
+                continue
+            source = "in_" + _node_id(source[3:])
+        style = ", style=dashed" if statistics else ""
+        lines.append(f"  {source} -> {target} [label={_quote(label)}{style}];")
+    lines.append("  outputs [shape=doublecircle, label=out, fontsize=9];")
+    for term in plan.outputs:
+        buffer = buffers.get(term)
+        if buffer is not None and (buffer.first >= 0 or draw_inputs):
+            source = f"k{buffer.first}" if buffer.first >= 0 else f"in_{_node_id(buffer.name)}"
+            label = f"{buffer.name} {term.ty} {human_bytes(buffer.bytes)}"
+            lines.append(f"  {source} -> outputs [label={_quote(label)}];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _node_id(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def plan_text(plan, *, expression_chars: int = 240) -> str:
+    """The plan as text: one paragraph per kernel with what it reads."""
+    kernels, edges, _ = _plan_parts(plan, expression_chars)
+    reads: dict[str, list[str]] = {}
+    for _, target, label, statistics in edges:
+        reads.setdefault(target, []).append(label + (" (epilogue statistics)" if statistics else ""))
+    out = [repr(plan)]
+    for kernel, head, component, expression, statistics in kernels:
+        out.append(f"{head}  [{component}]")
+        out.append(textwrap.indent(_wrap(expression, 100, expression_chars), "    ").rstrip())
+        out.extend(f"    {line}" for line in statistics)
+        out.extend(f"    reads {label}" for label in reads.get(f"k{kernel.index}", []))
+    return "\n".join(out)
+
+
+def plan_drawing(plan, **options) -> Drawing:
+    """`plan_to_dot` and `plan_text` of `plan`, for display."""
+    return Drawing(plan_to_dot(plan, **options), plan_text(plan))
+
+
+# --- the e-graph -------------------------------------------------------------------------------------
+
+
+def chosen_nodes(selection) -> set[int]:
+    """The e-nodes an `extract.Selection` uses, in any kernel."""
+    return {selection.node_of(slot) for slot in selection.postorder()}
+
+
+def neighbourhood(graph, around: Iterable[int], depth: int = 2, max_classes: int = 40, *,
+                  readers: bool = False) -> list[int]:
+    """Classes within `depth` hops of `around` through operands (and readers, with `readers=True`),
+    nearest first, at most `max_classes`."""
+    parents: dict[int, set[int]] = {}
+    if readers:
+        for node, cls in enumerate(graph.node_class):
+            for child in graph.node_children[node]:
+                if child >= 0:
+                    parents.setdefault(child, set()).add(cls)
+    order = list(dict.fromkeys(around))
+    seen = set(order)
+    frontier = list(order)
+    for _ in range(depth):
+        following = []
+        for cls in frontier:
+            neighbours = [c for node in graph.class_nodes[cls] for c in graph.node_children[node] if c >= 0]
+            neighbours += sorted(parents.get(cls, ()))
+            for other in neighbours:
+                if other not in seen and graph.class_sort[other] in ("Tensor", "Expr", "TensorList"):
+                    seen.add(other)
+                    following.append(other)
+        order.extend(following)
+        frontier = following
+    return order[:max_classes]
+
+
+def _literal_text(literal) -> str:
+    return f"{literal:g}" if isinstance(literal, float) else repr(literal) if isinstance(literal, str) else str(literal)
+
+
+def _is_type(literal) -> bool:
+    return isinstance(literal, str) and literal.endswith("]") and "[" in literal
+
+
+def _node_label(graph, node: int) -> str:
+    """`op(args)` with operands as dots and type strings left out (the class label has the type)."""
+    parts = ["·" if child >= 0 else _literal_text(literal)
+             for child, literal in zip(graph.node_children[node], graph.node_literals[node])
+             if child >= 0 or not _is_type(literal)]
+    text = f"{graph.node_op[node]}({', '.join(parts)})"
+    return text if len(text) <= 48 else text[:47] + "…"
+
+
+def egraph_to_dot(graph, classes: Sequence[int], *, chosen: set[int] = frozenset(), focus: Iterable[int] = (),
+                  title: str | None = None) -> str:
+    """E-classes `classes` of an `extract.EGraphData` as dashed clusters of their e-nodes; an edge from
+    an e-node to each operand class; operand classes outside `classes` as grey points; `chosen`
+    e-nodes (the extracted plan) filled gold; `focus` classes outlined in red."""
+    shown = set(classes)
+    focus = set(focus)
+    lines = ["digraph egraph {",
+             "  compound=true; rankdir=TB; node [fontname=Helvetica, fontsize=9, shape=box, style=rounded];"]
+    if title:
+        lines.append(f"  labelloc=t; label={_quote(title)};")
+    outside: set[int] = set()
+    for cls in classes:
+        color = "red" if cls in focus else "grey40"
+        label = f"e{cls} {graph.class_type[cls] or graph.class_sort[cls]}"
+        lines.append(f"  subgraph cluster_{cls} {{ style=dashed; color={color}; fontsize=9; label={_quote(label)};")
+        for node in graph.class_nodes[cls]:
+            style = "style=\"rounded,filled,bold\", fillcolor=gold" if node in chosen else ""
+            lines.append(f"    n{node} [label={_quote(_node_label(graph, node))} {style}];")
+        if not graph.class_nodes[cls]:
+            lines.append(f"    n_empty{cls} [label=\"\", shape=point];")
+        lines.append("  }")
+    for cls in classes:
+        for node in graph.class_nodes[cls]:
+            for child in dict.fromkeys(c for c in graph.node_children[node] if c >= 0):
+                if child in shown and graph.class_nodes[child]:
+                    target = f"n{graph.class_nodes[child][0]}"
+                    lines.append(f"  n{node} -> {target} [lhead=cluster_{child}];")
+                else:
+                    outside.add(child)
+                    lines.append(f"  n{node} -> out{child};")
+    for child in sorted(outside):
+        lines.append(f"  out{child} [shape=point, color=grey60, xlabel={_quote(f'e{child}')}, fontcolor=grey50];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def egraph_text(graph, classes: Sequence[int], *, chosen: set[int] = frozenset()) -> str:
+    """The same view as text: a line per class, its e-nodes with operands as class ids (* = chosen)."""
+    out = []
+    for cls in classes:
+        members = []
+        for node in graph.class_nodes[cls]:
+            operands = zip(graph.node_children[node], graph.node_literals[node])
+            args = [f"e{c}" if c >= 0 else _literal_text(lit) for c, lit in operands if c >= 0 or not _is_type(lit)]
+            members.append(("*" if node in chosen else "") + f"{graph.node_op[node]}({', '.join(args)})")
+        out.append(f"e{cls} {graph.class_type[cls] or graph.class_sort[cls]}: " + " | ".join(members))
+    return "\n".join(out)
+
+
+def class_components(lowered) -> dict[int, str]:
+    """E-class -> component path for a lowering's serialized e-graph (`extract.plan.components_of_classes`)."""
+    from extract.plan import components_of_classes
+
+    program, handles = lowered.program, lowered.builder.handles
+    by_handle = {handle: program.components.get(term, "") for term, handle in handles.items()}
+    return components_of_classes(lowered.extraction.graph, by_handle)
+
+
+def egraph_view(lowered, *, component: str | None = None, term=None, classes: Iterable[int] = (), depth: int = 2,
+                max_classes: int = 30, readers: bool = False, title: str | None = None) -> Drawing:
+    """The e-classes around one component (Tensor classes with a kernel e-node whose component path
+    ends with `component`, extracted ones first), one lifted tensor `term`, or explicit `classes`:
+    `depth` hops through their operands (and readers), the extracted e-nodes highlighted. A whole
+    UNet (~12,700 e-classes) says nothing drawn; this does."""
+    extraction = lowered.extraction
+    graph = extraction.graph
+    around = list(classes)
+    if term is not None:
+        around.append(graph.handles[lowered.builder.handles[term]])
+    chosen = chosen_nodes(extraction.selection)
+    if component is not None:
+        labels = class_components(lowered)
+        matching = [c for c in range(graph.num_classes) if graph.class_sort[c] == "Tensor"
+                    and labels.get(c, "").split("/")[-1].endswith(component)
+                    and any(graph.node_op[n] in KERNEL_OPS for n in graph.class_nodes[c])]
+        if not matching:
+            raise ValueError(f"no kernel e-class belongs to a component ending with {component!r}")
+        matching.sort(key=lambda c: not chosen & set(graph.class_nodes[c]))  # the extracted ones first
+        around.extend(matching[:max(1, max_classes // 4)])
+    if not around:
+        raise ValueError("say what to draw around: component=, term= or classes=")
+    shown = neighbourhood(graph, around, depth, max_classes, readers=readers)
+    where = component or (f"{term.op} {term.ty}" if term is not None else ", ".join(f"e{c}" for c in around))
+    heading = title or f"{len(shown)} of {graph.num_classes} e-classes around {where} (extracted e-nodes in gold)"
+    return Drawing(egraph_to_dot(graph, shown, chosen=chosen, focus=around, title=heading),
+                   heading + "\n" + egraph_text(graph, shown, chosen=chosen))
+
+
+# --- plots (matplotlib) ------------------------------------------------------------------------------
+
+
+def live_bytes(plan) -> list[int]:
+    """Bytes of live activation and output buffers while each kernel of the plan runs."""
+    live = [0] * len(plan.kernels)
+    for buffer in plan.buffers:
+        if buffer.kind in ("activation", "output"):
+            for i in range(buffer.first, buffer.last + 1):
+                live[i] += buffer.bytes
+    return live
+
+
+def plot_memory(plan, ax=None, label: str | None = None):
+    """Live activation memory over the kernel order, its peak marked."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(8, 3))[1]
+    live = [b / 2**20 for b in live_bytes(plan)]
+    ax.step(range(len(live)), live, where="post", label=label)
+    if live:
+        peak = max(range(len(live)), key=live.__getitem__)
+        ax.annotate(f"peak {live[peak]:.1f} MiB", (peak, live[peak]), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("kernel (plan order)")
+    ax.set_ylabel("live activations (MiB)")
+    return ax
+
+
+def plot_lifetimes(plan, ax=None, largest: int = 40):
+    """Each of the `largest` activation/output buffers as a bar from its producer to its last reader."""
+    import matplotlib.pyplot as plt
+
+    buffers = [b for b in plan.buffers if b.kind in ("activation", "output")]
+    buffers = sorted(sorted(buffers, key=lambda b: -b.bytes)[:largest], key=lambda b: b.first)
+    ax = ax or plt.subplots(figsize=(8, max(2.0, 0.18 * len(buffers))))[1]
+    sizes = [b.bytes / 2**20 for b in buffers]
+    top = max(sizes, default=1.0) or 1.0
+    colors = plt.cm.viridis([s / top for s in sizes])
+    ax.barh(range(len(buffers)), [b.last - b.first + 1 for b in buffers], left=[b.first for b in buffers],
+            color=colors, height=0.8)
+    ax.set_yticks(range(len(buffers)), [f"{b.name} {human_bytes(b.bytes)}" for b in buffers], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("kernel (plan order)")
+    return ax
+
+
+def plot_kernel_counts(series: dict[str, dict[str, int]], ax=None, title: str | None = None):
+    """Grouped bars: kernels per component for each named series (e.g. {"eqsat": ..., "XLA": ...})."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    groups = list(dict.fromkeys(g for counts in series.values() for g in counts))
+    ax = ax or plt.subplots(figsize=(max(6.0, 0.6 * len(groups) * len(series)), 3.5))[1]
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (name, counts) in enumerate(series.items()):
+        bars = ax.bar(x + i * width, [counts.get(g, 0) for g in groups], width, label=name)
+        ax.bar_label(bars, fontsize=7)
+    ax.set_xticks(x + width * (len(series) - 1) / 2, [g or "(no scope)" for g in groups], rotation=30, ha="right")
+    ax.set_ylabel("kernels")
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,127 @@
+"""Drawing plans and e-graphs (`eqsat.viz`): DOT text, SVG through `dot` when installed, text otherwise, plots."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqsat
+from eqsat import viz
+
+
+def _spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _rms_after_matmul(x, w, g):
+    """A matmul, then RMSNorm: the norm's sum of squares is computed in the matmul's epilogue."""
+    h = x @ w
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * g
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return eqsat.optimize(_rms_after_matmul, progress=False).lower(_spec(24, 16), _spec(16, 40), _spec(40))
+
+
+def test_plan_dot_has_a_box_per_kernel_and_an_edge_per_tensor_read(lowered):
+    plan = lowered.plan
+    source = plan.to_dot()
+    boxes = re.findall(r"^  k(\d+) \[shape=box", source, flags=re.M)
+    assert sorted(map(int, boxes)) == [k.index for k in plan.kernels]
+    for kernel in plan.kernels:
+        assert f"%{kernel.index} {kernel.kind}" in source
+    reads = sum(len(k.inputs) for k in plan.kernels)
+    assert len(re.findall(r"-> k\d+ \[", source)) == reads
+    assert "arg0 f32[24,16] 1.5 KiB" in source                      # a tensor edge: name, type, size
+    assert "outputs [shape=doublecircle" in source and re.search(r"k\d+ -> outputs", source)
+
+
+def test_epilogue_statistics_are_dashed_edges_and_listed_in_their_host(lowered):
+    plan = lowered.plan
+    assert plan.hosted_reductions == 1, plan.kinds()
+    source = plan.to_dot()
+    assert len(re.findall(r"style=dashed", source)) == 1
+    assert "+ statistics %0.1" in source
+    assert "(epilogue statistics)" in viz.plan_text(plan)
+
+
+def test_many_inputs_collapse_into_one_node(lowered):
+    source = viz.plan_to_dot(lowered.plan, inputs=False)
+    assert "in_arg" not in source and "3 inputs and constants" in source
+
+
+@pytest.mark.skipif(viz.dot_program() is None, reason="Graphviz `dot` is not installed")
+def test_dot_renders_svg(lowered):
+    svg = lowered._repr_svg_()
+    assert svg is not None and "<svg" in svg and "matmul" in svg
+
+
+def test_without_dot_a_drawing_says_so_and_is_text(lowered, monkeypatch, capsys):
+    monkeypatch.setattr(viz.shutil, "which", lambda name: None)
+    drawing = viz.plan_drawing(lowered.plan)
+    assert drawing._repr_svg_() is None
+    text = repr(drawing)
+    assert text.splitlines()[0] == viz.NO_DOT and "matmul" in text
+    lowered.show()                                                   # no notebook here: prints
+    assert viz.NO_DOT in capsys.readouterr().out
+
+
+def test_egraph_view_is_limited_and_highlights_the_extracted_nodes(lowered):
+    graph = lowered.extraction.graph
+    output = lowered.program.outputs[0]
+    drawing = viz.egraph_view(lowered, term=output, depth=2, max_classes=6)
+    clusters = re.findall(r"subgraph cluster_(\d+)", drawing.source)
+    assert 1 < len(clusters) <= 6 < graph.num_classes
+    root = graph.handles[lowered.builder.handles[output]]
+    focus = [line for line in drawing.source.splitlines() if "color=red" in line]
+    assert int(clusters[0]) == root and len(focus) == 1 and f"cluster_{root} " in focus[0]
+    chosen = viz.chosen_nodes(lowered.extraction.selection)
+    drawn = {int(n) for n in re.findall(r"^    n(\d+) \[", drawing.source, flags=re.M)}
+    gold = {int(n) for n in re.findall(r"^    n(\d+) \[.*fillcolor=gold", drawing.source, flags=re.M)}
+    assert gold == drawn & chosen and gold
+    assert [graph.node_op[n] for n in gold & set(graph.class_nodes[root])] == [lowered.plan.outputs[0].op]
+    lines = drawing.text.splitlines()[1:]
+    assert len(lines) == len(clusters) and lines[0].startswith(f"e{root} ")
+
+
+def test_egraph_view_by_component_and_its_errors():
+    def scoped(x, w):
+        with jax.named_scope("proj"):
+            h = x @ w
+        with jax.named_scope("act"):
+            return jax.nn.relu(h) * 2.0
+
+    lowered = eqsat.optimize(scoped, progress=False).lower(_spec(8, 4), _spec(4, 8))
+    drawing = viz.egraph_view(lowered, component="proj", depth=1)
+    assert "around proj" in drawing.text
+    with pytest.raises(ValueError, match="no kernel e-class belongs"):
+        viz.egraph_view(lowered, component="nowhere")
+    with pytest.raises(ValueError, match="say what to draw"):
+        viz.egraph_view(lowered)
+
+
+def test_live_bytes_peak_is_the_plans_peak(lowered):
+    assert max(viz.live_bytes(lowered.plan)) == lowered.plan.peak_bytes
+
+
+def test_plots_draw(lowered):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ax = viz.plot_memory(lowered.plan)
+    assert len(ax.lines) == 1
+    ax = viz.plot_lifetimes(lowered.plan)
+    assert len(ax.patches) == sum(b.kind in ("activation", "output") for b in lowered.plan.buffers)
+    ax = viz.plot_kernel_counts({"eqsat": {"a": 1, "b": 2}, "XLA": {"a": 3, "c": 1}})
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"] and len(ax.patches) == 6
+    plt.close("all")
+
+
+def test_human_bytes():
+    assert [viz.human_bytes(n) for n in (0, 1023, 1024, 3 * 2**20, 2**31)] == ["0 B", "1023 B", "1.0 KiB",
+                                                                               "3.0 MiB", "2.0 GiB"]
