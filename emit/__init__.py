@@ -6,9 +6,11 @@
 Backends:
 
 - `pallas`: every kernel of the plan is a Pallas `pallas_call` named `"<component>:<kind>"`
-  (`emit.pallas` dispatches each kernel op to its template), lowered through Triton on a GPU and
-  run with `interpret=True` elsewhere (override with `interpret=`). A kernel no template covers
-  runs through the XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
+  (`emit.pallas` dispatches each kernel op to its template), compiled by Triton where the function
+  is lowered for a GPU and run with `interpret=True` where it is lowered for a CPU (the choice is
+  made at lowering, so `eqsat.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
+  machine; force it with `interpret=True/False`). A kernel no template covers runs through the
+  XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
 - `xla`: every kernel in jax.numpy/lax (`emit.xla`), the reference for the templates and the fast
   path on a CPU.
 - `auto`: `pallas` when jax's default backend is a GPU, else `xla`.
@@ -51,17 +53,17 @@ class Emitted:
             raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
         self.plan = plan
         self.backend = resolve_backend(backend)
-        self.interpret = (jax.default_backend() != "gpu") if interpret is None else bool(interpret)
+        self.interpret = None if interpret is None else bool(interpret)
         self._jitted = jax.jit(self._run_leaves)
 
     @property
     def program(self):
         return self.plan.program
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.backend == "interpret":
-            return self.plan.evaluate(*args)
-        env = self.program.environment(*args)
+            return self.plan.evaluate(*args, **kwargs)
+        env = self.program.environment(*args, **kwargs)
         leaves = [env[term.args[0]] for term in self.program.inputs]
         return self.program.results(self._jitted(leaves))
 
@@ -79,7 +81,7 @@ class Emitted:
         self.__init__(state["plan"], state["backend"], interpret=state["interpret"])
 
     def __repr__(self) -> str:
-        mode = " interpreted" if self.backend == "pallas" and self.interpret else ""
+        mode = f", interpret={self.interpret}" if self.backend == "pallas" and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 

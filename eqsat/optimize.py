@@ -3,7 +3,7 @@
     fast = eqsat.optimize(fn, device="h100")          # or @eqsat.optimize / @eqsat.optimize(...)
     lowered = fast.lower(*args)                        # arrays or ShapeDtypeStructs
     lowered.plan, lowered.program, lowered.egraph, lowered.stats, print(lowered.report())
-    fast(*args)                                        # runs the plan (reference interpreter)
+    fast(*args)                                        # runs the emitted plan (see "Running" below)
 
 Stages, timed under these names in `stats["seconds"]`, logs and reports:
 
@@ -13,10 +13,17 @@ Stages, timed under these names in `stats["seconds"]`, logs and reports:
     extract    serialized e-graph -> chosen DAG -> Plan                (extract)
 
 If saturation stops at a limit, the e-graph still holds every rewrite made so far, so the
-extracted plan is the best found so far; a warning says which limit stopped it. Calling the
-optimized function evaluates the plan with the reference interpreter (`eqsat.interpret`):
-correct everywhere, fast nowhere. Emitting the plan as Pallas kernels is the `emit/` stage.
+extracted plan is the best found so far; a warning says which limit stopped it.
 Lowerings are cached per argument signature (shapes, dtypes, pytree structure, static values).
+
+Running: calling the optimized function runs its plan through `emit.emit(plan, backend)`, built
+once per signature: `backend="pallas"` emits every kernel as a Pallas kernel (Triton on a GPU,
+interpreted on a CPU; `interpret=` forces either), `"xla"` as jax.numpy (the fast path on a CPU),
+`"auto"` (default) picks `pallas` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
+plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
+optimized function pickles without its lowerings (it re-plans where it is unpickled), so
+`eqsat.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
+emitted kernels for an H100.
 
 Arguments are `jax.jit`'s: positional and keyword arguments (keywords are dynamic unless named in
 `static_argnames`), `static_argnums`/`static_argnames` and `donate_argnums`/`donate_argnames`,
@@ -58,9 +65,23 @@ class Lowered:
     extraction: object = None       # extract.Extraction
     builder: object = None          # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
     warnings: list = field(default_factory=list)
+    backend: str = "auto"           # how calling it runs the plan (see `emit.emit`)
+    interpret: bool | None = None   # pallas_call(interpret=...); None: by the platform it is lowered for
+    _emitted: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, *args, **kwargs):
-        return self.plan.evaluate(*args, **kwargs)
+        return self.executable()(*args, **kwargs)
+
+    def executable(self, backend: str | None = None, interpret: bool | None = None):
+        """The plan emitted for `backend` (default: this lowering's), built once and kept."""
+        import emit
+
+        backend = emit.resolve_backend(backend or self.backend)
+        interpret = self.interpret if interpret is None else interpret
+        key = (backend, interpret)
+        if key not in self._emitted:
+            self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret)
+        return self._emitted[key]
 
     def show(self, **options) -> None:
         """Draw the plan in a notebook (`eqsat.viz.plan_drawing`; text where Graphviz is missing)."""
@@ -93,7 +114,10 @@ class Optimized:
 
     def __init__(self, fn, *, static_argnums=None, static_argnames=None, donate_argnums=None,
                  donate_argnames=None, device="h100", rulesets=None, node_limit=200_000, iteration_limit=400,
-                 time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None):
+                 time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None, backend="auto",
+                 interpret=None):
+        import emit
+
         from jax._src import api_util
 
         if not callable(fn):
@@ -110,13 +134,22 @@ class Optimized:
         self.extractor = extractor
         self.extract_time_limit = extract_time_limit
         self.progress = progress
+        emit.resolve_backend(backend)  # validates the name now; "auto" is resolved where the plan runs
+        self.backend = backend
+        self.interpret = interpret
         self._cache: dict = {}
         self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
         self._note_donation(args, kwargs)
-        return self.lower(*args, **kwargs).plan.evaluate(*args, **kwargs)
+        return self.lower(*args, **kwargs).executable(self.backend, self.interpret)(*args, **kwargs)
+
+    def __getstate__(self):
+        """Pickled without its lowerings (e-graphs and opaque primitives do not pickle): it re-plans."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
 
     def _note_donation(self, args, kwargs) -> None:
         """Say once that donated buffers stay valid: the reference interpreter runs op by op. Under
@@ -169,7 +202,7 @@ class Optimized:
                         kwargs=kwargs, device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
                         iteration_limit=self.iteration_limit, time_limit=self.time_limit,
                         extractor=self.extractor, extract_time_limit=self.extract_time_limit,
-                        progress=self.progress)
+                        progress=self.progress, backend=self.backend, interpret=self.interpret)
         if key is not None:
             self._cache[key] = lowered
         return lowered
@@ -178,7 +211,7 @@ class Optimized:
 def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,
              device="h100", rulesets=None, node_limit: int = 200_000, iteration_limit: int = 400,
              time_limit: float = 60.0, extractor: str = "auto", extract_time_limit: float = 5.0,
-             progress: bool | None = None):
+             progress: bool | None = None, backend: str = "auto", interpret: bool | None = None):
     """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
 
     `static_argnums`/`static_argnames`/`donate_argnums`/`donate_argnames` as in `jax.jit` (see the
@@ -186,11 +219,13 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
     or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
+    `backend` ("auto", "pallas", "xla", "interpret") and `interpret` say how calls run the plan
+    (`emit.emit`; see "Running" in the module docstring).
     """
     options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                    donate_argnames=donate_argnames, device=device, rulesets=rulesets, node_limit=node_limit,
                    iteration_limit=iteration_limit, time_limit=time_limit, extractor=extractor,
-                   extract_time_limit=extract_time_limit, progress=progress)
+                   extract_time_limit=extract_time_limit, progress=progress, backend=backend, interpret=interpret)
     if fn is None:
         return lambda f: Optimized(f, **options)
     return Optimized(fn, **options)
@@ -210,7 +245,7 @@ def _schedule(rulesets):
 
 def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device="h100", rulesets=None,
           node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
-          progress=None) -> Lowered:
+          progress=None, backend="auto", interpret=None) -> Lowered:
     """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring)."""
     from tqdm.auto import tqdm
 
@@ -280,7 +315,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "kinds": plan.kinds(),
         "hosted_reductions": plan.hosted_reductions,
     }
-    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught)
+    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, backend, interpret)
 
 
 class _Timer:

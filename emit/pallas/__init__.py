@@ -68,7 +68,7 @@ class EmitContext:
     values: dict = field(default_factory=dict)      # Tensor term -> jax array (inputs, constants, earlier kernels, loop args)
     constants: dict = field(default_factory=dict)   # Program.constants: Constant key -> array
     payloads: dict = field(default_factory=dict)    # Program.payloads: Opaque/Gather/Loop key -> what it needs
-    interpret: bool = True                          # pallas_call(interpret=...): True without a GPU
+    interpret: bool | None = None                   # pallas_call(interpret=...); None: by the lowering platform
     backend: str = "pallas"                         # "pallas" or "xla": which emitter runs each kernel
     components: dict = field(default_factory=dict)  # Program.components: lifted kernel term -> scope path
     shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site

@@ -19,7 +19,7 @@ jax 0.10.2 facts this module encodes (`jax/_src/pallas/triton/lowering.py`):
 Index arithmetic is int32: tensors must have fewer than 2**31 elements (checked).
 
     out = pallas_call(kernel, [x, w], [jax.ShapeDtypeStruct(shape, dtype)], grid=(n,),
-                      name="mid_block.attentions.0:pointwise", interpret=not on_gpu())
+                      name="mid_block.attentions.0:pointwise", interpret=None)
     def kernel(x_ref, w_ref, out_ref):                        # flat refs, in operand order
         memory = RefMemory({x_term: x_ref, w_term: w_ref})
         value = compile_expr(body)(memory, index, mask)
@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -42,7 +43,7 @@ from eqsat.types import parse_type
 
 __all__ = [
     "CompilerParams", "RefMemory", "compiler_params", "erf", "flat", "gather_load", "next_pow2",
-    "on_gpu", "pallas_call", "store", "MAX_ELEMENTS",
+    "pallas_call", "store", "MAX_ELEMENTS",
 ]
 
 CompilerParams = pltriton.CompilerParams
@@ -59,11 +60,6 @@ def prev_pow2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-def on_gpu() -> bool:
-    """Whether jax's default backend is a GPU (then kernels compile; else they run interpreted)."""
-    return jax.default_backend() == "gpu"
-
-
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> CompilerParams:
     """The Triton compiler parameters every kernel passes explicitly (never Mosaic GPU's default)."""
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -78,11 +74,14 @@ def flat(array) -> jax.Array:
 
 
 def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.ShapeDtypeStruct], *,
-                grid: tuple[int, ...], name: str, interpret: bool, num_warps: int = 4, num_stages: int = 2,
+                grid: tuple[int, ...], name: str, interpret: bool | None, num_warps: int = 4, num_stages: int = 2,
                 input_output_aliases: Mapping[int, int] | None = None) -> list[jax.Array]:
     """Run `kernel(*operand_refs, *out_refs)` over `grid` with every operand and result a flat ref.
 
     Operands are flattened here; results come back in their `out_shapes` (reshaped from flat).
+    `interpret=None` leaves the choice to the platform the computation is lowered for
+    (`lax.platform_dependent`: interpreted on a CPU, compiled by Triton on a GPU), so one traced
+    function runs on this machine and compiles for an H100 (`eqsat.xla_target.compile_for_h100`).
     `input_output_aliases` maps operand positions to result positions (the result starts as that
     operand: an in-place update writes only what it changes).
     """
@@ -92,18 +91,24 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
         if math.prod(shape.shape) > MAX_ELEMENTS:
             raise ValueError(f"{name}: a result of {math.prod(shape.shape)} elements exceeds the int32 index range")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    call = pl.pallas_call(
-        kernel,
-        out_shape=flat_shapes,
-        grid=tuple(int(g) for g in grid),
-        in_specs=[any_spec] * len(flats),
-        out_specs=[any_spec] * len(flat_shapes),
-        input_output_aliases=dict(input_output_aliases or {}),
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name=name,
-    )
-    results = call(*flats)
+
+    def call(interpret_here: bool):
+        return pl.pallas_call(
+            kernel,
+            out_shape=flat_shapes,
+            grid=tuple(int(g) for g in grid),
+            in_specs=[any_spec] * len(flats),
+            out_specs=[any_spec] * len(flat_shapes),
+            input_output_aliases=dict(input_output_aliases or {}),
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=interpret_here,
+            name=name,
+        )
+
+    if interpret is None:  # decided where it is lowered: interpreted on a CPU, Triton on a GPU
+        results = lax.platform_dependent(*flats, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
+    else:
+        results = call(interpret)(*flats)
     return [jnp.reshape(result, shape.shape) for result, shape in zip(results, out_shapes)]
 
 
