@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -409,7 +409,7 @@ def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int
     return evaluate
 
 
-def _epilogue(expr: Term, tensors: Sequence[Term], term_ty: str) -> EpilogueFn:
+def _epilogue(expr: Term, tensors: Sequence[Term]) -> EpilogueFn:
     compiled = compile_expr(expr)
 
     def evaluate(refs, acc, index, mask):
@@ -423,20 +423,26 @@ def _epilogue(expr: Term, tensors: Sequence[Term], term_ty: str) -> EpilogueFn:
     return evaluate
 
 
-def emit(kernel, ctx) -> dict:
-    """Emit a `Conv` kernel term (`emit.pallas.KernelCall`) with this template; returns
-    `{kernel.term: output}`. Hosted statistics are left to the driver."""
-    term = kernel.term
+def run(term: Term, operands: Mapping[Term, jax.Array], *, config: ConvConfig | None = None,
+        interpret: bool = False, name: str = "conv") -> jax.Array:
+    """The output of the `Conv` kernel `term`, the tensors it reads bound by `operands`."""
+    if term.op != "Conv":
+        raise ValueError(f"the conv template emits Conv kernels, not {term.op}")
     lhs, rhs, params_key, epilogue, ty = term.args
     params = ConvParams.parse(params_key)
     geometry = ConvGeometry(params, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty).shape)
     tensors = loaded_tensors(lhs, rhs, epilogue)
-    ranges = []
-    for part in k_ranges(term):
-        taps = part.taps
-        ranges.append(KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
-                             _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), taps))
+    ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
+                     _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), part.taps)
+              for part in k_ranges(term)]
     dot_dtype = jnp.promote_types(parse_type(lhs.ty).dtype, parse_type(rhs.ty).dtype)
-    out = build(geometry, ranges, _epilogue(epilogue, tensors, ty), [ctx.value(t) for t in tensors],
-                parse_type(ty).dtype, dot_dtype=dot_dtype, interpret=ctx.interpret, name=kernel.name)
-    return {term: out}
+    return build(geometry, ranges, _epilogue(epilogue, tensors), [operands[t] for t in tensors],
+                 parse_type(ty).dtype, config=config, dot_dtype=dot_dtype, interpret=interpret, name=name)
+
+
+def emit(kernel, ctx) -> dict:
+    """Emit a `Conv` kernel (`emit.pallas.KernelCall`) in an `emit.pallas.EmitContext`: returns
+    `{kernel.term: output}`; hosted statistics are left to the driver."""
+    term = kernel.term
+    operands = {t: ctx.value(t) for t in loaded_tensors(*term.args[0:2], term.args[3])}
+    return {term: run(term, operands, interpret=ctx.interpret, name=kernel.name)}

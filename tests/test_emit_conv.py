@@ -1,0 +1,324 @@
+"""The conv template (`emit/pallas/conv.py`) in interpret mode.
+
+Two levels: `Conv` terms built here and run by `conv.run` against `conv.reference` and the
+reference interpreter (layouts, strides, windows, tails of several tiles, NaN, padding after the
+prologue); and plans of small JAX functions (`eqsat.optimize(...).lower(...)`) emitted with
+`backend="pallas"` against `backend="xla"` and the plain function (a tiny ResNet block with its
+GroupNorm prologue, time embedding and merged shortcut, conv after upsample, conv over
+concat(h, skip), a stride-2 downsampler, conv_in/conv_out with their NCHW permutes). Tolerances
+are keyed by dtype. Shapes are small and blocks large: interpret mode costs ~35 µs per grid step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import emit
+import eqsat
+from emit.pallas import XlaFallbackWarning, conv
+from eqsat.conv_params import ConvParams
+from eqsat.interpret import evaluate
+from eqsat.lift import CONVERT
+from eqsat.term import Term
+from eqsat.types import format_type
+from sd15 import layers
+
+TOLERANCE = {jnp.float32: 2e-4, jnp.float16: 2e-2, jnp.bfloat16: 6e-2}
+SMALL_TILES = conv.ConvConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+
+
+def _close(actual, expected, dtype=jnp.float32, scale=1.0):
+    tol = TOLERANCE[jnp.dtype(dtype).type] * scale
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol, equal_nan=True)
+
+
+# --- Conv terms ---------------------------------------------------------------------------------
+
+
+def _input(name, shape, dtype="float32"):
+    return Term("Input", name, format_type(dtype, shape))
+
+
+def _load(tensor):
+    return Term("Load", tensor, tensor.ty)
+
+
+def _params(lhs_shape, rhs_shape, layouts, strides, padding):
+    numbers = lax.conv_dimension_numbers(lhs_shape, rhs_shape, layouts)
+    return ConvParams.from_lax(strides, padding, (1, 1), (1, 1), numbers)
+
+
+def _conv_term(lhs, rhs, params, out_dtype="float32", epilogue=lambda acc: acc):
+    """`Conv(lhs, rhs)` with an fp32 accumulator, `epilogue(acc)`, then a cast to `out_dtype`."""
+    shape = jax.eval_shape(
+        lambda a, b: lax.conv_general_dilated(a, b, **params.lax_kwargs()),
+        jax.ShapeDtypeStruct(_shape(lhs), jnp.float32), jax.ShapeDtypeStruct(_shape(rhs), jnp.float32)).shape
+    body = epilogue(Term("Acc", format_type("float32", shape)))
+    if out_dtype != "float32":
+        body = Term("Unary", CONVERT, body, format_type(out_dtype, shape))
+    return Term("Conv", lhs, rhs, params.key, body, format_type(out_dtype, shape))
+
+
+def _shape(expr):
+    from eqsat.types import parse_type
+
+    return parse_type(expr.ty).shape
+
+
+def _run_both(term, env, config=SMALL_TILES):
+    """(template output, interpreter output) of a Conv term whose inputs are bound by `env`."""
+    values = {t: env[t.args[0]] for t in _inputs_of(term)}
+    out = conv.run(term, values, config=config, interpret=True, name="test:conv")
+    (expected,) = evaluate([term], env)
+    return out, expected
+
+
+def _inputs_of(term):
+    from eqsat.term import postorder
+
+    return [node for node in postorder([term]) if node.op == "Input"]
+
+
+LAYOUTS = [("NHWC", "OIHW", "NHWC"), ("NCHW", "OIHW", "NCHW"), ("NHWC", "HWIO", "NCHW")]
+
+
+def _operand_shapes(layouts, batch, height, width, cin, cout, window):
+    sizes = {"N": batch, "H": height, "W": width, "C": cin}
+    lhs = tuple(sizes[c] for c in layouts[0])
+    wsizes = {"O": cout, "I": cin, "H": window[0], "W": window[1]}
+    return lhs, tuple(wsizes[c] for c in layouts[1])
+
+
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda l: "-".join(l))
+@pytest.mark.parametrize("window,strides,padding", [
+    ((3, 3), (1, 1), ((1, 1), (1, 1))),
+    ((3, 3), (2, 2), ((1, 1), (1, 1))),
+    ((1, 1), (1, 1), ((0, 0), (0, 0))),
+    ((3, 1), (2, 1), ((0, 2), (0, 0))),   # asymmetric window and padding, stride in one axis
+], ids=["3x3", "3x3-stride2", "1x1", "3x1-asym"])
+def test_geometry_follows_the_dimension_numbers(layouts, window, strides, padding):
+    lhs_shape, rhs_shape = _operand_shapes(layouts, 2, 7, 5, 6, 20, window)
+    x, w = _input("x", lhs_shape), _input("w", rhs_shape)
+    term = _conv_term(_load(x), _load(w), _params(lhs_shape, rhs_shape, layouts, strides, padding))
+    rng = np.random.default_rng(0)
+    env = {"x": rng.normal(size=lhs_shape).astype(np.float32), "w": rng.normal(size=rhs_shape).astype(np.float32)}
+    env["x"].flat[17] = np.nan  # propagates to the outputs whose window covers it, as in lax
+    out, expected = _run_both(term, env)
+    assert np.isnan(np.asarray(expected)).any()
+    _close(out, expected)
+    _close(out, conv.reference(env["x"], env["w"], _params(lhs_shape, rhs_shape, layouts, strides, padding)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_inputs_accumulate_in_fp32(dtype):
+    lhs_shape, rhs_shape = (1, 6, 6, 40), (24, 40, 3, 3)
+    x, w = _input("x", lhs_shape, dtype), _input("w", rhs_shape, dtype)
+    params = _params(lhs_shape, rhs_shape, LAYOUTS[0], (1, 1), ((1, 1), (1, 1)))
+    term = _conv_term(_load(x), _load(w), params, out_dtype=dtype)
+    rng = np.random.default_rng(1)
+    # An offset large against the spread: a 16-bit accumulator would lose the small terms.
+    env = {"x": jnp.asarray(300.0 + rng.normal(size=lhs_shape), dtype),
+           "w": jnp.asarray(rng.normal(size=rhs_shape) * 0.1, dtype)}
+    out, expected = _run_both(term, env)
+    assert out.dtype == jnp.dtype(dtype)
+    exact = conv.reference(env["x"].astype(jnp.float32), env["w"].astype(jnp.float32), params)
+    scale = float(jnp.max(jnp.abs(exact)))
+    _close(out / scale, exact / scale, dtype)
+    _close(out / scale, expected.astype(jnp.float32) / scale, dtype)
+
+
+def test_zero_padding_applies_after_the_prologue():
+    """A tap in the padding contributes 0, not prologue(0): here prologue(x) = x + 1."""
+    lhs_shape, rhs_shape = (1, 5, 5, 3), (4, 3, 3, 3)
+    x, w = _input("x", lhs_shape), _input("w", rhs_shape)
+    ty = x.ty
+    shifted = Term("Binary", "add", _load(x), Term("Lit", 1.0, ty), ty)
+    params = _params(lhs_shape, rhs_shape, LAYOUTS[0], (1, 1), ((1, 1), (1, 1)))
+    term = _conv_term(shifted, _load(w), params)
+    env = {"x": np.zeros(lhs_shape, np.float32), "w": np.ones(rhs_shape, np.float32)}
+    out, expected = _run_both(term, env)
+    _close(out, expected)
+    # 3 channels x the taps inside the image: 4 at a corner, 6 on an edge, 9 inside.
+    np.testing.assert_array_equal(np.asarray(out)[0, :, :, 0], 3 * np.outer([2, 3, 3, 3, 2], [2, 3, 3, 3, 2]))
+
+
+def test_a_merged_shortcut_runs_its_1x1_range_over_the_centre_tap_only():
+    """`Conv(concat(h, x), concat(w3x3, pad(w1x1)))`: two K ranges, the second over one tap; a NaN
+    in x's prologue at a skipped tap stays out (the dense conv would compute 0 * NaN there)."""
+    h_shape, x_shape = (1, 6, 6, 5), (1, 6, 6, 3)
+    h, x = _input("h", h_shape), _input("x", x_shape)
+    w3, w1 = _input("w3", (4, 5, 3, 3)), _input("w1", (4, 3, 1, 1))
+    lhs = Term("Concat", _load(h), _load(x), 3, 5, format_type("float32", (1, 6, 6, 8)))
+    padded = Term("Pad", _load(w1), Term("Lit", 0.0, "f32[]"), "0,0,0;0,0,0;1,1,0;1,1,0", "f32[4,3,3,3]")
+    rhs = Term("Concat", _load(w3), padded, 1, 5, "f32[4,8,3,3]")
+    params = _params((1, 6, 6, 8), (4, 8, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1)))
+    term = _conv_term(lhs, rhs, params)
+    parts = conv.k_ranges(term)
+    assert [(p.start, p.channels, p.taps) for p in parts] == [(0, 5, ((0, 3), (0, 3))), (5, 3, ((1, 2), (1, 2)))]
+    assert parts[1].rhs is _load(w1)
+    rng = np.random.default_rng(2)
+    env = {name: rng.normal(size=_shape(t)).astype(np.float32) for name, t in
+           [("h", h), ("x", x), ("w3", w3), ("w1", w1)]}
+    out, expected = _run_both(term, env)
+    _close(out, expected)
+    env["x"][0, 0, 0, 0] = np.inf  # read by the centre tap of output (0, 0) only
+    out, expected = _run_both(term, env)
+    assert np.isinf(np.asarray(out)[0, 0, 0]).all() and np.isfinite(np.asarray(out)[0, 1:, 1:]).all()
+    assert np.isnan(np.asarray(expected)[0, 1, 1]).all()  # the dense conv: 0 * inf at a zero tap
+
+
+def test_a_channel_concat_is_two_k_ranges_over_two_buffers():
+    h, skip = _input("h", (2, 4, 4, 6)), _input("skip", (2, 4, 4, 3))
+    w = _input("w", (5, 9, 3, 3))
+    lhs = Term("Concat", _load(h), _load(skip), 3, 6, "f32[2,4,4,9]")
+    term = _conv_term(lhs, _load(w), _params((2, 4, 4, 9), (5, 9, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1))))
+    parts = conv.k_ranges(term)
+    assert [(p.lhs, p.lhs_offset, p.rhs_offset) for p in parts] == [(_load(h), 0, 0), (_load(skip), 0, 6)]
+    rng = np.random.default_rng(3)
+    env = {"h": rng.normal(size=(2, 4, 4, 6)).astype(np.float32),
+           "skip": rng.normal(size=(2, 4, 4, 3)).astype(np.float32), "w": rng.normal(size=(5, 9, 3, 3)).astype(np.float32)}
+    out, expected = _run_both(term, env)
+    _close(out, expected)
+
+
+def test_unsupported_convs_are_refused_with_a_reason():
+    lhs_shape, rhs_shape = (1, 4, 4, 4), (4, 2, 3, 3)
+    numbers = lax.conv_dimension_numbers(lhs_shape, rhs_shape, LAYOUTS[0])
+    grouped = ConvParams.from_lax((1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), numbers, feature_group_count=2)
+    with pytest.raises(ValueError, match="grouped"):
+        conv.ConvGeometry(grouped, lhs_shape, rhs_shape, (1, 4, 4, 4))
+    dilated = ConvParams.from_lax((1, 1), ((1, 1), (1, 1)), (2, 2), (1, 1), numbers)
+    with pytest.raises(ValueError, match="lhs_dilation"):
+        conv.ConvGeometry(dilated, lhs_shape, (4, 4, 3, 3), (1, 7, 7, 4))
+    with pytest.raises(ValueError, match="power of two"):
+        conv.ConvConfig(block_m=48)
+
+
+# --- plans of small JAX functions -------------------------------------------------------------------
+
+
+def _normal(rng, *shape, scale=1.0, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape) * scale, dtype)
+
+
+def _emit_and_compare(fn, args, dtype=jnp.float32, *, expect_convs: int):
+    """Lower `fn`, emit its plan with the Pallas templates (interpret mode) and with XLA; both
+    equal the plain function. Returns the plan."""
+    lowered = eqsat.optimize(fn).lower(*args)
+    plan = lowered.plan
+    assert sum(k.kind == "conv" for k in plan.kernels) == expect_convs, lowered.report()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XlaFallbackWarning)  # every conv runs in the template
+        pallas = emit.emit(plan, "pallas", interpret=True)(*args)
+    xla = emit.emit(plan, "xla")(*args)
+    plain = jax.jit(fn)(*args)
+    for got in (pallas, xla):
+        scale = max(1.0, float(jnp.max(jnp.abs(plain.astype(jnp.float32)))))
+        _close(got.astype(jnp.float32) / scale, plain.astype(jnp.float32) / scale, dtype)
+    return plan
+
+
+def _resnet_params(rng, cin, cout, temb, dtype):
+    p = {}
+    for name, shape in [("norm1.weight", (cin,)), ("norm1.bias", (cin,)), ("conv1.weight", (cout, cin, 3, 3)),
+                        ("conv1.bias", (cout,)), ("time_emb_proj.weight", (cout, temb)),
+                        ("time_emb_proj.bias", (cout,)), ("norm2.weight", (cout,)), ("norm2.bias", (cout,)),
+                        ("conv2.weight", (cout, cout, 3, 3)), ("conv2.bias", (cout,))]:
+        p[f"r.{name}"] = _normal(rng, *shape, scale=0.3, dtype=dtype)
+    if cin != cout:
+        p["r.conv_shortcut.weight"] = _normal(rng, cout, cin, 1, 1, scale=0.3, dtype=dtype)
+        p["r.conv_shortcut.bias"] = _normal(rng, cout, scale=0.3, dtype=dtype)
+    return p
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+def test_a_resnet_block_with_groupnorm_prologues_and_a_merged_shortcut(dtype):
+    """sd15's ResnetBlock2D at tiny width: 6 -> 12 channels in 2 groups (3 and 6 channels per
+    group), GroupNorm + SiLU read in both convs' prologues, the time-embedding row and the 1x1
+    shortcut merged into conv2 as a second K range."""
+    rng = np.random.default_rng(4)
+    params = _resnet_params(rng, 6, 12, 8, dtype)
+    x = _normal(rng, 2, 8, 8, 6, dtype=dtype) + 3.0  # an offset: the statistics must not cancel
+    temb = _normal(rng, 2, 8, dtype=dtype)
+
+    def block(p, x, temb):
+        return layers.resnet_block(p, "r", x, temb, 2, 1e-5)
+
+    plan = _emit_and_compare(block, (params, x, temb), dtype, expect_convs=2)
+    conv2 = [k for k in plan.kernels if k.kind == "conv"][-1]
+    assert [p.taps for p in conv.k_ranges(conv2.term)][-1] == ((1, 2), (1, 2)) or \
+        [p.taps for p in conv.k_ranges(conv2.term)][0] == ((1, 2), (1, 2))
+
+
+def test_groupnorm_groups_straddle_channel_chunks():
+    """96 channels in 32 groups of 3 and 64-channel K chunks: group 21 spans two chunks."""
+    rng = np.random.default_rng(5)
+    x, w = _normal(rng, 1, 4, 4, 96) * 2.0 + 5.0, _normal(rng, 16, 96, 3, 3, scale=0.2)
+    gamma, beta = _normal(rng, 96), _normal(rng, 96)
+
+    def fn(x, w, gamma, beta):
+        p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": jnp.zeros(16)}
+        return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5)))
+
+    plan = _emit_and_compare(fn, (x, w, gamma, beta), expect_convs=1)
+    (kernel,) = [k for k in plan.kernels if k.kind == "conv"]
+    geometry = conv.ConvGeometry(ConvParams.parse(kernel.term.args[2]), (1, 4, 4, 96), (16, 96, 3, 3), (1, 4, 4, 16))
+    assert conv.ConvConfig.get_default(geometry).block_k == 64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+def test_a_conv_after_a_nearest_upsample_reads_y_over_2(dtype):
+    rng = np.random.default_rng(6)
+    x, w, b = _normal(rng, 1, 4, 4, 6, dtype=dtype), _normal(rng, 6, 6, 3, 3, scale=0.3, dtype=dtype), \
+        _normal(rng, 6, dtype=dtype)
+
+    def up(x, w, b):
+        return layers.upsample({"u.conv.weight": w, "u.conv.bias": b}, "u", x)
+
+    plan = _emit_and_compare(up, (x, w, b), dtype, expect_convs=1)
+    assert len(plan.kernels) == 1  # the upsampled tensor is never stored
+
+
+def test_a_conv_over_a_skip_concat():
+    rng = np.random.default_rng(7)
+    h, s = _normal(rng, 2, 4, 4, 6), _normal(rng, 2, 4, 4, 3)
+    w, b = _normal(rng, 5, 9, 3, 3, scale=0.3), _normal(rng, 5)
+
+    def cat(h, s, w, b):
+        return layers.conv2d({"c.weight": w, "c.bias": b}, "c", jnp.concatenate([h, s], -1))
+
+    plan = _emit_and_compare(cat, (h, s, w, b), expect_convs=1)
+    assert len(plan.kernels) == 1 and len(conv.k_ranges(plan.kernels[0].term)) == 2
+
+
+def test_a_stride_2_downsampler_with_odd_size():
+    rng = np.random.default_rng(8)
+    x, w, b = _normal(rng, 2, 9, 7, 5), _normal(rng, 5, 5, 3, 3, scale=0.3), _normal(rng, 5)
+
+    def down(x, w, b):
+        return layers.downsample({"d.conv.weight": w, "d.conv.bias": b}, "d", x)
+
+    _emit_and_compare(down, (x, w, b), expect_convs=1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+def test_conv_in_and_conv_out_read_and_write_nchw(dtype):
+    """The UNet's ends: conv_in reads an NCHW latent through a permute, conv_out writes NCHW."""
+    rng = np.random.default_rng(9)
+    args = (_normal(rng, 2, 4, 8, 8, dtype=dtype), _normal(rng, 6, 4, 3, 3, scale=0.3, dtype=dtype),
+            _normal(rng, 6, dtype=dtype), _normal(rng, 4, 6, 3, 3, scale=0.3, dtype=dtype), _normal(rng, 4, dtype=dtype))
+
+    def ends(x, w_in, b_in, w_out, b_out):
+        p = {"conv_in.weight": w_in, "conv_in.bias": b_in, "conv_out.weight": w_out, "conv_out.bias": b_out}
+        h = layers.conv2d(p, "conv_in", x.transpose(0, 2, 3, 1))
+        return layers.conv2d(p, "conv_out", layers.silu(h)).transpose(0, 3, 1, 2)
+
+    plan = _emit_and_compare(ends, args, dtype, expect_convs=2)
+    assert len(plan.kernels) == 2  # no permute kernels
