@@ -56,6 +56,14 @@ outputs, before any xs/ys; counted in `num_carry`) or extra operands and results
 branch's own (cond; counted in `num_outputs`), and the final version flows out. Ref accesses with array or strided dynamic
 indexers become `Opaque` with a `RefDischarge` stand-in primitive that runs JAX's discharge rule.
 
+Effects (`jax.debug.print`, `jax.debug.callback`, `io_callback`, any equation whose effects are
+not ref effects) are never dropped and run in program order: the program threads a "world" token
+(a `bool[]` Tensor, starting as a constant) through them like a ref. An effectful equation is
+`Opaque(key, operands + [token], i, ty)` whose payload primitive is `EffectCall(primitive)`; its
+last result is the next token. Loops and branches with effects in their bodies carry the token as
+one more ref (a `while` whose predicate has effects stays one effectful `Opaque`). The last token
+is one more program output (`Program.effect_outputs`), so extraction always computes it.
+
 Component paths: `Program.components[kernel]` is the `/`-joined `jax.named_scope` names of the
 equation that made it (enclosing call equations included, transforms such as `jvp()` and jit
 wrappers dropped), e.g. `"down_blocks.0/down_blocks.0.resnets.1"`; `""` outside any scope.
@@ -213,6 +221,38 @@ class RefDischarge:
 REF_DISCHARGE = {kind: RefDischarge(kind) for kind in ("get", "swap", "addupdate")}
 
 
+class EffectCall:
+    """Stand-in primitive for an effectful equation: `bind(*operands, token, **params)` runs the
+    original primitive on the operands and returns its results followed by the token, so that an
+    effect runs after the effects its token comes from (program order)."""
+
+    multiple_results = True
+
+    def __init__(self, primitive):
+        self.primitive = primitive
+        self.name = primitive.name
+
+    def bind(self, *args, **params):
+        *operands, token = args
+        out = self.primitive.bind(*operands, **params)
+        return [*(out if self.primitive.multiple_results else [out]), token]
+
+    def __repr__(self) -> str:
+        return f"EffectCall({self.name!r})"
+
+
+def world_effects(effects) -> list:
+    """The effects of an equation that must run in program order: all but those of refs (which the
+    lift functionalizes) and of named axes."""
+    from jax._src import effects as jax_effects
+
+    ignored = (jax_effects.JaxprInputEffect, core.InternalMutableArrayEffect, core.NamedAxisEffect)
+    return [effect for effect in effects if not isinstance(effect, ignored)]
+
+
+WORLD_TYPE = "bool[]"
+
+
 @lru_cache(maxsize=None)
 def _type_text(dtype_name: str, shape: tuple[int, ...]) -> str:
     return format_type(dtype_name, shape)
@@ -267,6 +307,7 @@ class _Lifter:
         self.env: dict = {}
         self.scopes: tuple[str, ...] = ()
         self.path = ""
+        self.world = _RefCell(None)  # the effect token, threaded like a ref; None until an effect
 
     # --- running a jaxpr ----------------------------------------------------------------------
 
@@ -287,6 +328,8 @@ class _Lifter:
             handler = _HANDLERS.get(name)
             if handler is None:
                 handler = _Lifter._scatter if name.startswith("scatter") else _Lifter._opaque
+            if eqn.effects and handler not in _EFFECT_AWARE and world_effects(eqn.effects):
+                handler = _Lifter._effectful
             outs = handler(self, eqn)
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
@@ -294,6 +337,26 @@ class _Lifter:
         results = [self.value(var) for var in jaxpr.outvars]
         self.env, self.scopes, self.path = saved
         return results
+
+    def run_inside(self, jaxpr: core.Jaxpr, consts, in_values, inner_cells: dict) -> list:
+        """`run` for a loop body or branch: the world token is its inner cell if it has one."""
+        outer = self.world
+        self.world = inner_cells.get(id(outer), outer)
+        try:
+            return self.run(jaxpr, consts, in_values, self.scopes)
+        finally:
+            self.world = outer
+
+    def world_cells(self, eqn) -> list[_RefCell]:
+        """`[self.world]` when `eqn` (a loop or branch) has effects to run in order, else `[]`."""
+        if not world_effects(eqn.effects):
+            return []
+        self._start_world()
+        return [self.world]
+
+    def _start_world(self) -> None:
+        if self.world.version is None:
+            self.world.version = self.scalar_constant(np.zeros((), np.bool_))
 
     def _scopes(self, outer: tuple[str, ...], name_stack) -> tuple[tuple[str, ...], str]:
         key = (outer, name_stack)
@@ -624,7 +687,7 @@ class _Lifter:
     def _inline(self, eqn):
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if inner is None:
-            return self._opaque(eqn)
+            return self._effectful(eqn) if world_effects(eqn.effects) else self._opaque(eqn)
         jaxpr, consts = _open(inner)
         return self.run(jaxpr, consts, [self.value(atom) for atom in eqn.invars], self.scopes)
 
@@ -642,7 +705,7 @@ class _Lifter:
         carries, xs = values[num_consts:num_consts + num_carry], values[num_consts + num_carry:]
         if any(isinstance(v, _RefCell) for v in carries + xs):
             raise LiftError("a ref carried or scanned over by scan")
-        cells = _unique_cells(const_values)
+        cells = _unique_cells(const_values) + self.world_cells(eqn)
         plain = [v for v in const_values if not isinstance(v, _RefCell)]
         n_plain, n_carry, n_refs = len(plain), len(carries), len(cells)
         key = self.fresh_key("loop")
@@ -659,7 +722,7 @@ class _Lifter:
             in_values.append(Term("LoopArg", key, n_plain + k, _ty(var.aval)))
         for x, var in enumerate(jaxpr.invars[num_consts + num_carry:]):
             in_values.append(Term("LoopArg", key, ref_base + n_refs + x, _ty(var.aval)))
-        outs = self.run(jaxpr, consts, in_values, self.scopes)
+        outs = self.run_inside(jaxpr, consts, in_values, inner_cells)
         finals = [inner_cells[id(cell)].version for cell in cells]
         body = outs[:num_carry] + finals + outs[num_carry:]
         self.payloads[key] = {
@@ -684,7 +747,9 @@ class _Lifter:
         const_values, carries = values[:n_cond + n_body], values[n_cond + n_body:]
         if any(isinstance(v, _RefCell) for v in carries):
             raise LiftError("a ref carried by while")
-        cells = _unique_cells(const_values)
+        if world_effects(params["cond_jaxpr"].effects):
+            return self._effectful(eqn)  # a predicate with effects: the loop stays one primitive
+        cells = _unique_cells(const_values) + self.world_cells(eqn)
         plain = [v for v in const_values if not isinstance(v, _RefCell)]
         n_plain, n_carry = len(plain), len(carries)
         key = self.fresh_key("loop")
@@ -705,11 +770,11 @@ class _Lifter:
                 in_values.append(Term("LoopArg", key, n_plain + k, _ty(var.aval)))
             return in_values, inner_cells
 
-        cond_in, _ = inputs(cond_jaxpr, const_values[:n_cond], 0)
+        cond_in, cond_cells = inputs(cond_jaxpr, const_values[:n_cond], 0)
         plain_cond = sum(not isinstance(v, _RefCell) for v in const_values[:n_cond])
         body_in, body_cells = inputs(body_jaxpr, const_values[n_cond:], plain_cond)
-        (predicate,) = self.run(cond_jaxpr, cond_consts, cond_in, self.scopes)
-        outs = self.run(body_jaxpr, body_consts, body_in, self.scopes)
+        (predicate,) = self.run_inside(cond_jaxpr, cond_consts, cond_in, cond_cells)
+        outs = self.run_inside(body_jaxpr, body_consts, body_in, body_cells)
         finals = [body_cells[id(cell)].version for cell in cells]
         self.payloads[key] = {"kind": "while", "num_consts": n_plain, "num_carry": n_carry + len(cells)}
         types = [_ty(v.aval) for v in eqn.outvars] + [cell.version.ty for cell in cells]
@@ -724,7 +789,7 @@ class _Lifter:
         branches = eqn.params["branches"]
         index = self.tensor(eqn.invars[0])
         values = [self.value(atom) for atom in eqn.invars[1:]]
-        cells = _unique_cells(values)
+        cells = _unique_cells(values) + self.world_cells(eqn)
         plain = [v for v in values if not isinstance(v, _RefCell)]
         key = self.fresh_key("loop")
         body = []
@@ -739,7 +804,7 @@ class _Lifter:
                 else:
                     in_values.append(Term("LoopArg", key, plain_index, _ty(var.aval)))
                     plain_index += 1
-            outs = self.run(jaxpr, consts, in_values, self.scopes)
+            outs = self.run_inside(jaxpr, consts, in_values, inner_cells)
             body.extend(outs + [inner_cells[id(cell)].version for cell in cells])
         n_out = len(eqn.outvars)
         self.payloads[key] = {"kind": "cond", "num_branches": len(branches), "num_outputs": n_out + len(cells)}
@@ -905,6 +970,28 @@ class _Lifter:
         cell.version = self.kernel(Term("Opaque", key, operand_list, 0, cell.version.ty))
         return []
 
+    # --- effects ------------------------------------------------------------------------------
+
+    def _effectful(self, eqn):
+        """An effectful equation as an `Opaque` of `EffectCall(primitive)` reading and writing the
+        world token: it runs, in program order, and is never dropped."""
+        name = eqn.primitive.name
+        if name not in self._warned:
+            self._warned.add(name)
+            kinds = ", ".join(sorted({type(effect).__name__ for effect in world_effects(eqn.effects)}))
+            message = (f"eqsat.lift: {name!r} has side effects ({kinds}); it runs as the original primitive, "
+                       f"in program order as under jax.jit, and nothing fuses with it")
+            self.warnings.append(message)
+            warnings.warn(message, OpaqueWarning, stacklevel=_caller_stacklevel())
+        self._start_world()
+        key = self.fresh_key(f"{name}#")
+        self.payloads[key] = (EffectCall(eqn.primitive), dict(eqn.params))
+        operands = tensor_list([self.tensor(atom) for atom in eqn.invars] + [self.world.version])
+        outs = [self.kernel(Term("Opaque", key, operands, index, _ty(var.aval)))
+                for index, var in enumerate(eqn.outvars)]
+        self.world.version = self.kernel(Term("Opaque", key, operands, len(outs), WORLD_TYPE))
+        return outs
+
     # --- everything else ----------------------------------------------------------------------
 
     def _opaque(self, eqn):
@@ -919,6 +1006,10 @@ class _Lifter:
         operands = tensor_list([self.tensor(atom) for atom in eqn.invars])
         return [self.kernel(Term("Opaque", key, operands, index, _ty(var.aval)))
                 for index, var in enumerate(eqn.outvars)]
+
+
+# Handlers that thread effects themselves (loops, branches and inlined calls lift their bodies).
+_EFFECT_AWARE = frozenset({_Lifter._scan, _Lifter._while, _Lifter._cond, _Lifter._inline})
 
 
 def _caller_stacklevel() -> int:
@@ -979,6 +1070,9 @@ def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
     for output in outputs:
         if isinstance(output, _RefCell):
             raise LiftError("a jaxpr returning a ref")
+    n_results = len(outputs)
+    if lifter.world.version is not None:
+        outputs = outputs + [lifter.world.version]
     return Program(
         inputs=inputs,
         outputs=outputs,
@@ -986,8 +1080,9 @@ def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
         payloads=lifter.payloads,
         components=lifter.components,
         in_tree=jax.tree_util.tree_structure((tuple(range(len(inputs))), {})),
-        out_tree=jax.tree_util.tree_structure(list(range(len(outputs)))),
+        out_tree=jax.tree_util.tree_structure(list(range(n_results))),
         warnings=lifter.warnings,
+        effect_outputs=len(outputs) - n_results,
     )
 
 

@@ -10,7 +10,9 @@ A program is a term DAG plus the side tables its terms refer to by key:
 - `in_tree`/`out_tree`: the pytree structures of the arguments, `(dynamic args, dynamic kwargs)`,
   and of the results;
 - `static_argnums`/`static_argnames`: the arguments closed over when tracing (see `eqsat.lift.lift`);
-- `warnings`: messages about primitives lifted as `Opaque`.
+- `warnings`: messages about primitives lifted as `Opaque`;
+- `effect_outputs`: how many of the last `outputs` are effect tokens, not results (the final token
+  of the effects the function runs, see `eqsat.lift`); extraction computes them, `results` drops them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Program:
     static_argnums: tuple[int, ...] = ()
     static_argnames: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
+    effect_outputs: int = 0
 
     def kernel_terms(self) -> list[Term]:
         """Kernel Tensor terms reachable from the outputs (loop bodies included), in postorder."""
@@ -62,9 +65,12 @@ class Program:
         return {term.args[0]: leaf for term, leaf in zip(self.inputs, leaves)}
 
     def results(self, values: list):
-        """The output leaves `values` in the function's output structure."""
+        """The output leaves `values` (effect tokens included or not) in the function's output structure."""
         import jax
 
+        values = list(values)
+        if self.effect_outputs and len(values) == len(self.outputs):
+            values = values[:len(values) - self.effect_outputs]
         return values if self.out_tree is None else jax.tree_util.tree_unflatten(self.out_tree, values)
 
     def component(self, term: Term) -> str:
