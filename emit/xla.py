@@ -23,5 +23,7 @@ def emit_kernel(kernel, ctx) -> dict:
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values  # read-only parent: the kernel's operands (and loop args) by term
     evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
+    # Every output of a multi-output Opaque/Loop is its own kernel term: run the primitive once.
+    evaluator.multi = ctx.shared.setdefault("interpreter multi-output results", {})
     terms = [kernel.term, *kernel.hosted]
     return dict(zip(terms, evaluator.run(terms)))
