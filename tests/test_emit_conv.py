@@ -322,3 +322,35 @@ def test_conv_in_and_conv_out_read_and_write_nchw(dtype):
 
     plan = _emit_and_compare(ends, args, dtype, expect_convs=2)
     assert len(plan.kernels) == 2  # no permute kernels
+
+
+# --- compiled for an H100 without a GPU ---------------------------------------------------------------
+
+
+def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
+    """conv_in (NCHW read), an upsampler conv, a conv over a skip concat and conv_out (NCHW write),
+    fp16 at 64 channels: four Triton kernels in the executable, each multiplying with wgmma."""
+    from eqsat.xla_target import compile_for_h100
+
+    shapes = jax.ShapeDtypeStruct
+    c, dt = 64, jnp.float16
+
+    def net(x, skip, p):
+        h = layers.conv2d(p, "conv_in", x.transpose(0, 2, 3, 1))
+        u = layers.upsample(p, "up", h)
+        h = layers.conv2d(p, "cat", jnp.concatenate([u, skip], -1))
+        return layers.conv2d(p, "conv_out", layers.silu(h)).transpose(0, 3, 1, 2)
+
+    params = {"conv_in.weight": (c, 4, 3, 3), "conv_in.bias": (c,), "up.conv.weight": (c, c, 3, 3),
+              "up.conv.bias": (c,), "cat.weight": (c, 2 * c, 3, 3), "cat.bias": (c,),
+              "conv_out.weight": (4, c, 3, 3), "conv_out.bias": (4,)}
+    args = (shapes((2, 4, 16, 16), dt), shapes((2, 32, 32, c), dt), {k: shapes(s, dt) for k, s in params.items()})
+    plan = eqsat.optimize(net).lower(*args).plan
+    assert [k.kind for k in plan.kernels] == ["conv"] * 4
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
+    if report is None:
+        pytest.skip("no H100 compile target here (the CUDA plugin is missing)")
+    assert report.by_category == {"Pallas (Triton)": 4}
+    ptx = [path.read_text() for path in (tmp_path / "dump").glob("*.ptx")]
+    kernels = [text for text in ptx if ".entry" in text]
+    assert len(kernels) == 4 and all("wgmma.mma_async" in text for text in kernels)
