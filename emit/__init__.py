@@ -16,8 +16,8 @@ Backends:
 - `auto`: `pallas` when jax's default backend is a GPU, else `xla`.
 - `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
 
-The callable jits the whole plan (one `jax.jit` over the flattened arguments), can itself be
-called inside `jax.jit`, and each kernel is traced under `jax.named_scope(kernel name)`. It holds
+The callable jits the whole plan (one `jax.jit` over the flattened arguments; `donate` names the
+inputs whose buffers that jit donates), can itself be called inside `jax.jit`, and each kernel is traced under `jax.named_scope(kernel name)`. It holds
 the plan; it pickles when the plan's program does (opaque primitives do not survive pickling:
 pickle the `eqsat.optimize` function instead, which re-plans where it is unpickled).
 """
@@ -48,13 +48,15 @@ def kernel_calls(plan) -> list[KernelCall]:
 class Emitted:
     """A plan as a callable of the original function's arguments (see the module docstring)."""
 
-    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None):
+    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None, donate=()):
         if plan.program is None:
             raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
         self.plan = plan
         self.backend = resolve_backend(backend)
         self.interpret = None if interpret is None else bool(interpret)
         self._jitted = jax.jit(self._run_leaves)
+        self.donate = tuple(t.args[0] for t in plan.program.inputs if t.args[0] in set(donate))  # input names
+        self._jitted_donating = jax.jit(self._run_donating, donate_argnums=0)
 
     @property
     def program(self):
@@ -65,7 +67,17 @@ class Emitted:
             return self.plan.evaluate(*args, **kwargs)
         env = self.program.environment(*args, **kwargs)
         leaves = [env[term.args[0]] for term in self.program.inputs]
+        if self.donate:
+            donated = [env[name] for name in self.donate]
+            kept = [env[term.args[0]] for term in self.program.inputs if term.args[0] not in self.donate]
+            return self.program.results(self._jitted_donating(donated, kept))
         return self.program.results(self._jitted(leaves))
+
+    def _run_donating(self, donated, kept):
+        by_name = dict(zip(self.donate, donated))
+        kept = iter(kept)
+        return self._run_leaves([by_name[t.args[0]] if t.args[0] in by_name else next(kept)
+                                 for t in self.program.inputs])
 
     def _run_leaves(self, leaves):
         program = self.program
@@ -75,16 +87,16 @@ class Emitted:
         return [ctx.value(term) for term in self.plan.outputs]
 
     def __getstate__(self):
-        return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret}
+        return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret, "donate": self.donate}
 
     def __setstate__(self, state):
-        self.__init__(state["plan"], state["backend"], interpret=state["interpret"])
+        self.__init__(state["plan"], state["backend"], interpret=state["interpret"], donate=state.get("donate", ()))
 
     def __repr__(self) -> str:
         mode = f", interpret={self.interpret}" if self.backend == "pallas" and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 
-def emit(plan, backend: str = "auto", *, interpret: bool | None = None) -> Emitted:
+def emit(plan, backend: str = "auto", *, interpret: bool | None = None, donate=()) -> Emitted:
     """The callable running `plan` with `backend` (see the module docstring)."""
-    return Emitted(plan, backend, interpret=interpret)
+    return Emitted(plan, backend, interpret=interpret, donate=donate)

@@ -28,9 +28,10 @@ emitted kernels for an H100.
 Arguments are `jax.jit`'s: positional and keyword arguments (keywords are dynamic unless named in
 `static_argnames`), `static_argnums`/`static_argnames` and `donate_argnums`/`donate_argnames`,
 each completed from the other through the function's signature and validated as `jax.jit` does
-(`jax._src.api_util.resolve_argnums`). The reference interpreter runs op by op, so it cannot
-donate buffers: a call that passes a donated argument says so once (`DonationWarning`); inside an
-outer `jax.jit` the interpreter's ops are traced into it and donation is that jit's.
+(`jax._src.api_util.resolve_argnums`). Donated arguments are donated by the jit the emitted plan
+runs under (backends `xla`, `pallas`); the `interpret` backend runs op by op outside any jit, so a
+call passing a donated argument there says once that it is not donated (`DonationWarning`); inside
+an outer `jax.jit` donation is that jit's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SaturationLimitWarning(UserWarning):
 
 
 class DonationWarning(UserWarning):
-    """Donated arguments were not donated (the call ran outside any jit)."""
+    """Donated arguments were not donated (the plan ran through the interpreter, outside any jit)."""
 
 
 @dataclass
@@ -72,15 +73,16 @@ class Lowered:
     def __call__(self, *args, **kwargs):
         return self.executable()(*args, **kwargs)
 
-    def executable(self, backend: str | None = None, interpret: bool | None = None):
-        """The plan emitted for `backend` (default: this lowering's), built once and kept."""
+    def executable(self, backend: str | None = None, interpret: bool | None = None, donate=()):
+        """The plan emitted for `backend` (default: this lowering's), built once and kept; `donate`
+        names the program inputs whose buffers a call donates."""
         import emit
 
         backend = emit.resolve_backend(backend or self.backend)
         interpret = self.interpret if interpret is None else interpret
-        key = (backend, interpret)
+        key = (backend, interpret, tuple(donate))
         if key not in self._emitted:
-            self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret)
+            self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
         return self._emitted[key]
 
     def show(self, **options) -> None:
@@ -142,8 +144,12 @@ class Optimized:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        self._note_donation(args, kwargs)
-        return self.lower(*args, **kwargs).executable(self.backend, self.interpret)(*args, **kwargs)
+        lowered = self.lower(*args, **kwargs)
+        donate = self._donated_inputs(lowered.program, args, kwargs)
+        run = lowered.executable(self.backend, self.interpret, donate=donate)
+        if donate and run.backend == "interpret":
+            self._say_not_donated(args, kwargs)
+        return run(*args, **kwargs)
 
     def __getstate__(self):
         """Pickled without its lowerings (e-graphs and opaque primitives do not pickle): it re-plans."""
@@ -151,23 +157,39 @@ class Optimized:
         state["_cache"] = {}
         return state
 
-    def _note_donation(self, args, kwargs) -> None:
-        """Say once that donated buffers stay valid: the reference interpreter runs op by op. Under
-        an outer jit (tracer arguments) the interpreter is traced into it: nothing to say."""
+    def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:
+        """The program's input names whose leaves come from donated arguments."""
+        import jax
+
+        if not self.donate_argnums and not self.donate_argnames:
+            return ()
+        count = len(args)
+        marked = []
+        for i, arg in enumerate(args):
+            donated = i in self.donate_argnums or (i - count) in self.donate_argnums
+            marked.append(arg if self._is_static(i, count) else jax.tree_util.tree_map(lambda _: donated, arg))
+        marked_kwargs = {}
+        for name, value in kwargs.items():
+            donated = name in self.donate_argnames
+            marked_kwargs[name] = value if name in self.static_argnames else jax.tree_util.tree_map(lambda _: donated, value)
+        return tuple(name for name, donated in program.environment(*marked, **marked_kwargs).items() if donated)
+
+    def _say_not_donated(self, args, kwargs) -> None:
+        """Say once that donated buffers stay valid: the interpreter runs op by op. Under an outer
+        jit (tracer arguments) donation is that jit's: nothing to say."""
         import jax
 
         if self._said_not_donated:
             return
         donated = [args[i] for i in self.donate_argnums if -len(args) <= i < len(args)]
         donated += [kwargs[name] for name in self.donate_argnames if name in kwargs]
-        leaves = jax.tree_util.tree_leaves(donated)
-        if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(donated)):
             return
         self._said_not_donated = True
         warnings.warn(f"eqsat.optimize({getattr(self.fn, '__qualname__', self.fn)!r}): "
                       f"donate_argnums={self.donate_argnums}, donate_argnames={self.donate_argnames}: the "
-                      f"arguments are not donated (the plan runs through the reference interpreter, op by op, "
-                      f"outside any jit); their buffers stay valid", DonationWarning, stacklevel=3)
+                      f"arguments are not donated (backend 'interpret' runs the plan op by op, outside any "
+                      f"jit); their buffers stay valid", DonationWarning, stacklevel=3)
 
     def _is_static(self, i: int, count: int) -> bool:
         return i in self.static_argnums or (i - count) in self.static_argnums

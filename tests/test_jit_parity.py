@@ -93,29 +93,52 @@ def test_optimize_of_a_non_callable_fails_at_once_like_jit():
         eqsat.optimize(static_argnums=0)("not a function")
 
 
-def test_donation_says_once_that_the_interpreter_cannot_donate():
+def sgd(params, grads, *, lr=0.1):
+    return jax.tree_util.tree_map(lambda p, g: p - lr * jnp.tanh(g), params, grads)
+
+
+def test_donated_buffers_are_donated_by_the_jitted_plan():
+    def fresh():
+        x, w, _ = args()
+        return {"x": jnp.asarray(x), "w": jnp.asarray(w)}, {"x": jnp.asarray(x * 2), "w": jnp.asarray(w * 2)}
+
+    params, grads = fresh()
+    want = sgd(params, grads)
+    fast = eqsat.optimize(sgd, donate_argnums=0, backend="xla")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        close(fast(params, grads), want)
+    assert all(p.is_deleted() for p in params.values()) and not any(g.is_deleted() for g in grads.values())
+    jitted_params, _ = fresh()
+    jax.jit(sgd, donate_argnums=0)(jitted_params, grads)          # jit does the same
+    assert all(p.is_deleted() for p in jitted_params.values())
+    params, grads = fresh()
+    by_name = eqsat.optimize(sgd, donate_argnames="grads", backend="xla")
+    assert by_name.donate_argnums == (1,) and by_name.donate_argnames == ("grads",)
+    close(by_name(params, grads=grads), want)
+    assert all(g.is_deleted() for g in grads.values()) and not any(p.is_deleted() for p in params.values())
+    with pytest.raises(ValueError):
+        eqsat.optimize(affine, donate_argnums=0, static_argnums=0)
+
+
+def test_the_interpreter_says_once_that_it_cannot_donate():
     x, w, b = args()
-    fast = eqsat.optimize(affine, donate_argnums=0)
+    fast = eqsat.optimize(affine, donate_argnums=0, backend="interpret")
     with pytest.warns(DonationWarning, match=r"donate_argnums=\(0,\).*not donated"):
         close(fast(x, w), affine(x, w))
     np.testing.assert_array_equal(x, args()[0])                # the buffer is still valid
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fast(x, w)                                              # said once
-    by_name = eqsat.optimize(affine, donate_argnames="w")
-    assert by_name.donate_argnums == (1,) and by_name.donate_argnames == ("w",)
-    with pytest.warns(DonationWarning, match="not donated"):
-        by_name(x, w=w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eqsat.optimize(affine, donate_argnums=2)(x, w)        # the donated argument is not passed: nothing to say
-    with pytest.raises(ValueError):
-        eqsat.optimize(affine, donate_argnums=0, static_argnums=0)
+        eqsat.optimize(affine, donate_argnums=2, backend="interpret")(x, w)  # nothing donated: nothing to say
 
 
-def test_an_optimized_function_runs_inside_jit_and_donates_there():
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_an_optimized_function_runs_inside_jit_which_decides_donation(backend):
     x, w, b = args()
-    fast = eqsat.optimize(affine, donate_argnums=0)
+    fast = eqsat.optimize(affine, donate_argnums=0, backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DonationWarning)  # the outer jit decides
         outer = jax.jit(lambda x, w: fast(x, w) * 2)
