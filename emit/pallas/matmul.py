@@ -225,14 +225,19 @@ class DotAxes:
 
 
 def _outer_row_reduces(term: Term) -> list[Term]:
-    """The `RowReduce`s of `term` not inside another one's body or epilogue (those run with it)."""
-    inner: set[int] = set()
+    """The `RowReduce`s `term` reads directly, not only inside another one's body or epilogue."""
     found: dict[int, Term] = {}
-    for node in reversed(list(postorder([term]))):  # parents before children
+    seen: set[int] = set()
+    stack = [term]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if node.op == "RowReduce":
-            if id(node) not in inner:
-                found[id(node)] = node
-            inner.update(id(n) for n in postorder(node.children))
+            found[id(node)] = node
+            continue
+        stack.extend(child for child in node.children if child.sort == "Expr")
     return list(found.values())
 
 

@@ -1,0 +1,328 @@
+"""The matmul Pallas template (`emit/pallas/matmul.py`), in interpret mode: the template against its
+plain-jnp reference, and plans of small JAX functions emitted with `backend="pallas"` against the
+XLA emitter (the same plan in jax.numpy) and `jax.jit` of the function. Shapes are small and odd
+(77 tokens, 40 and 50 wide) so every tail of M, N and K is masked."""
+
+from __future__ import annotations
+
+import glob
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import emit
+import eqsat
+from emit.pallas import XlaFallbackWarning
+from emit.pallas import matmul as mm
+from emit.pallas.triton import gather_load
+from eqsat.term import postorder
+
+TOLERANCE = {np.float32: 2e-5, np.float16: 2e-2, jnp.bfloat16: 6e-2}  # relative to |lhs| @ |rhs|
+
+
+def assert_close(actual, expected, bound, dtype):
+    """|actual - expected| <= tol * bound elementwise (bound: the dot's |a| @ |b| plus |expected|);
+    NaN exactly where expected is NaN."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite & ~np.isnan(expected)], expected[~finite & ~np.isnan(expected)])
+    with np.errstate(invalid="ignore"):
+        error = np.abs(actual - expected)[finite]
+    allowed = (TOLERANCE[dtype] * (np.asarray(bound, np.float64) + np.abs(expected)) + 1e-30)[finite]
+    worst = np.argmax(error - allowed) if error.size else 0
+    assert error.size == 0 or np.all(error <= allowed), f"error {error[worst]:.3g} > allowed {allowed[worst]:.3g}"
+
+
+# --- the template on hand-written closures --------------------------------------------------------
+
+
+def lhs_prologue(x):
+    return jnp.log(x * x).astype(x.dtype)  # -inf where a padded lane reads 0
+
+
+def rhs_prologue(w):
+    return (1 / w).astype(w.dtype)  # inf where a padded lane reads 0
+
+
+def run_template(a, w, bias, blocks):
+    """`log(a²) @ (1 / w) * 2 + bias` through the template: both prologues are infinite at padded
+    K, so an unmasked tail turns the result into NaN."""
+    batch, m, k = a.shape
+    n = w.shape[1]
+
+    def lhs(refs, index, mask, stats):
+        b, rows, ks = index
+        return lhs_prologue(gather_load(refs[0], (b * m + rows) * k + ks, mask))
+
+    def rhs(refs, index, mask):
+        b, ks, cols = index
+        return rhs_prologue(gather_load(refs[1], ks * n + cols, mask))
+
+    def epilogue(refs, acc, index, mask):
+        b, rows, cols = index
+        return acc * 2 + gather_load(refs[2], cols, mask).astype(jnp.float32)
+
+    problem = mm.MatmulProblem(batch, m, n, k, lhs, rhs, epilogue, a.dtype)
+    return mm.build(problem, [a, w, bias], blocks=blocks, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape,blocks", [
+    ((2, 77, 40, 50), mm.MatmulBlocks(32, 16, 16)),   # tails on M, N and K; several K steps
+    ((1, 5, 3, 7), None),                             # everything smaller than one 16-tile
+    ((1, 64, 32, 32), mm.MatmulBlocks(32, 32, 16)),   # exact tiles
+])
+def test_template_matches_reference(dtype, shape, blocks):
+    batch, m, n, k = shape
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.5, 2.0, (batch, m, k)).astype(dtype)
+    w = (rng.choice([-1, 1], (k, n)) * rng.uniform(0.5, 2.0, (k, n))).astype(dtype)
+    bias = rng.standard_normal((n,)).astype(dtype)
+    out = run_template(a, w, bias, blocks)
+    a_tile, w_tile = lhs_prologue(jnp.asarray(a)), jnp.broadcast_to(rhs_prologue(jnp.asarray(w)), (batch, k, n))
+    expected = mm.reference(a_tile, w_tile, lambda acc: acc * 2 + bias.astype(np.float32))
+    bound = 2 * np.abs(np.asarray(a_tile, np.float32)) @ np.abs(np.asarray(w_tile, np.float32))
+    assert out.shape == (batch, m, n) and out.dtype == a.dtype
+    assert_close(out, expected, bound, dtype)
+
+
+def test_blocks_are_validated():
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two >= 16"):
+        mm.MatmulBlocks(32, 32, 24).validate()
+    with pytest.raises(ValueError, match="block_m=8"):
+        mm.MatmulBlocks(8, 32, 32).validate()
+    assert mm.MatmulBlocks.get_default(77, 40, 50) == mm.MatmulBlocks(64, 64, 32)
+    assert mm.MatmulBlocks.get_default(4096, 1280, 320).block_m == 128
+
+
+# --- plans of JAX functions -----------------------------------------------------------------------
+
+
+def emitted(fn, args):
+    """(pallas output, xla-emitter output, jax.jit output, plan) of `fn` on `args`; no kernel may
+    fall back to the XLA emitter."""
+    plan = eqsat.optimize(fn).lower(*args).plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XlaFallbackWarning)
+        pallas = emit.emit(plan, "pallas", interpret=True)(*args)
+    return pallas, emit.emit(plan, "xla")(*args), jax.jit(fn)(*args), plan
+
+
+def ops(plan) -> list[str]:
+    return [k.term.op for k in plan.kernels]
+
+
+def nodes(term) -> list:
+    return list(postorder([term]))
+
+
+def repr_ops(term) -> set[str]:
+    return {node.op for node in postorder([term])}
+
+
+def dense_gelu_residual(x, w, b, r):
+    return jax.nn.gelu(x @ w + b, approximate=False) + r
+
+
+def layernorm_linear(x, g, b, w):
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return ((x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b) @ w
+
+
+def geglu_ff(x, w, b, w2):
+    value, gate = jnp.split(x @ w + b, 2, axis=-1)
+    return (value * jax.nn.gelu(gate, approximate=False)) @ w2
+
+
+def torch_linear_batched(x, w, y):
+    """A torch-layout weight ([out, in], contracted on axis 1) and a batched product."""
+    return jnp.einsum("bsk,nk->bsn", x, w), jnp.einsum("bij,bjk->bik", x, y)
+
+
+def normal(rng, shape, dtype, offset=0.0, scale=1.0):
+    return (offset + scale * rng.standard_normal(shape)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dense_gelu_residual(dtype):
+    rng = np.random.default_rng(1)
+    x, w = normal(rng, (77, 40), dtype), normal(rng, (40, 96), dtype, scale=0.3)
+    b, r = normal(rng, (96,), dtype), normal(rng, (77, 96), dtype)
+    pallas, xla, jit, plan = emitted(dense_gelu_residual, (x, w, b, r))
+    assert ops(plan) == ["Matmul"]
+    bound = np.abs(x.astype(np.float32)) @ np.abs(w.astype(np.float32)) + np.abs(b) + np.abs(r)
+    assert_close(pallas, xla, bound, dtype)
+    assert_close(pallas, jit, bound, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_layernorm_prologue_with_row_statistics(dtype):
+    rng = np.random.default_rng(2)
+    x = normal(rng, (2, 77, 40), dtype)
+    g, b, w = normal(rng, (40,), dtype, 1.0, 0.2), normal(rng, (40,), dtype, 0, 0.1), normal(rng, (40, 50), dtype, 0, 0.3)
+    pallas, xla, jit, plan = emitted(layernorm_linear, (x, g, b, w))
+    assert ops(plan) == ["Matmul"] and "RowReduce" in repr_ops(plan.kernels[0].term)
+    bound = 6 * np.ones_like(np.asarray(x, np.float32)) @ np.abs(w.astype(np.float32))
+    assert_close(pallas, xla, bound, dtype)
+    assert_close(pallas, jit, bound, dtype)
+
+
+def test_layernorm_prologue_hoists_statistics_out_of_the_k_loop():
+    """K = 640 in 32-wide steps: the row statistics loop runs before the K loop, not inside it."""
+    rng = np.random.default_rng(3)
+    args = (normal(rng, (1, 20, 640), np.float32), normal(rng, (640,), np.float32),
+            normal(rng, (640,), np.float32), normal(rng, (640, 16), np.float32, 0, 0.05))
+    plan = eqsat.optimize(layernorm_linear).lower(*args).plan
+    run = emit.emit(plan, "pallas", interpret=True)
+    closed = jax.make_jaxpr(run._run_leaves)([jnp.asarray(a) for a in args])
+    (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    loops = [e for e in call.params["jaxpr"].eqns if e.primitive.name in ("scan", "while")]
+    k_loop = loops[-1]
+    body = k_loop.params["jaxpr"].jaxpr if k_loop.primitive.name == "scan" else k_loop.params["body_jaxpr"].jaxpr
+    assert not [e for e in body.eqns if e.primitive.name in ("scan", "while")], "statistics recomputed per K step"
+    assert len(loops) >= 2
+    np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(jax.jit(layernorm_linear)(*args)), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_geglu_gate_in_the_prologue(dtype):
+    """The second matmul's A tile is `value * gelu(gate)`, two column ranges of the first one's
+    output, with the polynomial erf."""
+    rng = np.random.default_rng(4)
+    x, w, b = normal(rng, (77, 40), dtype), normal(rng, (40, 192), dtype, 0, 0.3), normal(rng, (192,), dtype)
+    w2 = normal(rng, (96, 40), dtype, 0, 0.2)
+    pallas, xla, jit, plan = emitted(geglu_ff, (x, w, b, w2))
+    assert ops(plan) == ["Matmul", "Matmul"]
+    assert {"erf", "erfc"} & {n.args[0] for n in nodes(plan.kernels[1].term) if n.op == "Unary"}
+    value, gate = np.split(x.astype(np.float64) @ w + b, 2, axis=-1)
+    hidden = np.abs(value) * np.abs(gate) + np.abs(value)  # >= |value * gelu(gate)|
+    bound = hidden @ np.abs(w2.astype(np.float64))
+    assert_close(pallas, xla, bound, dtype)
+    assert_close(pallas, jit, bound, dtype)
+
+
+def test_torch_layout_weight_and_batched_product():
+    rng = np.random.default_rng(5)
+    x, w, y = normal(rng, (2, 77, 40), np.float32), normal(rng, (50, 40), np.float32), normal(rng, (2, 40, 3), np.float32)
+    pallas, xla, jit, plan = emitted(torch_linear_batched, (x, w, y))
+    assert ops(plan) == ["Matmul", "Matmul"]
+    for p, e, bound in zip(pallas, jit, (np.abs(x) @ np.abs(w).T, np.abs(x) @ np.abs(y))):
+        assert_close(p, e, bound, np.float32)
+
+
+def test_fused_qkv_reads_three_weights_side_by_side():
+    """sd15's self-attention: one wide matmul over [W_q; W_k; W_v] (a concat along N), attention
+    reading its three column ranges through views, the output projection with bias."""
+    from sd15.unet import cross_attention
+
+    width, heads = 64, 2
+    rng = np.random.default_rng(6)
+    params = {f"a.to_{p}.weight": normal(rng, (width, width), np.float32, 0, 0.2) for p in "qkv"}
+    params["a.to_out.0.weight"] = normal(rng, (width, width), np.float32, 0, 0.2)
+    params["a.to_out.0.bias"] = normal(rng, (width,), np.float32)
+    x = normal(rng, (1, 77, width), np.float32)
+
+    def self_attention(p, x):
+        return cross_attention(p, "a", x, x, heads)
+
+    pallas, xla, jit, plan = emitted(self_attention, (params, x))
+    wide = [k.term for k in plan.kernels if k.term.op == "Matmul" and repr_ops(k.term.args[1]) >= {"Concat"}]
+    assert wide, "no fused QKV matmul in the plan"
+    assert "Attention" in ops(plan)
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(jit), rtol=2e-4, atol=2e-4)
+
+
+# --- adversarial values (hypothesis) ---------------------------------------------------------------
+
+
+def adversarial(draw, shape):
+    """float32 values and their condition (|offset| / spread): an offset large against the spread,
+    tiny or huge scales, constant rows, zeros, and now and then a NaN or an inf."""
+    offset = draw(st.sampled_from([0.0, 1.0, -300.0, 1e4]))
+    scale = draw(st.sampled_from([1.0, 1e-3, 1e-20, 1e12, 0.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    x = offset + scale * rng.standard_normal(shape)
+    if draw(st.booleans()):
+        x[..., rng.integers(0, shape[-2]), :] = offset  # a constant row
+    special = draw(st.sampled_from([None, np.nan, np.inf, -np.inf]))
+    if special is not None:
+        x.reshape(-1)[rng.integers(0, x.size)] = special
+    x = x.astype(np.float32)
+    spread = np.abs(x.astype(np.float64) - np.float32(offset)).max(initial=0.0, where=np.isfinite(x))
+    return x, (abs(offset) / spread if spread > 0 else 0.0)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_adversarial_values_match_the_xla_emitter(data):
+    """Same plan, same formula: the template differs from XLA only in summation order, so the
+    difference is bounded by the rounding of the dot (and, after a LayerNorm, of the mean: an error
+    eps * |offset| in the mean is eps * |offset| / spread in the normalized row)."""
+    x, condition = adversarial(data.draw, (2, 77, 40))
+    w, _ = adversarial(data.draw, (40, 50))
+    g, b = np.full((40,), 1.5, np.float32), np.full((40,), -0.25, np.float32)
+    plan = _plan(layernorm_linear, (x, g, b, w))
+    pallas, xla = _pallas(plan)(x, g, b, w), emit.emit(plan, "xla")(x, g, b, w)
+    with np.errstate(all="ignore"):
+        normalized = 1.5 * np.sqrt(40) + 0.25  # |LayerNorm(x) * g + b| <= sqrt(n) |g| + |b|
+        bound = (1 + condition) * normalized * np.ones(x.shape) @ np.abs(w.astype(np.float64))
+    assert_close(pallas, xla, bound, np.float32)
+
+    r, _ = adversarial(data.draw, (2, 77, 50))
+    bias = np.zeros((50,), np.float32)
+    plan = _plan(dense_gelu_residual, (x, w, bias, r))
+    pallas, xla = _pallas(plan)(x, w, bias, r), emit.emit(plan, "xla")(x, w, bias, r)
+    with np.errstate(all="ignore"):
+        bound = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)) + np.abs(r)
+    assert_close(pallas, xla, bound, np.float32)
+
+
+_PLANS: dict = {}
+
+
+def _plan(fn, args):
+    key = (fn, tuple((a.shape, a.dtype) for a in args))
+    if key not in _PLANS:
+        _PLANS[key] = eqsat.optimize(fn).lower(*args).plan
+    return _PLANS[key]
+
+
+_RUNS: dict = {}
+
+
+def _pallas(plan):
+    if id(plan) not in _RUNS:
+        _RUNS[id(plan)] = emit.emit(plan, "pallas", interpret=True)
+    return _RUNS[id(plan)]
+
+
+# --- compiled for an H100 (no GPU needed) ------------------------------------------------------------
+
+
+def test_compiles_for_sm90_with_tensor_cores(tmp_path):
+    """LayerNorm -> matmul with bias + GELU + residual in fp16: one Pallas kernel per plan kernel,
+    and the PTX multiplies on tensor cores (wgmma/mma)."""
+    from eqsat.xla_target import compile_for_h100
+
+    def block(x, g, b, w, bias, r):
+        return jax.nn.gelu(layernorm_linear(x, g, b, w) + bias, approximate=False) + r
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float16) for s in [(2, 77, 320), (320,), (320,), (320, 40), (40,), (2, 77, 40)]]
+    plan = eqsat.optimize(block).lower(*args).plan
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
+    if report is None:
+        pytest.skip("the H100 compile target is not installed")
+    assert report.kernels == len(plan.kernels) == 1
+    assert set(report.by_category) == {"Pallas (Triton)"}, report.by_category
+    ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
+    assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"
