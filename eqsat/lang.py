@@ -58,7 +58,12 @@ def Pointwise(body: Expr, ty: StringLike) -> Tensor:
 
 @function(egg_fn="Reduce")
 def Reduce(op: StringLike, body: Expr, axes: StringLike, epilogue: Expr, ty: StringLike) -> Tensor:
-    """`op` in sum/max/min/prod/argmax/argmin over `axes` of `body`; `epilogue` maps `Acc` to the output."""
+    """`op` in sum/max/min/prod/argmax/argmin over `axes` of `body`; `epilogue` maps `Acc` to the output.
+
+    `op` "moments" (made by `norm_split`) is float32 `[2, *kept]`: `[0]` = sum(body), `[1]` =
+    sum((body - mean)^2) with mean = sum/n, both statistics of a norm in one stable reduction
+    (`eqsat.moments`: two-pass in the interpreter, per-tile partials merged by Chan's formula in kernels).
+    """
 
 
 @function(egg_fn="Matmul")
@@ -103,12 +108,14 @@ def AssignScatter(target: Tensor, indices: Expr, updates: Expr, key: StringLike,
 
 @function(egg_fn="EpilogueReduce")
 def EpilogueReduce(producer: Tensor, op: StringLike, body: Expr, axes: StringLike, ty: StringLike) -> Tensor:
-    """`Reduce(op, body, axes, Acc(ty), ty)` computed by the kernel that writes `producer`, as a second output.
+    """`Reduce(op, body, axes, Acc(ty), ty)`, op sum or moments, computed by the kernel that writes `producer`.
 
-    Not a launch: each output tile of `producer`'s kernel adds its part of the reduction into an fp32
-    buffer (atomic adds; the buffer is zeroed by a driver memset, not a kernel) while the tile is
-    still in registers. Legal only where `body` reads `producer` at the element being written
-    (`eqsat.cost.hosting` checks the extracted plan; an illegal one runs as its own Reduce kernel).
+    Not a launch: each output tile of `producer`'s kernel writes its partial reduction (a sum; count,
+    mean and M2 for moments) into its own slot of a small fp32 partials buffer while the tile is
+    still in registers, and every kernel reading the statistic merges the slots in tile order
+    (Chan's formula for moments): no atomics, no memset, a deterministic result. Legal only where
+    `body` reads `producer` at the element being written (`eqsat.cost.hosting` checks the extracted
+    plan; an illegal one runs as its own reduction kernel writing the same partials).
     Made by the `epilogue_stats` family for normalization statistics.
     """
 
@@ -226,8 +233,9 @@ def RowReduce(op: StringLike, body: Expr, axis: i64Like, epilogue: Expr, ty: Str
     Same value as `Load(Reduce(op, body, str(axis), epilogue, ty), ty)`; `Acc` in `epilogue` is bound
     to this reduction (not to the enclosing kernel). Legal wherever the reading kernel walks full
     rows of `body` along `axis`: the `row_stats` family only makes it for the row statistics a
-    Matmul's lhs prologue reads (LayerNorm mean/E[x^2] over the contraction axis K), which the
-    matmul computes in a pre-pass over its row block's K strips.
+    Matmul's lhs prologue reads (LayerNorm moments over the contraction axis K), which the matmul
+    computes in a pre-pass over its row block's K strips (moments: the strips' partial moments
+    merged by Chan's formula, `eqsat.moments`).
     """
 
 

@@ -19,8 +19,9 @@
   a kernel of a class no lifted node is in (a horizontal fusion, say) takes the component of its
   first reader, else of its first operand.
 - Statistics a kernel computes in its epilogue (`EpilogueReduce`, see `eqsat.cost.hosting`) are
-  extra outputs of that kernel, not kernels; `hosted_reductions` counts them (each needs its fp32
-  accumulator zeroed by a driver memset, as XLA's `memsets` are counted apart from its kernels).
+  extra outputs of that kernel, not kernels; `hosted_reductions` counts them. Each is a small fp32
+  buffer of per-tile partials (every slot written once by its tile: no memset, no atomics) that
+  its readers merge; its buffer's bytes are the partials' (`eqsat.cost.roofline.partials_bytes`).
 - Buffers: one per materialized tensor, live from its producing kernel to its last reader;
   program outputs live to the end. `peak_bytes` is the largest sum of live activation buffers
   over the kernel order (inputs, weights and constants are not counted).
@@ -110,7 +111,7 @@ class Plan:
     naive_kernels: int | None = None
     naive_by_component: dict[str, int] = field(default_factory=dict)
     peak_bytes: int = 0
-    hosted_reductions: int = 0   # EpilogueReduce outputs computed by their producer (one memset each)
+    hosted_reductions: int = 0   # EpilogueReduce outputs computed by their producers (partials, no memset)
 
     # --- construction --------------------------------------------------------------------
 
@@ -258,7 +259,7 @@ class Plan:
         console.print(f"peak activation memory {self.peak_bytes / 1e6:,.1f} MB")
         if self.hosted_reductions:
             console.print(f"{self.hosted_reductions} reductions computed in their producers' epilogues "
-                          f"(not kernels; one accumulator memset each)")
+                          f"(not kernels; per-tile partials merged by their readers, no memsets)")
         text = console.export_text()
         if print_it:
             Console().print(table)
@@ -319,8 +320,11 @@ class Plan:
 
 
 def _nbytes(term) -> int:
+    from eqsat.cost.roofline import HOSTED_OPS, partials_bytes
     from eqsat.types import parse_type
 
+    if term.op in HOSTED_OPS:
+        return int(partials_bytes(term.args[1], term.args[2].ty, term.ty))
     parsed = parse_type(term.ty)
     return parsed.size * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
                           "bool": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,

@@ -56,6 +56,7 @@ def test_groupnorm_statistics_come_from_the_producing_conv():
     assert plan.hosted_reductions == 1
     first = plan.kernels[0]
     assert [t.op for t in first.outputs] == ["Conv", "EpilogueReduce"]
+    assert first.outputs[1].args[1] == "moments"  # mean and variance as one stable statistic
     np.testing.assert_allclose(np.asarray(fast(*inputs)), np.asarray(resnet_half(*inputs)), rtol=1e-4, atol=1e-4)
 
 
@@ -122,9 +123,16 @@ def test_a_side_value_computed_from_the_producer_is_not_hosted():
     assert reduction in kernels([reduction])
 
 
-def test_only_sums_are_hosted():
+def test_only_sums_and_moments_are_hosted():
+    """Per-tile partials merge for sums and moments (Chan's formula); a max is its own kernel."""
     t, lt = _matmul()
     assert hosts_of(Term("EpilogueReduce", t, "max", lt, "0", "f32[4]")) is None
+    moments = Term("EpilogueReduce", t, "moments", lt, "0", "f32[2,4]")
+    assert hosts_of(moments) == [t] and kernels([moments]) == [t]
+    env = _env()
+    h = (env["x"] @ env["w"]).astype(np.float64)
+    expected = np.stack([h.sum(0), ((h - h.mean(0)) ** 2).sum(0)])
+    np.testing.assert_allclose(np.asarray(evaluate([moments], env)[0]), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_variance_of_a_matmul_centered_on_its_own_mean_is_not_stated_hosted():

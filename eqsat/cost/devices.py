@@ -8,10 +8,9 @@
 | `cpu` (one 16-core AVX2 server socket) | 50 GB/s | 1 TFLOP/s | 1 TFLOP/s | 1 µs |
 
 Launch overhead is the per-kernel cost of issuing a kernel and draining the previous one (a few
-microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk). A memset (zeroing the
-fp32 accumulator of a reduction computed in its producers' epilogues) costs a quarter of a launch:
-a driver operation on a few hundred bytes, cheaper than a kernel but not free, so the extractor
-prefers recomputing a statistic inside its reader (`row_stats`) when that costs less.
+microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk). Statistics computed in
+their producers' epilogues need no launch and no memset: their tiles write per-tile partials that
+the readers merge (`eqsat.cost.roofline`).
 """
 
 from __future__ import annotations
@@ -28,11 +27,6 @@ class Device:
     peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
     peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
     launch_overhead: float  # seconds per kernel
-
-    @property
-    def memset_overhead(self) -> float:
-        """Seconds per driver memset of a small buffer (see the module docstring)."""
-        return self.launch_overhead / 4
 
     def peak(self, dtype: str, dense: bool) -> float:
         """The throughput for `dense` (matmul-like) or elementwise work on operands of `dtype`."""

@@ -1,10 +1,13 @@
 """Reductions computed in their producers' epilogues (`EpilogueReduce`): when that is legal.
 
 `EpilogueReduce(producer, op, body, axes, ty)` is `Reduce(op, body, axes, Acc(ty), ty)` computed by
-the kernels that write the tensors its body reads: every output tile adds its part of the
-reduction into an fp32 buffer (atomic adds) while the tile's values are still in registers. When
-the body concatenates several kernels' outputs (GroupNorm over a skip connection: `concat(h,
-skip)`), each of those kernels adds the elements it writes; `producer` is the first of them.
+the kernels that write the tensors its body reads: every output tile writes its partial reduction
+(a partial sum; for `moments`, count, mean and M2 of its own elements) into its own slot of a small
+fp32 partials buffer while the tile's values are still in registers, and each kernel reading the
+statistic merges the slots in tile order (Chan's formula for moments, `eqsat.moments`): no
+atomics, no memset, a deterministic result. When the body concatenates several kernels' outputs
+(GroupNorm over a skip connection: `concat(h, skip)`), each of those kernels writes the slots of
+the tiles it writes; `producer` is the first of them.
 
 The rules state it wherever it is worth trying; whether the *extracted* term can be hosted is
 decided here, on the chosen terms. The body is split into its spine (what the hosts compute) and
@@ -19,8 +22,8 @@ side values (what they read besides):
     anything else (Broadcast, Lit, Iota, a Load of an input   side value; must not read a host
       or of another kernel, ...)
 
-Legal when the body is a spine, `op` is `sum` (an atomic add), and no side input depends on a
-host (it must exist when the host runs). Otherwise the reduction is its own `Reduce` kernel
+Legal when the body is a spine, `op` is `sum` or `moments` (partials that merge), and no side
+input depends on a host (it must exist when the host runs). Otherwise the reduction is its own `Reduce` kernel
 (`eqsat.cost.kernels` lists it, `kernel_cost` prices it as one): a plan never counts a fusion it
 could not emit.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 from typing import Iterable
 
 HOST_OPS = frozenset({"Pointwise", "Matmul", "Conv", "Attention"})
-HOSTED_REDUCTIONS = frozenset({"sum"})
+HOSTED_REDUCTIONS = frozenset({"sum", "moments"})
 _THROUGH = frozenset({"Unary", "Reshape", "Transpose", "Slice"})
 _ELEMENTWISE = frozenset({"Binary", "Select"})
 

@@ -12,12 +12,12 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
 | `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
-| `Reduce` | size(body): one op per element reduced |
+| `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
 | `Opaque` | size(out) (unknown work: one op per element) |
 | `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
-| `RowReduce` (Expr) | size(body), no bytes, no launch (see below) |
-| `EpilogueReduce` (Tensor, hosted) | size(body) + its body's ops, its output's bytes, a memset (a quarter launch), no launch (`hosted_cost`) |
+| `RowReduce` (Expr) | as `Reduce`, no bytes, no launch (see below) |
+| `EpilogueReduce` (Tensor, hosted) | as `Reduce` + its body's ops, its partials' bytes, no launch (`hosted_cost`) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
 
 `RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
@@ -25,6 +25,15 @@ matmul's lhs prologue): its body's loads are the kernel's own reads (shared `Loa
 it owns only its flops, counted once. The real kernel recomputes them per output-column tile
 (N / block_n times); that recompute is not modeled (for LayerNorm stats it is a few flops per
 lhs element against 2·N per element of the matmul itself).
+
+`EpilogueReduce` is a reduction computed by the kernels that write its body (`eqsat.cost.hosting`):
+each of their output tiles writes its own partial (a sum, or count/mean/M2 for `moments`) into a
+slot of an fp32 partials buffer, and every kernel reading the statistic merges the slots in tile
+order. Nothing is zeroed (no memset) and nothing is added atomically. The statistic is never
+stored merged, so its bytes are the partials' (`partials_bytes`: one slot per output per
+`PARTIAL_TILE` elements it reduces, `PARTIAL_FIELDS` floats each): written once by the hosts and
+read by each reader (`kernel_reads`). One that cannot be hosted runs as its own reduction kernel
+writing the same partials.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
@@ -73,6 +82,13 @@ VIEW_OPS = frozenset({"Reshape", "Transpose", "Broadcast", "Slice", "DynamicSlic
 COMPUTE_OPS = frozenset({"Unary", "Binary", "Select"})
 # Kernels whose flops run on tensor cores (for 16-bit operands).
 DENSE_OPS = frozenset({"Matmul", "Conv", "Attention"})
+
+# Reduced elements one partial of an `EpilogueReduce` covers: a producer's output tile (128 x 128).
+PARTIAL_TILE = 128 * 128
+# fp32 values per partial: a partial sum; count, mean and M2 for moments (`eqsat.moments`).
+PARTIAL_FIELDS = {"sum": 1, "moments": 3}
+# Flops per reduced element: moments add the element, centre it, and add its square (one FMA).
+REDUCTION_FLOPS = {"moments": 3}
 
 
 @dataclass(frozen=True)
@@ -168,14 +184,30 @@ def own_flops(op: str, args: Sequence, weight_elements: int | None = None) -> fl
         kv_len = k_shape[-2] if len(k_shape) >= 2 else 1
         return 4.0 * _size(q_ty) * kv_len
     if op in ("Reduce", "RowReduce"):
-        return float(_size(args[1]))
+        return reduction_flops(args[0], _size(args[1]))
     if op == "EpilogueReduce":
-        return float(_size(args[2]))
+        return reduction_flops(args[1], _size(args[2]))
     if op == "AssignScatter":
         return float(_size(args[2]))
     if op == "Opaque":
         return float(_size(args[-1]))
     return 0.0
+
+
+def reduction_flops(op: str, elements: int) -> float:
+    """Flops of reducing `elements` values with reduction `op` (see `REDUCTION_FLOPS`)."""
+    return float(REDUCTION_FLOPS.get(op, 1) * elements)
+
+
+def partials_bytes(op: str, body_ty: str, ty: str) -> float:
+    """Bytes of the partials buffer of an `EpilogueReduce(_, op, body, _, ty)` (module docstring):
+    `outputs × ceil(reduced / PARTIAL_TILE) × fields × 4`, `outputs` the statistics it computes
+    (a `moments` value holds two rows per output), `reduced` the elements each one reduces."""
+    outputs = _size(ty) // (2 if op == "moments" else 1)
+    if outputs == 0:
+        return 0.0
+    reduced = _size(body_ty) // outputs
+    return float(outputs * max(1, math.ceil(reduced / PARTIAL_TILE)) * PARTIAL_FIELDS.get(op, 1) * 4)
 
 
 def _own_bytes(op: str, args: Sequence) -> float:
@@ -188,7 +220,9 @@ def _own_bytes(op: str, args: Sequence) -> float:
         return float(_nbytes(args[2]))  # written in place: only the box
     if op == "AssignScatter":
         return float(_nbytes(args[2]))
-    if op in KERNEL_OPS or op in HOSTED_OPS:
+    if op in HOSTED_OPS:
+        return partials_bytes(args[1], args[2], args[4])
+    if op in KERNEL_OPS:
         return float(_nbytes(args[-1]))
     return 0.0
 
@@ -211,13 +245,14 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_e
         return ZERO
     flops = own_flops(op, args, weight_elements)
     nbytes = _own_bytes(op, args)
+    if op in HOSTED_OPS:
+        # Its readers' `Load`s are charged the statistic's size; they read its partials (once here).
+        nbytes += max(0.0, nbytes - _nbytes(args[-1]))
     seconds = nbytes / device.hbm_bandwidth
     if flops:
         seconds += flops / device.peak(_dense_dtype(op, args), op in DENSE_OPS)
     if op in KERNEL_OPS:
         seconds += device.launch_overhead
-    elif op in HOSTED_OPS:
-        seconds += device.memset_overhead  # its accumulator is zeroed before the producers run
     return Cost(nbytes, flops, seconds)
 
 
@@ -233,7 +268,8 @@ def kernel_reads(kernel: Term) -> dict[Term, float]:
     """The tensors `kernel` reads and how many bytes of each (each distinct tensor once).
 
     A tensor reached only through `Slice`/`DynamicSlice` is charged the slices it reads; the table
-    of a `Gather` is charged at most the gathered size; otherwise a tensor is read in full.
+    of a `Gather` is charged at most the gathered size; otherwise a tensor is read in full. An
+    `EpilogueReduce` is read as its whole partials buffer (`partials_bytes`), which the reader merges.
     """
     full: dict[Term, float] = {}
     partial: dict[Term, float] = {}
@@ -247,8 +283,10 @@ def kernel_reads(kernel: Term) -> dict[Term, float]:
         if node.op != "Load":
             continue
         tensor = node.args[0]
-        full[tensor] = _nbytes(tensor.ty)
-        if parent is not None and parent.op in ("Slice", "DynamicSlice"):
+        full[tensor] = _stored_bytes(tensor)
+        if tensor.op in HOSTED_OPS:
+            whole.add(tensor)
+        elif parent is not None and parent.op in ("Slice", "DynamicSlice"):
             itemsize = _itemsize(_dtype(tensor.ty))
             partial[tensor] = partial.get(tensor, 0.0) + _size(parent.ty) * itemsize
         elif parent is not None and parent.op == "Gather" and parent.args[0] is node:
@@ -263,6 +301,13 @@ def kernel_reads(kernel: Term) -> dict[Term, float]:
         else:
             reads[tensor] = float(min(size, partial[tensor]))
     return reads
+
+
+def _stored_bytes(tensor: Term) -> float:
+    """Bytes of `tensor` in memory: its type's, or its partials' for an `EpilogueReduce`."""
+    if tensor.op in HOSTED_OPS:
+        return _own_bytes(tensor.op, _args_of(tensor))
+    return float(_nbytes(tensor.ty))
 
 
 def _kernel_body(kernel: Term) -> Iterator[tuple[Term, Term | None]]:
@@ -313,7 +358,7 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
         if node.op in COMPUTE_OPS:
             vector_flops += _size(node.ty)
         elif node.op == "RowReduce":
-            vector_flops += _size(node.args[1].ty)
+            vector_flops += reduction_flops(node.args[0], _size(node.args[1].ty))
     seconds = device.launch_overhead + nbytes / device.hbm_bandwidth + vector_flops / device.peak_fp32
     if dense_flops:
         args = _args_of(kernel)
@@ -326,10 +371,10 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
 
 
 def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
-    """What an `EpilogueReduce` adds to the kernels hosting it, all together: the memset zeroing its
-    fp32 accumulator, its side inputs' reads, the accumulator's atomic writes (once per tile:
-    modeled as once) and its body's flops; no launch and no read of the hosts (their values are
-    the tiles being written)."""
+    """What an `EpilogueReduce` adds to the kernels hosting it, all together: its side inputs'
+    reads, the write of its partials (one slot per tile, `partials_bytes`) and its body's flops;
+    no launch, no memset (every slot is written) and no read of the hosts (their values are the
+    tiles being written). Its readers pay for reading the partials (`kernel_reads`)."""
     from eqsat.cost.hosting import hosts_of
 
     device = get_device(device)
@@ -342,7 +387,7 @@ def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
         if id(node) not in seen and node is not reduction and node.op in COMPUTE_OPS:
             seen.add(id(node))
             flops += _size(node.ty)
-    seconds = device.memset_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32
+    seconds = nbytes / device.hbm_bandwidth + flops / device.peak_fp32
     return Cost(nbytes, flops, seconds)
 
 

@@ -3,22 +3,25 @@
 After `norm_split`, a GroupNorm is a statistics kernel and an apply absorbed into the next conv:
 
     x     = Conv(...)                                           kernel 1 writes x
-    stats = Reduce(sum, stack(x, x*x), over (C/G, H, W))        kernel 2 reads x again
+    stats = Reduce(moments, x, over (C/G, H, W))                kernel 2 reads x again
     y     = Conv((x - mean) * rsqrt(var + eps) * g + b, W)      kernel 3 reads x and stats
 
 GroupNorm statistics reduce over space, so the conv reading them cannot recompute them the way a
 matmul recomputes LayerNorm's row statistics (`row_stats`). But the kernel that WRITES x has every
-element of x in registers once: each of its output tiles can add its part of the sums into the
-statistics buffer (an fp32 atomic add) and kernel 2 disappears. The law is trivial,
+element of x in registers once: each of its output tiles writes its partial statistics (a partial
+sum, or partial moments count/mean/M2) into its own slot of a small fp32 buffer, the kernel
+reading the statistic merges the slots in tile order (Chan's formula for moments,
+`eqsat.moments`), and kernel 2 disappears: no atomics, no zeroing, deterministic. The law is
+trivial,
 
-    Reduce(sum, body, axes, Acc, ty) = EpilogueReduce(x, sum, body, axes, ty)
+    Reduce(op, body, axes, Acc, ty) = EpilogueReduce(x, op, body, axes, ty)      op in {sum, moments}
 
 (an `EpilogueReduce` is the same reduction, computed by the kernel producing `x`); the family's work
 is stating it only where `x`'s kernel can compute it: where the body reads `x` at the element being
 written. A body over `concat(h, skip)` (the up blocks' first GroupNorm) is hosted by both kernels,
-each adding the elements it writes into the same accumulator. Three context relations find those bodies, top-down from the reduction:
+each writing partials for the elements it writes. Three context relations find those bodies, top-down from the reduction:
 
-    Want(e)      e is (part of) the body of a sum reduction with the identity epilogue
+    Want(e)      e is (part of) the body of a sum or moments reduction with the identity epilogue
     Of(e, x)     e's element i is computed from ONE element of x, or of another kernel output
                  concatenated with it (Concat), through index maps (Reshape, Transpose, Slice) and
                  elementwise ops whose operands read the same element (x*x) or side values; x is
@@ -27,8 +30,9 @@ each adding the elements it writes into the same accumulator. Three context rela
                  constants, matmul/conv/gather outputs: a bias, a time-embedding projection),
                  reaching the body through a Broadcast
 
-A centered variance sum((x - mean(x))^2) reads a statistic of x itself, which does not exist while
-x's kernel runs: `Load` of a Reduce is never Safe, so it does not get hosted. What the rules cannot
+A centered variance written sum((x - mean(x))^2) reads a statistic of x itself, which does not exist
+while x's kernel runs: `Load` of a Reduce is never Safe, so that form is not hosted; its `moments`
+form (`norm_split`: each tile centres its own values on its own mean) is. What the rules cannot
 see (a side input that depends on x through a matmul) the plan checks on the extracted terms
 (`eqsat.cost.hosting`), running such a reduction as its own kernel.
 """
@@ -55,10 +59,15 @@ Of = relation("EpiOf", Expr, Tensor)
 Safe = relation("EpiSafe", Expr)
 
 
+# The reductions a producer's tiles can compute as per-tile partials (see `eqsat.cost.hosting`).
+HOSTED = ("sum", "moments")
+
+
 @epilogue_stats.register
 def _want(r: Tensor, body: Expr, axes: String, ty: String, op: String, ta: String, v: f64, tl: String):
-    """Reduce(sum, body, axes, Acc(ty), ty) or with a scalar epilogue op(Acc, c) => Want(body)."""
-    yield rule(r == Reduce(String("sum"), body, axes, Acc(ty), ty)).then(Want(body))
+    """Reduce(sum or moments, body, axes, Acc(ty), ty), or a sum with a scalar epilogue op(Acc, c) => Want(body)."""
+    for reduction in HOSTED:
+        yield rule(r == Reduce(String(reduction), body, axes, Acc(ty), ty)).then(Want(body))
     yield rule(r == Reduce(String("sum"), body, axes, Binary(op, Acc(ta), Lit(v, tl), ty), ty)).then(Want(body))
 
 
@@ -124,9 +133,10 @@ def _side(e: Expr, x: Expr, y: Expr, t: Tensor, op: String, s: String, ty: Strin
 
 @epilogue_stats.register
 def _host(r: Tensor, body: Expr, axes: String, ty: String, t: Tensor):
-    """Reduce(sum, body, axes, Acc(ty), ty) with Of(body, x) = EpilogueReduce(x, sum, body, axes, ty)."""
-    yield rule(r == Reduce(String("sum"), body, axes, Acc(ty), ty), Of(body, t)).then(
-        union(r).with_(EpilogueReduce(t, String("sum"), body, axes, ty)))
+    """Reduce(op, body, axes, Acc(ty), ty) with Of(body, x) = EpilogueReduce(x, op, body, axes, ty), op sum or moments."""
+    for reduction in HOSTED:
+        yield rule(r == Reduce(String(reduction), body, axes, Acc(ty), ty), Of(body, t)).then(
+            union(r).with_(EpilogueReduce(t, String(reduction), body, axes, ty)))
 
 
 @epilogue_stats.register
@@ -244,7 +254,7 @@ def _max_args(draw):
 
 
 def _max_of_a_matmul(x, w):
-    """A max reduction of a matmul output: only sums are hosted (an fp32 atomic add)."""
+    """A max reduction of a matmul output: only sums and moments are hosted (per-tile partials)."""
     import jax.numpy as jnp
 
     return jnp.max(x @ w, axis=1)
