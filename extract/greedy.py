@@ -49,9 +49,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -75,6 +76,9 @@ class GreedyResult:
     score: float
     sweeps: float  # node evaluations per node, summed over rounds
     rounds: list[tuple[str, float]]  # (round name, score)
+    polish: "PolishReport | None" = None
+    stopped: str | None = None  # "time_limit" when the deadline skipped a round or cut the polish short
+    seconds: dict = field(default_factory=dict)  # wall time per phase: prepare, each round, polish
 
 
 class _Weights:
@@ -284,15 +288,20 @@ ROUNDS = ("horizontal", "shared")  # also available: "reuse", "horizontal+reuse"
 def extract_greedy(graph: EGraphData, roots, costs, *,
                    score: Callable[[Selection, float], float] | None = None,
                    max_evaluations_per_node: int = 16, rounds: tuple[str, ...] = ROUNDS,
-                   polish_passes: int = 3, banned=()) -> GreedyResult:
+                   polish_passes: int = 3, banned=(), deadline: float | None = None) -> GreedyResult:
     """A greedy DAG-aware selection for `roots` (class indices) under per-node `costs` (seconds).
 
     `score(selection, cutoff)` rates a finished selection (default: `Selection.cost`, the plan's
     modeled seconds); it may return `inf` once past `cutoff`. The best-scoring round wins (the
     first on ties) and is then improved by `polish` (`polish_passes=0` skips that). Deterministic:
-    the same graph, roots and costs give the same selection.
+    the same graph, roots and costs give the same selection, unless `deadline` (a
+    `time.perf_counter()` value) passes first: then the rounds not yet run are skipped (the first
+    always runs), the polish stops between two moves, and `stopped` says "time_limit".
     """
+    started = time.perf_counter()
+    seconds: dict[str, float] = {}
     problem = _Problem(graph, list(roots), costs)
+    seconds["prepare"] = time.perf_counter() - started
     if score is None:
         def score(selection: Selection, cutoff: float) -> float:
             return selection.cost(costs, cutoff)
@@ -302,6 +311,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     history: list[tuple[str, float]] = []
     seen: dict[tuple, float] = {}
     materialized: dict[str, frozenset[int]] = {}
+    stopped = None
     for name in rounds:
         shared = name != "plain"
         if name == "plain" or name == "shared":
@@ -318,6 +328,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             paid = materialized["horizontal"]
         else:
             raise ValueError(f"unknown greedy round {name!r}; known: plain, {', '.join(ROUNDS)}")
+        if best is not None and deadline is not None and time.perf_counter() > deadline:
+            stopped = "time_limit"
+            break
+        began = time.perf_counter()
         selection, sweeps = _acyclic_pass(problem, set(banned), paid, shared, max_evaluations_per_node)
         total_sweeps += sweeps
         materialized[name] = frozenset(
@@ -326,157 +340,237 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         value = seen[key] if key in seen else score(selection, best_score)
         seen[key] = value
         history.append((name, value))
+        seconds[name] = time.perf_counter() - began
         if best is None or value < best_score * (1 - 1e-12):  # a later round must be strictly better
             best, best_score = selection, value
     assert best is not None
+    report = None
     if polish_passes:
+        began = time.perf_counter()
         try:
-            polished = polish(best, costs, fallback=best.fallback, max_passes=polish_passes)
+            polished, report = polish(best, costs, fallback=best.fallback, max_passes=polish_passes,
+                                      deadline=deadline)
         except ValueError:  # a move closed a cycle the checks missed: keep the unpolished plan
             polished = best
+        stopped = stopped or (report.stopped if report else None)
         value = score(polished, math.inf)
         history.append(("polish", value))
         if value < best_score * (1 - 1e-12):
             polished.fallback = best.fallback
             best, best_score = polished, value
-    return GreedyResult(best, best_score, total_sweeps, history)
+        seconds["polish"] = time.perf_counter() - began
+    return GreedyResult(best, best_score, total_sweeps, history, report, stopped, seconds)
 
 
 # --- polish: local moves on a finished selection ---------------------------------------------------
 
+MAX_CONTEXT_SLOTS = 4096  # expression slots one kernel may compute: more is runaway inlining, not a candidate
+RETIRE_STEPS = 8          # slot switches one kernel may make to stop reading a tensor
 
-def polish(selection: Selection, costs, *, fallback: dict | None = None, max_passes: int = 3) -> Selection:
-    """Improve `selection` by local moves, each kept only if the plan's modeled cost drops.
 
-    Moves, for every kernel of the plan in order:
-    - switch the kernel's node (a bias-add `Pointwise` over a matmul -> the matmul with the add in
-      its epilogue, say), and
-    - switch one expression node inside the kernel, for this kernel only (read `Load(T)` instead
-      of recomputing `T`, or one slice of a wide matmul instead of another).
-    A move may read only tensors the plan already materializes earlier in its order, so the plan
-    stays acyclic; tensors no kernel reads any more after the move are dropped, and their cost with
-    them. `fallback` (slot -> node, e.g. a greedy pass's choice for every class) supplies nodes
-    for expression classes the selection does not reach yet.
-    """
-    graph = selection.graph
-    node_op, sort = graph.node_op, graph.class_sort
-    nodes: dict = dict(fallback or {})
-    nodes.update(selection.nodes)
-    roots = list(selection.roots)
+@dataclass
+class PolishReport:
+    """What `polish` did and what it cost: moves kept by kind, and the work (kernel contexts walked,
+    expression slots visited: linear in the plan) that found them."""
 
-    def resolve(child: int, owner: int, overrides: dict) -> tuple[int, int]:
-        return (child, GLOBAL) if sort[child] == "Tensor" else (child, owner)
+    passes: int = 0
+    kernel_switches: int = 0   # move 1: another node for a kernel
+    reuses: int = 0            # move 2: a slot reads a tensor the plan materializes anyway
+    retirements: int = 0       # move 3: every reader of a tensor stops reading it
+    walks: int = 0             # kernel contexts walked
+    slots_visited: int = 0     # expression slots those walks visited
+    memo_hits: int = 0         # contexts answered without a walk (the kernel's slots had not changed)
+    stopped: str | None = None  # "time_limit" when the deadline cut the polish short
 
-    def lookup(slot, overrides: dict):
-        node = overrides.get(slot)
-        if node is None:
-            node = nodes.get(slot)
-        if node is None and slot[1] != GLOBAL:
-            node = nodes.get((slot[0], GLOBAL))
-        return node
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
 
-    def context(owner: int, kernel_node: int, overrides: dict):
-        """(cost, reads, slots) of the kernel of class `owner` built from `kernel_node`; `slots` are
-        its expression slots in the order met, each as (slot, tensor it loads or -1, index of its
-        parent slot in `slots` or -1)."""
+
+class _Context(NamedTuple):
+    """One kernel as a choice of nodes builds it: its modeled cost, the tensor classes it reads, and
+    its expression slots in depth-first order, each `(class, tensor it loads or -1, parent index)`."""
+
+    cost: float
+    reads: frozenset
+    slots: tuple
+
+
+_NOT_A_KERNEL = _Context(0.0, frozenset(), ())
+
+
+class _Polish:
+    """The state of one polish: the plan's nodes, each kernel's cost and reads, reference counts and a
+    topological order, and a memo of kernel contexts.
+
+    A kernel's context (`context(owner, kernel_node, local)`) depends only on the nodes chosen for its
+    own expression slots: `local` (the move being tried), then this kernel's slot choices
+    (`inner[owner]`), then the selection's default for the class (expression defaults never change
+    during a polish). So a context is memoized per kernel and forgotten only when one of that kernel's
+    slots changes: passes after the first, and the repeated trials of a retirement, cost no walks for
+    kernels nothing touched."""
+
+    def __init__(self, selection: Selection, costs, fallback: dict | None, deadline: float | None):
+        graph = self.graph = selection.graph
+        self.costs = costs
+        self.deadline = deadline
+        self.report = PolishReport()
+        nodes: dict = dict(fallback or {})
+        nodes.update(selection.nodes)
+        self.nodes = nodes
+        self.roots = list(selection.roots)
+        self.root_set = set(self.roots)
+        sort = graph.class_sort
+        self.is_tensor = [s == "Tensor" for s in sort]
+        self.kids = [tuple(c for c in children if c >= 0) for children in graph.node_children]
+        self.default: dict[int, int] = {}
+        self.inner: dict[int, dict[int, int]] = {}
+        for (cls, ctx), node in nodes.items():
+            if ctx == GLOBAL:
+                if not self.is_tensor[cls]:
+                    self.default[cls] = node
+            else:
+                self.inner.setdefault(ctx, {})[cls] = node
+        self.memo: dict[int, dict] = {}
+        self.load_nodes: dict[int, list[int]] = {}
+        for node, op in enumerate(graph.node_op):
+            if op == "Load":
+                self.load_nodes.setdefault(graph.node_class[node], []).append(node)
+        self.leaf_classes = {cls for cls in range(graph.num_classes)
+                             if any(graph.node_op[n] in ("Input", "Constant", "LoopArg") for n in graph.class_nodes[cls])}
+        current = Selection(graph, nodes, self.roots)
+        order = [cls for cls, ctx in current.postorder() if ctx == GLOBAL and sort[cls] == "Tensor"]
+        self.position = {cls: i for i, cls in enumerate(order)}
+        self.dirty = False
+        self.kernel_cost: dict[int, float] = {}
+        self.kernel_reads: dict[int, frozenset] = {}
+        self.refcount: dict[int, int] = {cls: 0 for cls in order}
+        for cls in order:
+            found = self.context(cls, nodes[(cls, GLOBAL)])
+            self.kernel_cost[cls], self.kernel_reads[cls] = found.cost, found.reads
+            for read in found.reads:
+                self.refcount[read] = self.refcount.get(read, 0) + 1
+        for root in self.roots:
+            self.refcount[root] = self.refcount.get(root, 0) + 1
+
+    # --- kernel contexts ---
+
+    def slot_node(self, cls: int, owner: int) -> int | None:
+        """The node of expression class `cls` inside the kernel of `owner`."""
+        node = self.inner.get(owner, {}).get(cls)
+        return self.default.get(cls) if node is None else node
+
+    def set_slot(self, cls: int, owner: int, node: int) -> None:
+        self.nodes[(cls, owner)] = node
+        self.inner.setdefault(owner, {})[cls] = node
+        self.memo.pop(owner, None)
+
+    def context(self, owner: int, kernel_node: int, local: dict | None = None) -> _Context:
+        key = (kernel_node, tuple(sorted(local.items())) if local else ())
+        memo = self.memo.setdefault(owner, {})
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self._walk(owner, kernel_node, local or {})
+        else:
+            self.report.memo_hits += 1
+        return found
+
+    def _walk(self, owner: int, kernel_node: int, local: dict) -> _Context:
+        graph, costs = self.graph, self.costs
+        node_op, node_children, kids, is_tensor = graph.node_op, graph.node_children, self.kids, self.is_tensor
         total = costs[kernel_node]
+        op = node_op[kernel_node]
+        hosted = op in HOSTED_OPS  # costs its own node only (`Selection.cost`)
+        if not hosted and op not in KERNEL_OPS:
+            return _Context(total, frozenset(), ())
+        self.report.walks += 1
+        inner = self.inner.get(owner, {})
+        default = self.default
         reads: set[int] = set()
-        hosted = node_op[kernel_node] in HOSTED_OPS  # costs its own node only (`Selection.cost`)
-        if not hosted and node_op[kernel_node] not in KERNEL_OPS:
-            return total, reads, []
-        loads: dict = {}
-        state: dict = {}  # slot -> 1 while on the depth-first path, 2 when done
+        loads: dict[int, list] = {}  # Load slot's class -> [read whole?, sliced fraction, Load node]
+        state: dict[int, int] = {}  # class -> 1 while on the depth-first path, 2 when done
         slots: list = []
-        stack = [((owner, GLOBAL), kernel_node, -1, False)]
+        stack = [(owner, kernel_node, -1, False)]  # the kernel itself, then its expression slots
+        first = True
         while stack:
-            slot, node, parent_index, leaving = stack.pop()
+            cls, node, parent_index, leaving = stack.pop()
             if leaving:
-                state[slot] = 2
+                state[cls] = 2
                 continue
-            if slot in state:
+            if cls in state:
                 continue  # entered already through another parent
-            state[slot] = 1
+            state[cls] = 1
             index = -1
-            if slot[1] != GLOBAL:
+            if first:
+                first = False
+            else:
                 index = len(slots)
-                slots.append((slot, graph.node_children[node][0] if node_op[node] == "Load" else -1, parent_index))
-                if node_op[node] != "Load":
+                is_load = node_op[node] == "Load"
+                slots.append((cls, node_children[node][0] if is_load else -1, parent_index))
+                if not is_load:
                     total += costs[node]
-                if index > 4096:
-                    return math.inf, reads, slots  # runaway inlining: not a candidate
-            stack.append((slot, node, parent_index, True))
+                if index > MAX_CONTEXT_SLOTS:
+                    self.report.slots_visited += len(slots)
+                    return _Context(math.inf, frozenset(reads), tuple(slots))
+            stack.append((cls, node, parent_index, True))
             parent_op = node_op[node]
-            for child in graph.node_children[node]:
-                if child < 0:
-                    continue
-                child_slot = resolve(child, owner, overrides)
-                if child_slot[1] == GLOBAL and sort[child] == "Tensor":
+            for child in kids[node]:
+                if is_tensor[child]:
                     reads.add(child)
                     continue
-                child_node = lookup(child_slot, overrides)
+                child_node = local.get(child)
                 if child_node is None:
-                    return math.inf, reads, slots
+                    child_node = inner.get(child)
+                    if child_node is None:
+                        child_node = default.get(child)
+                        if child_node is None:
+                            self.report.slots_visited += len(slots)
+                            return _Context(math.inf, frozenset(reads), tuple(slots))
                 if node_op[child_node] == "Load":
-                    entry = loads.setdefault(child_slot, [False, 0.0, child_node])
+                    entry = loads.get(child)
+                    if entry is None:
+                        entry = loads[child] = [False, 0.0, child_node]
                     if parent_op in ("Slice", "DynamicSlice"):
                         entry[1] += graph.slice_fraction(node)
-                    elif parent_op == "Gather" and graph.node_children[node][0] == child:
+                    elif parent_op == "Gather" and node_children[node][0] == child:
                         entry[1] += graph.gather_fraction(node)
                     else:
                         entry[0] = True
-                mark = state.get(child_slot)
+                mark = state.get(child)
                 if mark == 1:
-                    return math.inf, reads, slots  # a cycle inside the kernel
+                    self.report.slots_visited += len(slots)
+                    return _Context(math.inf, frozenset(reads), tuple(slots))  # a cycle inside the kernel
                 if mark is None:
-                    stack.append((child_slot, child_node, index, False))
+                    stack.append((child, child_node, index, False))
+        self.report.slots_visited += len(slots)
         if hosted:
-            return costs[kernel_node], reads, slots
+            return _Context(costs[kernel_node], frozenset(reads), tuple(slots))
         for whole, fraction, load_node in loads.values():
             read = costs[load_node]
             total += read if whole else read * min(1.0, fraction)
-        return total, reads, slots
+        return _Context(total, frozenset(reads), tuple(slots))
 
-    load_nodes: dict[int, list[int]] = {}
-    for cls_nodes in graph.class_nodes:
-        for n in cls_nodes:
-            if node_op[n] == "Load":
-                load_nodes.setdefault(graph.node_class[n], []).append(n)
-    current = Selection(graph, nodes, roots)
-    order = [cls for cls, ctx in current.postorder() if ctx == GLOBAL and sort[cls] == "Tensor"]
-    position = {cls: i for i, cls in enumerate(order)}
-    kernel_cost: dict[int, float] = {}
-    kernel_reads: dict[int, set[int]] = {}
-    refcount: dict[int, int] = {cls: 0 for cls in order}
-    for cls in order:
-        cost, reads, _ = context(cls, nodes[(cls, GLOBAL)], {})
-        kernel_cost[cls], kernel_reads[cls] = cost, reads
-        for read in reads:
-            refcount[read] = refcount.get(read, 0) + 1
-    for root in roots:
-        refcount[root] = refcount.get(root, 0) + 1
+    # --- reference counts, order, legality ---
 
-    def freed(owner: int, old_reads: set[int], new_reads: set[int]) -> tuple[float, list[int]]:
-        """Cost and classes dropped when `owner` stops reading `old_reads - new_reads`."""
+    def freed(self, old_reads, new_reads) -> float:
+        """The cost dropped when a kernel stops reading `old_reads - new_reads`."""
+        refcount, kernel_cost, kernel_reads = self.refcount, self.kernel_cost, self.kernel_reads
         drop: dict[int, int] = {}
-        gone: list[int] = []
         saved = 0.0
         stack = [r for r in old_reads if r not in new_reads]
         while stack:
             tensor = stack.pop()
             drop[tensor] = drop.get(tensor, 0) + 1
             if refcount.get(tensor, 0) - drop[tensor] == 0 and tensor not in new_reads:
-                gone.append(tensor)
                 saved += kernel_cost.get(tensor, 0.0)
                 stack.extend(kernel_reads.get(tensor, ()))
-        return saved, gone
+        return saved
 
-    state = {"dirty": False}
-
-    def reorder() -> None:
+    def reorder(self) -> None:
         """Recompute a topological order of the plan's tensors from the kernels' reads."""
+        kernel_reads = self.kernel_reads
         seen: set[int] = set()
         fresh: list[int] = []
-        for root in roots:
+        for root in self.roots:
             stack = [(root, False)]
             while stack:
                 tensor, done = stack.pop()
@@ -488,14 +582,14 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
                 seen.add(tensor)
                 stack.append((tensor, True))
                 stack.extend((r, False) for r in sorted(kernel_reads.get(tensor, ())) if r not in seen)
-        position.clear()
-        position.update({cls: i for i, cls in enumerate(fresh)})
-        state["dirty"] = False
+        self.position = {cls: i for i, cls in enumerate(fresh)}
+        self.dirty = False
 
-    def depends(tensor: int, owner: int) -> bool:
+    def depends(self, tensor: int, owner: int) -> bool:
         """Whether `tensor` (transitively) reads `owner` in the current plan."""
-        if state["dirty"]:
-            reorder()
+        if self.dirty:
+            self.reorder()
+        position, kernel_reads = self.position, self.kernel_reads
         floor = position[owner]
         stack, seen = [tensor], {tensor}
         while stack:
@@ -508,188 +602,242 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
                     stack.append(r)
         return False
 
-    def valid(owner: int, reads: set[int]) -> bool:
-        if state["dirty"]:
-            reorder()
+    def valid(self, owner: int, reads) -> bool:
+        """Whether kernel `owner` may read `reads`: live tensors (or leaves), none that depends on it."""
+        if self.dirty:
+            self.reorder()
+        position, refcount = self.position, self.refcount
         for r in reads:
             if r == owner:
                 return False
-            if r not in position or (refcount.get(r, 0) == 0 and r not in roots):
-                if not any(node_op[n] in ("Input", "Constant", "LoopArg") for n in graph.class_nodes[r]):
+            if r not in position or (refcount.get(r, 0) == 0 and r not in self.root_set):
+                if r not in self.leaf_classes:
                     return False
                 continue
-            if position[r] > position[owner] and depends(r, owner):
+            if position[r] > position[owner] and self.depends(r, owner):
                 return False
         return True
 
-    def apply(owner: int, cost: float, reads: set[int], gone: list[int]) -> None:
-        for r in reads - kernel_reads[owner]:
+    def apply(self, owner: int, found: _Context) -> None:
+        """Kernel `owner` now costs `found.cost` and reads `found.reads`."""
+        refcount, kernel_reads = self.refcount, self.kernel_reads
+        for r in found.reads - kernel_reads[owner]:
             refcount[r] = refcount.get(r, 0) + 1
-            if r not in position or position[r] > position[owner]:
-                state["dirty"] = True
-        stack = list(kernel_reads[owner] - reads)
+            if r not in self.position or self.position[r] > self.position[owner]:
+                self.dirty = True
+        stack = list(kernel_reads[owner] - found.reads)
         while stack:
             tensor = stack.pop()
             refcount[tensor] -= 1
             if refcount[tensor] == 0:
                 stack.extend(kernel_reads.get(tensor, ()))
-        kernel_cost[owner], kernel_reads[owner] = cost, reads
+        self.kernel_cost[owner], kernel_reads[owner] = found.cost, found.reads
 
-    for _ in range(max_passes):
+    def out_of_time(self) -> bool:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.report.stopped = "time_limit"
+            return True
+        return False
+
+    # --- the moves ---
+
+    def run(self, max_passes: int) -> Selection:
+        for _ in range(max_passes):
+            self.report.passes += 1
+            if self.dirty:
+                self.reorder()
+            order = sorted(self.position, key=self.position.get)
+            improved = self.switch_and_reuse(order)
+            if self.report.stopped:
+                break
+            improved = self.retire(order) or improved
+            if self.report.stopped or not improved:
+                break
+        return Selection(self.graph, self.nodes, self.roots).pruned()
+
+    def switch_and_reuse(self, order: list[int]) -> bool:
+        graph, nodes, node_op = self.graph, self.nodes, self.graph.node_op
         improved = False
-        if state["dirty"]:
-            reorder()
-        order = sorted(position, key=position.get)
         for owner in order:
-            if refcount.get(owner, 0) == 0:
+            if self.refcount.get(owner, 0) == 0:
                 continue
             node = nodes[(owner, GLOBAL)]
             if node_op[node] not in KERNEL_OPS and node_op[node] not in HOSTED_OPS:
                 continue
+            if self.out_of_time():
+                return improved
             # Move 1: another node for the kernel (or hosted reduction) itself.
             for alternative in graph.class_nodes[owner]:
                 if alternative == node:
                     continue
-                cost, reads, _ = context(owner, alternative, {})
-                if not math.isfinite(cost) or not valid(owner, reads):
+                found = self.context(owner, alternative)
+                if not math.isfinite(found.cost) or not self.valid(owner, found.reads):
                     continue
-                saved, gone = freed(owner, kernel_reads[owner], reads)
-                if cost - kernel_cost[owner] - saved < -1e-12:
-                    apply(owner, cost, reads, gone)
+                saved = self.freed(self.kernel_reads[owner], found.reads)
+                if found.cost - self.kernel_cost[owner] - saved < -1e-12:
+                    self.apply(owner, found)
                     nodes[(owner, GLOBAL)] = node = alternative
+                    self.report.kernel_switches += 1
                     improved = True
             if node_op[node] not in KERNEL_OPS:
                 continue
             # Move 2: read a tensor the plan materializes anyway instead of recomputing it here
             # (switch an expression slot, in this kernel only, to a `Load` of that tensor).
-            _, _, slots = context(owner, node, {})
-            for slot, loaded, _ in slots:
+            for cls, loaded, _ in self.context(owner, node).slots:
                 if loaded >= 0:
                     continue
-                cls = slot[0]
-                for alternative in load_nodes.get(cls, ()):
+                for alternative in self.load_nodes.get(cls, ()):
                     tensor = graph.node_children[alternative][0]
-                    if refcount.get(tensor, 0) == 0 or lookup(slot, {}) == alternative:
+                    if self.refcount.get(tensor, 0) == 0 or self.slot_node(cls, owner) == alternative:
                         continue
-                    overrides = {(cls, owner): alternative}
-                    cost, reads, _ = context(owner, node, overrides)
-                    if not math.isfinite(cost) or not valid(owner, reads):
+                    found = self.context(owner, node, {cls: alternative})
+                    if not math.isfinite(found.cost) or not self.valid(owner, found.reads):
                         continue
-                    saved, gone = freed(owner, kernel_reads[owner], reads)
-                    if cost - kernel_cost[owner] - saved < -1e-12:
-                        apply(owner, cost, reads, gone)
-                        nodes[(cls, owner)] = alternative
+                    saved = self.freed(self.kernel_reads[owner], found.reads)
+                    if found.cost - self.kernel_cost[owner] - saved < -1e-12:
+                        self.apply(owner, found)
+                        self.set_slot(cls, owner, alternative)
+                        self.report.reuses += 1
                         improved = True
                         break
-        # Move 3: retire a tensor: every kernel that reads it switches expression slots (in its
-        # own context) until it does not, all at once; a narrow matmul whose readers can all read
-        # a slice of a wider one already in the plan goes away only this way.
+        return improved
+
+    def retire(self, order: list[int]) -> bool:
+        """Move 3: retire a tensor: every kernel that reads it switches expression slots (in its own
+        context) until it does not, all at once; a narrow matmul whose readers can all read a slice
+        of a wider one already in the plan goes away only this way."""
+        nodes, node_op, refcount, kernel_reads = self.nodes, self.graph.node_op, self.refcount, self.kernel_reads
+        improved = False
         readers: dict[int, set[int]] = {}
         for owner in order:
             if refcount.get(owner, 0) > 0:
                 for read in kernel_reads[owner]:
                     readers.setdefault(read, set()).add(owner)
         for tensor in reversed(order):
-            if refcount.get(tensor, 0) == 0 or tensor in roots or node_op[nodes[(tensor, GLOBAL)]] not in KERNEL_OPS:
+            if refcount.get(tensor, 0) == 0 or tensor in self.root_set or \
+                    node_op[nodes[(tensor, GLOBAL)]] not in KERNEL_OPS:
                 continue
-            plan_moves = []
-            for owner in sorted(readers.get(tensor, ()), key=lambda o: position.get(o, -1)):
-                if refcount.get(owner, 0) == 0 or owner not in position:
+            if self.out_of_time():
+                return improved
+            moves = []
+            for owner in sorted(readers.get(tensor, ()), key=lambda o: self.position.get(o, -1)):
+                if refcount.get(owner, 0) == 0 or owner not in self.position:
                     continue
-                move = _retire_in(owner, tensor, nodes, context, graph, valid, lambda r: r != tensor)
+                move = self.retire_in(owner, tensor)
                 if move is None:
-                    plan_moves = None
+                    moves = None
                     break
-                plan_moves.append((owner, *move))
-            if not plan_moves:
+                moves.append((owner, *move))
+            if not moves:
                 continue
-            delta = sum(cost - kernel_cost[owner] for owner, cost, _, _ in plan_moves)
+            delta = sum(found.cost - self.kernel_cost[owner] for owner, found, _, _ in moves)
             # What retiring frees: the tensor and whatever only it (and the old reads) kept alive.
             drop: dict[int, int] = {}
-            for owner, _, reads, _ in plan_moves:
-                for r in kernel_reads[owner] - reads:
+            for owner, found, _, _ in moves:
+                for r in kernel_reads[owner] - found.reads:
                     drop[r] = drop.get(r, 0) + 1
             saved = 0.0
             stack = [r for r in drop if refcount.get(r, 0) - drop[r] == 0]
             freed_set: set[int] = set()
-            new_reads = set().union(*(reads for _, _, reads, _ in plan_moves))
+            new_reads = set().union(*(found.reads for _, found, _, _ in moves))
             while stack:
                 t = stack.pop()
                 if t in freed_set or t in new_reads:
                     continue
                 freed_set.add(t)
-                saved += kernel_cost.get(t, 0.0)
+                saved += self.kernel_cost.get(t, 0.0)
                 for r in kernel_reads.get(t, ()):
                     drop[r] = drop.get(r, 0) + 1
                     if refcount.get(r, 0) - drop[r] == 0:
                         stack.append(r)
             if tensor not in freed_set or delta - saved >= -1e-12:
                 continue
-            for owner, cost, reads, overrides in plan_moves:
-                apply(owner, cost, reads, [])
-                nodes.update(overrides)
-                for r in reads:
+            for owner, found, start, local in moves:
+                self.apply(owner, found)
+                nodes[(owner, GLOBAL)] = start
+                for cls, node in local.items():
+                    self.set_slot(cls, owner, node)
+                for r in found.reads:
                     readers.setdefault(r, set()).add(owner)
+            self.report.retirements += 1
             improved = True
-        if not improved:
-            break
-    return Selection(graph, nodes, roots).pruned()
+        return improved
 
+    def retire_in(self, owner: int, tensor: int):
+        """How kernel `owner` stops reading `tensor`: (context, kernel node, slot switches) or None.
 
-def _retire_in(owner, tensor, nodes, context, graph, valid, allowed):
-    """Overrides that stop kernel `owner` from reading `tensor`: (cost, reads, overrides) or None.
-
-    Greedy: repeatedly take the cheapest single switch of a slot on the way to a `tensor` load
-    (in `owner`'s context) that lowers the number of such loads, until none is left. A hosted
-    reduction reads its producer itself, not through a slot: every form of its class is tried
-    (another producer's epilogue, its own kernel), each with its slots switched the same way."""
-    current = nodes[(owner, GLOBAL)]
-    if graph.node_op[current] not in HOSTED_OPS:
-        return _retire_from(owner, tensor, current, {}, nodes, context, graph, valid)
-    best = None
-    for start in graph.class_nodes[owner]:
-        overrides = {} if start == current else {(owner, GLOBAL): start}
-        found = _retire_from(owner, tensor, start, overrides, nodes, context, graph, valid)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
-    return best
-
-
-def _retire_from(owner, tensor, kernel_node, overrides, nodes, context, graph, valid):
-    overrides = dict(overrides)
-    cost, reads, slots = context(owner, kernel_node, overrides)
-    for _ in range(8):
-        loads = sum(1 for _, t, _ in slots if t == tensor)
-        if tensor not in reads and loads == 0:
-            return cost, reads, overrides
-        on_path: dict = {}
-        for index, (slot, t, parent) in enumerate(slots):
-            if t != tensor:
-                continue
-            while index >= 0 and index not in on_path:
-                on_path[index] = None
-                index = slots[index][2]
+        Greedy: repeatedly take the cheapest single switch of a slot on the way to a `tensor` load
+        (in `owner`'s context) that lowers the number of such loads, until none is left. A hosted
+        reduction reads its producer itself, not through a slot: every form of its class is tried
+        (another producer's epilogue, its own kernel), each with its slots switched the same way."""
+        graph = self.graph
+        current = self.nodes[(owner, GLOBAL)]
+        if graph.node_op[current] not in HOSTED_OPS:
+            return self.retire_from(owner, tensor, current)
         best = None
-        for index in sorted(on_path):
-            slot = slots[index][0]
-            cls = slot[0]
-            if len(graph.class_nodes[cls]) < 2:
-                continue
-            chosen = overrides.get((cls, owner), nodes.get((cls, owner), nodes.get((cls, GLOBAL))))
-            for alternative in graph.class_nodes[cls]:
-                if alternative == chosen:
+        for start in graph.class_nodes[owner]:
+            found = self.retire_from(owner, tensor, start)
+            if found is not None and (best is None or found[0].cost < best[0].cost):
+                best = found
+        return best
+
+    def retire_from(self, owner: int, tensor: int, kernel_node: int):
+        class_nodes = self.graph.class_nodes
+        local: dict[int, int] = {}
+        found = self.context(owner, kernel_node)
+        for _ in range(RETIRE_STEPS):
+            slots = found.slots
+            loads = sum(1 for _, t, _ in slots if t == tensor)
+            if tensor not in found.reads and loads == 0:
+                return found, kernel_node, local
+            on_path: dict[int, None] = {}
+            for index, (_, t, _) in enumerate(slots):
+                if t != tensor:
                     continue
-                trial = dict(overrides)
-                trial[(cls, owner)] = alternative
-                c, r, sl = context(owner, kernel_node, trial)
-                if not math.isfinite(c) or not valid(owner, r - {tensor}):
+                while index >= 0 and index not in on_path:
+                    on_path[index] = None
+                    index = slots[index][2]
+            best = None
+            for index in sorted(on_path):
+                cls = slots[index][0]
+                if len(class_nodes[cls]) < 2:
                     continue
-                n = sum(1 for _, t, _ in sl if t == tensor)
-                if n >= loads and tensor in r:
-                    continue
-                if best is None or (n, c) < (best[0], best[1]):
-                    best = (n, c, r, sl, trial)
-        if best is None:
-            return None
-        _, cost, reads, slots, overrides = best
-    return None
+                chosen = local.get(cls, self.slot_node(cls, owner))
+                for alternative in class_nodes[cls]:
+                    if alternative == chosen:
+                        continue
+                    trial = dict(local)
+                    trial[cls] = alternative
+                    candidate = self.context(owner, kernel_node, trial)
+                    if not math.isfinite(candidate.cost) or not self.valid(owner, candidate.reads - {tensor}):
+                        continue
+                    n = sum(1 for _, t, _ in candidate.slots if t == tensor)
+                    if n >= loads and tensor in candidate.reads:
+                        continue
+                    if best is None or (n, candidate.cost) < (best[0], best[1].cost):
+                        best = (n, candidate, trial)
+            if best is None:
+                return None
+            _, found, local = best
+        return None
+
+
+def polish(selection: Selection, costs, *, fallback: dict | None = None, max_passes: int = 3,
+           deadline: float | None = None) -> tuple[Selection, PolishReport]:
+    """Improve `selection` by local moves, each kept only if the plan's modeled cost drops.
+
+    Moves, for every kernel of the plan in order:
+    - switch the kernel's node (a bias-add `Pointwise` over a matmul -> the matmul with the add in
+      its epilogue, say), and
+    - switch one expression node inside the kernel, for this kernel only (read `Load(T)` instead
+      of recomputing `T`, or one slice of a wide matmul instead of another);
+    then, for every tensor, retire it by switching all its readers at once.
+    A move may read only tensors the plan already materializes earlier in its order, so the plan
+    stays acyclic; tensors no kernel reads any more after the move are dropped, and their cost with
+    them. `fallback` (slot -> node, e.g. a greedy pass's choice for every class) supplies nodes
+    for expression classes the selection does not reach yet. Past `deadline` (a
+    `time.perf_counter()` value) the polish stops between two moves and returns the plan so far,
+    with `report.stopped == "time_limit"`.
+    """
+    state = _Polish(selection, costs, fallback, deadline)
+    return state.run(max_passes), state.report

@@ -265,9 +265,10 @@ def test_polish_keeps_a_selection_valid_and_never_makes_it_worse():
     costs = graph.node_costs()
     roots = graph.roots_of_handles(handles)
     raw = extract_greedy(graph, roots, costs, polish_passes=0)
-    polished = polish(raw.selection, costs, fallback=raw.selection.fallback)
+    polished, report = polish(raw.selection, costs, fallback=raw.selection.fallback)
     polished.postorder()  # acyclic, complete
     assert polished.cost(costs) <= raw.score * (1 + 1e-12)
+    assert report.stopped is None and report.passes >= 1 and report.walks > 0
 
 
 # --- cycles --------------------------------------------------------------------------------------
