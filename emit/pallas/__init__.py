@@ -156,14 +156,16 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
 def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
     emitter `ctx.backend` names. A hosted statistic the Pallas template does not compute itself is
-    emitted right after its host as its own reduce kernel."""
+    emitted right after its (last) host as its own reduce kernel."""
     from emit import xla
 
-    for call in calls:
+    calls = list(calls)
+    last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
+    for i, call in enumerate(calls):
         with jax.named_scope(call.name):
             produced = xla.emit_kernel(call, ctx) if ctx.backend == "xla" else emit_kernel(call, ctx)
             ctx.values.update(produced)
             for reduction in call.hosted:
-                if reduction not in produced:
+                if reduction not in ctx.values and last_host[reduction] == i:
                     name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
                     ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))
