@@ -42,10 +42,11 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from emit.expr import compile_expr
+from emit.expr import compile_expr, linearize, reshape_index
 from emit.pallas import loaded_tensors, triton
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
@@ -222,8 +223,12 @@ def _flat_offset(index: Sequence[jax.Array], shape: Sequence[int]) -> jax.Array:
 
 
 def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epilogue: EpilogueFn,
-                 config: ConvConfig, n_inputs: int, dot_dtype):
-    inputs, out_ref = refs[:n_inputs], refs[n_inputs]  # every ref flat (`triton.pallas_call`)
+                 config: ConvConfig, n_inputs: int, dot_dtype, statistics: tuple["_Layout", ...]):
+    # Every ref is flat (`triton.pallas_call`): operands, then each statistic's 4 slot tables, then
+    # the output and each statistic's partials.
+    inputs = refs[:n_inputs]
+    tables = refs[n_inputs:n_inputs + 4 * len(statistics)]
+    out_ref, partial_refs = refs[n_inputs + 4 * len(statistics)], refs[n_inputs + 4 * len(statistics) + 1:]
     g, p = geometry, geometry.params
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
@@ -270,15 +275,21 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
     triton.store(out_ref, offset, value, out_mask)
 
+    stored = value.astype(out_ref.dtype)  # what readers of the output see
+    for layout, partial_ref, t in zip(statistics, partial_refs, range(len(statistics))):
+        body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
+        _write_partials(layout, tables[4 * t:4 * t + 4], partial_ref, body, out_mask & body_ok, m, n)
+
 
 # --- build ------------------------------------------------------------------------------------
 
 
 def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn, inputs: Sequence[jax.Array],
-          out_dtype, *, config: ConvConfig | None = None, dot_dtype=None, interpret: bool = False,
-          name: str = "conv") -> jax.Array:
+          out_dtype, *, statistics: Sequence["TileStatistic"] = (), config: ConvConfig | None = None,
+          dot_dtype=None, interpret: bool = False, name: str = "conv"):
     """Run the conv template: `inputs` are the arrays the closures read (flattened here, so the
-    closures see flat refs in the same order); returns the output of `geometry.out_shape`."""
+    closures see flat refs in the same order). Returns the output of `geometry.out_shape`, or,
+    with `statistics`, `(output, [partials of each statistic])` (see `TileStatistic`)."""
     ranges = tuple(ranges)
     if not ranges:
         raise ValueError("a conv needs at least one K range")
@@ -291,13 +302,187 @@ def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn
     dot_dtype = jnp.dtype(dot_dtype or out_dtype)
     if dot_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"dot dtype {dot_dtype} is not one of float16, bfloat16, float32")
-    kernel = functools.partial(_conv_kernel, geometry=geometry, ranges=ranges, epilogue=epilogue, config=config,
-                               n_inputs=len(inputs), dot_dtype=dot_dtype)
     grid = (pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n))
-    (out,) = triton.pallas_call(kernel, list(inputs), [jax.ShapeDtypeStruct(geometry.out_shape, out_dtype)],
-                                grid=grid, name=name, interpret=interpret, num_warps=config.num_warps,
-                                num_stages=config.num_stages)
-    return out
+    layouts = tuple(_Layout.of(statistic, geometry, config) for statistic in statistics)
+    kernel = functools.partial(_conv_kernel, geometry=geometry, ranges=ranges, epilogue=epilogue, config=config,
+                               n_inputs=len(inputs), dot_dtype=dot_dtype, statistics=layouts)
+    tables = [table for layout in layouts for table in layout.tables()]
+    out_shapes = [jax.ShapeDtypeStruct(geometry.out_shape, out_dtype)]
+    out_shapes += [jax.ShapeDtypeStruct((grid[0] * grid[1], layout.fields, layout.slots), jnp.float32)
+                   for layout in layouts]
+    out, *partials = triton.pallas_call(kernel, [*inputs, *tables], out_shapes, grid=grid, name=name,
+                                        interpret=interpret, num_warps=config.num_warps,
+                                        num_stages=config.num_stages)
+    return (out, partials) if statistics else out
+
+
+
+# --- statistics of the epilogue value ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileStatistic:
+    """A reduction of the conv's output computed by its output tiles (an `EpilogueReduce` hosted here).
+
+    `value(refs, out_tile, out_index, mask) -> (body [bm, bn] fp32, ok)` is the reduction's body at
+    each output element (`out_tile` is the output as stored, `ok` where the body reads it), and
+    `slot_of[m, n]` the reduction output (row-major over its kept axes, `0 <= slot < slots`)
+    element (pixel m, output channel n) belongs to. `op` "sum" writes per tile the partial sum of
+    every slot (`[tiles, 1, slots]`); "moments" its count, mean and M2 (`[tiles, 3, slots]`, two-pass
+    over the tile's elements of that slot; 0, 0, 0 for slots the tile does not touch), tiles in
+    row-major (M tile, N tile) order; `merge_partials` combines them in that order.
+
+    The slot must split into a pixel part plus a channel part (GroupNorm: batch·groups + channel //
+    group size), and an output tile may touch at most `MAX_ROW_SLOTS` pixel parts: each tile sums
+    its rows per pixel part, then its columns per channel part, with no atomics.
+    """
+
+    op: str
+    value: Callable
+    slot_of: np.ndarray
+    slots: int
+
+    def __post_init__(self):
+        if self.op not in ("sum", "moments"):
+            raise NotImplementedError(f"a conv epilogue computes sum or moments statistics, not {self.op!r}")
+
+
+MAX_ROW_SLOTS = 8
+MAX_SLOTS = 8192
+
+
+def _local_ids(values: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block of `block` consecutive entries: each entry's rank among the block's distinct values
+    (`local`), and the distinct values of each block (`distinct[tile, rank]`, 0-padded)."""
+    tiles = -(-len(values) // block)
+    local = np.zeros(len(values), np.int32)
+    found = []
+    for tile in range(tiles):
+        distinct, rank = np.unique(values[tile * block:(tile + 1) * block], return_inverse=True)
+        local[tile * block:(tile + 1) * block] = rank
+        found.append(distinct)
+    width = max(len(d) for d in found)
+    distinct = np.zeros((tiles, width), np.int32)
+    for tile, values_of_tile in enumerate(found):
+        distinct[tile, :len(values_of_tile)] = values_of_tile
+    return local, distinct
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A `TileStatistic` laid out for one tiling: each pixel's and channel's local slot part."""
+
+    statistic: TileStatistic
+    row_local: np.ndarray     # [pixels] rank of the pixel's slot part within its M tile
+    row_parts: np.ndarray     # [M tiles, rows] the distinct pixel parts of each M tile
+    col_local: np.ndarray     # [out channels]
+    col_parts: np.ndarray     # [N tiles, cols]
+
+    @classmethod
+    def of(cls, statistic: TileStatistic, geometry: ConvGeometry, config: ConvConfig) -> "_Layout":
+        table = np.asarray(statistic.slot_of, np.int64)
+        if table.shape != (geometry.pixels, geometry.out_features):
+            raise ValueError(f"slot table {table.shape} != (pixels, out channels) {(geometry.pixels, geometry.out_features)}")
+        if not 0 < statistic.slots <= MAX_SLOTS:
+            raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
+        rows, cols = table[:, 0] - table[0, 0], table[0, :]
+        if not np.array_equal(table, rows[:, None] + cols[None, :]):
+            raise NotImplementedError("the statistic's output does not split into a pixel part plus a channel part")
+        row_local, row_parts = _local_ids(rows, config.block_m)
+        col_local, col_parts = _local_ids(cols, config.block_n)
+        if row_parts.shape[1] > MAX_ROW_SLOTS:
+            raise NotImplementedError(f"an output tile touches {row_parts.shape[1]} pixel parts of the statistic "
+                                      f"(at most {MAX_ROW_SLOTS})")
+        layout = cls(statistic, row_local, row_parts, col_local, col_parts)
+        layout._check_distinct()
+        return layout
+
+    def _check_distinct(self) -> None:
+        """Within a tile, distinct (pixel part, channel part) pairs are distinct slots."""
+        rows = -(-len(self.row_local) // self.row_parts.shape[0])
+        cols = -(-len(self.col_local) // self.col_parts.shape[0])
+        for tm, parts_m in enumerate(self.row_parts):
+            used_m = parts_m[:self.row_local[tm * rows:(tm + 1) * rows].max() + 1]
+            for tn, parts_n in enumerate(self.col_parts):
+                used_n = parts_n[:self.col_local[tn * cols:(tn + 1) * cols].max() + 1]
+                sums = (used_m[:, None] + used_n[None, :]).ravel()
+                if len(np.unique(sums)) != len(sums):
+                    raise NotImplementedError("two pixel/channel parts of one tile name the same statistic output")
+
+    @property
+    def fields(self) -> int:
+        return 3 if self.statistic.op == "moments" else 1
+
+    @property
+    def slots(self) -> int:
+        return self.statistic.slots
+
+    def tables(self) -> list[jax.Array]:
+        return [jnp.asarray(t, jnp.int32) for t in (self.row_local, self.row_parts, self.col_local, self.col_parts)]
+
+
+def _write_partials(layout: _Layout, tables, partial_ref, body, valid, m, n) -> None:
+    """This tile's partial statistic of every slot into its own row of `partial_ref`."""
+    row_local_ref, row_parts_ref, col_local_ref, col_parts_ref = tables
+    n_rows, n_cols = layout.row_parts.shape[1], layout.col_parts.shape[1]
+    cols, slots = next_pow2(n_cols), next_pow2(layout.slots)
+    tile_m, tile_n = pl.program_id(0), pl.program_id(1)
+    row_rank = triton.gather_load(row_local_ref, m)                                        # [bm, 1]
+    col_rank = triton.gather_load(col_local_ref, jnp.minimum(n, len(layout.col_local) - 1))  # [1, bn]
+    rank = _iota(cols)[:, None]                                                             # [cols, 1]
+    in_part = col_rank == rank                                                              # [cols, bn]
+    col_part = triton.gather_load(col_parts_ref, tile_n * n_cols + jnp.minimum(rank, n_cols - 1))
+    slot = _iota(slots)[None, :]                                                            # [1, slots]
+    body = jnp.where(valid, body, 0.0)
+    fields = [jnp.zeros((1, slots), jnp.float32) for _ in range(layout.fields)]
+
+    def per_part(column_values):  # [1, bn] -> [cols, 1]: summed over each channel part
+        return jnp.sum(jnp.where(in_part, column_values, 0.0), axis=1, keepdims=True)
+
+    for r in range(n_rows):
+        rows_r = valid & (row_rank == r)
+        count = per_part(jnp.sum(jnp.where(rows_r, 1.0, 0.0), axis=0, keepdims=True))
+        total = per_part(jnp.sum(jnp.where(rows_r, body, 0.0), axis=0, keepdims=True))
+        row_part = triton.gather_load(row_parts_ref, jnp.full((1, 1), tile_m * n_rows + r, jnp.int32))
+        hit = ((row_part + col_part) == slot) & (count > 0)                                 # [cols, slots]
+        if layout.statistic.op == "sum":
+            parts = (total,)
+        else:  # two-pass over the tile: the part's mean, then the squares about it
+            mean = total / jnp.maximum(count, 1.0)
+            column_mean = jnp.sum(jnp.where(in_part, mean, 0.0), axis=0, keepdims=True)  # [1, bn]
+            centred = jnp.where(rows_r, body - column_mean, 0.0)
+            m2 = per_part(jnp.sum(centred * centred, axis=0, keepdims=True))
+            parts = (count, mean, m2)
+        fields = [f + jnp.sum(jnp.where(hit, part, 0.0), axis=0, keepdims=True) for f, part in zip(fields, parts)]
+
+    tile = tile_m * pl.num_programs(1) + tile_n
+    for f, value in enumerate(fields):
+        offset = (tile * layout.fields + f) * layout.slots + slot
+        ok = slot < layout.slots
+        triton.store(partial_ref, jnp.where(ok, offset, partial_ref.shape[0]), value, ok)
+
+
+def merge_partials(partials: jax.Array, op: str) -> jax.Array:
+    """A statistic from its tiles' partials (`[tiles, fields, slots]`, see `TileStatistic`): merged
+    pairwise in a fixed order, Chan et al.'s formula for moments. Returns `[slots]` (sum) or
+    `[2, slots]` (moments: sum, M2)."""
+    parts = jnp.asarray(partials, jnp.float32)
+    while parts.shape[0] > 1:
+        if parts.shape[0] % 2:
+            parts = jnp.concatenate([parts, jnp.zeros((1, *parts.shape[1:]), jnp.float32)])
+        a, b = parts[0::2], parts[1::2]
+        if op == "sum":
+            parts = a + b
+            continue
+        n_a, mean_a, m2_a = a[:, 0], a[:, 1], a[:, 2]
+        n_b, mean_b, m2_b = b[:, 0], b[:, 1], b[:, 2]
+        n = n_a + n_b
+        weight = n_b / jnp.maximum(n, 1.0)
+        delta = mean_b - mean_a
+        parts = jnp.stack([n, mean_a + delta * weight, m2_a + m2_b + delta * delta * n_a * weight], axis=1)
+    if op == "sum":
+        return parts[0, 0]
+    return jnp.stack([parts[0, 1] * parts[0, 0], parts[0, 2]])
 
 
 # --- reference --------------------------------------------------------------------------------
@@ -423,26 +608,198 @@ def _epilogue(expr: Term, tensors: Sequence[Term]) -> EpilogueFn:
     return evaluate
 
 
-def run(term: Term, operands: Mapping[Term, jax.Array], *, config: ConvConfig | None = None,
-        interpret: bool = False, name: str = "conv") -> jax.Array:
-    """The output of the `Conv` kernel `term`, the tensors it reads bound by `operands`."""
+_THROUGH = {"Unary": (1,), "Reshape": (0,), "Transpose": (0,), "Slice": (0,), "Concat": (0, 1),
+            "Binary": (1, 2), "Select": (0, 1, 2)}
+
+
+def _spine_path(body: Term, producer: Term) -> list[Term] | None:
+    """The nodes from a reduction body down to `Load(producer)` through views and elementwise ops
+    (the spine `eqsat.cost.hosting` allows), or None when the body does not read `producer` so."""
+    stack = [(body, [body])]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node.op == "Load":
+            if node.args[0] is producer:
+                return path
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for position in _THROUGH.get(node.op, ()):
+            child = node.args[position]
+            stack.append((child, path + [child]))
+    return None
+
+
+def _body_index(path: list[Term], index: tuple, stop: int = 0):
+    """The index into `path[stop]` (default: the body) reading `Load(producer)` at `index`, and where
+    it exists: the spine's views inverted, bottom-up. Plain operators only, so it runs on numpy
+    tables and in kernels alike."""
+    ok = True
+    for level in range(len(path) - 2, stop - 1, -1):
+        node, child = path[level], path[level + 1]
+        op = node.op
+        if op == "Reshape":
+            index = reshape_index(index, parse_type(child.ty).shape, parse_type(node.ty).shape)
+        elif op == "Transpose":
+            permutation = ints(node.args[1])
+            index = tuple(index[permutation[k]] for k in range(len(permutation)))
+        elif op == "Slice":
+            _, axis, start, _stop, stride, ty = node.args
+            shifted = index[axis] - start
+            ok = ok & (shifted >= 0) & (shifted % stride == 0) & (shifted // stride < parse_type(ty).shape[axis])
+            index = index[:axis] + (shifted // stride,) + index[axis + 1:]
+        elif op == "Concat" and child is node.args[1] and node.args[0] is not child:
+            axis, split = node.args[2], node.args[3]
+            index = index[:axis] + (index[axis] + split,) + index[axis + 1:]
+    return index, ok
+
+
+def _part_root(path: list[Term]) -> int:
+    """Where on the spine to evaluate this host's part of the body: below the last `Concat` (the
+    other side is another kernel's output, not written yet), provided only views lie above it."""
+    concats = [level for level, node in enumerate(path) if node.op == "Concat"]
+    if not concats:
+        return 0
+    if any(node.op not in ("Reshape", "Transpose", "Slice", "Concat") for node in path[:concats[-1]]):
+        raise NotImplementedError("an elementwise op over a concat of several kernels' outputs")
+    return concats[-1] + 1
+
+
+class _TileMemory:
+    """Memory whose `Load(producer)` is the output tile in registers (the spine reads it at the
+    element being written), every other tensor read from its ref."""
+
+    def __init__(self, memory: RefMemory, producer: Term, tile: jax.Array):
+        self.memory, self.producer, self.tile = memory, producer, tile
+        self.chunk_elements = memory.chunk_elements
+
+    def load(self, tensor, index, mask):
+        if tensor is self.producer:
+            return self.tile
+        return self.memory.load(tensor, index, mask)
+
+
+def _statistic_part(reduction: Term, term: Term) -> tuple[list[Term], int]:
+    """The spine from the reduction's body to `Load(term)` and where this host's part starts on it."""
+    path = _spine_path(reduction.args[2], term)
+    if path is None:
+        raise NotImplementedError(f"{reduction!r} does not read this conv's output at the element it writes")
+    return path, _part_root(path)
+
+
+def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Sequence[Term]) -> TileStatistic:
+    """The part of an `EpilogueReduce` that the conv `term` computes: the elements it writes."""
+    _producer, op, body, axes_key, ty = reduction.args
+    path, root = _statistic_part(reduction, term)
+    body_shape = parse_type(body.ty).shape
+    reduced = set(ints(axes_key))
+    kept = [a for a in range(len(body_shape)) if a not in reduced]
+    kept_shape = [body_shape[a] for a in kept]
+    out_h, out_w = geometry.out_size
+
+    def output_index(m, n):
+        b, oy, ox = m // (out_h * out_w), (m // out_w) % out_h, m % out_w
+        return _place(geometry.params.out_spec, (b, n, oy, ox))
+
+    # The slot of every output element, on the host (numpy): [pixels, out channels].
+    pixels = np.arange(geometry.pixels)[:, None]
+    channels = np.arange(geometry.out_features)[None, :]
+    index, ok = _body_index(path, output_index(pixels, channels))
+    if ok is not True and not np.all(ok):
+        raise NotImplementedError(f"{reduction!r} reads only part of this conv's output")
+    slot_of = np.broadcast_to(linearize(tuple(index[a] for a in kept), kept_shape),
+                              (geometry.pixels, geometry.out_features))
+    compiled = compile_expr(path[root])
+
+    def value(refs, out_tile, out_index, mask):
+        body_index, body_ok = _body_index(path, out_index, stop=root)
+        memory = _TileMemory(RefMemory(dict(zip(tensors, refs))), term, out_tile)
+        body_mask = mask if body_ok is True else mask & body_ok
+        return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
+
+    return TileStatistic(op, value, slot_of, max(1, math.prod(kept_shape)))
+
+
+def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
+    """The expressions the statistics this conv hosts evaluate (their part of each body)."""
+    parts = []
+    for reduction in hosted:
+        try:
+            path, root = _statistic_part(reduction, term)
+        except NotImplementedError:
+            continue
+        parts.append(path[root])
+    return parts
+
+
+def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term] = (),
+        config: ConvConfig | None = None, interpret: bool = False, name: str = "conv",
+        skip_unsupported: bool = False):
+    """The output of the `Conv` kernel `term`, the tensors it reads bound by `operands`.
+
+    With `hosted` (`EpilogueReduce` terms this conv computes in its epilogue) returns `(output,
+    {reduction: partials})`: per-tile partials of the elements this conv writes (`TileStatistic`,
+    combined with `merge_partials`). A statistic the template cannot compute raises
+    `NotImplementedError`, or with `skip_unsupported` is left out of the dict."""
     if term.op != "Conv":
         raise ValueError(f"the conv template emits Conv kernels, not {term.op}")
     lhs, rhs, params_key, epilogue, ty = term.args
     params = ConvParams.parse(params_key)
     geometry = ConvGeometry(params, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty).shape)
-    tensors = loaded_tensors(lhs, rhs, epilogue)
+    tensors = loaded_tensors(lhs, rhs, epilogue, *_statistic_reads(hosted, term))
+    tensors = [t for t in tensors if t is not term]  # the statistics read the output from registers
     ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
                      _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), part.taps)
               for part in k_ranges(term)]
+    config = config or ConvConfig.get_default(geometry, ranges)
+    statistics, computed = [], []
+    for reduction in hosted:
+        try:
+            statistic = _statistic(reduction, term, geometry, tensors)
+            _Layout.of(statistic, geometry, config)
+        except NotImplementedError:
+            if not skip_unsupported:
+                raise
+            continue
+        statistics.append(statistic)
+        computed.append(reduction)
     dot_dtype = jnp.promote_types(parse_type(lhs.ty).dtype, parse_type(rhs.ty).dtype)
-    return build(geometry, ranges, _epilogue(epilogue, tensors), [operands[t] for t in tensors],
-                 parse_type(ty).dtype, config=config, dot_dtype=dot_dtype, interpret=interpret, name=name)
+    result = build(geometry, ranges, _epilogue(epilogue, tensors), [operands[t] for t in tensors],
+                   parse_type(ty).dtype, statistics=statistics, config=config, dot_dtype=dot_dtype,
+                   interpret=interpret, name=name)
+    if not hosted:
+        return result
+    if not statistics:
+        return result, {}
+    out, partials = result
+    return out, dict(zip(computed, partials))
 
 
 def emit(kernel, ctx) -> dict:
     """Emit a `Conv` kernel (`emit.pallas.KernelCall`) in an `emit.pallas.EmitContext`: returns
-    `{kernel.term: output}`; hosted statistics are left to the driver."""
+    `{kernel.term: output}` plus the hosted statistics (`EpilogueReduce`) this conv completes.
+
+    A statistic hosted by several kernels (GroupNorm over `concat(h, skip)`) is complete at its
+    last host: earlier hosts leave their partials in `ctx.values` under `(reduction, "partials",
+    host)`. A statistic this template cannot compute is left to the driver (its own kernel)."""
+    from eqsat.cost.hosting import hosts_of
+
     term = kernel.term
-    operands = {t: ctx.value(t) for t in loaded_tensors(*term.args[0:2], term.args[3])}
-    return {term: run(term, operands, interpret=ctx.interpret, name=kernel.name)}
+    hosted = list(kernel.hosted)
+    reads = loaded_tensors(term.args[0], term.args[1], term.args[3], *_statistic_reads(hosted, term))
+    operands = {t: ctx.value(t) for t in reads if t is not term}
+    if not hosted:
+        return {term: run(term, operands, interpret=ctx.interpret, name=kernel.name)}
+    out, partials = run(term, operands, hosted=hosted, interpret=ctx.interpret, name=kernel.name,
+                        skip_unsupported=True)
+    result = {term: out}
+    for reduction, partial in partials.items():
+        hosts = hosts_of(reduction) or [term]
+        ctx.values[(reduction, "partials", hosts.index(term))] = partial
+        pieces = [ctx.values.get((reduction, "partials", i)) for i in range(len(hosts))]
+        if all(piece is not None for piece in pieces):
+            merged = merge_partials(jnp.concatenate(pieces), reduction.args[1])
+            result[reduction] = jnp.reshape(merged, parse_type(reduction.ty).shape)
+    return result
