@@ -50,6 +50,10 @@ class SaturationLimitWarning(UserWarning):
     """Saturation stopped at a limit: the plan is the best found in the e-graph so far."""
 
 
+class ExtractionLimitWarning(UserWarning):
+    """Extraction stopped at its time limit: the plan is the best it found so far."""
+
+
 class DonationWarning(UserWarning):
     """Donated arguments were not donated (the plan ran through the interpreter, outside any jit)."""
 
@@ -316,6 +320,11 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
             extraction = extraction_stage.extract(builder.egraph._serialize(), handles, device=device,
                                                   method=extractor, time_limit=extract_time_limit)
             plan = plan_from_extraction(extraction, program, builder.handles, device)
+        if extraction.limit_reached:
+            message = (f"extraction stopped by its time limit ({extract_time_limit:g} s): the plan is the best "
+                       f"found so far")
+            caught.append(message)
+            warnings.warn(message, ExtractionLimitWarning, stacklevel=3)
     finally:
         bar.close()
 
@@ -330,6 +339,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "extractor": extraction.extractor,
         "saturated": report.saturated,
         "limit_reached": report.limit_reached,
+        "extract_limit_reached": extraction.limit_reached,
         "e_nodes": report.e_nodes,
         "e_classes": report.e_classes,
         "iterations": report.iterations,

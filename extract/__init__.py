@@ -16,8 +16,13 @@ replaces the plan only if the modeled cost drops. `result.extractor` says what p
 Every candidate plan is rated by the roofline model on the terms it builds
 (`eqsat.cost.kernel_cost`, summed over distinct kernels), so all methods are compared on the
 cost the plan reports. Deterministic: ties keep the earlier candidate, the ILP runs under a
-branch-and-bound node limit, regions are visited in order under a budget counted in variables;
-wall-clock limits are only a safety net.
+branch-and-bound node limit, regions are visited in order under a budget counted in variables.
+
+`time_limit` (seconds, from the call) bounds the search: past it, greedy rounds not yet run are
+skipped (the first always runs: there must be a plan), the polish stops between two moves, and the
+ILP is not started (or HiGHS stops at the limit); the plan is the best found so far and
+`result.limit_reached` says "time_limit" (None when every step ran to its end). Only then does the
+result depend on the machine's speed. `result.details["seconds"]` times each step.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Extraction:
     cost: float                      # modeled seconds of the plan
     seconds: float                   # wall time of the extraction
     details: dict = field(default_factory=dict)
+    limit_reached: str | None = None  # "time_limit" when the time limit cut the search short
 
 
 def score_selection(selection: Selection, device="h100", cutoff: float = math.inf) -> float:
@@ -73,6 +79,8 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
             region_budget: int = 0, node_limit: int | None = 1000) -> Extraction:
     """Extract the plan of `handles` (builder handles of the root terms) or `roots` (classes)."""
     started = time.perf_counter()
+    deadline = started + time_limit
+    seconds: dict[str, float] = {}
     graph = data if isinstance(data, EGraphData) else load(data)
     if roots is None:
         if handles is None:
@@ -81,39 +89,54 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     roots = list(roots)
     device = get_device(device)
     costs = graph.node_costs(device)
+    seconds["load"] = time.perf_counter() - started
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:
         return selection.cost(costs, cutoff)
 
-    details: dict = {}
+    details: dict = {"seconds": seconds}
     if method not in ("auto", "greedy", "ilp"):
         raise ValueError(f"unknown extraction method {method!r}")
-    greedy: GreedyResult = extract_greedy(graph, roots, costs, score=score)
+    began = time.perf_counter()
+    greedy: GreedyResult = extract_greedy(graph, roots, costs, score=score, deadline=deadline)
+    seconds["greedy"] = time.perf_counter() - began
     best, best_cost, extractor = greedy.selection, greedy.score, "greedy"
+    limit_reached = greedy.stopped
     details["greedy"] = {"cost": greedy.score, "rounds": greedy.rounds, "evaluations_per_node": greedy.sweeps,
-                         "seconds": time.perf_counter() - started}
+                         "seconds": time.perf_counter() - started, "phases": greedy.seconds,
+                         "polish": greedy.polish.as_dict() if greedy.polish else None, "stopped": greedy.stopped}
     if method in ("auto", "ilp"):
-        remaining = time_limit - (time.perf_counter() - started)
-        whole = extract_ilp(graph, roots, costs, time_limit=max(remaining, 0.1), node_limit=node_limit,
-                            max_variables=ilp_max_variables if method == "auto" else 10 * ilp_max_variables)
-        details["ilp"] = _ilp_details(whole)
-        if whole.selection is not None:
-            value = score(whole.selection)
-            details["ilp"]["cost"] = value
-            if value < best_cost * (1 - 1e-12) or (method == "ilp" and value <= best_cost * (1 + 1e-12)):
-                best, best_cost, extractor = whole.selection, value, "ilp"
-        elif whole.status == "too large" and method == "auto" and region_budget > 0:
-            best, best_cost, extractor, regional = _regional(
-                graph, roots, costs, best, best_cost, score, started, time_limit, region_kernels, node_limit,
-                region_budget)
-            details["regions"] = regional
+        began = time.perf_counter()
+        remaining = deadline - began
+        if remaining <= 0:
+            details["ilp"] = {"status": "not started: time limit"}
+            limit_reached = "time_limit"
+        else:
+            whole = extract_ilp(graph, roots, costs, time_limit=remaining, node_limit=node_limit,
+                                max_variables=ilp_max_variables if method == "auto" else 10 * ilp_max_variables)
+            details["ilp"] = _ilp_details(whole)
+            limit_reached = limit_reached or whole.stopped
+            if whole.selection is not None:
+                value = score(whole.selection)
+                details["ilp"]["cost"] = value
+                if value < best_cost * (1 - 1e-12) or (method == "ilp" and value <= best_cost * (1 + 1e-12)):
+                    best, best_cost, extractor = whole.selection, value, "ilp"
+            elif whole.status == "too large" and method == "auto" and region_budget > 0:
+                best, best_cost, extractor, regional = _regional(
+                    graph, roots, costs, best, best_cost, score, deadline, region_kernels, node_limit, region_budget)
+                details["regions"] = regional
+                limit_reached = limit_reached or regional["stopped"]
+        seconds["ilp"] = time.perf_counter() - began
+    began = time.perf_counter()
     terms, class_of = best.to_terms()
-    return Extraction(graph, best, terms, class_of, extractor, best_cost, time.perf_counter() - started, details)
+    seconds["terms"] = time.perf_counter() - began
+    return Extraction(graph, best, terms, class_of, extractor, best_cost, time.perf_counter() - started, details,
+                      limit_reached)
 
 
 def _ilp_details(result: IlpResult) -> dict:
     return {"status": result.status, "objective": result.objective, "variables": result.variables,
-            "constraints": result.constraints, "seconds": result.seconds}
+            "constraints": result.constraints, "seconds": result.seconds, "stopped": result.stopped}
 
 
 def regions_of(selection: Selection, per_region: int) -> list[set[int]]:
@@ -153,16 +176,21 @@ def regions_of(selection: Selection, per_region: int) -> list[set[int]]:
     return [windows[w] for w in sorted(windows)]
 
 
-def _regional(graph, roots, costs, best, best_cost, score, started, time_limit, per_region, node_limit, budget):
+def _regional(graph, roots, costs, best, best_cost, score, deadline, per_region, node_limit, budget):
     regions = regions_of(best, per_region)
     improved = solved = spent = 0
+    stopped = None
     for region in regions:
-        remaining = time_limit - (time.perf_counter() - started)
-        if spent >= budget or remaining <= 0.05:
+        if spent >= budget:
+            break
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0.05:
+            stopped = "time_limit"
             break
         result = extract_ilp(graph, roots, costs, region=region, incumbent=best, time_limit=remaining,
                              node_limit=node_limit, max_variables=budget - spent)
         spent += result.variables
+        stopped = stopped or result.stopped
         if result.status == "too large":
             continue
         solved += 1
@@ -174,4 +202,4 @@ def _regional(graph, roots, costs, best, best_cost, score, started, time_limit, 
             improved += 1
     extractor = f"greedy+ilp({improved}/{len(regions)} regions)" if improved else "greedy"
     return best, best_cost, extractor, {"regions": len(regions), "solved": solved, "improved": improved,
-                                        "variables": spent}
+                                        "variables": spent, "stopped": stopped}

@@ -30,8 +30,8 @@ tensors that outside kernels read stay produced; an outside tensor that depends 
 incumbent) on region tensors orders after them.
 
 Expression contexts are cut at `max_context_classes` classes per kernel: deeper inlining must go
-through a `Load`. `node_limit` (branch-and-bound nodes) keeps the solve deterministic; the
-`time_limit` is a safety net.
+through a `Load`. `node_limit` (branch-and-bound nodes) keeps the solve deterministic; at the
+`time_limit` HiGHS stops with the best solution so far and the result says `stopped="time_limit"`.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class IlpResult:
     variables: int
     constraints: int
     seconds: float
+    stopped: str | None = None    # "time_limit" when HiGHS stopped at the time limit
 
     @property
     def optimal(self) -> bool:
@@ -259,9 +260,10 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     result = milp(c, integrality=integrality, bounds=Bounds(lower, upper),
                   constraints=LinearConstraint(matrix, np.array(rows.lb), np.array(rows.ub)), options=options)
     seconds = time.perf_counter() - started
+    stopped = "time_limit" if result.status == 1 and result.message.startswith("Time limit") else None
     if result.x is None:
         status = {2: "infeasible", 3: "unbounded"}.get(result.status, "no solution")
-        return IlpResult(None, status, float("nan"), total, len(rows), seconds)
+        return IlpResult(None, status, float("nan"), total, len(rows), seconds, stopped)
     status = "optimal" if result.status == 0 else "feasible"
     chosen = np.flatnonzero(result.x[:num_x] > 0.5)
     nodes: dict[tuple[int, int], int] = {}
@@ -281,9 +283,9 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     try:
         reached = selection.postorder()
     except ValueError:
-        return IlpResult(None, "invalid", float(result.fun) / _SCALE, total, len(rows), seconds)
+        return IlpResult(None, "invalid", float(result.fun) / _SCALE, total, len(rows), seconds, stopped)
     selection.nodes = {slot: nodes[slot] for slot in reached}
-    return IlpResult(selection, status, float(result.fun) / _SCALE, total, len(rows), seconds)
+    return IlpResult(selection, status, float(result.fun) / _SCALE, total, len(rows), seconds, stopped)
 
 
 def _is_leaf_class(graph: EGraphData, cls: int) -> bool:

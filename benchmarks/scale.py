@@ -1,0 +1,167 @@
+"""How lowering scales with the program: a residual MLP of 100, 200 and 400 layers, seconds per stage.
+
+    python -m benchmarks.scale                              # 100, 200, 400 layers, float32
+    python -m benchmarks.scale --layers 50,100 --out scale.json
+    python -m benchmarks.scale --extract-time-limit 1       # see the time limit stop the extraction
+
+Each layer is pre-LayerNorm -> Linear -> exact GELU -> Linear -> residual add, as plain jnp: 25
+jaxpr equations, about 29 naive kernels. The table gives the optimizer's seconds per stage (lift,
+build, saturate, extract: `Lowered.stats["seconds"]`), the extraction's own steps (loading the
+serialized e-graph, the greedy rounds, the polish, building terms; the rest of the extract stage is
+egglog's serialization and building the `Plan`), the work the polish did (expression slots its kernel
+walks visited), and whether a limit stopped saturation or extraction. Stage seconds per layer show
+whether a stage grows linearly with the program. The JSON (`--out`) holds every row and the
+environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_LAYERS = (100, 200, 400)
+
+
+def layer_norm(x, scale, bias, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = x.var(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+
+
+def residual_mlp(x, layers):
+    """`x` [..., width] through every layer of `layers` (dicts of norm scale/bias, w1/b1, w2/b2)."""
+    for p in layers:
+        h = layer_norm(x, p["norm_scale"], p["norm_bias"])
+        h = jax.nn.gelu(h @ p["w1"] + p["b1"], approximate=False)
+        x = x + h @ p["w2"] + p["b2"]
+    return x
+
+
+def mlp_arguments(layers: int, *, batch: int = 4, tokens: int = 128, width: int = 256, hidden: int = 1024,
+                  dtype=jnp.float32):
+    """Abstract arguments of `residual_mlp` with `layers` layers (no weights needed to lower it)."""
+    spec = jax.ShapeDtypeStruct
+    layer = dict(norm_scale=spec((width,), dtype), norm_bias=spec((width,), dtype),
+                 w1=spec((width, hidden), dtype), b1=spec((hidden,), dtype),
+                 w2=spec((hidden, width), dtype), b2=spec((width,), dtype))
+    return spec((batch, tokens, width), dtype), [dict(layer) for _ in range(layers)]
+
+
+def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.0, **shape) -> dict:
+    """Lower `residual_mlp` with `layers` layers; the row of the report."""
+    import eqsat
+
+    optimized = eqsat.optimize(residual_mlp, device=device, progress=False, extract_time_limit=extract_time_limit)
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lowered = optimized.lower(*mlp_arguments(layers, **shape))
+    total = time.perf_counter() - started
+    stats, extraction = lowered.stats, lowered.extraction
+    steps = dict(extraction.details.get("seconds", {}))
+    greedy = extraction.details.get("greedy", {})
+    phases = greedy.get("phases", {})
+    steps["rounds"] = sum(v for k, v in phases.items() if k not in ("prepare", "polish"))
+    steps["polish"] = phases.get("polish", 0.0)
+    steps["serialize_and_plan"] = stats["seconds"]["extract"] - extraction.seconds
+    polish = greedy.get("polish") or {}
+    return {
+        "layers": layers,
+        "naive_kernels": stats["naive_kernels"],
+        "fused_kernels": stats["fused_kernels"],
+        "e_nodes": stats["e_nodes"],
+        "seconds": dict(stats["seconds"]),
+        "total_seconds": total,
+        "extract_steps": steps,
+        "polish": polish,
+        "plan_seconds": stats["plan_seconds"],
+        "extractor": stats["extractor"],
+        "saturation_limit": stats["limit_reached"],
+        "extract_limit": stats.get("extract_limit_reached"),
+        "warnings": sorted({str(w.message) for w in caught if "limit" in str(w.message)}),
+    }
+
+
+def render(rows: list[dict]) -> str:
+    stages = ("lift", "build", "saturate", "extract")
+    head = (f"{'layers':>6} {'naive':>6} {'fused':>5} " + " ".join(f"{s:>8}" for s in stages)
+            + f" {'total':>7} {'extract/layer':>13} | {'load':>5} {'rounds':>6} {'polish':>6} {'other':>6}"
+            f" {'slots walked':>12} | limit")
+    lines = ["lowering seconds per stage (residual MLP: LayerNorm, Linear, GELU, Linear, residual)", head,
+             "-" * len(head)]
+    for row in rows:
+        s, steps = row["seconds"], row["extract_steps"]
+        other = s["extract"] - steps.get("load", 0.0) - steps["rounds"] - steps["polish"]
+        limit = ", ".join(f"{stage} stopped by {why}" for stage, why in
+                          (("saturation", row["saturation_limit"]), ("extraction", row["extract_limit"])) if why)
+        lines.append(
+            f"{row['layers']:>6} {row['naive_kernels']:>6} {row['fused_kernels']:>5} "
+            + " ".join(f"{s[name]:>8.2f}" for name in stages)
+            + f" {row['total_seconds']:>7.2f} {1000 * s['extract'] / row['layers']:>10.1f} ms"
+            f" | {steps.get('load', 0.0):>5.2f} {steps['rounds']:>6.2f} {steps['polish']:>6.2f} {other:>6.2f}"
+            f" {row['polish'].get('slots_visited', 0):>12,} | {limit or '-'}")
+    lines.append("extract = load (parse the serialized e-graph) + greedy rounds + polish + other (egglog's "
+                 "serialization, ILP check, terms, the Plan)")
+    return "\n".join(lines)
+
+
+def environment(argv: list[str]) -> dict:
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "packages": {name: version(name) for name in ("jax", "jaxlib", "egglog", "eqsat")},
+        "command": " ".join(["python -m benchmarks.scale", *argv]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)),
+                        help="comma list of depths (default 100,200,400)")
+    parser.add_argument("--out", type=Path, help="also write the rows and the environment as JSON here")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--device", default="h100")
+    parser.add_argument("--extract-time-limit", type=float, default=5.0,
+                        help="eqsat.optimize's extract_time_limit in seconds (default 5, as optimize)")
+    options = parser.parse_args(argv)
+    depths = [int(n) for n in options.layers.split(",") if n.strip()]
+    shape = dict(batch=options.batch, tokens=options.tokens, width=options.width, hidden=options.hidden,
+                 dtype=jnp.dtype(options.dtype))
+    measure(2, device=options.device, **shape)  # warm-up: imports and first compilations are not the program's
+    rows = []
+    for layers in depths:
+        rows.append(measure(layers, device=options.device, extract_time_limit=options.extract_time_limit, **shape))
+        print(f"{layers} layers: {rows[-1]['total_seconds']:.1f} s", file=sys.stderr, flush=True)
+    print(render(rows))
+    if options.out:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"rows": rows, "shape": {**shape, "dtype": options.dtype}, "environment": environment(argv)}
+        options.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {options.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

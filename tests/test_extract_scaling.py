@@ -1,0 +1,118 @@
+"""Extraction that scales: its work grows linearly with the program, and its time limit holds.
+
+The program is the benchmark's residual MLP (`benchmarks.scale`: LayerNorm, Linear, exact GELU,
+Linear, residual add per layer) at small depths and widths. Work is counted, not timed: the
+expression slots the polish's kernel walks visit, and the greedy pass's node evaluations. The time
+limit is tested with a clock that ticks once per reading, so where the polish stops is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqsat
+import extract.greedy as greedy_module
+from benchmarks.scale import mlp_arguments, residual_mlp
+from eqsat.optimize import ExtractionLimitWarning
+from extract import extract, load
+from extract.greedy import extract_greedy, polish
+
+SMALL = dict(batch=2, tokens=8, width=16, hidden=32, dtype=jnp.float32)
+
+
+def lowered(layers: int, **options):
+    return eqsat.optimize(residual_mlp, progress=False, **options).lower(*mlp_arguments(layers, **SMALL))
+
+
+@pytest.fixture(scope="module")
+def depths():
+    """Lowerings of the MLP at 4, 8 and 16 layers (generous extraction time limit: no stop)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExtractionLimitWarning)  # an ample limit neither warns...
+        return {layers: lowered(layers, extract_time_limit=600.0) for layers in (4, 8, 16)}
+
+
+def test_extraction_work_grows_linearly_with_the_layers(depths):
+    polish_work = {n: low.extraction.details["greedy"]["polish"]["slots_visited"] for n, low in depths.items()}
+    walks = {n: low.extraction.details["greedy"]["polish"]["walks"] for n, low in depths.items()}
+    sweeps = {n: low.extraction.details["greedy"]["evaluations_per_node"] for n, low in depths.items()}
+    for small, large in ((4, 8), (8, 16)):
+        # Twice the layers: about twice the work (a quadratic polish would be about 4x).
+        assert polish_work[large] <= 2.3 * polish_work[small], polish_work
+        assert walks[large] <= 2.3 * walks[small], walks
+        assert sweeps[large] <= 1.15 * sweeps[small], sweeps
+        assert depths[large].stats["fused_kernels"] == 2 * depths[small].stats["fused_kernels"]
+    for low in depths.values():  # ...nor flags
+        assert low.stats["extract_limit_reached"] is None and low.extraction.limit_reached is None
+        assert not any("extraction stopped" in message for message in low.warnings)
+
+
+def test_a_tiny_extraction_time_limit_stops_and_says_so(depths):
+    with pytest.warns(ExtractionLimitWarning, match="extraction stopped by its time limit"):
+        limited = lowered(4, extract_time_limit=0.0)
+    assert limited.stats["extract_limit_reached"] == "time_limit"
+    assert limited.extraction.limit_reached == "time_limit"
+    assert any("extraction stopped by its time limit" in message for message in limited.warnings)
+    details = limited.extraction.details
+    assert details["greedy"]["polish"]["stopped"] == "time_limit"
+    assert len([name for name, _ in details["greedy"]["rounds"] if name != "polish"]) == 1  # later rounds skipped
+    assert details["ilp"]["status"] == "not started: time limit"
+    # The best plan so far: a complete plan, never better than the unhurried one, computing the same.
+    assert limited.plan.seconds >= depths[4].plan.seconds * (1 - 1e-9)
+    rng = np.random.default_rng(0)
+    x_spec, layer_specs = mlp_arguments(4, **SMALL)
+    x = rng.standard_normal(x_spec.shape).astype(np.float32)
+    layers = [{k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in p.items()} for p in layer_specs]
+    np.testing.assert_allclose(np.asarray(limited(x, layers)), np.asarray(jax.jit(residual_mlp)(x, layers)),
+                               rtol=2e-4, atol=2e-4)
+
+
+class _TickingClock:
+    """`time.perf_counter` that advances one second per reading."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_polish_stops_between_moves_and_keeps_the_plan_so_far(depths, monkeypatch):
+    low = depths[8]
+    graph = load(low.egraph._serialize())
+    roots = graph.roots_of_handles([low.builder.handle(t) for t in low.program.outputs])
+    costs = graph.node_costs()
+    raw = extract_greedy(graph, roots, costs, rounds=("horizontal",), polish_passes=0)  # leaves moves to make
+    full, report = polish(raw.selection, costs, fallback=raw.selection.fallback)
+    assert report.stopped is None and report.kernel_switches + report.reuses + report.retirements > 0
+    clock = _TickingClock()
+    monkeypatch.setattr(greedy_module.time, "perf_counter", clock)
+    previous = math.inf
+    for readings in (0, 1, 3, 10, 30, 100):
+        clock.now = 0.0
+        partial, partial_report = polish(raw.selection, costs, fallback=raw.selection.fallback, deadline=readings)
+        partial.postorder()  # complete and acyclic
+        value = partial.cost(costs)
+        assert raw.score * (1 + 1e-12) >= value >= full.cost(costs) * (1 - 1e-12)
+        assert value <= previous * (1 + 1e-12)  # a later stop keeps every earlier move
+        previous = value
+        if partial_report.stopped is None:
+            assert partial.nodes == full.nodes
+        else:
+            assert partial_report.stopped == "time_limit"
+    assert clock.now > 0
+
+
+def test_extract_without_time_skips_the_ilp_and_says_so(depths):
+    low = depths[4]
+    result = extract(low.egraph._serialize(), [low.builder.handle(t) for t in low.program.outputs], time_limit=0.0)
+    assert result.limit_reached == "time_limit"
+    assert result.details["ilp"]["status"] == "not started: time limit"
+    assert set(result.details["seconds"]) >= {"load", "greedy", "ilp", "terms"}
