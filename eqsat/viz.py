@@ -3,6 +3,7 @@
     plan.to_dot()                              kernels as boxes (kind, component, fused expression),
                                                tensors as edges labelled with their type and size
     lowered.show() / plan_drawing(plan)        the same, displayed inline in a notebook
+    plans_drawing({"naive": a, "fused": b})    plans side by side
     egraph_view(lowered, component="mid_block.attentions.0", depth=2)
                                                the e-classes around one component, tensor or class,
                                                the extracted e-nodes highlighted
@@ -106,7 +107,7 @@ def _plan_parts(plan, expression_chars: int):
     kernels = []
     for kernel in plan.kernels:
         head = f"%{kernel.index} {kernel.kind}  {human_bytes(kernel.bytes)} moved, {kernel.seconds * 1e6:.1f} µs"
-        component = kernel.component or "(no scope)"
+        component = kernel.component
         expression = render(kernel.term, names, limit=expression_chars + 1)
         if len(expression) > expression_chars:
             expression = expression[: expression_chars - 1] + "…"
@@ -124,45 +125,66 @@ def _plan_parts(plan, expression_chars: int):
     return kernels, edges, buffers
 
 
-def plan_to_dot(plan, *, expression_chars: int = 240, inputs: bool | None = None, title: str | None = None) -> str:
-    """The plan as a DOT digraph: a box per kernel (kind, modeled bytes and time, component, its fused
-    expression with tensors by buffer name), an edge per tensor read (name, type, size; dashed for
-    statistics computed in a producer's epilogue), program inputs as ellipses (`inputs=None`: only
-    when there are at most 24 of them, else one node stands for all) and the outputs."""
+def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) -> list[str]:
+    """The node and edge lines of one plan, every id prefixed by `prefix`."""
     kernels, edges, buffers = _plan_parts(plan, expression_chars)
     external = [b for b in plan.buffers if b.first < 0]
     draw_inputs = inputs if inputs is not None else len(external) <= 24
-    lines = ["digraph plan {",
-             "  rankdir=TB; node [fontname=Helvetica, fontsize=10]; edge [fontname=Helvetica, fontsize=9];"]
-    if title:
-        lines.append(f"  labelloc=t; label={_quote(title)};")
+    lines = []
     for kernel, head, component, expression, statistics in kernels:
-        label = head + "\n" + component + "\n" + _wrap(expression, 60, expression_chars)
+        label = head + "\n" + (component + "\n" if component else "") + _wrap(expression, 60, expression_chars)
         label += "".join(_wrap(line, 60, 200) for line in statistics)
         color = KIND_COLORS.get(kernel.kind, "#ffffff")
-        lines.append(f"  k{kernel.index} [shape=box, style=filled, fillcolor={_quote(color)}, label={_quote(label)}];")
+        lines.append(f"  {prefix}k{kernel.index} [shape=box, style=filled, fillcolor={_quote(color)}, "
+                     f"label={_quote(label)}];")
     if draw_inputs:
         for buffer in external:
             label = f"{buffer.name}\n{buffer.term.ty}"
-            lines.append(f"  in_{_node_id(buffer.name)} [shape=ellipse, label={_quote(label)}];")
+            lines.append(f"  {prefix}in_{_node_id(buffer.name)} [shape=ellipse, label={_quote(label)}];")
     elif external:
-        total = sum(b.bytes for b in external)
-        label = f"{len(external)} inputs and constants, {human_bytes(total)}"
-        lines.append(f"  inputs [shape=ellipse, label={_quote(label)}];")
+        label = f"{len(external)} inputs and constants, {human_bytes(sum(b.bytes for b in external))}"
+        lines.append(f"  {prefix}inputs [shape=ellipse, label={_quote(label)}];")
     for source, target, label, statistics in edges:
         if source.startswith("in_"):
             if not draw_inputs:
                 continue
             source = "in_" + _node_id(source[3:])
         style = ", style=dashed" if statistics else ""
-        lines.append(f"  {source} -> {target} [label={_quote(label)}{style}];")
-    lines.append("  outputs [shape=doublecircle, label=out, fontsize=9];")
+        lines.append(f"  {prefix}{source} -> {prefix}{target} [label={_quote(label)}{style}];")
+    lines.append(f"  {prefix}outputs [shape=doublecircle, label=out, fontsize=9];")
     for term in plan.outputs:
         buffer = buffers.get(term)
         if buffer is not None and (buffer.first >= 0 or draw_inputs):
             source = f"k{buffer.first}" if buffer.first >= 0 else f"in_{_node_id(buffer.name)}"
             label = f"{buffer.name} {term.ty} {human_bytes(buffer.bytes)}"
-            lines.append(f"  {source} -> outputs [label={_quote(label)}];")
+            lines.append(f"  {prefix}{source} -> {prefix}outputs [label={_quote(label)}];")
+    return lines
+
+
+_PLAN_HEADER = "  rankdir=TB; node [fontname=Helvetica, fontsize=10]; edge [fontname=Helvetica, fontsize=9];"
+
+
+def plan_to_dot(plan, *, expression_chars: int = 240, inputs: bool | None = None, title: str | None = None) -> str:
+    """The plan as a DOT digraph: a box per kernel (kind, modeled bytes and time, component, its fused
+    expression with tensors by buffer name), an edge per tensor read (name, type, size; dashed for
+    statistics computed in a producer's epilogue), program inputs as ellipses (`inputs=None`: only
+    when there are at most 24 of them, else one node stands for all) and the outputs."""
+    lines = ["digraph plan {", _PLAN_HEADER]
+    if title:
+        lines.append(f"  labelloc=t; label={_quote(title)};")
+    lines += _plan_body(plan, "", expression_chars, inputs)
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def plans_to_dot(plans: dict, *, expression_chars: int = 160, inputs: bool | None = None) -> str:
+    """Several plans side by side, one titled cluster each (`{"naive": plan_a, "fused": plan_b}`)."""
+    lines = ["digraph plans {", _PLAN_HEADER]
+    for i, (name, plan) in enumerate(plans.items()):
+        title = f"{name}: {len(plan.kernels)} kernels, {human_bytes(plan.bytes)} moved, {plan.seconds * 1e6:.1f} µs"
+        lines.append(f"  subgraph cluster_plan{i} {{ label={_quote(title)}; fontsize=12; color=grey60;")
+        lines += ["  " + line for line in _plan_body(plan, f"p{i}_", expression_chars, inputs)]
+        lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
 
@@ -179,7 +201,7 @@ def plan_text(plan, *, expression_chars: int = 240) -> str:
         reads.setdefault(target, []).append(label + (" (epilogue statistics)" if statistics else ""))
     out = [repr(plan)]
     for kernel, head, component, expression, statistics in kernels:
-        out.append(f"{head}  [{component}]")
+        out.append(f"{head}  [{component}]" if component else head)
         out.append(textwrap.indent(_wrap(expression, 100, expression_chars), "    ").rstrip())
         out.extend(f"    {line}" for line in statistics)
         out.extend(f"    reads {label}" for label in reads.get(f"k{kernel.index}", []))
@@ -191,12 +213,26 @@ def plan_drawing(plan, **options) -> Drawing:
     return Drawing(plan_to_dot(plan, **options), plan_text(plan))
 
 
+def plans_drawing(plans: dict, **options) -> Drawing:
+    """`plans_to_dot` and the plans' texts one after the other, for display."""
+    text = "\n\n".join(f"{name}:\n{plan_text(plan)}" for name, plan in plans.items())
+    return Drawing(plans_to_dot(plans, **options), text)
+
+
 # --- the e-graph -------------------------------------------------------------------------------------
 
 
 def chosen_nodes(selection) -> set[int]:
     """The e-nodes an `extract.Selection` uses, in any kernel."""
     return {selection.node_of(slot) for slot in selection.postorder()}
+
+
+LANGUAGE_SORTS = ("Tensor", "Expr", "TensorList")
+
+
+def language_classes(graph) -> int:
+    """How many e-classes of an `extract.EGraphData` hold terms (not strings, integers, floats)."""
+    return sum(sort in LANGUAGE_SORTS for sort in graph.class_sort)
 
 
 def neighbourhood(graph, around: Iterable[int], depth: int = 2, max_classes: int = 40, *,
@@ -218,7 +254,7 @@ def neighbourhood(graph, around: Iterable[int], depth: int = 2, max_classes: int
             neighbours = [c for node in graph.class_nodes[cls] for c in graph.node_children[node] if c >= 0]
             neighbours += sorted(parents.get(cls, ()))
             for other in neighbours:
-                if other not in seen and graph.class_sort[other] in ("Tensor", "Expr", "TensorList"):
+                if other not in seen and graph.class_sort[other] in LANGUAGE_SORTS:
                     seen.add(other)
                     following.append(other)
         order.extend(following)
@@ -234,7 +270,7 @@ def _is_type(literal) -> bool:
     return isinstance(literal, str) and literal.endswith("]") and "[" in literal
 
 
-def _node_label(graph, node: int) -> str:
+def node_label(graph, node: int) -> str:
     """`op(args)` with operands as dots and type strings left out (the class label has the type)."""
     parts = ["·" if child >= 0 else _literal_text(literal)
              for child, literal in zip(graph.node_children[node], graph.node_literals[node])
@@ -261,7 +297,7 @@ def egraph_to_dot(graph, classes: Sequence[int], *, chosen: set[int] = frozenset
         lines.append(f"  subgraph cluster_{cls} {{ style=dashed; color={color}; fontsize=9; label={_quote(label)};")
         for node in graph.class_nodes[cls]:
             style = "style=\"rounded,filled,bold\", fillcolor=gold" if node in chosen else ""
-            lines.append(f"    n{node} [label={_quote(_node_label(graph, node))} {style}];")
+            lines.append(f"    n{node} [label={_quote(node_label(graph, node))} {style}];")
         if not graph.class_nodes[cls]:
             lines.append(f"    n_empty{cls} [label=\"\", shape=point];")
         lines.append("  }")
@@ -291,6 +327,14 @@ def egraph_text(graph, classes: Sequence[int], *, chosen: set[int] = frozenset()
             members.append(("*" if node in chosen else "") + f"{graph.node_op[node]}({', '.join(args)})")
         out.append(f"e{cls} {graph.class_type[cls] or graph.class_sort[cls]}: " + " | ".join(members))
     return "\n".join(out)
+
+
+def egraph_drawing(graph, classes: Sequence[int], *, chosen: set[int] = frozenset(), focus: Iterable[int] = (),
+                   title: str | None = None) -> Drawing:
+    """`egraph_to_dot` and `egraph_text` of the same classes, for display."""
+    text = egraph_text(graph, classes, chosen=chosen)
+    return Drawing(egraph_to_dot(graph, classes, chosen=chosen, focus=focus, title=title),
+                   f"{title}\n{text}" if title else text)
 
 
 def class_components(lowered) -> dict[int, str]:
@@ -327,9 +371,8 @@ def egraph_view(lowered, *, component: str | None = None, term=None, classes: It
         raise ValueError("say what to draw around: component=, term= or classes=")
     shown = neighbourhood(graph, around, depth, max_classes, readers=readers)
     where = component or (f"{term.op} {term.ty}" if term is not None else ", ".join(f"e{c}" for c in around))
-    heading = title or f"{len(shown)} of {graph.num_classes} e-classes around {where} (extracted e-nodes in gold)"
-    return Drawing(egraph_to_dot(graph, shown, chosen=chosen, focus=around, title=heading),
-                   heading + "\n" + egraph_text(graph, shown, chosen=chosen))
+    heading = title or f"{len(shown)} of {language_classes(graph)} e-classes around {where} (extracted e-nodes in gold)"
+    return egraph_drawing(graph, shown, chosen=chosen, focus=around, title=heading)
 
 
 # --- plots (matplotlib) ------------------------------------------------------------------------------
@@ -354,18 +397,21 @@ def plot_memory(plan, ax=None, label: str | None = None):
     ax.step(range(len(live)), live, where="post", label=label)
     if live:
         peak = max(range(len(live)), key=live.__getitem__)
-        ax.annotate(f"peak {live[peak]:.1f} MiB", (peak, live[peak]), textcoords="offset points", xytext=(5, 5))
+        ax.annotate(f"peak {live[peak]:.1f} MiB", (peak, live[peak]), textcoords="offset points", xytext=(5, -2))
+        ax.set_ylim(0, live[peak] * 1.1 or 1.0)
     ax.set_xlabel("kernel (plan order)")
     ax.set_ylabel("live activations (MiB)")
     return ax
 
 
 def plot_lifetimes(plan, ax=None, largest: int = 40):
-    """Each of the `largest` activation/output buffers as a bar from its producer to its last reader."""
+    """The `largest` activation/output buffers by memory held over time (bytes × kernels alive), each
+    a bar from its producer to its last reader, coloured by size."""
     import matplotlib.pyplot as plt
 
     buffers = [b for b in plan.buffers if b.kind in ("activation", "output")]
-    buffers = sorted(sorted(buffers, key=lambda b: -b.bytes)[:largest], key=lambda b: b.first)
+    held = sorted(buffers, key=lambda b: -b.bytes * (b.last - b.first + 1))[:largest]
+    buffers = sorted(held, key=lambda b: (b.first, b.last))
     ax = ax or plt.subplots(figsize=(8, max(2.0, 0.18 * len(buffers))))[1]
     sizes = [b.bytes / 2**20 for b in buffers]
     top = max(sizes, default=1.0) or 1.0
@@ -378,8 +424,10 @@ def plot_lifetimes(plan, ax=None, largest: int = 40):
     return ax
 
 
-def plot_kernel_counts(series: dict[str, dict[str, int]], ax=None, title: str | None = None):
-    """Grouped bars: kernels per component for each named series (e.g. {"eqsat": ..., "XLA": ...})."""
+def plot_kernel_counts(series: dict[str, dict[str, float]], ax=None, title: str | None = None,
+                       ylabel: str = "kernels", fmt: str = "%g"):
+    """Grouped bars: a value per component (kernels by default) for each named series
+    (e.g. `{"eqsat": {"mid_block": 14, ...}, "XLA": {...}}`)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -389,9 +437,9 @@ def plot_kernel_counts(series: dict[str, dict[str, int]], ax=None, title: str | 
     x = np.arange(len(groups))
     for i, (name, counts) in enumerate(series.items()):
         bars = ax.bar(x + i * width, [counts.get(g, 0) for g in groups], width, label=name)
-        ax.bar_label(bars, fontsize=7)
+        ax.bar_label(bars, fmt=fmt, fontsize=7)
     ax.set_xticks(x + width * (len(series) - 1) / 2, [g or "(no scope)" for g in groups], rotation=30, ha="right")
-    ax.set_ylabel("kernels")
+    ax.set_ylabel(ylabel)
     ax.legend()
     if title:
         ax.set_title(title)
