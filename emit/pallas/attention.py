@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,7 +42,6 @@ from eqsat.types import parse_type
 Index = tuple[Any, Any, Any, Any]
 OperandFn = Callable[[Sequence[Any], Index, Any], jax.Array]
 EpilogueFn = Callable[[Sequence[Any], jax.Array, Index, Any], jax.Array]
-LOG2_E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +119,11 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         score_mask = row_ok & (score_cols < problem.kv_len)
         if problem.bias is not None:
             s = s + problem.bias(inputs, (b, h, rows, score_cols), score_mask).astype(jnp.float32)
-        s = jnp.where(score_mask, s * LOG2_E, -jnp.inf)  # base 2: exp(x) = exp2(x log2 e)
+        s = jnp.where(score_mask, s, -jnp.inf)  # natural base: a score of -3e38 (a finite mask) stays finite
         m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
-        correction = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe)
+        correction = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe)
         l = l * correction + jnp.sum(p, axis=1, keepdims=True)
         v = problem.v(inputs, (b, h, cols, ds), kv_mask)
         v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))

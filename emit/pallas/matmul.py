@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from emit import expr as ex
 from emit.pallas import triton as tr

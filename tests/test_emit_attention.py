@@ -1,0 +1,202 @@
+"""The flash-attention Pallas template (`emit/pallas/attention.py`), in interpret mode: the template
+against its plain-jnp reference, and plans of small attention functions emitted with
+`backend="pallas"` against the XLA emitter and `jax.jit`. Sequence lengths and head dims are not
+powers of two (77 tokens; heads of 40, 80, 160), so the padded key block and head-dim lanes are
+exercised everywhere."""
+
+from __future__ import annotations
+
+import glob
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import emit
+import eqsat
+from emit.pallas import XlaFallbackWarning
+from emit.pallas import attention as at
+from emit.pallas.triton import gather_load
+
+TOLERANCE = {np.float32: (2e-5, 2e-5), np.float16: (2e-2, 2e-2)}  # (rtol, atol); outputs are O(1)
+
+
+def assert_close(actual, expected, dtype):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    rtol, atol = TOLERANCE[dtype]
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+
+
+# --- the template on hand-written closures --------------------------------------------------------
+
+# Operand prologues that are infinite at a padded head-dim lane or key (where 0 is read): a
+# template that forgot a mask would turn the scores or the output into NaN.
+PROLOGUES = {"q": lambda x: jnp.log(x * x), "k": lambda x: 1 / x, "v": lambda x: 1 / x}
+
+
+def run_template(q, k, v, bias, blocks=None, scale=None):
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def operand(position, length, name):
+        def tile(refs, index, mask):
+            b, h, s, d = index
+            x = gather_load(refs[position], ((b * heads + h) * length + s) * head_dim + d, mask)
+            return PROLOGUES[name](x).astype(x.dtype)
+        return tile
+
+    def bias_tile(refs, index, mask):
+        b, h, rows, cols = index
+        return gather_load(refs[3], rows * kv_len + cols, mask)
+
+    problem = at.AttentionProblem(batch, heads, q_len, kv_len, head_dim, operand(0, q_len, "q"),
+                                  operand(1, kv_len, "k"), operand(2, kv_len, "v"),
+                                  bias_tile if bias is not None else None, scale,
+                                  lambda refs, acc, index, mask: acc, q.dtype)
+    inputs = [q, k, v] + ([bias] if bias is not None else [])
+    return at.build(problem, inputs, blocks=blocks, interpret=True)
+
+
+def template_reference(q, k, v, bias, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (PROLOGUES[name](jnp.asarray(x)).astype(x.dtype) for name, x in zip("qkv", (q, k, v)))
+    return at.reference(q, k, v, scale, None if bias is None else bias[None, None])
+
+
+def causal(q_len, kv_len, fill=np.finfo(np.float32).min):
+    return np.where(np.arange(q_len)[:, None] >= np.arange(kv_len)[None, :], 0.0, fill).astype(np.float32)
+
+
+def normal(rng, shape, dtype, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def away_from_zero(rng, shape, dtype):
+    """Magnitudes in [0.5, 2] with random signs: the prologues above stay finite and O(1)."""
+    return (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 2.0, shape)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_causal_77_tokens_head_dim_40(dtype):
+    rng = np.random.default_rng(0)
+    q, k, v = (away_from_zero(rng, (2, 2, 77, 40), dtype) for _ in range(3))
+    bias = causal(77, 77)
+    out = run_template(q, k, v, bias, at.AttentionBlocks(32, 32))  # 3 query blocks, 3 key blocks
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, template_reference(q, k, v, bias), dtype)
+
+
+@pytest.mark.parametrize("head_dim,q_len,kv_len", [(80, 77, 10), (160, 20, 77)])
+def test_head_dims_80_160_and_cross_lengths(head_dim, q_len, kv_len):
+    rng = np.random.default_rng(1)
+    q = away_from_zero(rng, (1, 2, q_len, head_dim), np.float16)
+    k, v = (away_from_zero(rng, (1, 2, kv_len, head_dim), np.float16) for _ in range(2))
+    assert_close(run_template(q, k, v, None), template_reference(q, k, v, None), np.float16)
+
+
+def test_rows_with_no_finite_score_are_nan_like_softmax():
+    """A bias of -inf over a whole query row (and a fully masked upper block): NaN as in
+    `jax.nn.softmax`, and every other row exact; a huge finite bias stays finite."""
+    rng = np.random.default_rng(2)
+    q, k, v = (away_from_zero(rng, (1, 1, 40, 24), np.float32) for _ in range(3))
+    bias = causal(40, 40, fill=-np.inf)
+    bias[5, :] = -np.inf
+    bias[7, :] = -3e38
+    out = run_template(q, k, v, bias, at.AttentionBlocks(16, 16))
+    expected = template_reference(q, k, v, bias)
+    assert np.isnan(np.asarray(out)[0, 0, 5]).all() and np.isfinite(np.asarray(out)[0, 0, 7]).all()
+    assert_close(out, expected, np.float32)
+
+
+def test_blocks_are_validated():
+    with pytest.raises(ValueError, match="block_q=48 must be a power of two >= 16"):
+        at.AttentionBlocks(48, 64).validate()
+    assert at.AttentionBlocks.get_default(77, 77, 40) == at.AttentionBlocks(64, 64, num_warps=4)
+    assert at.AttentionBlocks.get_default(4096, 4096, 160).block_k == 32
+
+
+# --- plans of JAX functions -----------------------------------------------------------------------
+
+
+def emitted(fn, args):
+    plan = eqsat.optimize(fn).lower(*args).plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XlaFallbackWarning)
+        pallas = emit.emit(plan, "pallas", interpret=True)(*args)
+    return pallas, emit.emit(plan, "xla")(*args), jax.jit(fn)(*args), plan
+
+
+def sdpa(q, k, v):
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_plan_attention_77_tokens_head_dim_40(dtype):
+    rng = np.random.default_rng(3)
+    args = tuple(normal(rng, (2, 2, 77, 40), dtype) for _ in range(3))
+    pallas, xla, jit, plan = emitted(sdpa, args)
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    assert_close(pallas, xla, dtype)
+    assert_close(pallas, jit, dtype)
+
+
+def test_plan_clip_causal_attention_reads_heads_through_views():
+    """sd15's multi-head attention with CLIP's causal bias: q/k/v are [B, S, H*D] tensors read
+    per head through reshape/transpose views, the bias a [1, 1, S, S] constant broadcast."""
+    from sd15.clip import causal_bias
+    from sd15.layers import attention
+
+    rng = np.random.default_rng(4)
+    q, k, v = (normal(rng, (2, 77, 4 * 40), np.float32) for _ in range(3))
+    pallas, xla, jit, plan = emitted(lambda q, k, v: attention(q, k, v, 4, bias=causal_bias(77)), (q, k, v))
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
+    assert term.args[3].op != "Lit", "the causal bias was dropped"
+    assert_close(pallas, xla, np.float32)
+    assert_close(pallas, jit, np.float32)
+
+
+def test_plan_cross_attention_with_a_short_context():
+    from sd15.unet import cross_attention
+
+    width, context_width, heads = 80, 48, 2
+    rng = np.random.default_rng(5)
+    params = {"a.to_q.weight": normal(rng, (width, width), np.float32, 0.2),
+              "a.to_k.weight": normal(rng, (width, context_width), np.float32, 0.2),
+              "a.to_v.weight": normal(rng, (width, context_width), np.float32, 0.2),
+              "a.to_out.0.weight": normal(rng, (width, width), np.float32, 0.2),
+              "a.to_out.0.bias": normal(rng, (width,), np.float32)}
+    x, context = normal(rng, (1, 77, width), np.float32), normal(rng, (1, 10, context_width), np.float32)
+    pallas, xla, jit, plan = emitted(lambda p, x, c: cross_attention(p, "a", x, c, heads), (params, x, context))
+    assert "Attention" in [k.term.op for k in plan.kernels]
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(jit), rtol=1e-4, atol=1e-4)
+
+
+# --- compiled for an H100 (no GPU needed) ------------------------------------------------------------
+
+
+def test_compiles_for_sm90_with_tensor_cores(tmp_path):
+    """CLIP-like causal attention, 8 heads of 80 over 77 tokens, fp16: one Pallas kernel, wgmma/mma."""
+    from eqsat.xla_target import compile_for_h100
+
+    bias = causal(77, 77)[None, None]
+
+    def masked(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * 80**-0.5 + bias
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+    args = [jax.ShapeDtypeStruct((2, 8, 77, 80), jnp.float16)] * 3
+    plan = eqsat.optimize(masked).lower(*args).plan
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
+    if report is None:
+        pytest.skip("the H100 compile target is not installed")
+    assert report.kernels == 1 and set(report.by_category) == {"Pallas (Triton)"}, report.by_category
+    ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
+    assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"
