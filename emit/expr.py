@@ -42,7 +42,7 @@ both rows of one `moments`) is computed once.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence, Union
+from typing import Callable, Iterator, Protocol, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 
 from eqsat.lift import CONVERT, apply_binary
-from eqsat.term import Term, postorder
+from eqsat.term import Term
 from eqsat.types import ints, parse_type
 
 IndexEntry = Union[int, jax.Array]
@@ -288,10 +288,23 @@ def binary(op: str, x: jax.Array, y: jax.Array, dtype) -> jax.Array:
     return apply_binary(op, x, y)
 
 
+def expr_nodes(*exprs: Term) -> Iterator[Term]:
+    """Every Expr node of `exprs`, each once, not entering the tensors they `Load` (other kernels)."""
+    seen: set[int] = set()
+    stack = [e for e in exprs if e is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(child for child in node.children if child.sort == "Expr")
+
+
 def unsupported_ops(term: Term) -> list[str]:
-    """The ops under `term` (an Expr, or a kernel's Expr arguments) this compiler cannot emit."""
+    """The ops of the Expr `term` this compiler cannot emit (tensors it loads are not looked into)."""
     bad: set[str] = set()
-    for node in postorder([term]):
+    for node in expr_nodes(term):
         if node.op == "Unary":
             name = node.args[0].partition(":")[0]
             if node.args[0] != CONVERT and name not in _DIRECT_UNARY and name not in _BUILT_UNARY \

@@ -31,7 +31,7 @@ from typing import Iterable
 
 import jax
 
-from eqsat.term import Term, postorder
+from eqsat.term import Term
 
 TEMPLATES: dict[str, str] = {
     "Pointwise": "emit.pallas.pointwise",
@@ -109,8 +109,10 @@ def name_of(component: str, kind: str) -> str:
 
 def loaded_tensors(*exprs: Term) -> list[Term]:
     """The distinct tensors `Load`ed by `exprs` (Expr terms), in first-seen order: a kernel's operands."""
+    from emit.expr import expr_nodes
+
     seen: dict[int, Term] = {}
-    for node in postorder([e for e in exprs if e is not None]):
+    for node in expr_nodes(*exprs):
         if node.op == "Load" and id(node.args[0]) not in seen:
             seen[id(node.args[0])] = node.args[0]
     return list(seen.values())

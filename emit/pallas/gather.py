@@ -27,8 +27,8 @@ from eqsat.term import Term
 from eqsat.types import parse_type
 
 
-def _fill_value(params, dtype):
-    value = params.get("fill_value")
+def _fill_value(value, dtype):
+    """`lax.gather`'s fill value (built inside the kernel: a kernel captures no array constants)."""
     if value is not None:
         return jnp.asarray(value, dtype)
     dtype = jnp.dtype(dtype)
@@ -58,7 +58,8 @@ def gather_value(operand: Term, indices: Term, params: dict, out_shape):
     if len(indices_shape) != len(batch_out_dims) + 1 or indices_shape[-1] != len(start_map):
         raise ValueError(f"gather indices {indices_shape} do not end in an index vector of {len(start_map)}")
     read_operand, read_indices = compile_expr(operand), compile_expr(indices)
-    fill = _fill_value(params, parse_type(operand.ty).dtype)
+    dtype = parse_type(operand.ty).dtype
+    fill_value = params.get("fill_value")
 
     def value(memory, index, mask):
         batch = tuple(index[d] for d in batch_out_dims)
@@ -75,7 +76,7 @@ def gather_value(operand: Term, indices: Term, params: dict, out_shape):
         for axis, out_dim in zip(slice_axes, offset_dims):
             full[axis] = full[axis] + index[out_dim]
         result = read_operand(memory, tuple(full), both(mask, in_bounds))
-        return result if in_bounds is True else jnp.where(in_bounds, result, fill)
+        return result if in_bounds is True else jnp.where(in_bounds, result, _fill_value(fill_value, dtype))
 
     return value
 

@@ -5,8 +5,10 @@
   per (key, operands); each `index` picks its output.
 - `Loop(key, operands, body, index)`: the payload's `kind` (layouts in `eqsat.lift`) becomes
   `lax.scan`, `lax.while_loop` or `lax.switch`, whose step binds the body's `LoopArg`s and emits
-  the body's own kernels in order (`eqsat.cost.kernels` of the body's results) through the same
-  dispatch as the top level, so a scanned matmul is a Pallas matmul inside the scan.
+  the body's own kernels in order (`body_kernels`: what the body's results need that is not
+  computed outside the loop) through the same dispatch as the top level, so a scanned matmul is
+  a Pallas matmul inside the scan. Statistics a body's kernel could host run as their own
+  reduce kernels there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from jax import lax
 
 from emit.pallas import EmitContext, KernelCall, run_kernels
-from eqsat.term import Term, list_items, postorder
+from eqsat.lang import KERNEL_OPS
+from eqsat.term import Term, list_items
 
 
 def _shared(ctx: EmitContext, key, compute):
@@ -25,20 +28,49 @@ def _shared(ctx: EmitContext, key, compute):
     return results
 
 
+def body_kernels(items: list[Term], known) -> list[Term]:
+    """The kernel terms computing a loop body's `items`, producers first, stopping at tensors
+    already `known` (computed outside the loop: a hoisted value, another loop's output)."""
+    order: list[Term] = []
+    done: set[int] = set()
+    stack: list[tuple[Term, bool]] = [(item, False) for item in reversed(items)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in done:
+            continue
+        if ready:
+            done.add(id(node))
+            if node.op in KERNEL_OPS or node.op == "EpilogueReduce":
+                order.append(node)
+            continue
+        if node.sort == "Tensor" and node in known:
+            done.add(id(node))
+            continue
+        stack.append((node, True))
+        children = (node.args[1],) if node.op == "Loop" else node.children
+        stack.extend((child, False) for child in reversed(children) if id(child) not in done)
+    return order
+
+
 def _body_calls(ctx: EmitContext, items: list[Term], loop_name: str) -> list[KernelCall]:
-    from eqsat.cost import hosted_reductions, kernels
-
-    hosting = hosted_reductions(items)
-    hosted: dict[int, list[Term]] = {}
-    for reduction, hosts in hosting.items():
-        for host in hosts or ():
-            hosted.setdefault(id(host), []).append(reduction)
-    return [KernelCall(term, ctx.kernel_name(term, default=loop_name), tuple(hosted.get(id(term), ())))
-            for term in kernels(items, hosting)]
+    """The body's kernels as calls; each `EpilogueReduce` is its own reduce kernel inside a loop body."""
+    return [KernelCall(term, ctx.kernel_name(term, default=loop_name)) for term in body_kernels(items, ctx.values)]
 
 
-def _loop_args(key: str, items: list[Term]) -> dict[int, Term]:
-    return {node.args[1]: node for node in postorder(items) if node.op == "LoopArg" and node.args[0] == key}
+def _loop_args(key: str, items: list[Term], known) -> dict[int, Term]:
+    """Loop `key`'s `LoopArg` terms in its body, by index (not looking past tensors already `known`)."""
+    found: dict[int, Term] = {}
+    seen: set[int] = set()
+    stack = list(items)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or (node.sort == "Tensor" and node in known):
+            continue
+        seen.add(id(node))
+        if node.op == "LoopArg" and node.args[0] == key:
+            found[node.args[1]] = node
+        stack.extend(node.children)
+    return found
 
 
 def _run_body(ctx: EmitContext, key: str, args_by_index: dict[int, Term], calls, items, values: list) -> list:
@@ -54,7 +86,7 @@ def run_loop(term: Term, ctx: EmitContext, name: str) -> list:
     spec = ctx.payloads[key]
     items = list_items(body)
     values = [ctx.value(t) for t in list_items(operands)]
-    args = _loop_args(key, items)
+    args = _loop_args(key, items, ctx.values)
     kind = spec["kind"]
     if kind == "scan":
         n_consts, n_carry = spec["num_consts"], spec["num_carry"]
