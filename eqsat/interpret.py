@@ -35,7 +35,7 @@ from jax import lax
 from eqsat.conv_params import ConvParams
 from eqsat.lift import apply_binary, apply_reduce, apply_unary
 from eqsat.term import Term, list_items
-from eqsat.types import ints, parse_type
+from eqsat.types import dtype_name, ints, parse_type
 
 _MISSING = object()
 
@@ -407,6 +407,6 @@ def _check(node: Term, value) -> None:
     if node.sort == "TensorList":
         return
     expected = parse_type(node.ty)
-    shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
-    if shape != expected.shape or dtype != np.dtype(expected.dtype):
-        raise TypeError(f"{node!r} evaluated to {dtype.name}{list(shape)}, its type says {node.ty}")
+    shape, dtype = tuple(np.shape(value)), dtype_name(value.dtype)  # dtype_name: PRNG keys too
+    if shape != expected.shape or dtype != expected.dtype:
+        raise TypeError(f"{node!r} evaluated to {dtype}{list(shape)}, its type says {node.ty}")

@@ -89,7 +89,7 @@ from eqsat.conv_params import conv_params_key
 from eqsat.moments import two_pass
 from eqsat.program import Program
 from eqsat.term import Term, tensor_list
-from eqsat.types import format_type, ints, ints_key
+from eqsat.types import dtype_name, format_type, ints, ints_key, is_key
 
 # --- The op-string vocabulary of `Unary`, `Binary` and `Reduce` ------------------------------
 # Op strings are lax primitive names. The interpreter and the XLA emitter evaluate them through
@@ -260,13 +260,13 @@ def _type_text(dtype_name: str, shape: tuple[int, ...]) -> str:
 
 def _ty(aval) -> str:
     try:
-        return _type_text(np.dtype(aval.dtype).name, tuple(int(d) for d in aval.shape))
+        return _type_text(dtype_name(aval.dtype), tuple(int(d) for d in aval.shape))
     except (TypeError, ValueError) as error:
         raise LiftError(f"unsupported value type {aval}: {error}") from None
 
 
 def _ty_of(dtype, shape) -> str:
-    return _type_text(np.dtype(dtype).name, tuple(int(d) for d in shape))
+    return _type_text(dtype_name(dtype), tuple(int(d) for d in shape))
 
 
 def _inner_aval(aval):
@@ -330,6 +330,8 @@ class _Lifter:
                 handler = _Lifter._scatter if name.startswith("scatter") else _Lifter._opaque
             if eqn.effects and handler not in _EFFECT_AWARE and world_effects(eqn.effects):
                 handler = _Lifter._effectful
+            elif handler not in _ANY_DTYPE and _touches_complex(eqn):
+                handler = _Lifter._opaque
             outs = handler(self, eqn)
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
@@ -405,8 +407,11 @@ class _Lifter:
         """`Constant` keyed by content (equal arrays share a key, in any program)."""
         key = self._constant_keys.get(id(array))
         if key is None:
-            host = np.asarray(array)
-            digest = hashlib.blake2b(host.tobytes(), digest_size=8).hexdigest()
+            if is_key(dtype_name(array.dtype)):  # a PRNG key array stays a key array (its data hashed)
+                host, data = array, np.asarray(jax.random.key_data(array))
+            else:
+                host = data = np.asarray(array)
+            digest = hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
             key = f"const:{_ty_of(host.dtype, host.shape)}:{digest}"
             self._constant_keys[id(array)] = key
             self._constant_arrays.append(array)
@@ -996,9 +1001,12 @@ class _Lifter:
 
     def _opaque(self, eqn):
         name = eqn.primitive.name
-        if name not in self._warned:
-            self._warned.add(name)
-            message = f"eqsat.lift: no term for primitive {name!r}; it stays an opaque XLA op"
+        complex_values = _touches_complex(eqn)
+        warn_key = f"{name} (complex)" if complex_values else name
+        if warn_key not in self._warned:
+            self._warned.add(warn_key)
+            message = (f"eqsat.lift: no term for primitive {name!r} on complex values; it stays an opaque XLA op"
+                       if complex_values else f"eqsat.lift: no term for primitive {name!r}; it stays an opaque XLA op")
             self.warnings.append(message)
             warnings.warn(message, OpaqueWarning, stacklevel=_caller_stacklevel())
         key = self.fresh_key(f"{name}#")
@@ -1010,6 +1018,18 @@ class _Lifter:
 
 # Handlers that thread effects themselves (loops, branches and inlined calls lift their bodies).
 _EFFECT_AWARE = frozenset({_Lifter._scan, _Lifter._while, _Lifter._cond, _Lifter._inline})
+# Handlers that only route values (calls, loops, refs, identities): any dtype, complex included.
+# Every other equation on complex values is `Opaque`: terms and rules assume real arithmetic.
+_ANY_DTYPE = _EFFECT_AWARE | frozenset({_Lifter._identity, _Lifter._new_ref, _Lifter._empty_ref, _Lifter._freeze,
+                                        _Lifter._get, _Lifter._write})
+
+
+def _touches_complex(eqn) -> bool:
+    for var in (*eqn.invars, *eqn.outvars):
+        dtype = getattr(_inner_aval(var.aval), "dtype", None)
+        if dtype is not None and not is_key(dtype_name(dtype)) and np.issubdtype(dtype, np.complexfloating):
+            return True
+    return False
 
 
 def _caller_stacklevel() -> int:

@@ -325,10 +325,7 @@ def _nbytes(term) -> int:
 
     if term.op in HOSTED_OPS:
         return int(partials_bytes(term.args[1], term.args[2].ty, term.ty))
-    parsed = parse_type(term.ty)
-    return parsed.size * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-                          "bool": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
-                          "uint64": 8}[parsed.dtype]
+    return parse_type(term.ty).nbytes
 
 
 def _buffers(written, reads, outputs) -> list[Buffer]:

@@ -122,7 +122,11 @@ _ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "float16": 2, "bfloat16": 2, "int
 
 
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    from eqsat.types import itemsize  # PRNG keys, complex
+
+    return itemsize(dtype)
 
 
 def _dtype(ty: str | None) -> str:
