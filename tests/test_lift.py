@@ -479,3 +479,44 @@ def test_random_elementwise_and_view_programs(steps, rows, cols, seed):
 
     x = jax.random.uniform(jax.random.key(seed), (rows, cols), minval=-1.0, maxval=1.0)
     roundtrip(f, x, x[::-1] * 0.5)
+
+
+def test_complex_values_and_ffts_are_opaque_with_a_warning_and_correct():
+    def spectrum(x, z):
+        y = jnp.fft.fft(x)                                  # complex64 from float32
+        mixed = y * (1 + 2j) + jnp.conj(z) * z              # complex arithmetic
+        power = jnp.abs(mixed) ** 2                          # back to float32
+        rows = jnp.fft.irfft(jnp.fft.rfft(x), n=x.shape[-1])
+        return power * 2.0 + 1.0, mixed.reshape(2, -1).T, jnp.angle(z), rows
+
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    z = (np.arange(24).reshape(3, 8) + 1j * np.ones((3, 8))).astype(np.complex64)
+    with pytest.warns(OpaqueWarning) as caught:
+        program = roundtrip(spectrum, x, z)
+    messages = [str(w.message) for w in caught]
+    assert any("'fft'" in m for m in messages) and any("complex" in m for m in messages)
+    kernels = program.kernel_terms()
+    for kernel in kernels:                                  # nothing but an Opaque computes on complex values
+        if kernel.ty.startswith("c64") and kernel.op != "Opaque":
+            raise AssertionError(f"{kernel.op} of type {kernel.ty} is not opaque")
+    assert any(k.op == "Pointwise" and k.ty.startswith("f32") for k in kernels)  # real parts stay terms
+
+
+def test_complex_values_through_optimize_and_loops():
+    import eqsat
+
+    def rotate(z, steps):
+        def body(carry, angle):
+            carry = carry * jnp.exp(1j * angle)
+            return carry, carry.real.sum()
+        return lax.scan(body, z, steps)
+
+    z = (np.arange(4) + 1j).astype(np.complex64)
+    steps = np.linspace(0, 1, 5, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OpaqueWarning)
+        got = eqsat.optimize(rotate)(z, steps)
+    want = jax.jit(rotate)(z, steps)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
