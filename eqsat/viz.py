@@ -125,6 +125,38 @@ def _plan_parts(plan, expression_chars: int):
     return kernels, edges, buffers
 
 
+def _last_modules(path: str, count: int) -> str:
+    """`"down_blocks.0.attentions.1.proj_in.weight"` -> `"…attentions.1.proj_in.weight"` (an index
+    stays with its module)."""
+    levels: list[str] = []
+    for part in path.split("."):
+        if part.isdigit() and levels:
+            levels[-1] += "." + part
+        else:
+            levels.append(part)
+    return path if len(levels) <= count else "…" + ".".join(levels[-count:])
+
+
+def input_paths(program) -> dict[str, str]:
+    """Input name (`arg3`) -> where the leaf sits in the function's arguments: `[2]` for the third
+    positional argument, `[0]['…attn1.to_q.weight']` for a leaf of a parameter dict."""
+    if program is None or program.in_tree is None:
+        return {}
+    import jax
+
+    skeleton = jax.tree_util.tree_unflatten(program.in_tree, list(range(len(program.inputs))))
+    out = {}
+    for path, index in jax.tree_util.tree_flatten_with_path(skeleton)[0]:
+        parts = []
+        for key in path[1:] if path and getattr(path[0], "idx", None) == 0 else path:  # drop (args, kwargs)[0]
+            name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+            if isinstance(name, str):
+                name = _last_modules(name, 3)
+            parts.append(f"[{name!r}]" if isinstance(name, str) else f"[{name}]")
+        out[program.inputs[index].args[0]] = "".join(parts)
+    return out
+
+
 def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) -> list[str]:
     """The node and edge lines of one plan, every id prefixed by `prefix`."""
     kernels, edges, buffers = _plan_parts(plan, expression_chars)
@@ -138,8 +170,9 @@ def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) ->
         lines.append(f"  {prefix}k{kernel.index} [shape=box, style=filled, fillcolor={_quote(color)}, "
                      f"label={_quote(label)}];")
     if draw_inputs:
+        paths = input_paths(plan.program)
         for buffer in external:
-            label = f"{buffer.name}\n{buffer.term.ty}"
+            label = f"{buffer.name} {paths.get(buffer.name, '')}\n{buffer.term.ty}"
             lines.append(f"  {prefix}in_{_node_id(buffer.name)} [shape=ellipse, label={_quote(label)}];")
     elif external:
         label = f"{len(external)} inputs and constants, {human_bytes(sum(b.bytes for b in external))}"

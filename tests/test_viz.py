@@ -125,3 +125,14 @@ def test_plots_draw(lowered):
 def test_human_bytes():
     assert [viz.human_bytes(n) for n in (0, 1023, 1024, 3 * 2**20, 2**31)] == ["0 B", "1023 B", "1.0 KiB",
                                                                                "3.0 MiB", "2.0 GiB"]
+
+
+def test_inputs_are_labelled_with_their_place_in_the_arguments():
+    def linear(params, x):
+        return x @ params["down_blocks.0.attentions.1.proj_in.weight"] + params["bias"]
+
+    params = {"down_blocks.0.attentions.1.proj_in.weight": _spec(4, 6), "bias": _spec(6)}
+    lowered = eqsat.optimize(linear, progress=False).lower(params, _spec(3, 4))
+    assert viz.input_paths(lowered.program) == {"arg0": "[0]['bias']", "arg1": "[0]['…attentions.1.proj_in.weight']",
+                                                "arg2": "[1]"}
+    assert "arg1 [0]['…attentions.1.proj_in.weight']" in lowered.plan.to_dot()
