@@ -18,7 +18,8 @@ Every candidate plan is rated by the roofline model on the terms it builds
 cost the plan reports. Deterministic: ties keep the earlier candidate, the ILP runs under a
 branch-and-bound node limit, regions are visited in order under a budget counted in variables.
 
-`time_limit` (seconds, from the call) bounds the search: past it, greedy rounds not yet run are
+`time_limit` (seconds) bounds the search, counted once the e-graph is read (reading it and
+building the chosen terms are linear and always done): past it, greedy rounds not yet run are
 skipped (the first always runs: there must be a plan), the polish stops between two moves, and the
 ILP is not started (or HiGHS stops at the limit); the plan is the best found so far and
 `result.limit_reached` says "time_limit" (None when every step ran to its end). Only then does the
@@ -79,7 +80,6 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
             region_budget: int = 0, node_limit: int | None = 1000) -> Extraction:
     """Extract the plan of `handles` (builder handles of the root terms) or `roots` (classes)."""
     started = time.perf_counter()
-    deadline = started + time_limit
     seconds: dict[str, float] = {}
     graph = data if isinstance(data, EGraphData) else load(data)
     if roots is None:
@@ -90,6 +90,7 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     device = get_device(device)
     costs = graph.node_costs(device)
     seconds["load"] = time.perf_counter() - started
+    deadline = time.perf_counter() + time_limit
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:
         return selection.cost(costs, cutoff)

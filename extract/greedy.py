@@ -212,16 +212,31 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
                 changed = True
         return changed
 
+    def users(cls: int) -> list[int]:
+        """The nodes to re-evaluate when class `cls` changes: its parents and, for a tensor (whose
+        cost re-ranks its readers' comparisons), the parents of its `Load`s."""
+        if not is_tensor[cls]:
+            return problem.parents[cls]
+        return problem.parents[cls] + [p for load in problem.load_classes.get(cls, ()) for p in problem.parents[load]]
+
+    # Kahn's order; a node already evaluated whose inputs change later in it is queued for the fixed point.
     nodes = [n for cls in problem.classes for n in graph.class_nodes[cls] if n not in banned]
     pending = {n: len(set(children[n])) for n in nodes}
     order: list[int] = []
+    position: dict[int, int] = {}
+    stale: set[int] = set()
     queue = deque(n for n in nodes if pending[n] == 0)
     while queue:
         node = queue.popleft()
+        position[node] = len(order)
         order.append(node)
         cls = node_class[node]
         had_value = cls in a_node
-        evaluate(node)
+        if evaluate(node):
+            for user in users(cls):
+                at = position.get(user)
+                if at is not None:
+                    stale.add(at)
         if not had_value and cls in a_node:
             for parent in problem.parents[cls]:
                 if parent in pending:
@@ -229,9 +244,7 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
                     if pending[parent] == 0:
                         queue.append(parent)
     # Fixed point: re-evaluate the users of every class that changed, in Kahn order, until quiet.
-    # A tensor whose cost changed also re-ranks its readers' comparisons: wake them too.
-    position = {node: i for i, node in enumerate(order)}
-    heap = list(range(len(order)))
+    heap = sorted(stale)
     queued = set(heap)
     evaluations = 0
     budget = max_evaluations_per_node * max(len(order), 1)
@@ -242,12 +255,8 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         evaluations += 1
         if not evaluate(node):
             continue
-        cls = node_class[node]
-        woken = problem.parents[cls]
-        if is_tensor[cls]:
-            woken = woken + [p for load in problem.load_classes.get(cls, ()) for p in problem.parents[load]]
-        for parent in woken:
-            at = position.get(parent)
+        for user in users(node_class[node]):
+            at = position.get(user)
             if at is not None and at not in queued:
                 queued.add(at)
                 heapq.heappush(heap, at)
@@ -272,13 +281,16 @@ def _acyclic_pass(problem: _Problem, banned: set[int], paid, shared: bool, max_e
     banned = set(banned)
     for _ in range(64):
         selection, sweeps = _pass(problem, banned, paid, shared, max_evaluations_per_node)
-        cycle = selection.find_cycle()
-        if cycle is None:
-            full = selection.nodes
-            selection = selection.pruned()
-            selection.fallback = full
-            return selection, sweeps
-        banned.add(selection.node_of(cycle[0]))  # break the cycle at its entry and search again
+        try:
+            pruned = selection.pruned()
+        except ValueError:  # a cycle (or a gap: then find_cycle finds none and the error stands)
+            cycle = selection.find_cycle()
+            if cycle is None:
+                raise
+            banned.add(selection.node_of(cycle[0]))  # break the cycle at its entry and search again
+            continue
+        pruned.fallback = selection.nodes
+        return pruned, sweeps
     raise RuntimeError("greedy extraction could not break its cycles")
 
 

@@ -325,7 +325,12 @@ class Selection:
         return out
 
     def postorder(self) -> list[Slot]:
-        """The slots reached from the roots, children first; `ValueError` on a cycle or a gap."""
+        """The slots reached from the roots, children first; `ValueError` on a cycle or a gap.
+
+        Remembered until `nodes` is replaced (a selection's `nodes` dict is never edited in place)."""
+        cached = self.__dict__.get("_postorder")
+        if cached is not None and cached[0] is self.nodes:
+            return list(cached[1])
         order: list[Slot] = []
         state: dict[Slot, int] = {}  # 1 = on the stack, 2 = done
         for root in self.roots:
@@ -354,6 +359,7 @@ class Selection:
                         raise ValueError(f"cyclic selection through class {self.graph.class_ids[child[0]]}")
                     if child_state is None:
                         stack.append((child, False))
+        self._postorder = (self.nodes, tuple(order))
         return order
 
     def find_cycle(self) -> list[Slot] | None:
@@ -459,5 +465,8 @@ class Selection:
 
     def pruned(self) -> "Selection":
         """The same selection with exactly the slots it reaches, each with its node spelled out."""
-        nodes = {slot: self.node_of(slot) for slot in self.postorder()}
-        return Selection(self.graph, nodes, list(self.roots), self.fallback)
+        order = self.postorder()
+        nodes = {slot: self.node_of(slot) for slot in order}
+        pruned = Selection(self.graph, nodes, list(self.roots), self.fallback)
+        pruned._postorder = (nodes, tuple(order))  # the same slots are reached in the same order
+        return pruned
