@@ -30,6 +30,7 @@ from eqsat.types import format_type
 from sd15 import layers
 
 TOLERANCE = {jnp.float32: 2e-4, jnp.float16: 2e-2, jnp.bfloat16: 6e-2}
+NHWC_HWIO = ("NHWC", "HWIO", "NHWC")
 SMALL_TILES = conv.ConvConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 
 
@@ -201,6 +202,102 @@ def test_unsupported_convs_are_refused_with_a_reason():
         conv.ConvConfig(block_m=48)
 
 
+# --- statistics of the output, computed by the conv's tiles -------------------------------------------
+
+
+def _group_stats(conv_term, groups, op="moments"):
+    """`EpilogueReduce(conv, op, reshape(conv -> [B, HW, G, C/G]), over (HW, C/G))`: GroupNorm's
+    statistics of an NHWC conv output."""
+    b, h, w, c = _shape(conv_term)
+    body = Term("Reshape", _load(conv_term), format_type("float32", (b, h * w, groups, c // groups)))
+    ty = format_type("float32", (2, b, groups) if op == "moments" else (b, groups))
+    return Term("EpilogueReduce", conv_term, op, body, "1,3", ty)
+
+
+@pytest.mark.parametrize("values,config", [
+    ("offset", SMALL_TILES), ("offset", conv.ConvConfig(32, 16, 16)), ("offset", None),
+    ("constant-groups", SMALL_TILES), ("tiny", conv.ConvConfig(32, 16, 16)), ("huge", SMALL_TILES),
+], ids=["offset-16x16-tiles", "offset-tiles-over-two-images", "offset-default", "constant-groups",
+        "tiny", "huge"])
+def test_hosted_groupnorm_moments_are_stable_and_match_two_pass(config, values):
+    """48 channels in 16 groups of 3 (group 5 straddles the 16-channel tiles), 2 images of 4x4
+    (a 32-pixel tile covers both): per-tile (count, mean, M2) merged by Chan's formula equal the
+    two-pass moments, with values offset far from their spread, constant groups (M2 exactly 0),
+    and tiny and huge magnitudes. A 1x1 identity conv makes the output the drawn values."""
+    rng = np.random.default_rng(10)
+    x = {"offset": 1e4 + rng.normal(size=(2, 4, 4, 48)),
+         "constant-groups": np.repeat(rng.normal(size=(2, 1, 1, 16, 1)) * 100, 3, axis=4)
+         .repeat(4, axis=1).repeat(4, axis=2).reshape(2, 4, 4, 48),
+         "tiny": 1e-30 * rng.normal(size=(2, 4, 4, 48)),
+         "huge": 1e18 * (3 + rng.normal(size=(2, 4, 4, 48)))}[values].astype(np.float32)
+    xt, wt = _input("x", x.shape), _input("w", (48, 48, 1, 1))
+    term = _conv_term(_load(xt), _load(wt), _params(x.shape, (48, 48, 1, 1), LAYOUTS[0], (1, 1), ((0, 0), (0, 0))))
+    stats = _group_stats(term, 16)
+    env = {"x": x, "w": np.eye(48, dtype=np.float32).reshape(48, 48, 1, 1)}
+    out, partials = conv.run(term, {xt: env["x"], wt: env["w"]}, hosted=[stats], config=config, interpret=True)
+    merged = np.asarray(conv.merge_partials(partials[stats], "moments")).reshape(2, 2, 16)
+    (expected,) = evaluate([stats], env)
+    expected = np.asarray(expected)
+    # Sums cancel (signed values): their error is relative to the sum of magnitudes.
+    np.testing.assert_allclose(merged[0], expected[0], rtol=1e-5, atol=1e-6 * 48 * float(np.abs(x).max()))
+    # Each piece's mean is off by ~eps * offset, so M2 carries a relative error ~ eps * offset / spread
+    # (6e-4 at offset 1e4, spread 1); E[x^2] - E[x]^2 would be off by eps * (offset / spread)^2 ~ 6.
+    # A constant group's M2 is rounding noise on both sides: at most n * (a few ulps of |x|)^2.
+    spread = np.asarray(expected[1])
+    rtol = 2e-3 if values == "offset" else 1e-4
+    noise = 48 * (4 * np.finfo(np.float32).eps * float(np.abs(x).max())) ** 2
+    np.testing.assert_allclose(merged[1], spread, rtol=rtol, atol=max(noise, 1e-6 * float(np.abs(spread).max())))
+    assert (merged[1] >= 0).all()
+
+
+def test_hosted_sums_and_a_half_precision_output():
+    """`sum` statistics read the output as stored (fp16 here), not the fp32 accumulator."""
+    rng = np.random.default_rng(11)
+    x, w = rng.normal(size=(2, 5, 5, 6)).astype(np.float16), (rng.normal(size=(9, 6, 3, 3)) * 0.3).astype(np.float16)
+    xt, wt = _input("x", x.shape, "float16"), _input("w", w.shape, "float16")
+    term = _conv_term(_load(xt), _load(wt), _params(x.shape, w.shape, LAYOUTS[0], (2, 2), ((1, 1), (1, 1))),
+                      out_dtype="float16")
+    b, h, ww, c = _shape(term)
+    body = Term("Unary", CONVERT, Term("Reshape", _load(term), format_type("float16", (b, h * ww, 3, 3))),
+                format_type("float32", (b, h * ww, 3, 3)))
+    stats = Term("EpilogueReduce", term, "sum", body, "1,3", format_type("float32", (b, 3)))
+    out, partials = conv.run(term, {xt: x, wt: w}, hosted=[stats], config=SMALL_TILES, interpret=True)
+    merged = conv.merge_partials(partials[stats], "sum").reshape(b, 3)
+    expected_out, expected = evaluate([term, stats], {"x": x, "w": w})
+    _close(out, expected_out, jnp.float16)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(expected), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(out, np.float32).reshape(b, -1, 3, 3).sum((1, 3)),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_a_statistic_reading_each_element_twice_is_left_to_the_driver():
+    """`sum(concat(x, x * x))` (the E[x^2] form a program may write itself): each element would go
+    to two slots, so the template refuses it and the driver computes it as its own kernel."""
+    xt, wt = _input("x", (1, 4, 4, 3)), _input("w", (3, 3, 1, 1))
+    term = _conv_term(_load(xt), _load(wt), _params((1, 4, 4, 3), (3, 3, 1, 1), LAYOUTS[0], (1, 1), ((0, 0), (0, 0))))
+    y = _load(term)
+    both = Term("Concat", y, Term("Binary", "mul", y, y, y.ty), 0, 1, "f32[2,4,4,3]")
+    stats = Term("EpilogueReduce", term, "sum", both, "1,2,3", "f32[2]")
+    values = {xt: np.ones((1, 4, 4, 3), np.float32), wt: np.ones((3, 3, 1, 1), np.float32)}
+    with pytest.raises(NotImplementedError, match="more than once"):
+        conv.run(term, values, hosted=[stats], interpret=True)
+    out, partials = conv.run(term, values, hosted=[stats], interpret=True, skip_unsupported=True)
+    assert partials == {}
+
+
+def test_merge_partials_is_chans_formula_in_a_fixed_order():
+    from eqsat.moments import partial_moments, two_pass
+
+    rng = np.random.default_rng(12)
+    x = (5e3 + rng.normal(size=(3, 70))).astype(np.float32)
+    pieces = partial_moments(x, (1,), 8)                  # [9 pieces (the last one short), 3, 3 rows]
+    merged = conv.merge_partials(pieces, "moments")
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(two_pass(x, (1,))), rtol=1e-3)  # eps * offset / spread
+    np.testing.assert_array_equal(np.asarray(merged), np.asarray(conv.merge_partials(pieces, "moments")))
+    huge = partial_moments(np.float32(1e18) * x, (1,), 8)  # n * delta^2 would overflow float32
+    assert np.isfinite(np.asarray(conv.merge_partials(huge, "moments"))).all()
+
+
 # --- plans of small JAX functions -------------------------------------------------------------------
 
 
@@ -208,15 +305,29 @@ def _normal(rng, *shape, scale=1.0, dtype=jnp.float32):
     return jnp.asarray(rng.normal(size=shape) * scale, dtype)
 
 
-def _emit_and_compare(fn, args, dtype=jnp.float32, *, expect_convs: int):
+def _emit_and_compare(fn, args, dtype=jnp.float32, *, expect_convs: int, monkeypatch=None):
     """Lower `fn`, emit its plan with the Pallas templates (interpret mode) and with XLA; both
-    equal the plain function. Returns the plan."""
+    equal the plain function. Every conv runs in the template, and so does every statistic the
+    plan hosts on a conv. Returns the plan."""
     lowered = eqsat.optimize(fn).lower(*args)
     plan = lowered.plan
     assert sum(k.kind == "conv" for k in plan.kernels) == expect_convs, lowered.report()
+    produced: list = []
+    if monkeypatch is not None:
+        template = conv.emit
+
+        def spy(kernel, ctx):
+            values = template(kernel, ctx)
+            produced.extend(values)
+            return values
+
+        monkeypatch.setattr(conv, "emit", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", XlaFallbackWarning)  # every conv runs in the template
         pallas = emit.emit(plan, "pallas", interpret=True)(*args)
+    if monkeypatch is not None:
+        hosted = [t for k in plan.kernels if k.kind == "conv" for t in k.outputs[1:]]
+        assert set(hosted) <= set(produced)
     xla = emit.emit(plan, "xla")(*args)
     plain = jax.jit(fn)(*args)
     for got in (pallas, xla):
@@ -239,7 +350,7 @@ def _resnet_params(rng, cin, cout, temb, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
-def test_a_resnet_block_with_groupnorm_prologues_and_a_merged_shortcut(dtype):
+def test_a_resnet_block_with_groupnorm_prologues_and_a_merged_shortcut(dtype, monkeypatch):
     """sd15's ResnetBlock2D at tiny width: 6 -> 12 channels in 2 groups (3 and 6 channels per
     group), GroupNorm + SiLU read in both convs' prologues, the time-embedding row and the 1x1
     shortcut merged into conv2 as a second K range."""
@@ -251,10 +362,26 @@ def test_a_resnet_block_with_groupnorm_prologues_and_a_merged_shortcut(dtype):
     def block(p, x, temb):
         return layers.resnet_block(p, "r", x, temb, 2, 1e-5)
 
-    plan = _emit_and_compare(block, (params, x, temb), dtype, expect_convs=2)
-    conv2 = [k for k in plan.kernels if k.kind == "conv"][-1]
-    assert [p.taps for p in conv.k_ranges(conv2.term)][-1] == ((1, 2), (1, 2)) or \
-        [p.taps for p in conv.k_ranges(conv2.term)][0] == ((1, 2), (1, 2))
+    plan = _emit_and_compare(block, (params, x, temb), dtype, expect_convs=2, monkeypatch=monkeypatch)
+    conv1, conv2 = [k for k in plan.kernels if k.kind == "conv"]
+    assert len(conv1.outputs) == 2  # norm2's statistics come from conv1's tiles
+    assert ((1, 2), (1, 2)) in [part.taps for part in conv.k_ranges(conv2.term)]  # the 1x1 shortcut range
+
+
+def test_groupnorm_statistics_over_a_skip_concat_come_from_both_convs(monkeypatch):
+    """An up block's GroupNorm over concat(h, skip) with a group straddling the boundary (6 + 2
+    channels in 2 groups of 4): each conv writes partials for its channels, the second merges."""
+    def up_block_norm(x, wa, wb, w):
+        h = jnp.concatenate([lax.conv_general_dilated(x, wa, (1, 1), "SAME", dimension_numbers=NHWC_HWIO),
+                             lax.conv_general_dilated(x, wb, (1, 1), "SAME", dimension_numbers=NHWC_HWIO)], axis=-1)
+        g = h.reshape(1, 4, 4, 2, 4)
+        g = (g - g.mean(axis=(1, 2, 4), keepdims=True)) * lax.rsqrt(g.var(axis=(1, 2, 4), keepdims=True) + 1e-5)
+        return lax.conv_general_dilated(jax.nn.silu(g.reshape(h.shape)), w, (1, 1), "SAME", dimension_numbers=NHWC_HWIO)
+
+    rng = np.random.default_rng(13)
+    args = (_normal(rng, 1, 4, 4, 3), _normal(rng, 1, 1, 3, 6), _normal(rng, 1, 1, 3, 2), _normal(rng, 3, 3, 8, 2, scale=0.3))
+    plan = _emit_and_compare(up_block_norm, args, expect_convs=3, monkeypatch=monkeypatch)
+    assert [len(k.outputs) for k in plan.kernels] == [2, 2, 1]
 
 
 def test_groupnorm_groups_straddle_channel_chunks():

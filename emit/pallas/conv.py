@@ -479,7 +479,9 @@ def merge_partials(partials: jax.Array, op: str) -> jax.Array:
         n = n_a + n_b
         weight = n_b / jnp.maximum(n, 1.0)
         delta = mean_b - mean_a
-        parts = jnp.stack([n, mean_a + delta * weight, m2_a + m2_b + delta * delta * n_a * weight], axis=1)
+        # The delta^2 term only where both sides hold elements: an empty side's mean is 0, not a value.
+        spread = jnp.where(n_a * n_b > 0, delta * delta * (n_a * weight), 0.0)
+        parts = jnp.stack([n, mean_a + delta * weight, m2_a + m2_b + spread], axis=1)
     if op == "sum":
         return parts[0, 0]
     return jnp.stack([parts[0, 1] * parts[0, 0], parts[0, 2]])
@@ -614,22 +616,24 @@ _THROUGH = {"Unary": (1,), "Reshape": (0,), "Transpose": (0,), "Slice": (0,), "C
 
 def _spine_path(body: Term, producer: Term) -> list[Term] | None:
     """The nodes from a reduction body down to `Load(producer)` through views and elementwise ops
-    (the spine `eqsat.cost.hosting` allows), or None when the body does not read `producer` so."""
-    stack = [(body, [body])]
-    seen: set[int] = set()
+    (the spine `eqsat.cost.hosting` allows), or None when the body does not read `producer` so.
+
+    Raises `NotImplementedError` when the body reads one element of `producer` at several body
+    elements (`concat(x, x * x)`): the tile would have to add each element to several slots."""
+    found: list[list[Term]] = []
+    stack = [[body]]
     while stack:
-        node, path = stack.pop()
+        path = stack.pop()
+        node = path[-1]
         if node.op == "Load":
             if node.args[0] is producer:
-                return path
+                found.append(path)
             continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for position in _THROUGH.get(node.op, ()):
-            child = node.args[position]
-            stack.append((child, path + [child]))
-    return None
+        children = {id(node.args[p]): node.args[p] for p in _THROUGH.get(node.op, ())}
+        stack.extend(path + [child] for child in children.values())
+    if len(found) > 1:
+        raise NotImplementedError("the statistic reads each element of the conv's output more than once")
+    return found[0] if found else None
 
 
 def _body_index(path: list[Term], index: tuple, stop: int = 0):
