@@ -481,3 +481,38 @@ def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
     ptx = [path.read_text() for path in (tmp_path / "dump").glob("*.ptx")]
     kernels = [text for text in ptx if ".entry" in text]
     assert len(kernels) == 4 and all("wgmma.mma_async" in text for text in kernels)
+
+
+# --- the cost model charges what the template does ------------------------------------------------------
+
+
+def test_the_cost_model_uses_the_templates_output_channel_tile():
+    from eqsat.cost import roofline
+
+    assert roofline.CONV_BLOCK_N == conv.DEFAULT_BLOCK_N
+    for cout in (3, 4, 16, 20, 128, 320, 640, 1280):
+        assert roofline.conv_output_tiles(cout) == conv.output_channel_tiles(cout)
+
+
+def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
+    """silu(x) read by a 3x3 conv with 320 output channels: two flops per input element, computed
+    for 9 taps x 3 channel tiles; the 1x1 part of a merged shortcut only once per tile."""
+    from eqsat.cost import kernel_cost, roofline
+
+    x = _input("x", (1, 8, 8, 64))
+    silu = Term("Binary", "mul", _load(x), Term("Unary", "logistic", _load(x), x.ty), x.ty)
+    params = _params((1, 8, 8, 64), (320, 64, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1)))
+    term = _conv_term(silu, _load(_input("w", (320, 64, 3, 3))), params)
+    flops, covered = roofline.conv_prologue_flops(term)
+    assert flops == 2 * 8 * 8 * 64 * 9 * 3 and len(covered) == 3  # the Load is index arithmetic
+    plain = _conv_term(_load(x), _load(_input("w", (320, 64, 3, 3))), params)
+    assert kernel_cost(term).flops - kernel_cost(plain).flops == flops
+
+    skip = _input("skip", (1, 8, 8, 32))
+    lhs = Term("Concat", silu, Term("Unary", "neg", _load(skip), skip.ty), 3, 64, "f32[1,8,8,96]")
+    padded = Term("Pad", _load(_input("w1", (320, 32, 1, 1))), Term("Lit", 0.0, "f32[]"), "0,0,0;0,0,0;1,1,0;1,1,0",
+                  "f32[320,32,3,3]")
+    rhs = Term("Concat", _load(_input("w3", (320, 64, 3, 3))), padded, 1, 64, "f32[320,96,3,3]")
+    merged = _conv_term(lhs, rhs, _params((1, 8, 8, 96), (320, 96, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1))))
+    flops, _ = roofline.conv_prologue_flops(merged)
+    assert flops == 2 * 8 * 8 * 64 * 9 * 3 + 1 * 8 * 8 * 32 * 1 * 3

@@ -10,7 +10,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | kernel | flops |
 |---|---|
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
-| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded) |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile (`conv_prologue_flops`) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
@@ -355,6 +355,9 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     dense_flops = own_flops(kernel.op, _args_of(kernel), weights)
     vector_flops = 0.0
     seen: set[int] = set()
+    if kernel.op == "Conv":  # its input prologue, as often as the conv template computes it
+        vector_flops, covered = conv_prologue_flops(kernel)
+        seen |= covered
     for node, _ in _kernel_body(kernel):
         if id(node) in seen or node is kernel:
             continue
@@ -372,6 +375,100 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
         # The body's kernels, once per launch of the loop (trip counts live in the payload).
         body = dag_cost(_list_items(kernel.args[2]), device)
     return Cost(nbytes, dense_flops + vector_flops, seconds) + body
+
+
+# --- a conv's input prologue -------------------------------------------------------------------
+#
+# The conv template (`emit/pallas/conv.py`, an implicit GEMM) computes its input expression at an
+# index tile for every window tap and every output-channel tile: each input element once per tap
+# that reads it and per `ceil(Cout / block_n)` tiles, at every node of the expression (views and
+# broadcasts are index arithmetic: a statistic broadcast over the tile is computed per element).
+# Channel ranges split by a concat (`concat(h, skip)`, a merged shortcut) run over their own taps.
+
+# The output-channel tile of the conv template's default config (`emit.pallas.conv.DEFAULT_BLOCK_N`;
+# tests/test_emit_conv.py checks they agree).
+CONV_BLOCK_N = 128
+_MIN_DOT_BLOCK = 16
+
+
+def conv_output_tiles(out_features: int) -> int:
+    """Output-channel tiles of the conv template's default config for `out_features` channels."""
+    block = min(CONV_BLOCK_N, max(_MIN_DOT_BLOCK, 1 << max(out_features - 1, 0).bit_length()))
+    return -(-out_features // block)
+
+
+def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
+    """How many times the conv template computes each element of its input expression:
+    `output pixels × taps × output-channel tiles / input pixels` (27 for a 3×3 same conv with 320
+    output channels). `taps` defaults to the whole window."""
+    from eqsat.conv_params import ConvParams
+
+    p = ConvParams.parse(params)
+    lhs, rhs, out = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape, parse_type(out_ty).shape
+    cin, cout = lhs[p.lhs_spec[1]], rhs[p.rhs_spec[0]]
+    if taps is None:
+        taps = math.prod(rhs[a] for a in p.rhs_spec[2:])
+    in_pixels, out_pixels = math.prod(lhs) // max(cin, 1), math.prod(out) // max(cout, 1)
+    return out_pixels * taps * conv_output_tiles(cout) / max(in_pixels, 1)
+
+
+def _conv_parts(lhs: Term, rhs: Term, lhs_axis: int, rhs_axis: int, window: tuple[int, ...]) -> list[tuple[Term, int]]:
+    """The conv template's K ranges: (input expression of the range, taps it runs over)."""
+    bounds = {0, parse_type(lhs.ty).shape[lhs_axis]}
+    for expr, axis in ((lhs, lhs_axis), (rhs, rhs_axis)):
+        stack, base = [(expr, 0)], 0
+        while stack:
+            node, base = stack.pop()
+            if node.op == "Concat" and node.args[2] == axis:
+                bounds.add(base + node.args[3])
+                stack += [(node.args[0], base), (node.args[1], base + node.args[3])]
+    edges = sorted(bounds)
+    parts = []
+    for start, stop in zip(edges, edges[1:]):
+        sides = []
+        for expr, axis in ((lhs, lhs_axis), (rhs, rhs_axis)):
+            lo, hi = start, stop
+            while expr.op == "Concat" and expr.args[2] == axis and (hi <= expr.args[3] or lo >= expr.args[3]):
+                if hi <= expr.args[3]:
+                    expr = expr.args[0]
+                else:
+                    expr, lo, hi = expr.args[1], lo - expr.args[3], hi - expr.args[3]
+            sides.append(expr)
+        weight = sides[1]
+        taps = math.prod(window)
+        if weight.op == "Pad" and _is_zero(weight.args[1]):  # zero taps are skipped
+            inner = parse_type(weight.args[0].ty).shape
+            taps = math.prod(inner) // max(math.prod(parse_type(weight.ty).shape) // math.prod(window), 1)
+        parts.append((sides[0], max(taps, 1)))
+    return parts
+
+
+def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
+    """The flops a `Conv` kernel spends on its input expression as the template runs it, and the
+    ids of the expression nodes they cover: each compute node once per point of its K range's
+    index tile, `conv_prologue_evaluations` times."""
+    from eqsat.conv_params import ConvParams
+
+    lhs, rhs, params, _epilogue, ty = conv.args
+    p = ConvParams.parse(params)
+    window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    flops, covered = 0.0, set()
+    for part, taps in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec[1], window):
+        per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
+        points = _size(part.ty)
+        stack, seen = [part], set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or node.sort != "Expr":
+                continue
+            seen.add(id(node))
+            if node.op in COMPUTE_OPS:
+                flops += points * per_point
+            elif node.op == "RowReduce":
+                flops += reduction_flops(node.args[0], _size(node.args[1].ty)) * per_point
+            covered.add(id(node))
+            stack.extend(node.children)
+    return flops, covered
 
 
 def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
