@@ -41,8 +41,15 @@ def resolve_backend(backend: str) -> str:
 
 
 def kernel_calls(plan) -> list[KernelCall]:
-    """The plan's kernels, in order, as `KernelCall`s (hosted statistics attached to their host)."""
-    return [KernelCall(k.term, name_of(k.component, k.kind), tuple(k.outputs[1:])) for k in plan.kernels]
+    """The plan's kernels, in order, as `KernelCall`s (hosted statistics attached to their host; a
+    loop's outputs one call each, sharing one run)."""
+    calls = []
+    for k in plan.kernels:
+        if k.op == "Loop":
+            calls.extend(KernelCall(term, name_of(k.component, k.kind)) for term in k.outputs)
+        else:
+            calls.append(KernelCall(k.term, name_of(k.component, k.kind), tuple(k.hosted)))
+    return calls
 
 
 class Emitted:

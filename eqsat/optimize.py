@@ -106,7 +106,9 @@ class Lowered:
         stages = ", ".join(f"{name} {sec:.2f}s" for name, sec in s["seconds"].items())
         stop = "saturated" if s["saturated"] else f"stopped by {s['limit_reached']}"
         lines = [
-            f"{s['naive_kernels']} naive kernels -> {s['fused_kernels']} fused ({s['extractor']}) on {s['device']}",
+            f"{s['naive_kernels']} naive kernels -> {s['fused_kernels']} fused ({s['extractor']}) on {s['device']}"
+            + (f"; loop bodies: {s['naive_loop_body_kernels']} naive -> {s['loop_body_kernels']} fused kernels"
+               if s.get("loop_body_kernels") else ""),
             f"modeled {s['plan_seconds'] * 1e6:,.1f} µs, {s['plan_bytes'] / 1e6:,.1f} MB moved, "
             f"peak activations {s['plan_peak_bytes'] / 1e6:,.1f} MB",
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
@@ -276,7 +278,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
     """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring)."""
     from tqdm.auto import tqdm
 
-    from eqsat.cost import count_kernels, get_device
+    from eqsat.cost import get_device
 
     device = get_device(device)
     seconds: dict[str, float] = {}
@@ -330,7 +332,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         bar.close()
 
     stats = {
-        "naive_kernels": count_kernels(program.outputs),
+        "naive_kernels": plan.naive_kernels,  # a loop counts once, whatever number of outputs
         "fused_kernels": len(plan.kernels),
         "plan_bytes": plan.bytes,
         "plan_peak_bytes": plan.peak_bytes,
@@ -347,6 +349,8 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "device": device.name,
         "kinds": plan.kinds(),
         "hosted_reductions": plan.hosted_reductions,
+        "loop_body_kernels": plan.loop_body_kernels,
+        "naive_loop_body_kernels": plan.naive_loop_body_kernels,
     }
     return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, backend, interpret)
 

@@ -111,7 +111,7 @@ def _plan_parts(plan, expression_chars: int):
         expression = render(kernel.term, names, limit=expression_chars + 1)
         if len(expression) > expression_chars:
             expression = expression[: expression_chars - 1] + "…"
-        statistics = [f"+ statistics {names[t]}: {render(t, names, limit=80)}" for t in kernel.outputs[1:]]
+        statistics = [f"+ statistics {names[t]}: {render(t, names, limit=80)}" for t in kernel.hosted]
         kernels.append((kernel, head, component, expression, statistics))
     edges = []
     for kernel in plan.kernels:

@@ -5,15 +5,19 @@
     plan.kernels[i].kind / .component / .inputs / .outputs / .term / .bytes / .flops / .seconds
     plan.peak_bytes; print(plan.summary(depth=1)); plan.to_json(); plan.evaluate(*args)
 
-- `kernels`: every kernel term reachable from the outputs, producers first (a `Loop`'s body
-  belongs to the loop). `.term` is the kernel itself: its operand expressions (prologues),
-  epilogue and views are its arguments.
+- `kernels`: every kernel term reachable from the outputs, producers first. `.term` is the kernel
+  itself: its operand expressions (prologues), epilogue and views are its arguments.
+- A loop (`scan`/`while`/`cond`) is one kernel of kind `loop` whatever number of its outputs the
+  plan reads: `.outputs` lists them (`Loop` terms, by index), `.body` is the plan of its body (the
+  body's kernels, built like the plan's own, nested loops included), launched per iteration.
+  `loop_body_kernels` / `naive_loop_body_kernels` count body kernels (all loops, all depths); the
+  loop's cost includes its body's (once, as `eqsat.cost.kernel_cost` prices a `Loop`).
 - `.kind`: `Pointwise` -> pointwise, `Matmul` -> matmul, `Conv` -> conv, `Attention` -> attention,
   `Gather` -> gather, `Reduce` -> norm when its component's innermost module is a normalization
   (`norm1`, `final_layer_norm`, `conv_norm_out`, ...; these are the statistics passes), else
   reduce, `Opaque` -> opaque. The rest map to the closest template: `AssignStatic` and
   `AssignDynamic` write a box elementwise -> pointwise; `AssignScatter` is an indexed write ->
-  gather; `Loop` runs a nested program -> opaque.
+  gather; `Loop` -> loop.
 - `.component`: the innermost named scope (`"up_blocks.1.attentions.2.transformer_blocks.0.attn1"`)
   of the lifted node whose e-class the kernel fills (`Ref` handles map a class to lifted terms);
   a kernel of a class no lifted node is in (a horizontal fusion, say) takes the component of its
@@ -35,13 +39,13 @@ import io
 import json
 from dataclasses import dataclass, field
 
-from eqsat.cost import get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
+from eqsat.cost import Cost, get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
 
-KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "opaque")
+KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque")
 _KIND = {
     "Pointwise": "pointwise", "Reduce": "reduce", "Matmul": "matmul", "Conv": "conv", "Attention": "attention",
     "Gather": "gather", "AssignStatic": "pointwise", "AssignDynamic": "pointwise", "AssignScatter": "gather",
-    "Opaque": "opaque", "Loop": "opaque", "EpilogueReduce": "reduce",
+    "Opaque": "opaque", "Loop": "loop", "EpilogueReduce": "reduce",
 }
 
 
@@ -80,14 +84,20 @@ class Kernel:
     component: str
     inputs: list                 # tensors it reads (kernel outputs, inputs, constants), each once
     outputs: list                # tensors it writes: [term, *the EpilogueReduce statistics it adds into]
-    bytes: float
+    bytes: float                 # (a loop: [term, *its other outputs read by the plan])
     flops: float
     seconds: float
     eclass: int | None = None
+    body: list = field(default_factory=list)  # a loop's body: its kernels (Kernel), producers first
 
     @property
     def op(self) -> str:
         return self.term.op
+
+    @property
+    def hosted(self) -> list:
+        """The `EpilogueReduce` statistics this kernel computes in its epilogue."""
+        return [] if self.op == "Loop" else self.outputs[1:]
 
 
 @dataclass
@@ -112,16 +122,18 @@ class Plan:
     naive_by_component: dict[str, int] = field(default_factory=dict)
     peak_bytes: int = 0
     hosted_reductions: int = 0   # EpilogueReduce outputs computed by their producers (partials, no memset)
+    naive_loop_body_kernels: int | None = None  # kernels inside the lifted program's loop bodies
 
     # --- construction --------------------------------------------------------------------
 
     @classmethod
     def build(cls, outputs, *, program=None, class_of=None, class_components=None, device="h100",
-              extractor: str = "naive") -> "Plan":
+              extractor: str = "naive", _outside: frozenset | None = None) -> "Plan":
         """The plan of computing `outputs` (Tensor terms).
 
         `class_of` maps Tensor terms to e-classes and `class_components` e-classes to component
         paths (see `components_of_classes`); the program's own `components` serve lifted terms.
+        `_outside` (a loop body's plan): the enclosing plans' kernels, computed before the loop.
         """
         device = get_device(device)
         class_of = class_of or {}
@@ -129,7 +141,12 @@ class Plan:
         lifted = program.components if program is not None else {}
         hosting = hosted_reductions(outputs)
         order = kernel_order(outputs, hosting)
+        if _outside:
+            order = [term for term in order if term not in _outside]
+        order, loop_outputs = _one_kernel_per_loop(order)
         index_of = {term: i for i, term in enumerate(order)}
+        for term, others in loop_outputs.items():
+            index_of.update((other, index_of[term]) for other in others)
         hosted: dict[int, list] = {}  # kernel index -> the EpilogueReduce outputs it adds into
         share: dict = {}              # reduction -> how many kernels host it
         for reduction, hosts in hosting.items():
@@ -167,23 +184,34 @@ class Plan:
                         components[i] = components[j]
                         break
         kernels = []
+        outside = (_outside or frozenset()) | set(order)
         for i, term in enumerate(order):
             cost = kernel_cost(term, device)
+            body: list = []
+            if term.op == "Loop":
+                body = cls.build(list_items(term.args[2]), program=program, class_of=class_of,
+                                 class_components=class_components, device=device, extractor=extractor,
+                                 _outside=outside).kernels
+                for other in loop_outputs[term]:  # its other outputs: their writes, not another body
+                    written = _nbytes(other)
+                    cost = cost + Cost(written, 0.0, written / device.hbm_bandwidth)
             for reduction in hosted.get(i, ()):
                 part = hosted_cost(reduction, device)
                 n = share[reduction]
                 cost = cost + type(part)(part.bytes / n, part.flops / n, part.seconds / n)
             component = components[i] or ""
             kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]),
-                                  [term, *hosted.get(i, ())], cost.bytes, cost.flops, cost.seconds,
-                                  class_of.get(term)))
+                                  [term, *loop_outputs.get(term, ()), *hosted.get(i, ())], cost.bytes,
+                                  cost.flops, cost.seconds, class_of.get(term), body))
 
         buffers = _buffers([k.outputs for k in kernels], reads, outputs)
         plan = cls(kernels, buffers, list(outputs), device.name, extractor, program)
         plan.peak_bytes = _peak(buffers, len(order))
         plan.hosted_reductions = len(share)
-        if program is not None:
+        if program is not None and _outside is None:
             naive = kernel_order(program.outputs)
+            plan.naive_loop_body_kernels = _loop_body_kernel_count(naive)
+            naive, _ = _one_kernel_per_loop(naive)
             plan.naive_kernels = len(naive)
             for term in naive:
                 group = module_path(program.components.get(term, ""))
@@ -207,6 +235,11 @@ class Plan:
     def __len__(self) -> int:
         return len(self.kernels)
 
+    @property
+    def loop_body_kernels(self) -> int:
+        """Kernels inside the plan's loop bodies (nested loops' bodies included)."""
+        return _body_count(self.kernels)
+
     def kinds(self) -> dict[str, int]:
         counts = {kind: 0 for kind in KINDS}
         for kernel in self.kernels:
@@ -221,7 +254,7 @@ class Plan:
 
         def row(group: str) -> dict:
             return rows.setdefault(group, {"component": group, "naive": 0, "fused": 0, "bytes": 0.0,
-                                           "seconds": 0.0, "kinds": {}})
+                                           "seconds": 0.0, "kinds": {}, "loop_body": {}})
 
         for component, count in self.naive_by_component.items():
             row(component_group(component, depth))["naive"] += count
@@ -231,6 +264,8 @@ class Plan:
             entry["bytes"] += kernel.bytes
             entry["seconds"] += kernel.seconds
             entry["kinds"][kernel.kind] = entry["kinds"].get(kernel.kind, 0) + 1
+            for inner in _flatten(kernel.body):  # a loop's row counts its body's kernels by kind
+                entry["loop_body"][inner.kind] = entry["loop_body"].get(inner.kind, 0) + 1
         order = {}
         for kernel in self.kernels:  # groups in the order the plan first reaches them
             order.setdefault(component_group(kernel.component, depth), len(order))
@@ -251,12 +286,19 @@ class Plan:
         table.add_column("µs", justify="right", footer=f"{self.seconds * 1e6:,.1f}")
         table.add_column("kernels by kind")
         for r in rows:
-            kinds = ", ".join(f"{n} {k}" for k, n in sorted(r["kinds"].items(), key=lambda kv: -kv[1]))
+            kinds = _kind_counts(r["kinds"])
+            if r["loop_body"]:
+                kinds += f" (bodies: {_kind_counts(r['loop_body'])})"
             table.add_row(r["component"] or "(no scope)", str(r["naive"]), str(r["fused"]),
                           f"{r['bytes'] / 1e6:,.1f}", f"{r['seconds'] * 1e6:,.1f}", kinds)
         console = Console(file=io.StringIO(), width=120, record=True, force_terminal=False)
         console.print(table)
         console.print(f"peak activation memory {self.peak_bytes / 1e6:,.1f} MB")
+        if self.loop_body_kernels:
+            naive = f" ({self.naive_loop_body_kernels} naive)" if self.naive_loop_body_kernels is not None else ""
+            noun = "kernel" if self.loop_body_kernels == 1 else "kernels"
+            console.print(f"{self.loop_body_kernels} {noun} inside loop bodies{naive}, launched per iteration; "
+                          f"their cost is in their loops' rows")
         if self.hosted_reductions:
             console.print(f"{self.hosted_reductions} reductions computed in their producers' epilogues "
                           f"(not kernels; per-tile partials merged by their readers, no memsets)")
@@ -283,15 +325,10 @@ class Plan:
             "seconds": self.seconds,
             "peak_bytes": self.peak_bytes,
             "hosted_reductions": self.hosted_reductions,
+            "loop_body_kernels": self.loop_body_kernels,
+            "naive_loop_body_kernels": self.naive_loop_body_kernels,
             "kinds": self.kinds(),
-            "kernels": [
-                {"index": k.index, "kind": k.kind, "op": k.op, "component": k.component,
-                 "inputs": [names.get(t, "?") for t in k.inputs], "outputs": [names[t] for t in k.outputs],
-                 "bytes": k.bytes, "flops": k.flops, "seconds": k.seconds, "type": k.term.ty,
-                 "expression": render(k.term, names),
-                 "hosted": [render(t, names) for t in k.outputs[1:]]}
-                for k in self.kernels
-            ],
+            "kernels": [_kernel_dict(k, names) for k in self.kernels],
             "buffers": [{"name": b.name, "kind": b.kind, "bytes": b.bytes, "first": b.first, "last": b.last}
                         for b in self.buffers],
             "outputs": [names.get(t, "?") for t in self.outputs],
@@ -317,6 +354,90 @@ class Plan:
             raise ValueError("this plan has no program: evaluate its terms with eqsat.interpret.evaluate")
         env = program.environment(*args, **kwargs)
         return program.results(evaluate(self.outputs, env, program.constants, program.payloads))
+
+
+def _kernel_dict(kernel: Kernel, names: dict) -> dict:
+    entry = {"index": kernel.index, "kind": kernel.kind, "op": kernel.op, "component": kernel.component,
+             "inputs": [names.get(t, "?") for t in kernel.inputs],
+             "outputs": [names.get(t, "?") for t in kernel.outputs],
+             "bytes": kernel.bytes, "flops": kernel.flops, "seconds": kernel.seconds, "type": kernel.term.ty,
+             "expression": render(kernel.term, names), "hosted": [render(t, names) for t in kernel.hosted]}
+    if kernel.op == "Loop":
+        # Body tensors are named inside their loop: `%3/%0` is the body's first kernel of kernel 3.
+        inner = dict(names)
+        prefix = names.get(kernel.term, f"%{kernel.index}")
+        for k in kernel.body:
+            inner.update((t, f"{prefix}/%{k.index}" + (f".{j}" if j else "")) for j, t in enumerate(k.outputs))
+            inner.update((t, f"{prefix}/arg{t.args[1]}") for t in k.inputs if t.op == "LoopArg")
+        entry["body"] = [_kernel_dict(k, inner) for k in kernel.body]
+    return entry
+
+
+def _one_kernel_per_loop(order: list) -> tuple[list, dict]:
+    """`order` with the `Loop` output terms of one loop (same key, operands and body) as one kernel,
+    at its first output's place and named by its lowest output index; and that term -> the
+    loop's other outputs in `order`, by index."""
+    groups: dict[tuple, list] = {}
+    for term in order:
+        if term.op == "Loop":
+            groups.setdefault((term.args[0], id(term.args[1]), id(term.args[2])), []).append(term)
+    if all(len(group) == 1 for group in groups.values()):
+        return order, {group[0]: [] for group in groups.values()}
+    merged, others, placed = [], {}, set()
+    for term in order:
+        if term.op != "Loop":
+            merged.append(term)
+            continue
+        group = groups[(term.args[0], id(term.args[1]), id(term.args[2]))]
+        if id(group[0]) in placed:
+            continue
+        placed.add(id(group[0]))
+        first, *rest = sorted(group, key=lambda t: t.args[3])
+        merged.append(first)
+        others[first] = rest
+    return merged, others
+
+
+def list_items(lst) -> list:
+    """The items of a `TCons`/`TNil` list term."""
+    items = []
+    while lst.op == "TCons":
+        items.append(lst.args[0])
+        lst = lst.args[1]
+    return items
+
+
+def _flatten(kernels: list) -> list:
+    """`kernels` and, recursively, the kernels of their loop bodies."""
+    out, stack = [], list(reversed(kernels))
+    while stack:
+        kernel = stack.pop()
+        out.append(kernel)
+        stack.extend(reversed(kernel.body))
+    return out
+
+
+def _body_count(kernels: list) -> int:
+    return sum(len(_flatten(k.body)) for k in kernels)
+
+
+def _kind_counts(kinds: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def _loop_body_kernel_count(order: list, outside: frozenset = frozenset()) -> int:
+    """Kernels inside the bodies of the loops in `order` (a kernel order), nested loops included."""
+    total, seen = 0, set()
+    outside = outside | set(order)
+    for term in order:
+        if term.op != "Loop" or (term.args[0], id(term.args[2])) in seen:
+            continue
+        seen.add((term.args[0], id(term.args[2])))
+        body = [t for t in kernel_order(list_items(term.args[2])) if t not in outside]
+        groups = {(t.args[0], id(t.args[2])) for t in body if t.op == "Loop"}
+        total += len(body) - sum(1 for t in body if t.op == "Loop") + len(groups)
+        total += _loop_body_kernel_count(body, outside)
+    return total
 
 
 def _nbytes(term) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import jax
@@ -128,3 +129,82 @@ def test_the_progress_bar_can_be_forced_or_silenced(capsys):
     assert "eqsat" not in capsys.readouterr().err
     eqsat.optimize(jnp.cos, progress=True).lower(np.zeros(4, np.float32))
     assert "eqsat" in capsys.readouterr().err
+
+
+# --- loops stay loops ---------------------------------------------------------------------------
+
+def rnn(h, xs, w, u, b):
+    def cell(h, x):
+        h = jnp.tanh(h @ w + x @ u + b)
+        return h, h * 2.0
+    return jax.lax.scan(cell, h, xs)
+
+
+def rnn_args(seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(2, 16), (5, 2, 8), (16, 16), (8, 16), (16,)]
+    return [(rng.standard_normal(s) * 0.3).astype(np.float32) for s in shapes]
+
+
+def all_kernels(kernels):
+    """Kernels and, recursively, the kernels of their loop bodies."""
+    for kernel in kernels:
+        yield kernel
+        yield from all_kernels(kernel.body)
+
+
+def test_a_scan_is_one_loop_kernel_that_lists_its_fused_body():
+    args = rnn_args()
+    lowered = eqsat.optimize(rnn).lower(*args)
+    plan = lowered.plan
+    loops = [k for k in plan.kernels if k.kind == "loop"]
+    assert len(loops) == 1 and len(plan.kernels) == 1 and lowered.stats["fused_kernels"] == 1
+    (loop,) = loops
+    assert [t.args[3] for t in loop.outputs] == [0, 1]        # both outputs of the scan, one kernel
+    body_kinds = [k.kind for k in loop.body]
+    assert "matmul" in body_kinds and "opaque" not in body_kinds and "loop" not in body_kinds
+    assert len(loop.body) < plan.naive_loop_body_kernels == 7  # 2 matmuls, broadcast b, 2 adds, tanh, mul
+    assert plan.naive_kernels == lowered.stats["naive_kernels"] == 1
+    assert plan.loop_body_kernels == len(loop.body)
+    assert plan.kinds() == {"loop": 1} and lowered.stats["loop_body_kernels"] == len(loop.body)
+    report = lowered.report()
+    assert "loop" in report and f"{len(loop.body)} kernel{'s' if len(loop.body) > 1 else ''} inside loop bodies" in report
+    assert "matmul" in report                                  # the body's kinds in the table
+    data = json.loads(plan.to_json())
+    (entry,) = data["kernels"]
+    assert entry["kind"] == "loop" and len(entry["outputs"]) == 2
+    assert [k["kind"] for k in entry["body"]] == body_kinds and data["loop_body_kernels"] == len(loop.body)
+    close(eqsat.optimize(rnn)(*args), rnn(*args))
+    close(eqsat.optimize(rnn, backend="interpret")(*args), rnn(*args))
+
+
+def test_ref_writes_in_fori_loops_and_cond_branches_leave_no_opaque_kernel():
+    def counts(x):
+        r = jax.new_ref(x)
+
+        def body(i, carry):
+            r[i] = r[i] + 1.0
+            return carry
+
+        jax.lax.fori_loop(0, x.shape[0], body, 0)
+        return r[...]
+
+    def branches(p, x):
+        r = jax.new_ref(x)
+
+        def yes():
+            r[0] = r[0] * 2.0
+
+        def no():
+            r[1] = r[1] + 3.0
+
+        jax.lax.cond(p, yes, no)
+        return r[...] * 2.0
+
+    x = np.arange(1.0, 6.0, dtype=np.float32)
+    for fn, args in ((counts, (x,)), (branches, (True, x)), (branches, (False, x))):
+        lowered = eqsat.optimize(fn).lower(*args)
+        kinds = [k.kind for k in all_kernels(lowered.plan.kernels)]
+        assert "loop" in kinds and "opaque" not in kinds, kinds
+        assert any(k.body for k in lowered.plan.kernels)
+        close(eqsat.optimize(fn)(*args), jax.jit(fn)(*args))
