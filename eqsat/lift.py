@@ -27,6 +27,12 @@ nesting. Every primitive becomes one kernel Tensor term reading its operands thr
 | `optimization_barrier`, `pvary`, `sharding_constraint`, ... | the operands themselves (no kernel)       |
 | anything else                                 | `Opaque(key, operands, i, ty)`, payload `(primitive, params)`, one warning per primitive |
 
+Types: JAX PRNG key arrays keep their key type (`key<fry>[4]`, `eqsat.types`); they flow through
+views, loops and calls like any array, and the `random_*` primitives (and `threefry2x32`) are
+`Opaque`, so results equal `jax.jit`'s bit for bit. Equations on complex values are `Opaque` (with
+a warning) unless they only route values (calls, loops, refs): terms and rules assume real
+arithmetic.
+
 Operands: a jaxpr scalar literal is `Lit(value, ty)` splatted to the shape the op needs. Elementwise
 primitives broadcast implicitly (since jax 0.10): a rank-0 operand is `Broadcast(Load(x), "", ty)`
 and an equal-rank operand with size-1 axes is `Broadcast(Load(x), "0,1,..", ty)` (`broadcast_in_dim`
