@@ -219,29 +219,6 @@ def test_torch_layout_weight_and_batched_product():
         assert_close(p, e, bound, np.float32)
 
 
-def test_fused_qkv_reads_three_weights_side_by_side():
-    """sd15's self-attention: one wide matmul over [W_q; W_k; W_v] (a concat along N), attention
-    reading its three column ranges through views, the output projection with bias."""
-    from sd15.unet import cross_attention
-
-    width, heads = 64, 2
-    rng = np.random.default_rng(6)
-    params = {f"a.to_{p}.weight": normal(rng, (width, width), np.float32, 0, 0.2) for p in "qkv"}
-    params["a.to_out.0.weight"] = normal(rng, (width, width), np.float32, 0, 0.2)
-    params["a.to_out.0.bias"] = normal(rng, (width,), np.float32)
-    x = normal(rng, (1, 77, width), np.float32)
-
-    def self_attention(p, x):
-        return cross_attention(p, "a", x, x, heads)
-
-    pallas, xla, jit, plan = emitted(self_attention, (params, x))
-    wide = [k.term for k in plan.kernels if k.term.op == "Matmul" and repr_ops(k.term.args[1]) >= {"Concat"}]
-    assert wide, "no fused QKV matmul in the plan"
-    assert "Attention" in ops(plan)
-    np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), rtol=2e-4, atol=2e-4)
-    np.testing.assert_allclose(np.asarray(pallas), np.asarray(jit), rtol=2e-4, atol=2e-4)
-
-
 # --- adversarial values (hypothesis) ---------------------------------------------------------------
 
 
@@ -262,7 +239,7 @@ def adversarial(draw, shape):
     return x, (abs(offset) / spread if spread > 0 else 0.0)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_adversarial_values_match_the_xla_emitter(data):
     """Same plan, same formula: the template differs from XLA only in summation order, so the
@@ -306,23 +283,73 @@ def _pallas(plan):
     return _RUNS[id(plan)]
 
 
-# --- compiled for an H100 (no GPU needed) ------------------------------------------------------------
+# --- an SD 1.5 transformer block ---------------------------------------------------------------------
 
 
-def test_compiles_for_sm90_with_tensor_cores(tmp_path):
-    """LayerNorm -> matmul with bias + GELU + residual in fp16: one Pallas kernel per plan kernel,
-    and the PTX multiplies on tensor cores (wgmma/mma)."""
+def transformer_block_args(width, context_width, heads, tokens, context_tokens, dtype, abstract):
+    shapes = {}
+    for k in (1, 2, 3):
+        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
+    for attn, source in (("attn1", width), ("attn2", context_width)):
+        shapes[f"b.{attn}.to_q.weight"] = (width, width)
+        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
+        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
+    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
+    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    shapes["x"], shapes["context"] = (2, tokens, width), (2, context_tokens, context_width)
+    if abstract:
+        values = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
+    else:
+        rng = np.random.default_rng(7)
+        values = {k: normal(rng, s, dtype, 1.0 if k.endswith("weight") and "norm" in k else 0.0,
+                            1.0 if k in ("x", "context") else 0.15) for k, s in shapes.items()}
+    x, context = values.pop("x"), values.pop("context")
+    return values, x, context
+
+
+def transformer_block(params, x, context, heads):
+    from sd15.unet import transformer_block as block
+
+    return block(params, "b", x, context, heads)
+
+
+def test_sd15_transformer_block_runs_as_pallas_kernels():
+    """LayerNorm prologues, fused QKV and K/V, both attentions, GEGLU and residual epilogues: the
+    whole block through the Pallas templates equals sd15's function."""
+    args = transformer_block_args(64, 48, 2, 77, 10, np.float32, abstract=False)
+    pallas, xla, jit, plan = emitted(lambda p, x, c: transformer_block(p, x, c, 2), args)
+    assert set(ops(plan)) == {"Matmul", "Attention"}
+    wide = [k.term for k in plan.kernels if k.term.op == "Matmul" and "Concat" in repr_ops(k.term.args[1])]
+    assert len(wide) == 2, "Q/K/V of attn1 and K/V of attn2 are not each one wide matmul"
+    assert any("RowReduce" in repr_ops(k.term.args[0]) for k in plan.kernels), "no LayerNorm prologue"
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(jit), rtol=2e-4, atol=2e-4)
+
+
+def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
+    """SD 1.5's down_blocks.1 width (640 channels, 8 heads of 80, 1,024 tokens, 77x768 context, fp16)
+    compiled for an H100: the thunk sequence launches exactly the plan's kernels, all Pallas, and
+    every kernel multiplies on tensor cores (wgmma/mma in its PTX)."""
     from eqsat.xla_target import compile_for_h100
 
-    def block(x, g, b, w, bias, r):
-        return jax.nn.gelu(layernorm_linear(x, g, b, w) + bias, approximate=False) + r
-
-    args = [jax.ShapeDtypeStruct(s, jnp.float16) for s in [(2, 77, 320), (320,), (320,), (320, 40), (40,), (2, 77, 40)]]
-    plan = eqsat.optimize(block).lower(*args).plan
+    args = transformer_block_args(640, 768, 8, 1024, 77, jnp.float16, abstract=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the extraction time limit
+        plan = eqsat.optimize(lambda p, x, c: transformer_block(p, x, c, 8)).lower(*args).plan
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
         pytest.skip("the H100 compile target is not installed")
-    assert report.kernels == len(plan.kernels) == 1
+    assert report.kernels == len(plan.kernels), (report.summary(), len(plan.kernels))
     assert set(report.by_category) == {"Pallas (Triton)"}, report.by_category
+    assert report.copies == 0 and report.memsets <= 1
     ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
-    assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"
+    entries = re.split(r"\.visible \.entry ", ptx)[1:]  # kernels with one name and body compile once
+    names = {re.sub(r"__\d+$", "", entry.split("(")[0]) for entry in entries}  # XLA suffixes same-named bodies
+    assert names == {_entry_name(k) for k in emit.kernel_calls(plan)}
+    for entry in entries:
+        assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", entry), f"no tensor cores in {entry[:60]}"
+
+
+def _entry_name(call) -> str:
+    """The PTX entry of a `pallas_call` named `call.name` (Triton keeps [A-Za-z0-9_])."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", call.name)
