@@ -28,6 +28,19 @@ The epilogue closure maps the fp32 accumulator tile to the output tile at the ou
 (bias, time-embedding row, residual, cast); the tile is stored through the output's dimension
 numbers, so conv_out writes NCHW directly.
 
+Statistics of the output (`TileStatistic`, an `EpilogueReduce` the plan hosts on this conv: the
+next GroupNorm's sum/M2): while the tile is in registers, each program writes its own partial
+(a sum, or count, mean and M2 computed two-pass over the tile) for every statistic output into
+its row of a small fp32 partials buffer, a second output of the kernel: no atomics, no zeroing.
+`merge_partials` combines the tiles pairwise in a fixed order (Chan et al.'s formula), so the
+result is deterministic; `emit` runs that merge after the kernel (a small XLA computation) and a
+statistic over `concat(h, skip)` is merged at its last host.
+
+    emit(kernel, ctx)              the dispatch entry (`emit.pallas`): a KernelCall in an EmitContext
+    run(term, operands, ...)       a Conv term with its tensors bound: output (and partials)
+    build(geometry, ranges, ...)   the pallas_call over closures: grid, tiles, validation
+    reference(lhs, rhs, params)    lax.conv_general_dilated with fp32 accumulation
+
 Cost: a 3×3 conv evaluates its prologue once per tap and per output-channel tile, i.e.
 taps × ceil(Cout / block_n) times per input element; `eqsat.cost.roofline` charges exactly that
 with `DEFAULT_BLOCK_N` (tests/test_emit_conv.py checks the two agree).
