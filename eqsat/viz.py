@@ -28,7 +28,7 @@ NO_DOT = "Graphviz's `dot` program is not installed (apt-get install graphviz): 
 
 KIND_COLORS = {
     "matmul": "#cfe2f3", "conv": "#d9ead3", "attention": "#fce5cd", "pointwise": "#eeeeee",
-    "reduce": "#fff2cc", "norm": "#fff2cc", "gather": "#ead1dc", "opaque": "#f4cccc",
+    "reduce": "#fff2cc", "norm": "#fff2cc", "gather": "#ead1dc", "opaque": "#f4cccc", "loop": "#d0e0e3",
 }
 
 
@@ -107,6 +107,9 @@ def _plan_parts(plan, expression_chars: int):
     kernels = []
     for kernel in plan.kernels:
         head = f"%{kernel.index} {kernel.kind}  {human_bytes(kernel.bytes)} moved, {kernel.seconds * 1e6:.1f} µs"
+        body = getattr(kernel, "body", None)
+        if body:
+            head += f"  (body: {len(body)} kernels per iteration)"
         component = kernel.component
         expression = render(kernel.term, names, limit=expression_chars + 1)
         if len(expression) > expression_chars:
