@@ -349,7 +349,7 @@ def _resnet_params(rng, cin, cout, temb, dtype):
     return p
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("dtype", [jnp.float32], ids=["f32"])  # fp16: the smaller plans below
 def test_a_resnet_block_with_groupnorm_prologues_and_a_merged_shortcut(dtype, monkeypatch):
     """sd15's ResnetBlock2D at tiny width: 6 -> 12 channels in 2 groups (3 and 6 channels per
     group), GroupNorm + SiLU read in both convs' prologues, the time-embedding row and the 1x1
