@@ -219,6 +219,83 @@ def test_torch_layout_weight_and_batched_product():
         assert_close(p, e, bound, np.float32)
 
 
+# --- statistics of the output, computed in the epilogue (EpilogueReduce) ------------------------------
+
+
+@pytest.mark.parametrize("op", ["moments", "sum"])
+@pytest.mark.parametrize("offset,spread", [(1e4, 1e-2), (-300.0, 1.0), (5.0, 0.0), (0.0, 1e-20), (0.0, 1e18)])
+def test_row_statistics_of_the_output_are_stable(op, offset, spread):
+    """`out = x @ I + offset` (exact in fp32), moments of each output row from three N tiles'
+    partials merged with Chan's formula, against the two-pass reference: offsets large against the
+    spread, constant rows, tiny and huge values."""
+    from eqsat.moments import two_pass
+    from emit.pallas.conv import merge_partials
+
+    batch, m, n = 2, 20, 40
+    rng = np.random.default_rng(8)
+    x = (spread * rng.standard_normal((batch, m, n))).astype(np.float32)
+    x[0, 3] = 0.0  # a constant row (after the offset)
+    eye = np.eye(n, dtype=np.float32)
+
+    def lhs(refs, index, mask, stats):
+        b, rows, ks = index
+        return gather_load(refs[0], (b * m + rows) * n + ks, mask)
+
+    def rhs(refs, index, mask):
+        b, ks, cols = index
+        return gather_load(refs[1], ks * n + cols, mask)
+
+    statistic = mm.RowStatistic(op, lambda refs, out, index, mask: (out.astype(jnp.float32), True),
+                                lambda b, rows: b * m + rows, batch * m)
+    problem = mm.MatmulProblem(batch, m, n, n, lhs, rhs, lambda refs, acc, index, mask: acc + offset,
+                               np.float32, statistics=(statistic,))
+    out, (partials,) = mm.build(problem, [x, eye], blocks=mm.MatmulBlocks(16, 16, 16), interpret=True)
+    assert partials.shape == (3, statistic.fields, batch * m)
+    merged = np.asarray(merge_partials(partials, op))
+    stored = np.asarray(out, np.float64).reshape(batch * m, n)
+    np.testing.assert_array_equal(stored, (x + np.float32(offset)).astype(np.float64).reshape(batch * m, n))
+    expected = np.asarray(two_pass(stored.astype(np.float32), (1,)), np.float64)
+    exact_sum = stored.sum(1)
+    total = merged[0] if op == "moments" else merged
+    np.testing.assert_allclose(total, exact_sum, rtol=1e-6, atol=1e-6 * np.abs(stored).sum(1).max() + 1e-45)
+    if op == "moments":
+        exact_m2 = ((stored - stored.mean(1, keepdims=True)) ** 2).sum(1)
+        scale = np.abs(stored).max() * np.abs(stored - stored.mean(1, keepdims=True)).max() * n
+        flushed = n * np.finfo(np.float32).tiny  # squares below float32's normal range flush to zero
+        np.testing.assert_allclose(merged[1], exact_m2, rtol=1e-5, atol=1e-6 * scale + flushed)
+        assert merged[1][3] == 0.0 and expected[1][3] == 0.0  # the constant row: exactly no spread
+        assert np.all(merged[1] >= 0)
+
+
+def layernorm_of_dense(x, w, b, g, beta):
+    y = x @ w + b
+    mean = y.mean(-1, keepdims=True)
+    var = jnp.square(y - mean).mean(-1, keepdims=True)
+    return (y - mean) * jax.lax.rsqrt(var + 1e-5) * g + beta, y
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_layernorm_statistics_hosted_by_the_matmul(dtype):
+    """The plan computes the LayerNorm's statistics in the matmul's epilogue: emitted as partials of
+    that kernel (no extra Pallas kernel), on outputs offset far from zero."""
+    rng = np.random.default_rng(9)
+    x, w = normal(rng, (2, 77, 40), dtype), normal(rng, (40, 96), dtype, 0, 0.3)
+    b, g, beta = normal(rng, (96,), dtype, 300.0), normal(rng, (96,), dtype, 1.0, 0.2), normal(rng, (96,), dtype)
+    args = (x, w, b, g, beta)
+    pallas, xla, jit, plan = emitted(layernorm_of_dense, args)
+    matmul = plan.kernels[0]
+    assert matmul.term.op == "Matmul" and [h.op for h in matmul.outputs[1:]] == ["EpilogueReduce"]
+    run = emit.emit(plan, "pallas", interpret=True)
+    closed = jax.make_jaxpr(run._run_leaves)([jnp.asarray(a) for a in args])
+    launched = [e.params["name"] for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert len(launched) == len(plan.kernels), launched
+    tolerance = {np.float32: 5e-5, np.float16: 2e-2}[dtype]
+    for p, x_, j in zip(pallas, xla, jit):
+        np.testing.assert_allclose(np.asarray(p, np.float32), np.asarray(x_, np.float32), rtol=tolerance, atol=tolerance)
+        np.testing.assert_allclose(np.asarray(p, np.float32), np.asarray(j, np.float32), rtol=tolerance,
+                                   atol=tolerance * 4)
+
+
 # --- adversarial values (hypothesis) ---------------------------------------------------------------
 
 

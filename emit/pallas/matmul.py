@@ -27,6 +27,14 @@ the operand's own axes inside the closures (`emit.expr.unravel`). Row statistics
 reads (`RowReduce`, a LayerNorm's moments over K) are hoisted into the pre-pass: computed once per
 row block (the shared `emit.expr` reduction: K strips in order, Chan's merge for moments), not
 once per K step; a statistic whose index depends on K stays inline.
+
+Statistics of the output (`RowStatistic`: an `EpilogueReduce` the plan hosts on this matmul, the
+next LayerNorm's sum or moments over the output's last axes) are computed while the tile is in
+registers: each tile writes, per row, the partial over its own columns (a sum, or count, mean and
+M2 two-pass over the tile) into its slot of a small fp32 partials buffer, a second output of the
+kernel; no atomics, no zeroing. The N tiles are merged in order with Chan's formula
+(`emit.pallas.conv.merge_partials`) by a small XLA computation after the kernel, until readers
+merge partials themselves. A statistic of another shape is left to the driver (its own kernel).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -81,6 +90,35 @@ class MatmulBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowStatistic:
+    """A reduction along N of the output, computed by the output tiles (an `EpilogueReduce` the
+    plan hosts on this matmul: the next LayerNorm's moments).
+
+    `value(refs, out_tile, (b, rows, cols), mask) -> (body [bm, bn] fp32, ok)` is the reduction's
+    body at each output element (`out_tile` as stored; `ok` where the body reads it) and
+    `slot(b, rows) -> [bm, 1]` the statistic output each row belongs to (`0 <= slot < slots`; a
+    row's elements all belong to one output, and no two rows share one). Each tile writes, for
+    each of its rows, its partial over its own columns into its slot of N tile `j`: partials
+    `[N tiles, fields, slots]`, fields the sum (op "sum") or count, mean and M2 (op "moments",
+    two-pass over the tile's columns). Every entry is written exactly once: no atomics, no zeroing;
+    `emit.pallas.conv.merge_partials` merges the N tiles in order (Chan's formula for moments).
+    """
+
+    op: str
+    value: Callable
+    slot: Callable
+    slots: int
+
+    def __post_init__(self):
+        if self.op not in ("sum", "moments"):
+            raise NotImplementedError(f"a matmul epilogue computes sum or moments statistics, not {self.op!r}")
+
+    @property
+    def fields(self) -> int:
+        return 3 if self.op == "moments" else 1
+
+
+@dataclasses.dataclass(frozen=True)
 class MatmulProblem:
     """A matmul in canonical coordinates (see the module docstring)."""
 
@@ -93,6 +131,7 @@ class MatmulProblem:
     epilogue: EpilogueFn
     out_dtype: Any
     prepass: PrepassFn | None = None
+    statistics: tuple["RowStatistic", ...] = ()
 
     def validate(self) -> None:
         for name in ("batch", "m", "n", "k"):
@@ -111,8 +150,28 @@ def store(ref, flat, value, mask) -> None:
     tr.store(ref, jnp.where(mask, flat, ref.shape[0]), value, mask)
 
 
+def _write_row_partials(statistic: RowStatistic, partial_ref, inputs, out, index, mask) -> None:
+    """This tile's partial of `statistic` for each of its rows, into N tile `j`'s slots."""
+    b, rows, cols = index
+    body, ok = statistic.value(inputs, out, index, mask)
+    valid = jnp.broadcast_to(mask & ok if ok is not True else mask, body.shape)
+    body = jnp.where(valid, body, 0.0)
+    count = jnp.sum(jnp.where(valid, 1.0, 0.0), axis=1, keepdims=True)
+    total = jnp.sum(body, axis=1, keepdims=True)
+    if statistic.op == "sum":
+        fields = (total,)
+    else:  # two-pass over the tile's columns: their mean, then the squares about it
+        mean = total / jnp.maximum(count, 1.0)
+        fields = (count, mean, jnp.sum(jnp.where(valid, jnp.square(body - mean), 0.0), axis=1, keepdims=True))
+    slot = jnp.broadcast_to(statistic.slot(b, rows), count.shape)
+    written = count > 0  # rows past M have no valid element
+    tile = pl.program_id(2)
+    for f, value in enumerate(fields):
+        store(partial_ref, (tile * statistic.fields + f) * statistic.slots + slot, value, written)
+
+
 def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_inputs: int):
-    inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
+    inputs, (out_ref, *partial_refs) = refs[:num_inputs], refs[num_inputs:]
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
@@ -133,27 +192,29 @@ def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_input
 
     acc = lax.fori_loop(0, pl.cdiv(problem.k, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
     mask = row_ok & col_ok
-    out = jnp.broadcast_to(problem.epilogue(inputs, acc, (b, rows, cols), mask), (bm, bn))
+    out = jnp.broadcast_to(problem.epilogue(inputs, acc, (b, rows, cols), mask), (bm, bn)).astype(problem.out_dtype)
     store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask)
+    for statistic, partial_ref in zip(problem.statistics, partial_refs):
+        _write_row_partials(statistic, partial_ref, inputs, out, (b, rows, cols), mask)
 
 
 # --- build --------------------------------------------------------------------------------------
 
 
 def build(problem: MatmulProblem, inputs: Sequence[jax.Array], *, blocks: MatmulBlocks | None = None,
-          interpret: bool = False, name: str = "matmul") -> jax.Array:
+          interpret: bool = False, name: str = "matmul"):
     """Run `problem` as one `pallas_call` reading `inputs` (flat refs, in this order); returns the
-    output as `[batch, m, n]`."""
+    output as `[batch, m, n]`, and with `problem.statistics` also their partials (`RowStatistic`)."""
     problem.validate()
     blocks = blocks or MatmulBlocks.get_default(problem.m, problem.n, problem.k)
     blocks.validate()
     kernel = functools.partial(matmul_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs))
     grid = (problem.batch, pl.cdiv(problem.m, blocks.block_m), pl.cdiv(problem.n, blocks.block_n))
-    (out,) = tr.pallas_call(kernel, inputs, [jax.ShapeDtypeStruct((problem.batch, problem.m, problem.n),
-                                                                  problem.out_dtype)],
-                            grid=grid, name=name, interpret=interpret, num_warps=blocks.num_warps,
-                            num_stages=blocks.num_stages)
-    return out
+    shapes = [jax.ShapeDtypeStruct((problem.batch, problem.m, problem.n), problem.out_dtype)]
+    shapes += [jax.ShapeDtypeStruct((grid[2], s.fields, s.slots), jnp.float32) for s in problem.statistics]
+    out, *partials = tr.pallas_call(kernel, inputs, shapes, grid=grid, name=name, interpret=interpret,
+                                    num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return (out, partials) if problem.statistics else out
 
 
 # --- reference ----------------------------------------------------------------------------------
@@ -297,8 +358,73 @@ def _hoist_row_statistics(lhs: Term) -> tuple[Term, dict[Term, Term]]:
     return _substitute(lhs, {r: Term("Load", p, r.ty) for p, r in placeholders.items()}), placeholders
 
 
+def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence[Term]) -> RowStatistic:
+    """The part of `reduction` (an `EpilogueReduce`) the matmul `term` computes: the elements it
+    writes, when each output row belongs to one statistic output of its own (a LayerNorm over the
+    output's last axes). Raises `NotImplementedError` otherwise (the driver computes it)."""
+    from emit.pallas.conv import _body_index, _part_root, _spine_path, _TileMemory
+
+    _producer, op, body, axes_key, ty = reduction.args
+    path = _spine_path(body, term)
+    if path is None:
+        raise NotImplementedError(f"{reduction!r} does not read this matmul's output at the element it writes")
+    root = _part_root(path)
+    body_shape = parse_type(body.ty).shape
+    reduced = set(ints(axes_key))
+    kept_axes = [a for a in range(len(body_shape)) if a not in reduced]
+    kept_shape = [body_shape[a] for a in kept_axes]
+    slots = max(1, math.prod(kept_shape))
+    m = math.prod(axes.m_shape)
+
+    def slot_of(index):
+        return ex.linearize(tuple(index[a] for a in kept_axes), kept_shape)
+
+    # Every output element's statistic output, on the host: one per row, no two rows alike.
+    rows = np.arange(math.prod(axes.batch_shape) * m)[:, None]
+    index, ok = _body_index(path, axes.out_index(rows // m, rows % m, np.arange(math.prod(axes.n_shape))[None, :]))
+    if ok is not True and not np.all(ok):
+        raise NotImplementedError(f"{reduction!r} reads only part of this matmul's output")
+    table = np.broadcast_to(slot_of(index), (rows.shape[0], math.prod(axes.n_shape)))
+    if not np.array_equal(table, table[:, :1] + np.zeros_like(table)) or \
+            len(np.unique(table[:, 0])) != rows.shape[0] or rows.shape[0] != slots:
+        raise NotImplementedError(f"{reduction!r} is not one statistic per output row")
+    compiled = ex.compile_expr(path[root])
+
+    def value(refs, out_tile, index, mask):
+        body_index, body_ok = _body_index(path, axes.out_index(*index), stop=root)
+        memory = _TileMemory(tr.RefMemory(dict(zip(tensors, refs))), term, out_tile)
+        body_mask = mask if body_ok is True else mask & body_ok
+        return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
+
+    def slot(b, rows):
+        index, _ = _body_index(path, axes.out_index(b, rows, 0))
+        return slot_of(index)
+
+    return RowStatistic(op, value, slot, slots)
+
+
+def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
+    """The part of each hosted statistic's body this matmul evaluates (what it reads besides its output)."""
+    from emit.pallas.conv import _part_root, _spine_path
+
+    parts = []
+    for reduction in hosted:
+        path = _spine_path(reduction.args[2], term) if reduction.args[1] in ("sum", "moments") else None
+        if path is not None:
+            parts.append(path[_part_root(path)])
+    return parts
+
+
 def emit(kernel, ctx) -> dict:
-    """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`."""
+    """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, plus
+    the hosted statistics (`EpilogueReduce`) it completes. A statistic hosted by several kernels is
+    complete at its last host: earlier hosts leave their partials in `ctx.values` under
+    `(reduction, "partials", host)` (the convention of `emit.pallas.conv`). A statistic this
+    template cannot compute is left to the driver (its own kernel)."""
+    from emit.pallas import loaded_tensors
+    from emit.pallas.conv import merge_partials
+    from eqsat.cost.hosting import hosts_of
+
     term = kernel.term
     lhs, rhs, dims, epilogue, ty = term.args
     lhs_shape, rhs_shape, out_type = parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty)
@@ -306,7 +432,8 @@ def emit(kernel, ctx) -> dict:
     batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
-    for expression in (lhs, rhs, epilogue):
+    hosted_parts = _statistic_reads(kernel.hosted, term)
+    for expression in (lhs, rhs, epilogue, *hosted_parts):
         missing = ex.unsupported_ops(expression)
         if missing:
             raise NotImplementedError(f"no Triton form for {', '.join(missing)}")
@@ -315,9 +442,7 @@ def emit(kernel, ctx) -> dict:
     lhs_fn = ex.compile_expr(lhs_term)
     rhs_fn, epilogue_fn = ex.compile_expr(rhs), ex.compile_expr(epilogue)
     statistic_fns = {p: ex.compile_expr(r) for p, r in placeholders.items()}
-    from emit.pallas import loaded_tensors
-
-    tensors = loaded_tensors(lhs, rhs, epilogue)
+    tensors = [t for t in loaded_tensors(lhs, rhs, epilogue, *hosted_parts) if t is not term]
     lhs_rank, rhs_rank = len(lhs_shape), len(rhs_shape)
 
     def memory(refs):
@@ -352,7 +477,23 @@ def emit(kernel, ctx) -> dict:
 
         return epilogue_fn(memory(refs), out_index, mask, accumulator)
 
+    statistics, computed = [], []
+    for reduction in kernel.hosted:
+        try:
+            statistics.append(_row_statistic(reduction, term, axes, tensors))
+        except NotImplementedError:
+            continue
+        computed.append(reduction)
     problem = MatmulProblem(batch, m, n, k, lhs_tile, rhs_tile, epilogue_tile, jnp.dtype(out_type.dtype),
-                            prepass=prepass if placeholders else None)
-    out = build(problem, [ctx.value(t) for t in tensors], blocks=blocks, interpret=ctx.interpret, name=kernel.name)
-    return {term: out.reshape(out_type.shape)}
+                            prepass=prepass if placeholders else None, statistics=tuple(statistics))
+    result = build(problem, [ctx.value(t) for t in tensors], blocks=blocks, interpret=ctx.interpret, name=kernel.name)
+    out, partials = result if statistics else (result, [])
+    values = {term: out.reshape(out_type.shape)}
+    for reduction, partial in zip(computed, partials):
+        hosts = hosts_of(reduction) or [term]
+        ctx.values[(reduction, "partials", hosts.index(term))] = partial
+        pieces = [ctx.values.get((reduction, "partials", i)) for i in range(len(hosts))]
+        if all(piece is not None for piece in pieces):
+            merged = merge_partials(jnp.concatenate(pieces), reduction.args[1])
+            values[reduction] = jnp.reshape(merged, parse_type(reduction.ty).shape)
+    return values
