@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from emit.expr import (ArrayMemory, compile_expr, erf, evaluate_whole, grid_index, reduce_at, reshape_index,
+from emit.expr import (ArrayMemory, compile_expr, erf, grid_index, reduce_at, reshape_index,
                        unravel, unsupported_ops)
 from eqsat.interpret import evaluate
 from eqsat.moments import two_pass
 from eqsat.term import Term
 from eqsat.types import format_type, parse_type
 
-SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
+SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))
 
 
@@ -38,7 +38,29 @@ def _load(tensor: Term) -> Term:
 
 
 def _reference(expr: Term, values: dict):
-    return evaluate([expr], {t.args[0]: v for t, v in values.items()})[0]
+    """The interpreter's value, traced once (eager dispatch would compile every op of every shape)."""
+    terms = list(values)
+    run = jax.jit(lambda arrays: evaluate([expr], {t.args[0]: v for t, v in zip(terms, arrays)})[0])
+    return run([values[t] for t in terms])
+
+
+def _traced(fn, values: dict, *, chunk_elements: int | None = None):
+    """`fn(memory)` over `ArrayMemory(values)`, traced once (as a kernel body is)."""
+    terms = list(values)
+
+    def run(arrays):
+        memory = ArrayMemory(dict(zip(terms, arrays)))
+        if chunk_elements is not None:
+            memory.chunk_elements = chunk_elements
+        return fn(memory)
+
+    return jax.jit(run)([values[t] for t in terms])
+
+
+def _whole(expr: Term, values: dict, **options):
+    """`emit.expr`'s value at every index of `expr`'s type."""
+    shape = parse_type(expr.ty).shape
+    return _traced(lambda memory: compile_expr(expr)(memory, grid_index(shape)), values, **options)
 
 
 def _close(got, want, rtol=1e-6, atol=1e-6):
@@ -130,7 +152,7 @@ def test_random_view_chains_match_the_interpreter(case):
     values = {x: jnp.asarray(rng.normal(size=shape) * 3, jnp.float32)}
     for term, other_shape in extras.items():
         values[term] = jnp.asarray(rng.normal(size=other_shape), jnp.float32)
-    _close(evaluate_whole(expr, values), _reference(expr, values), rtol=2e-6, atol=2e-6)
+    _close(_whole(expr, values), _reference(expr, values), rtol=2e-6, atol=2e-6)
 
 
 def test_reshape_index_only_touches_the_axes_it_merges():
@@ -189,7 +211,7 @@ def test_round_from_floor_matches_lax_on_halves(op):
     values = {x: jnp.asarray([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, -3.49, 0.0, 1e7 + 0.5, -7.5, 2.4999, 1e30],
                              jnp.float32)}
     expr = Term("Unary", op, _load(x), "f32[13]")
-    _close(evaluate_whole(expr, values), _reference(expr, values), rtol=0, atol=0)
+    _close(_whole(expr, values), _reference(expr, values), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype, rtol", [("float16", 1e-3), ("bfloat16", 1e-2), ("float32", 1e-6)])
@@ -200,7 +222,7 @@ def test_half_precision_ops_run_in_float32_and_round_once(dtype, rtol):
                                                                          Term("Lit", 3.0, ty), ty), ty)
     rng = np.random.default_rng(0)
     values = {x: jnp.asarray(rng.normal(size=(5, 40)), dtype), y: jnp.asarray(rng.uniform(0, 2, (5, 40)), dtype)}
-    got = evaluate_whole(expr, values)
+    got = _whole(expr, values)
     assert got.dtype == jnp.dtype(dtype)
     _close(got.astype(jnp.float32), _reference(expr, values).astype(jnp.float32), rtol=rtol, atol=rtol)
 
@@ -248,9 +270,8 @@ def test_moments_are_stable_for_adversarial_rows(kind, length):
     data = ROWS[kind](rng, (3, length)).astype(np.float32)
     x = _input("x", (3, length))
     expr = _row_reduce("moments", x, 1)
-    memory = ArrayMemory({x: jnp.asarray(data)})
-    memory.chunk_elements = 3 * 16  # several chunks per row: exercises the merge
-    got = np.asarray(compile_expr(expr)(memory, grid_index((2, 3))), np.float64)
+    # several chunks per row: exercises the merge
+    got = np.asarray(_whole(expr, {x: jnp.asarray(data)}, chunk_elements=3 * 16), np.float64)
     exact = data.astype(np.float64)
     want_m2 = ((exact - exact.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
     scale = np.abs(exact).max(axis=1) + 1e-45
@@ -265,8 +286,7 @@ def test_moments_are_stable_for_adversarial_rows(kind, length):
 def test_moments_propagate_nan_and_inf():
     data = np.array([[1.0, np.nan, 3.0], [1.0, np.inf, 2.0], [1.0, 2.0, 3.0]], np.float32)
     x = _input("x", (3, 3))
-    got = np.asarray(compile_expr(_row_reduce("moments", x, 1))(ArrayMemory({x: jnp.asarray(data)}),
-                                                              grid_index((2, 3))))
+    got = np.asarray(_whole(_row_reduce("moments", x, 1), {x: jnp.asarray(data)}))
     want = np.asarray(two_pass(jnp.asarray(data), (1,)))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got[:, 2], want[:, 2], rtol=1e-6)
@@ -282,9 +302,7 @@ def test_row_reductions_match_the_interpreter(op, shape, axis):
     x = _input("x", shape)
     expr = _row_reduce(op, x, axis)
     values = {x: jnp.asarray(data)}
-    memory = ArrayMemory(values)
-    memory.chunk_elements = 64
-    got = compile_expr(expr)(memory, grid_index(parse_type(expr.ty).shape))
+    got = _whole(expr, values, chunk_elements=64)
     _close(got, _reference(expr, values), rtol=1e-5, atol=1e-5)
 
 
@@ -294,9 +312,7 @@ def test_arg_reductions_take_the_first_nan_and_the_first_tie(op):
     x = _input("x", data.shape)
     expr = _row_reduce(op, x, 1)
     values = {x: jnp.asarray(data)}
-    memory = ArrayMemory(values)
-    memory.chunk_elements = 6  # two lanes of two: chunks of 2 elements, merged across the row
-    got = compile_expr(expr)(memory, grid_index((3,)))
+    got = _whole(expr, values, chunk_elements=6)  # chunks of 2 elements per lane, merged across the row
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference(expr, values)))
 
 
@@ -307,8 +323,8 @@ def test_row_reduce_epilogue_reads_its_own_accumulator_and_the_kernels():
                 Term("Binary", "div", Term("Acc", "f32[4]"), Term("Lit", 9.0, "f32[4]"), "f32[4]"), "f32[4]")
     outer = Term("Binary", "sub", Term("Acc", "f32[4,9]"), Term("Broadcast", mean, "0", "f32[4,9]"), "f32[4,9]")
     data = jnp.asarray(np.random.default_rng(3).normal(size=(4, 9)), jnp.float32)
-    got = compile_expr(outer)(ArrayMemory({x: data}), grid_index((4, 9)), True,
-                              lambda ty, index, mask: data[index] * 2)
+    got = _traced(lambda memory: compile_expr(outer)(memory, grid_index((4, 9)), True,
+                                                     lambda ty, index, mask: memory.values[x][index] * 2), {x: data})
     _close(got, data * 2 - data.mean(axis=1, keepdims=True), rtol=1e-5, atol=1e-6)
 
 
