@@ -110,7 +110,8 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
         began = time.perf_counter()
         remaining = deadline - began
         if remaining <= 0:
-            details["ilp"] = {"status": "not started: time limit"}
+            details["ilp"] = {"status": "not started: time limit", "objective": math.nan, "variables": 0,
+                              "constraints": 0, "seconds": 0.0, "stopped": "time_limit"}
             limit_reached = "time_limit"
         else:
             whole = extract_ilp(graph, roots, costs, time_limit=remaining, node_limit=node_limit,

@@ -43,6 +43,12 @@ instead of recomputing it; retire a tensor by switching all its readers at once 
 whose readers can read a slice of a wider one already in the plan; a reduction hosted in a
 producer's epilogue may move to another producer, or to its own kernel, so that producer can
 retire). Regional ILPs run after the polish find nothing left to gain on the SD 1.5 UNet.
+
+Cost of the polish: each move is judged by walking the kernel's expression slots (its context,
+at most `MAX_CONTEXT_SLOTS`); a context depends only on that kernel's own slot choices, so it is
+memoized per kernel until one of them changes, and the work is linear in the plan
+(`PolishReport.slots_visited`). A `deadline` stops the rounds and the polish between two moves,
+keeping the plan so far (`GreedyResult.stopped`).
 """
 
 from __future__ import annotations
@@ -307,8 +313,9 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     modeled seconds); it may return `inf` once past `cutoff`. The best-scoring round wins (the
     first on ties) and is then improved by `polish` (`polish_passes=0` skips that). Deterministic:
     the same graph, roots and costs give the same selection, unless `deadline` (a
-    `time.perf_counter()` value) passes first: then the rounds not yet run are skipped (the first
-    always runs), the polish stops between two moves, and `stopped` says "time_limit".
+    `time.perf_counter()` value) comes first: a round after the first runs only if it and the polish
+    (each timed like the last round) fit before it, the polish stops between two moves at it, and
+    `stopped` says "time_limit" when either happened.
     """
     started = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -324,6 +331,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     seen: dict[tuple, float] = {}
     materialized: dict[str, frozenset[int]] = {}
     stopped = None
+    last_round = 0.0
     for name in rounds:
         shared = name != "plain"
         if name == "plain" or name == "shared":
@@ -340,8 +348,8 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             paid = materialized["horizontal"]
         else:
             raise ValueError(f"unknown greedy round {name!r}; known: plain, {', '.join(ROUNDS)}")
-        if best is not None and deadline is not None and time.perf_counter() > deadline:
-            stopped = "time_limit"
+        if best is not None and deadline is not None and time.perf_counter() + 2 * last_round > deadline:
+            stopped = "time_limit"  # another round and the polish would not fit: polish what we have
             break
         began = time.perf_counter()
         selection, sweeps = _acyclic_pass(problem, set(banned), paid, shared, max_evaluations_per_node)
@@ -352,7 +360,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         value = seen[key] if key in seen else score(selection, best_score)
         seen[key] = value
         history.append((name, value))
-        seconds[name] = time.perf_counter() - began
+        seconds[name] = last_round = time.perf_counter() - began
         if best is None or value < best_score * (1 - 1e-12):  # a later round must be strictly better
             best, best_score = selection, value
     assert best is not None

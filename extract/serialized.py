@@ -130,74 +130,100 @@ class EGraphData:
 
 
 def load(serialized) -> EGraphData:
-    """Read `egraph._serialize()` (or its `.to_json()` text, or the parsed dict) into arrays."""
+    """Read `egraph._serialize()` (or its `.to_json()` text, or the parsed dict) into arrays.
+
+    Only the classes extraction can see are indexed (those of candidate nodes, of their children and
+    of builder handles), in order of first appearance: egglog also serializes its helper relations
+    and one class per primitive, which no candidate needs."""
     if hasattr(serialized, "to_json"):
         serialized = serialized.to_json()
     data = json.loads(serialized) if isinstance(serialized, (str, bytes)) else serialized
     raw_nodes: dict = data["nodes"]
     class_data: dict = data.get("class_data", {})
 
+    def sort_of(cid: str) -> str:
+        return class_data.get(cid, {}).get("type") or cid.rsplit("-", 1)[0]
+
+    # Which nodes are primitive leaves (and their values), candidates, or builder handles.
+    literal_of: dict[str, object] = {}
+    candidates: list[tuple[str, dict]] = []
+    refs: list[tuple[str, dict]] = []
+    needed: set[str] = set()
+    for nid, node in raw_nodes.items():
+        op = node["op"]
+        children = node["children"]
+        if op in OPS:
+            if not node.get("subsumed", False):
+                candidates.append((nid, node))
+            continue
+        if op == "Ref":
+            refs.append((nid, node))
+            continue
+        if not children:
+            cid = node["eclass"]
+            sort = sort_of(cid)
+            if sort in PRIMITIVE_SORTS or nid.startswith("primitive"):
+                try:
+                    literal_of[nid] = parse_literal(op, sort)
+                except ValueError:
+                    literal_of[nid] = op
+    class_of_node: dict[str, str] = {}
+    for nid, node in candidates:
+        needed.add(node["eclass"])
+        for child in node["children"]:
+            if child not in literal_of:
+                child_node = raw_nodes.get(child)
+                if child_node is not None:
+                    needed.add(child_node["eclass"])
+    for nid, node in refs:
+        needed.add(node["eclass"])
+
     class_index: dict[str, int] = {}
     class_ids: list[str] = []
-    class_sort: list[str] = []
-
-    def intern_class(cid: str) -> int:
-        index = class_index.get(cid)
-        if index is None:
-            index = len(class_ids)
-            class_index[cid] = index
+    for nid, node in raw_nodes.items():  # first appearance, as egglog lists the nodes
+        cid = node["eclass"]
+        if cid in needed and cid not in class_index:
+            class_index[cid] = len(class_ids)
             class_ids.append(cid)
-            sort = class_data.get(cid, {}).get("type") or cid.rsplit("-", 1)[0]
-            class_sort.append(sort)
-        return index
-
-    # Primitive leaves: node id -> literal value. Other nodes: id -> class.
-    literal_of: dict[str, object] = {}
-    node_class_of: dict[str, int] = {}
-    for nid, node in raw_nodes.items():
-        cls = intern_class(node["eclass"])
-        node_class_of[nid] = cls
-        sort = class_sort[cls]
-        if not node["children"] and node["op"] not in OPS and (sort in PRIMITIVE_SORTS or nid.startswith("primitive")):
-            try:
-                literal_of[nid] = parse_literal(node["op"], sort)
-            except ValueError:
-                literal_of[nid] = node["op"]
+    class_sort = [sort_of(cid) for cid in class_ids]
 
     node_op: list[str] = []
     node_class: list[int] = []
     node_children: list[tuple[int, ...]] = []
     node_literals: list[tuple] = []
+    for nid, node in candidates:
+        children = node["children"]
+        kids = []
+        for child in children:
+            if child in literal_of:
+                kids.append(-1)
+                continue
+            child_node = raw_nodes.get(child)
+            if child_node is None:
+                break  # a child the serialization left out: not a candidate
+            kids.append(class_index[child_node["eclass"]])
+        else:
+            node_op.append(node["op"])
+            node_class.append(class_index[node["eclass"]])
+            node_children.append(tuple(kids))
+            node_literals.append(tuple(literal_of.get(c) for c in children))
+
     handles: dict[int, int] = {}
     class_handles: dict[int, list[int]] = {}
-    for nid, node in raw_nodes.items():
-        op = node["op"]
-        if nid in literal_of:
+    for nid, node in refs:
+        child = node["children"][0]
+        if child not in literal_of:
             continue
-        cls = node_class_of[nid]
-        children = node["children"]
-        if op == "Ref":
-            if children[0] not in literal_of:
-                continue
-            handle = int(literal_of[children[0]])
-            handles[handle] = cls
-            class_handles.setdefault(cls, []).append(handle)
-            continue
-        if op not in OPS or node.get("subsumed", False):
-            continue
-        node_op.append(op)
-        node_class.append(cls)
-        if any(c not in literal_of and c not in node_class_of for c in children):
-            continue
-        node_children.append(tuple(-1 if c in literal_of else node_class_of[c] for c in children))
-        node_literals.append(tuple(literal_of.get(c) for c in children))
+        handle = int(literal_of[child])
+        cls = class_index[node["eclass"]]
+        handles[handle] = cls
+        class_handles.setdefault(cls, []).append(handle)
+    for values in class_handles.values():
+        values.sort()
 
     class_nodes: list[list[int]] = [[] for _ in class_ids]
     for node, cls in enumerate(node_class):
         class_nodes[cls].append(node)
-    for values in class_handles.values():
-        values.sort()
-
     class_type: list[str | None] = [None] * len(class_ids)
     for node, op in enumerate(node_op):
         cls = node_class[node]
