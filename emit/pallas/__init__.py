@@ -16,7 +16,10 @@ A template is a module (the layout of jax's `pallas/ops/gpu`) with three parts:
 
 `TEMPLATES` maps each kernel op to its module. `emit_kernel(kernel, ctx)` dispatches; a module
 that does not exist yet, a `NotImplementedError`, or an op with no template (`AssignScatter`)
-falls back to `emit.xla.emit_kernel` for that kernel with a warning.
+falls back to `emit.xla.emit_kernel` for that kernel with a warning. `run_kernels(calls, ctx)`
+emits a sequence into `ctx.values` (the driver's plan, a loop body), each kernel under
+`jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter. `loaded_tensors(*exprs)` lists a
+kernel's operands (the tensors its Exprs `Load`), the order a template passes them in.
 
     ctx = EmitContext(values={...}, constants=program.constants, payloads=program.payloads, interpret=True)
     outputs = emit_kernel(KernelCall(term, "mid_block.resnets.0:pointwise"), ctx)
