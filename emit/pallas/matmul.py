@@ -26,7 +26,9 @@ N = rhs's free dims, K = the contracting dims, each flattened row-major and unra
 the operand's own axes inside the closures (`emit.expr.unravel`). Row statistics the A prologue
 reads (`RowReduce`, a LayerNorm's moments over K) are hoisted into the pre-pass: computed once per
 row block (the shared `emit.expr` reduction: K strips in order, Chan's merge for moments), not
-once per K step; a statistic whose index depends on K stays inline.
+once per K step; a statistic read inside another one's body at its row (a two-pass variance
+reading its mean) comes from the pre-pass as well; a statistic whose index depends on K stays
+inline.
 
 Statistics of the output (`RowStatistic`: an `EpilogueReduce` the plan hosts on this matmul, the
 next LayerNorm's sum or moments over the output's last axes) are computed while the tile is in
@@ -352,6 +354,62 @@ def _k_independent(index) -> bool:
     return all(ex.is_static(e) or e.ndim < 2 or e.shape[-1] == 1 for e in index)
 
 
+def _reads_at_kept_index(statistic: Term, inner: Term) -> bool:
+    """Whether `statistic` (a RowReduce) reads the RowReduce `inner` only in its body, and there only
+    at its own kept index (through elementwise ops and Broadcasts that add the reduced axis): a
+    LayerNorm's variance reading its mean. Then `inner` computed at the statistic's index serves
+    every one of those reads, and the pre-pass need not recompute it per chunk."""
+    _op, body, axis, epilogue, _ty = statistic.args
+    body_shape = parse_type(body.ty).shape
+    kept = tuple(a for a in range(len(body_shape)) if a != axis)
+    if parse_type(inner.ty).shape != tuple(body_shape[a] for a in kept) or inner in postorder([epilogue]):
+        return False
+    holders = set()  # ids of the subterms of body that contain `inner`
+    for node in postorder([body]):
+        if node is inner or any(id(child) in holders for child in node.children):
+            holders.add(id(node))
+    stack, found = [(body, tuple(range(len(body_shape))))], False
+    while stack:
+        node, to_body = stack.pop()  # to_body[a]: the body axis that node's axis a is
+        if node is inner:
+            if to_body != kept:
+                return False
+            found = True
+        elif id(node) not in holders:
+            continue
+        elif node.op in ("Unary", "Binary", "Select"):
+            stack.extend((child, to_body) for child in node.children if child.sort == "Expr")
+        elif node.op == "Broadcast":
+            x, dims, ty = node.args
+            in_shape, out_shape = parse_type(x.ty).shape, parse_type(ty).shape
+            if any(in_shape[j] != out_shape[d] for j, d in enumerate(ints(dims))):
+                return False
+            stack.append((x, tuple(to_body[d] for d in ints(dims))))
+        else:
+            return False
+    return found
+
+
+class _BoundMemory:
+    """Operands from `base`; each of `values` (placeholder -> a statistic computed at the reading
+    statistic's kept index) answered for a read inside that statistic's body, whose index is the
+    kept index with the body's reduced axis appended."""
+
+    def __init__(self, base, values: dict):
+        self.base, self.values = base, values
+        self.chunk_elements = getattr(base, "chunk_elements", ex.DEFAULT_CHUNK_ELEMENTS)
+
+    def load(self, tensor: Term, index, mask):
+        if tensor not in self.values:
+            return self.base.load(tensor, index, mask)
+        value = self.values[tensor]
+        target = ex.shape_of(index)
+        expanded = jnp.reshape(value, value.shape + (1,) * (len(target) - value.ndim))
+        if tuple(np.broadcast_shapes(expanded.shape, target)) != tuple(target):
+            raise AssertionError(f"a row statistic of shape {value.shape} read at an index of shape {target}")
+        return expanded
+
+
 def _hoist_row_statistics(lhs: Term) -> tuple[Term, dict[Term, Term]]:
     """`lhs` with its outermost `RowReduce`s replaced by placeholder tensors, and placeholder -> RowReduce."""
     placeholders = {Term("Input", f"__row_statistic_{n}", r.ty): r for n, r in enumerate(_outer_row_reduces(lhs))}
@@ -441,7 +499,14 @@ def emit(kernel, ctx) -> dict:
     lhs_term, placeholders = _hoist_row_statistics(lhs)
     lhs_fn = ex.compile_expr(lhs_term)
     rhs_fn, epilogue_fn = ex.compile_expr(rhs), ex.compile_expr(epilogue)
-    statistic_fns = {p: ex.compile_expr(r) for p, r in placeholders.items()}
+    statistic_fns = {p: ex.compile_expr(r) for p, r in placeholders.items()}  # inline, where K moves the index
+    # In the pre-pass, a statistic read inside another one's body at its kept index comes from the
+    # pre-pass too (the LayerNorm variance's mean), not from a reduction per chunk.
+    inners = {p: [q for q, inner in placeholders.items() if q is not p and _reads_at_kept_index(r, inner)]
+              for p, r in placeholders.items()}
+    prepass_fns = {p: ex.compile_expr(_substitute(r, {placeholders[q]: Term("Load", q, placeholders[q].ty)
+                                                      for q in inners[p]}))
+                   for p, r in placeholders.items()}
     tensors = [t for t in loaded_tensors(lhs, rhs, epilogue, *hosted_parts) if t is not term]
     lhs_rank, rhs_rank = len(lhs_shape), len(rhs_shape)
 
@@ -453,8 +518,17 @@ def emit(kernel, ctx) -> dict:
         ks = lax.broadcasted_iota(jnp.int32, (1, blocks.block_k), 1)
         probe = _HoistedMemory(memory(refs), placeholders, statistic_fns)
         lhs_fn(probe, axes.lhs_index(lhs_rank, b, rows, ks), row_ok & (ks < k))
-        return {placeholder: [statistic_fns[placeholder](memory(refs), index, row_ok) if _k_independent(index) else None
-                              for index in indices]
+        computed: dict = {}
+
+        def value_at(placeholder, index):
+            key = (placeholder, tuple(("i", int(e)) if ex.is_static(e) else ("a", id(e)) for e in index))
+            if key not in computed:
+                bound = {q: value_at(q, index) for q in inners[placeholder]}
+                source = _BoundMemory(memory(refs), bound) if bound else memory(refs)
+                computed[key] = prepass_fns[placeholder](source, index, row_ok)
+            return computed[key]
+
+        return {placeholder: [value_at(placeholder, index) if _k_independent(index) else None for index in indices]
                 for placeholder, indices in probe.recorded.items()}
 
     def lhs_tile(refs, index, mask, stats):
