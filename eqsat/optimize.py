@@ -11,6 +11,8 @@ Stages, timed under these names in `stats["seconds"]`, logs and reports:
     build      program terms -> e-graph                                (eqsat.egraph.Builder)
     saturate   rule families until saturated or a limit               (eqsat.saturate)
     extract    serialized e-graph -> chosen DAG -> Plan                (extract)
+    prepare    the plan split into the kernels reading only parameters (run once per set of
+               parameters) and the per-call rest; only when parameters are marked (emit.prepare)
 
 If saturation stops at a limit, the e-graph still holds every rewrite made so far, so the
 extracted plan is the best found so far; a warning says which limit stopped it.
@@ -24,6 +26,15 @@ plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
 `eqsat.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
 emitted kernels for an H100.
+
+Parameters: `params_argnums`/`params_argnames` mark arguments that stay the same across calls
+(weights). The kernels that read only them and constants (weight concatenations behind fused QKV
+or K/V, the time projections of all ResNets, summed biases, relayouts), including the
+parameter-only operands of the other kernels, run in a `prepare` stage once per set of parameters;
+its tensors are cached by identity of the parameter leaves (the same objects: reused; a new params
+pytree: recomputed) and the per-call executable takes them as inputs (`emit.prepare`).
+`Lowered.split` holds both plans, `stats["prepared_kernels"]`/`["per_call_kernels"]` count them
+and `report()` lists them apart. A parameter cannot also be static or donated.
 
 Arguments are `jax.jit`'s: positional and keyword arguments (keywords are dynamic unless named in
 `static_argnames`), `static_argnums`/`static_argnames` and `donate_argnums`/`donate_argnames`,
@@ -44,6 +55,7 @@ import warnings
 from dataclasses import dataclass, field
 
 STAGES = ("lift", "build", "saturate", "extract")
+PREPARE_STAGE = "prepare"  # after extract, when parameters are marked
 
 
 class SaturationLimitWarning(UserWarning):
@@ -70,6 +82,7 @@ class Lowered:
     extraction: object = None       # extract.Extraction
     builder: object = None          # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
     warnings: list = field(default_factory=list)
+    split: object = None            # emit.prepare.Split: prepare and per-call plans, when parameters are marked
     backend: str = "auto"           # how calling it runs the plan (see `emit.emit`)
     interpret: bool | None = None   # pallas_call(interpret=...); None: by the platform it is lowered for
     _emitted: dict = field(default_factory=dict, repr=False)
@@ -86,7 +99,12 @@ class Lowered:
         interpret = self.interpret if interpret is None else interpret
         key = (backend, interpret, tuple(donate))
         if key not in self._emitted:
-            self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
+            if self.split is not None:
+                from emit.prepare import Prepared
+
+                self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate)
+            else:
+                self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
         return self._emitted[key]
 
     def show(self, **options) -> None:
@@ -114,15 +132,20 @@ class Lowered:
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]
-        return "\n".join(lines) + "\n" + self.plan.summary(depth)
+        if self.split is None:
+            return "\n".join(lines) + "\n" + self.plan.summary(depth)
+        lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "
+                     f"parameters ({s['hoisted_kernels']} hoisted from per-call operands, "
+                     f"{s['prepared_bytes'] / 1e6:,.1f} MB kept)")
+        return "\n".join(lines) + "\n" + self.split.summary(depth)
 
 
 class Optimized:
     """A function wrapped by `optimize`: `.lower(*args)` plans it, calling it runs the plan."""
 
     def __init__(self, fn, *, static_argnums=None, static_argnames=None, donate_argnums=None,
-                 donate_argnames=None, device="h100", rulesets=None, node_limit=200_000, iteration_limit=400,
-                 time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None, backend="auto",
+                 donate_argnames=None, params_argnums=None, params_argnames=None, device="h100", rulesets=None,
+                 node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None, backend="auto",
                  interpret=None):
         import emit
 
@@ -133,6 +156,13 @@ class Optimized:
         (self.donate_argnums, self.donate_argnames, self.static_argnums,
          self.static_argnames) = api_util.resolve_argnums(fn, api_util.fun_signature(fn), donate_argnums,
                                                           donate_argnames, static_argnums, static_argnames)
+        self.params_argnums, self.params_argnames = _params_argnums(fn, params_argnums, params_argnames)
+        for kind, nums, names in (("static", self.static_argnums, self.static_argnames),
+                                  ("donated", self.donate_argnums, self.donate_argnames)):
+            both = sorted(set(self.params_argnums) & set(nums)) + sorted(set(self.params_argnames) & set(names))
+            if both:
+                raise ValueError(f"arguments {both} are marked as parameters and {kind}: a parameter is a traced "
+                                 f"argument that stays the same across calls")
         self.fn = fn
         self.device = device
         self.rulesets = rulesets
@@ -165,20 +195,8 @@ class Optimized:
 
     def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:
         """The program's input names whose leaves come from donated arguments."""
-        import jax
-
-        if not self.donate_argnums and not self.donate_argnames:
-            return ()
-        count = len(args)
-        marked = []
-        for i, arg in enumerate(args):
-            donated = i in self.donate_argnums or (i - count) in self.donate_argnums
-            marked.append(arg if self._is_static(i, count) else jax.tree_util.tree_map(lambda _: donated, arg))
-        marked_kwargs = {}
-        for name, value in kwargs.items():
-            donated = name in self.donate_argnames
-            marked_kwargs[name] = value if name in self.static_argnames else jax.tree_util.tree_map(lambda _: donated, value)
-        return tuple(name for name, donated in program.environment(*marked, **marked_kwargs).items() if donated)
+        return marked_inputs(program, args, kwargs, self.donate_argnums, self.donate_argnames,
+                             self.static_argnums, self.static_argnames)
 
     def _say_not_donated(self, args, kwargs) -> None:
         """Say once that donated buffers stay valid: the interpreter runs op by op. Under an outer
@@ -231,20 +249,22 @@ class Optimized:
                         kwargs=kwargs, device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
                         iteration_limit=self.iteration_limit, time_limit=self.time_limit,
                         extractor=self.extractor, extract_time_limit=self.extract_time_limit,
-                        progress=self.progress, backend=self.backend, interpret=self.interpret)
+                        progress=self.progress, backend=self.backend, interpret=self.interpret,
+                        params_argnums=self.params_argnums, params_argnames=self.params_argnames)
         if key is not None:
             self._cache[key] = lowered
         return lowered
 
 
 def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,
-             device="h100", rulesets=None, node_limit: int = 200_000, iteration_limit: int = 400,
+             params_argnums=None, params_argnames=None, device="h100", rulesets=None, node_limit: int = 200_000, iteration_limit: int = 400,
              time_limit: float = 60.0, extractor: str = "auto", extract_time_limit: float = 5.0,
              progress: bool | None = None, backend: str = "auto", interpret: bool | None = None):
     """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
 
     `static_argnums`/`static_argnames`/`donate_argnums`/`donate_argnames` as in `jax.jit` (see the
-    module docstring). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
+    module docstring); `params_argnums`/`params_argnames` mark the arguments that stay the same
+    across calls, whose derived tensors are prepared once per set of them ("Parameters" there). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
     or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
@@ -252,7 +272,8 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     (`emit.emit`; see "Running" in the module docstring).
     """
     options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
-                   donate_argnames=donate_argnames, device=device, rulesets=rulesets, node_limit=node_limit,
+                   donate_argnames=donate_argnames, params_argnums=params_argnums, params_argnames=params_argnames,
+                   device=device, rulesets=rulesets, node_limit=node_limit,
                    iteration_limit=iteration_limit, time_limit=time_limit, extractor=extractor,
                    extract_time_limit=extract_time_limit, progress=progress, backend=backend, interpret=interpret)
     if fn is None:
@@ -274,16 +295,20 @@ def _schedule(rulesets):
 
 def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device="h100", rulesets=None,
           node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
-          progress=None, backend="auto", interpret=None) -> Lowered:
-    """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring)."""
+          progress=None, backend="auto", interpret=None, params_argnums=(), params_argnames=()) -> Lowered:
+    """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring).
+    `params_argnums`/`params_argnames` (resolved, as `Optimized` holds them) add the `prepare` stage."""
     from tqdm.auto import tqdm
 
     from eqsat.cost import get_device
 
     device = get_device(device)
     seconds: dict[str, float] = {}
-    bar = tqdm(total=len(STAGES), desc="eqsat", unit="stage", delay=0.0 if progress else 2.0,
+    stages = STAGES + ((PREPARE_STAGE,) if params_argnums or params_argnames else ())
+    label = f"eqsat {progress}" if isinstance(progress, str) else "eqsat"
+    bar = tqdm(total=len(stages), desc=label, unit="stage", delay=0.0 if progress else 2.0,
                disable=progress is False, leave=False)
+    split = None
     caught: list = []
 
     def stage(name):
@@ -328,6 +353,13 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
                        f"found so far")
             caught.append(message)
             warnings.warn(message, ExtractionLimitWarning, stacklevel=3)
+        if PREPARE_STAGE in stages:
+            with stage(PREPARE_STAGE):
+                from emit.prepare import split_plan
+
+                parameters = marked_inputs(program, args, kwargs or {}, params_argnums, params_argnames,
+                                           static_argnums, static_argnames)
+                split = split_plan(plan, parameters)
     finally:
         bar.close()
 
@@ -351,8 +383,51 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "hosted_reductions": plan.hosted_reductions,
         "loop_body_kernels": plan.loop_body_kernels,
         "naive_loop_body_kernels": plan.naive_loop_body_kernels,
+        "parameters": len(split.parameters) if split is not None else 0,
+        "prepared_kernels": len(split.prepared.kernels) if split is not None else 0,
+        "per_call_kernels": len(split.per_call.kernels) if split is not None else len(plan.kernels),
+        "hoisted_kernels": split.hoisted if split is not None else 0,
+        "prepared_bytes": split.prepared_bytes if split is not None else 0,
     }
-    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, backend, interpret)
+    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, split, backend,
+                   interpret)
+
+
+def marked_inputs(program, args, kwargs, argnums, argnames, static_argnums=(), static_argnames=()) -> tuple[str, ...]:
+    """The program's input names whose leaves come from the arguments `argnums` (negative ones
+    count from the end) or keyword arguments `argnames` of a call with `args` and `kwargs`."""
+    import jax
+
+    if not argnums and not argnames:
+        return ()
+    count = len(args)
+    marked = []
+    for i, arg in enumerate(args):
+        chosen = i in argnums or (i - count) in argnums
+        static = i in static_argnums or (i - count) in static_argnums
+        marked.append(arg if static else jax.tree_util.tree_map(lambda _, chosen=chosen: chosen, arg))
+    marked_kwargs = {}
+    for name, value in kwargs.items():
+        chosen = name in argnames
+        marked_kwargs[name] = value if name in static_argnames else jax.tree_util.tree_map(
+            lambda _, chosen=chosen: chosen, value)
+    return tuple(name for name, chosen in program.environment(*marked, **marked_kwargs).items() if chosen)
+
+
+def _params_argnums(fn, params_argnums, params_argnames) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """`params_argnums`/`params_argnames` completed from each other through `fn`'s signature and
+    validated, as `jax.jit` does for `donate_argnums`/`donate_argnames`."""
+    from jax._src import api_util
+
+    signature = api_util.fun_signature(fn)
+    if signature is None:
+        nums = () if params_argnums is None else api_util._ensure_index_tuple(params_argnums)
+        names = () if params_argnames is None else api_util._ensure_str_tuple(params_argnames)
+        return nums, names
+    nums, names = api_util.infer_argnums_and_argnames(signature, params_argnums, params_argnames)
+    api_util._validate_argnums(signature, nums, "params_argnums")
+    api_util._validate_argnames(signature, names, "params_argnames")
+    return nums, names
 
 
 class _Timer:

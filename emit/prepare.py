@@ -1,0 +1,483 @@
+"""Weights prepared once: a plan split into a `prepare` stage, the kernels that read only parameters
+and constants, and the per-call rest; and the callable that caches the prepared tensors.
+
+    split = split_plan(plan, parameters=("arg0", "arg1"))    # program inputs that stay the same across calls
+    split.prepared.kernels, split.per_call.kernels           # two `Plan`s, each in kernel order
+    run = Prepared(split, backend="xla")                     # or "pallas", "interpret"
+    run(*args)                                               # what emit.emit(plan)(*args) returns
+
+What is prepared:
+
+- every kernel of the plan whose inputs are all parameters, constants or prepared tensors (a
+  relayout or concatenation of weights the extraction chose as a kernel of its own); never one an
+  effect depends on (a `jax.debug.print` runs at every call), and a statistic computed in the
+  epilogues of several kernels only when all of them are prepared;
+- the parameter-only operand expressions of the per-call kernels, hoisted out into prepared
+  `Pointwise` kernels of their own: the weight concatenation behind a fused QKV, the 22 time
+  projections or the 32 text K/V (a `Concat` along N of the weights), the summed biases of a
+  merged shortcut, a transposed or converted weight. An expression is hoisted when it computes
+  something (more than loads, reshapes, slices and broadcasts) and stores no more bytes than it
+  reads. So a bias broadcast to the output stays a broadcast row in the epilogue, and the
+  zero-padded 1x1 weight of a merged shortcut stays a K range of its conv (materialized, its zero
+  taps would be multiplied): what a template reads in place at no extra cost is left in place.
+
+The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
+program output the prepare stage computes) as inputs.
+
+Caching (`Prepared`): the prepare stage runs once per set of parameter leaves, cached by identity.
+The last set's leaves are held by weak reference (by strong reference when a leaf cannot be weakly
+referenced, e.g. a Python or NumPy scalar) with the prepared tensors; a call whose parameter leaves
+are the same objects reuses the tensors, any other set (a new params pytree, even an equal one)
+recomputes them and replaces the entry, and the entry is dropped as soon as one of its leaves is
+garbage collected. jax arrays are immutable, so the same object means the same values; a NumPy
+parameter changed in place is not noticed (pass a new array). Under a jax transformation (an outer
+`jax.jit`, `grad`, `vmap`: tracer leaves) nothing is cached: the prepare stage is traced with the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+import jax
+
+from eqsat.term import Term, postorder
+from eqsat.types import parse_type
+
+# Expression nodes that only read: an operand made of these alone is not worth a prepared kernel.
+READING_OPS = frozenset({"Load", "Lit", "Iota", "Reshape", "Slice", "Broadcast"})
+# Kernels whose operand expressions are never hoisted: statistics (their bodies decide whether
+# they run in a producer's epilogue) and kernels whose operands are tensors, not expressions.
+NOT_HOISTED_FROM = frozenset({"EpilogueReduce", "Opaque", "Loop", "AssignScatter"})
+
+
+@dataclass
+class Split:
+    """A plan split into its prepare stage and its per-call stage (see the module docstring)."""
+
+    plan: object                    # extract.plan.Plan after hoisting: every kernel of both stages, in order
+    prepared: object                # Plan of the kernels run once per set of parameters
+    per_call: object                # Plan of the kernels run at every call
+    parameters: tuple[str, ...]     # program inputs marked as parameters
+    prepared_tensors: list          # what the per-call stage (kernels and outputs) reads from the prepare stage
+    hoisted: int                    # prepared kernels made from operand expressions of per-call kernels
+    prepare_inputs: tuple[str, ...] = ()   # the parameters the prepare stage reads
+    per_call_inputs: tuple[str, ...] = ()  # the program inputs the per-call stage reads
+
+    @property
+    def prepared_bytes(self) -> int:
+        """Bytes of prepared tensors kept between calls."""
+        return sum(_nbytes(t) for t in self.prepared_tensors)
+
+    def prepared_specs(self) -> list[jax.ShapeDtypeStruct]:
+        """Abstract values of `prepared_tensors` (to lower or compile the per-call stage alone)."""
+        return [_spec(t) for t in self.prepared_tensors]
+
+    def summary(self, depth: int = 1) -> str:
+        """The per-call plan's table, then the prepare stage's."""
+        return (f"per call:\n{self.per_call.summary(depth)}"
+                f"prepared once per set of parameters ({len(self.prepared.kernels)} kernels, {self.hoisted} "
+                f"hoisted from per-call operands; {self.prepared_bytes / 1e6:,.1f} MB kept):\n"
+                f"{self.prepared.summary(depth)}")
+
+
+def split_plan(plan, parameters) -> Split:
+    """`plan` split into the kernels reading only `parameters` (program input names) and constants,
+    run once per set of parameters, and the per-call rest (see the module docstring)."""
+    parameters = tuple(dict.fromkeys(parameters))
+    names = {t.args[0] for t in plan.program.inputs} if plan.program is not None else set(parameters)
+    unknown = [name for name in parameters if name not in names]
+    if unknown:
+        raise ValueError(f"parameters {unknown} are not inputs of the plan's program ({sorted(names)})")
+    marked = frozenset(parameters)
+    staged, hoisted = _hoist(plan, marked)
+    prepared = _prepared_kernels(staged, marked)
+    per_call = [k for i, k in enumerate(staged.kernels) if i not in prepared]
+    produced = {t: i for i, k in enumerate(staged.kernels) if i in prepared for t in k.outputs}
+    outputs_read, inputs_read = _stage_reads(staged, per_call)
+    prepared_tensors = [t for t in outputs_read if t in produced]
+    prepared_tensors += [t for t in staged.outputs if t in produced and t not in set(prepared_tensors)]
+    prepare_kernels = [k for i, k in enumerate(staged.kernels) if i in prepared]
+    _, prepare_inputs = _stage_reads(staged, prepare_kernels)
+    program_inputs = [t.args[0] for t in staged.program.inputs] if staged.program is not None else []
+    per_call_inputs = [n for n in program_inputs
+                       if n not in marked or n in inputs_read or any(o.op == "Input" and o.args[0] == n
+                                                                     for o in staged.outputs)]
+    return Split(staged, _part(staged, prepare_kernels, prepared_tensors, naive=False),
+                 _part(staged, per_call, staged.outputs, naive=True), parameters, prepared_tensors, hoisted,
+                 tuple(n for n in program_inputs if n in prepare_inputs), tuple(per_call_inputs))
+
+
+# --- which kernels are prepared ------------------------------------------------------------------
+
+
+def _prepared_kernels(plan, parameters: frozenset) -> set[int]:
+    """Indices of the kernels of `plan` that read only parameters, constants and prepared tensors,
+    none an effect depends on, and no statistic shared with a per-call kernel."""
+    producers: dict = {}
+    for i, kernel in enumerate(plan.kernels):
+        for term in kernel.outputs:
+            producers.setdefault(term, []).append(i)
+    effect_outputs = plan.program.effect_outputs if plan.program is not None else 0
+    effects = plan.outputs[len(plan.outputs) - effect_outputs:] if effect_outputs else []
+    effectful = {id(t) for t in postorder(effects)}
+    reads = [list(_tensors_read([k.term, *k.outputs], producers)) for k in plan.kernels]
+    banned = {i for i, k in enumerate(plan.kernels) if id(k.term) in effectful}
+    while True:
+        prepared: set[int] = set()
+
+        def available(tensor: Term) -> bool:
+            if tensor.op == "Input":
+                return tensor.args[0] in parameters
+            if tensor.op == "Constant":
+                return True
+            return tensor in producers and all(j in prepared for j in producers[tensor])
+
+        for i in range(len(plan.kernels)):
+            if i not in banned and all(available(t) for t in reads[i]):
+                prepared.add(i)
+        mixed = {j for hosts in producers.values() if len(hosts) > 1 and any(h in prepared for h in hosts)
+                 and not all(h in prepared for h in hosts) for j in hosts}
+        if not mixed:
+            return prepared
+        banned |= mixed
+
+
+def _tensors_read(roots, producers) -> dict[Term, None]:
+    """The inputs, constants and kernel outputs (`producers`' keys) the terms `roots` read, in the
+    order first met: kernels' operand expressions, statistics' bodies (their side inputs) and loop
+    bodies included, other kernels not entered."""
+    roots = list(roots)
+    own = {id(root) for root in roots}
+    found: dict[Term, None] = {}
+    seen: set[int] = set()
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) not in own and (node.op in ("Input", "Constant") or node in producers):
+            found[node] = None
+            continue
+        stack.extend(reversed(node.children))
+    return found
+
+
+def _stage_reads(plan, kernels) -> tuple[list[Term], set[str]]:
+    """(tensors of other kernels, program input names) that `kernels` read."""
+    producers = {t: None for k in plan.kernels for t in k.outputs}
+    own = {t for k in kernels for t in k.outputs}
+    found = _tensors_read([t for k in kernels for t in k.outputs], producers)
+    return ([t for t in found if t in producers and t not in own],
+            {t.args[0] for t in found if t.op == "Input"})
+
+
+# --- hoisting parameter-only operands ------------------------------------------------------------
+
+
+def _hoist(plan, parameters: frozenset):
+    """(`plan` with the parameter-only operand expressions of its per-call kernels computed by
+    prepared `Pointwise` kernels, how many such kernels)."""
+    from extract.plan import Plan, _flatten
+
+    prepared = _prepared_kernels(plan, parameters)
+    produced = {t for i, k in enumerate(plan.kernels) if i in prepared for t in k.outputs}
+
+    def available(tensor: Term) -> bool:
+        if tensor.op == "Input":
+            return tensor.args[0] in parameters
+        return tensor.op == "Constant" or tensor in produced
+
+    targets = {}  # kernel term -> {expr node: replacement}
+    for i, kernel in enumerate(plan.kernels):
+        if i in prepared or kernel.op in NOT_HOISTED_FROM:
+            continue
+        hoisted = _hoistable(kernel.term, available)
+        if hoisted:
+            targets[kernel.term] = hoisted
+    if not targets:
+        return plan, 0
+    mapping: dict[Term, Term] = {}
+    for node in postorder(plan.outputs):
+        if node in targets:
+            mapping[node] = _rebuild_kernel(node, targets[node], mapping)
+        else:
+            mapping[node] = _rebuilt(node, lambda child: mapping[child])
+    kernels = _flatten(plan.kernels)
+    class_of, class_components = {}, {}
+    for n, kernel in enumerate(kernels):
+        key = kernel.eclass if kernel.eclass is not None else -1 - n
+        class_components[key] = kernel.component
+        for term in kernel.outputs[:1] if kernel.op != "Loop" else kernel.outputs:
+            class_of[mapping.get(term, term)] = key
+    staged = Plan.build([mapping[t] for t in plan.outputs], program=plan.program, class_of=class_of,
+                        class_components=class_components, device=plan.device, extractor=plan.extractor)
+    new = {node for replacements in targets.values() for node in replacements.values()}
+    return staged, len(new)
+
+
+def _hoistable(kernel: Term, available) -> dict[Term, Term]:
+    """The topmost expressions of `kernel`'s operands worth a prepared kernel -> `Load` of it."""
+    from emit.pallas import kernel_exprs
+
+    ok: dict[int, bool] = {}       # reads only available tensors, and not the kernel's Acc
+    free_acc: dict[int, bool] = {}
+    roots = kernel_exprs(kernel)
+    for node in _expr_postorder(roots):
+        if node.op == "Load":
+            ok[id(node)], free_acc[id(node)] = available(node.args[0]), False
+            continue
+        exprs = [c for c in node.children if c.sort == "Expr"]
+        bound = exprs[:1] if node.op == "RowReduce" else exprs  # a RowReduce binds its epilogue's Acc
+        free_acc[id(node)] = node.op == "Acc" or any(free_acc[id(c)] for c in bound)
+        ok[id(node)] = not free_acc[id(node)] and all(ok[id(c)] for c in exprs)
+    found: dict[Term, Term] = {}
+    stack = list(roots)
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if ok[id(node)] and _worth_preparing(node):
+            found[node] = Term("Load", Term("Pointwise", node, node.ty), node.ty)
+            continue
+        stack.extend(c for c in node.children if c.sort == "Expr")
+    return found
+
+
+def _worth_preparing(expr: Term) -> bool:
+    """It computes something and stores no more bytes than the tensors it reads."""
+    loads: dict[int, Term] = {}
+    computes = False
+    for node in _expr_postorder([expr]):
+        computes = computes or node.op not in READING_OPS
+        if node.op == "Load":
+            loads[id(node.args[0])] = node.args[0]
+    return computes and bool(loads) and _nbytes(expr) <= sum(_nbytes(t) for t in loads.values())
+
+
+def _expr_postorder(roots):
+    """The Expr nodes under `roots`, children first, not entering the tensors they load."""
+    seen: set[int] = set()
+    stack = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in seen:
+            continue
+        if expanded:
+            seen.add(id(node))
+            yield node
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in node.children if c.sort == "Expr" and id(c) not in seen)
+
+
+def _rebuilt(node: Term, new) -> Term:
+    """`node` with each child `c` replaced by `new(c)` (the same object when none changed)."""
+    args = [new(a) if isinstance(a, Term) else a for a in node.args]
+    if all(arg is old for arg, old in zip(args, node.args)):
+        return node
+    return Term(node.op, *args)
+
+
+def _rebuild_kernel(kernel: Term, replacements: dict, mapping: dict) -> Term:
+    """`kernel` with the operand expressions in `replacements` replaced by theirs and the tensors
+    it reads by their `mapping`."""
+    local: dict[Term, Term] = {}
+
+    def new(child: Term) -> Term:
+        return local[child] if child.sort == "Expr" else mapping.get(child, child)
+
+    from emit.pallas import kernel_exprs
+
+    for node in _expr_postorder(kernel_exprs(kernel)):
+        local[node] = replacements[node] if node in replacements else _rebuilt(node, new)
+    return _rebuilt(kernel, new)
+
+
+# --- the two stages as plans ---------------------------------------------------------------------
+
+
+def _part(plan, kernels, outputs, *, naive: bool):
+    """A `Plan` of some of `plan`'s kernels computing `outputs`; what they read from the others is
+    an input. `naive`: keep the naive counts (the per-call part stands for the whole program)."""
+    from extract.plan import Plan, _buffers, _peak
+
+    kernels = [dataclasses.replace(k, index=i) for i, k in enumerate(kernels)]
+    buffers = _buffers([k.outputs for k in kernels], [k.inputs for k in kernels], outputs)
+    part = Plan(kernels, buffers, list(outputs), plan.device, plan.extractor, plan.program)
+    part.peak_bytes = _peak(buffers, len(kernels))
+    part.hosted_reductions = len({t for k in kernels for t in k.hosted})
+    if naive:
+        part.naive_kernels = plan.naive_kernels
+        part.naive_by_component = dict(plan.naive_by_component)
+        part.naive_loop_body_kernels = plan.naive_loop_body_kernels
+    return part
+
+
+def _nbytes(term: Term) -> int:
+    from extract.plan import _nbytes as stored_bytes
+
+    return int(stored_bytes(term))
+
+
+def _spec(term: Term) -> jax.ShapeDtypeStruct:
+    ty = parse_type(term.ty)
+    return jax.ShapeDtypeStruct(tuple(ty.shape), ty.dtype)
+
+
+# --- running: the prepare stage cached by identity, the per-call stage at every call -------------
+
+
+class Prepared:
+    """A split plan as a callable of the original function's arguments: the prepare stage runs once
+    per set of parameter leaves (cached by identity, see the module docstring), the per-call stage
+    at every call. `prepare_runs` counts the prepare stage's runs, `cache_hits` the calls that
+    reused its tensors."""
+
+    def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=()):
+        from emit import resolve_backend
+
+        if split.plan.program is None:
+            raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
+        donated = set(donate) & set(split.parameters)
+        if donated:
+            raise ValueError(f"inputs {sorted(donated)} are both donated and parameters: a parameter stays "
+                             f"the same across calls, a donated buffer is consumed by one")
+        self.split = split
+        self.backend = resolve_backend(backend)
+        self.interpret = None if interpret is None else bool(interpret)
+        self.donate = tuple(name for name in split.per_call_inputs if name in set(donate))
+        self.prepare_runs = 0
+        self.cache_hits = 0
+        self._entry: _Entry | None = None
+        self._prepare_jitted = jax.jit(self._prepare_stage)
+        self._per_call_jitted = jax.jit(self._per_call_stage)
+        self._per_call_donating = jax.jit(self._per_call_donating_stage, donate_argnums=0)
+
+    @property
+    def program(self):
+        return self.split.plan.program
+
+    @property
+    def plan(self):
+        return self.split.plan
+
+    def __call__(self, *args, **kwargs):
+        env = self.program.environment(*args, **kwargs)
+        prepared = self.prepared_for([env[name] for name in self.split.prepare_inputs])
+        return self.program.results(self._per_call(env, prepared))
+
+    def prepare(self, *args, **kwargs) -> list:
+        """The prepared tensors for these arguments (from the cache when their parameters are the
+        same objects as last time)."""
+        env = self.program.environment(*args, **kwargs)
+        return self.prepared_for([env[name] for name in self.split.prepare_inputs])
+
+    def per_call(self, prepared, *args, **kwargs):
+        """The per-call stage alone on `prepared` (values or `Split.prepared_specs()` under a trace)."""
+        return self.program.results(self._per_call(self.program.environment(*args, **kwargs), list(prepared)))
+
+    def prepared_for(self, parameters: list) -> list:
+        """The prepare stage's outputs for the parameter leaves `parameters` (`split.prepare_inputs`)."""
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in parameters):
+            return self._prepare(parameters)  # traced with the call: nothing to cache
+        entry = self._entry
+        if entry is not None and entry.holds(parameters):
+            self.cache_hits += 1
+            return entry.values
+        self._entry = None  # the old tensors are freed before the new ones are computed
+        values = self._prepare(parameters)
+        self.prepare_runs += 1
+        self._entry = _Entry(parameters, values, self)
+        return values
+
+    def _forget(self, entry) -> None:
+        if self._entry is entry:
+            self._entry = None
+
+    def _prepare(self, parameters: list) -> list:
+        if self.backend == "interpret":
+            return self._interpret(dict(zip(self.split.prepare_inputs, parameters)), {}, self.split.prepared_tensors)
+        return self._prepare_jitted(list(parameters))
+
+    def _per_call(self, env: dict, prepared: list):
+        if self.backend == "interpret":
+            leaves = {name: env[name] for name in self.split.per_call_inputs}
+            return self._interpret(leaves, dict(zip(self.split.prepared_tensors, prepared)), self.split.plan.outputs)
+        if self.donate:
+            donated = [env[name] for name in self.donate]
+            kept = [env[name] for name in self.split.per_call_inputs if name not in self.donate]
+            return self._per_call_donating(donated, kept, prepared)
+        return self._per_call_jitted([env[name] for name in self.split.per_call_inputs], prepared)
+
+    def _interpret(self, env: dict, known: dict, terms: list) -> list:
+        from eqsat.interpret import _Evaluator
+
+        program = self.program
+        evaluator = _Evaluator(env, program.constants, program.payloads)
+        evaluator.values.update(known)
+        return evaluator.run(list(terms))
+
+    def _run(self, plan, inputs: dict, known: dict, terms: list) -> list:
+        from emit import kernel_calls
+        from emit.pallas import EmitContext, run_kernels
+
+        program = self.program
+        values = {term: inputs[term.args[0]] for term in program.inputs if term.args[0] in inputs}
+        values.update(known)
+        ctx = EmitContext(values, program.constants, program.payloads, interpret=self.interpret,
+                          backend=self.backend, components=program.components)
+        run_kernels(kernel_calls(plan), ctx)
+        return [ctx.value(term) for term in terms]
+
+    def _prepare_stage(self, parameters):
+        return self._run(self.split.prepared, dict(zip(self.split.prepare_inputs, parameters)), {},
+                         self.split.prepared_tensors)
+
+    def _per_call_stage(self, leaves, prepared):
+        return self._run(self.split.per_call, dict(zip(self.split.per_call_inputs, leaves)),
+                         dict(zip(self.split.prepared_tensors, prepared)), self.split.plan.outputs)
+
+    def _per_call_donating_stage(self, donated, kept, prepared):
+        kept = iter(kept)
+        by_name = dict(zip(self.donate, donated))
+        leaves = [by_name[name] if name in by_name else next(kept) for name in self.split.per_call_inputs]
+        return self._per_call_stage(leaves, prepared)
+
+    def __getstate__(self):
+        return {"split": self.split, "backend": self.backend, "interpret": self.interpret, "donate": self.donate}
+
+    def __setstate__(self, state):
+        self.__init__(state["split"], state["backend"], interpret=state["interpret"], donate=state["donate"])
+
+    def __repr__(self) -> str:
+        split = self.split
+        return (f"Prepared({len(split.prepared.kernels)} prepared + {len(split.per_call.kernels)} per-call "
+                f"kernels, backend={self.backend})")
+
+
+class _Entry:
+    """The last parameter leaves (weakly held where possible) and their prepared tensors."""
+
+    def __init__(self, leaves: list, values: list, owner: Prepared):
+        owner_ref = weakref.ref(owner)
+
+        def collected(_, entry_ref=weakref.ref(self)):
+            owner, entry = owner_ref(), entry_ref()
+            if owner is not None and entry is not None:
+                owner._forget(entry)
+
+        self.refs = []
+        for leaf in leaves:
+            try:
+                self.refs.append(weakref.ref(leaf, collected))
+            except TypeError:  # Python and NumPy scalars
+                self.refs.append(lambda leaf=leaf: leaf)
+        self.values = values
+
+    def holds(self, leaves: list) -> bool:
+        return len(leaves) == len(self.refs) and all(ref() is leaf for ref, leaf in zip(self.refs, leaves))
