@@ -19,9 +19,10 @@ cost the plan reports. Deterministic: ties keep the earlier candidate, the ILP r
 branch-and-bound node limit, regions are visited in order under a budget counted in variables.
 
 `time_limit` (seconds) bounds the search, counted once the e-graph is read (reading it and
-building the chosen terms are linear and always done): past it, greedy rounds not yet run are
-skipped (the first always runs: there must be a plan), the polish stops between two moves, and the
-ILP is not started (or HiGHS stops at the limit); the plan is the best found so far and
+building the chosen terms are linear and always done): a greedy round after the first runs only
+if it and the polish look like fitting (the first always runs: there must be a plan), the polish
+stops between two moves, the ILP is not started (or HiGHS stops at the limit), and the regional
+ILPs stop; the plan is the best found so far and
 `result.limit_reached` says "time_limit" (None when every step ran to its end). Only then does the
 result depend on the machine's speed. `result.details["seconds"]` times each step.
 """
