@@ -415,8 +415,6 @@ class _Context(NamedTuple):
     slots: tuple
 
 
-_NOT_A_KERNEL = _Context(0.0, frozenset(), ())
-
 
 class _Polish:
     """The state of one polish: the plan's nodes, each kernel's cost and reads, reference counts and a
