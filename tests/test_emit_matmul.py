@@ -443,3 +443,12 @@ def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
 def _entry_name(call) -> str:
     """The PTX entry of a `pallas_call` named `call.name` (Triton keeps [A-Za-z0-9_])."""
     return re.sub(r"[^A-Za-z0-9_]", "_", call.name)
+
+
+def test_integer_matmul_runs_through_xla_with_a_warning():
+    """An int32 dot is not what an fp32-accumulating template computes: the dispatcher falls back."""
+    x, w = np.arange(77 * 40, dtype=np.int32).reshape(77, 40) % 7, np.arange(40 * 9, dtype=np.int32).reshape(40, 9) % 5
+    plan = eqsat.optimize(lambda x, w: x @ w).lower(x, w).plan
+    with pytest.warns(XlaFallbackWarning, match="int32 operand"):
+        out = emit.emit(plan, "pallas", interpret=True)(x, w)
+    np.testing.assert_array_equal(np.asarray(out), x @ w)

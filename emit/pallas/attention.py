@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
-from emit.pallas.matmul import MIN_DOT_BLOCK, store
+from emit.pallas.matmul import MIN_DOT_BLOCK, check_dot_dtypes, store
 from eqsat.types import parse_type
 
 Index = tuple[Any, Any, Any, Any]
@@ -193,6 +193,7 @@ def emit(kernel, ctx) -> dict:
         raise NotImplementedError(f"attention with q {q_shape}, k {k_shape}, v {v_shape}")
     if min(batch, heads, q_len, head_dim, k_shape[2]) == 0:
         raise NotImplementedError("an empty attention")
+    check_dot_dtypes(q, k, v)
     bias = None if _is_zero(bias) else bias
     expressions = [e for e in (q, k, v, bias, epilogue) if e is not None]
     for expression in expressions:

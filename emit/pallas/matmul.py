@@ -416,6 +416,18 @@ def _hoist_row_statistics(lhs: Term) -> tuple[Term, dict[Term, Term]]:
     return _substitute(lhs, {r: Term("Load", p, r.ty) for p, r in placeholders.items()}), placeholders
 
 
+DOT_DTYPES = ("float16", "bfloat16", "float32")  # the template accumulates in fp32 on tensor cores
+
+
+def check_dot_dtypes(*operands: Term) -> None:
+    """Raise `NotImplementedError` (the dispatcher then runs the kernel through XLA) for an operand
+    the fp32-accumulating template would compute wrongly: integers, float64."""
+    for operand in operands:
+        dtype = parse_type(operand.ty).dtype
+        if dtype not in DOT_DTYPES:
+            raise NotImplementedError(f"a {dtype} operand (the template multiplies {', '.join(DOT_DTYPES)})")
+
+
 def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence[Term]) -> RowStatistic:
     """The part of `reduction` (an `EpilogueReduce`) the matmul `term` computes: the elements it
     writes, when each output row belongs to one statistic output of its own (a LayerNorm over the
@@ -490,6 +502,7 @@ def emit(kernel, ctx) -> dict:
     batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
+    check_dot_dtypes(lhs, rhs)
     hosted_parts = _statistic_reads(kernel.hosted, term)
     for expression in (lhs, rhs, epilogue, *hosted_parts):
         missing = ex.unsupported_ops(expression)
