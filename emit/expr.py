@@ -37,11 +37,20 @@ accumulator is a reduction (the `Reduce` template's `Acc`).
 
 Evaluation memoizes per point: a subterm read twice at the same index arrays (`x * sigmoid(x)`,
 both rows of one `moments`) is computed once.
+
+A statistic computed in its producers' epilogues (`Load(EpilogueReduce)`, a GroupNorm's or
+LayerNorm's sum and M2) usually reaches a kernel as its hosts' per-tile partials
+(`[tiles, fields, slots]`: each tile's sum, or count, mean and M2), not as finished values: the
+memory reads it with `read_partials`, which merges the tiles of the slot the index names in tile
+order (`merge_partials_at`: sums added, moments by Chan's formula) and memoizes the merge by the
+kept index, so a reader's sum and M2 at one point merge once. `partials_layout` tells the two
+bindings apart by the buffer's size.
 """
 
 from __future__ import annotations
 
 import math
+from collections import ChainMap
 from typing import Callable, Iterator, Protocol, Sequence, Union
 
 import jax
@@ -460,6 +469,97 @@ def select_moment(row: IndexEntry, moments) -> jax.Array:
     return jnp.where(row == 0, total, m2)
 
 
+# --- statistics read from their hosts' per-tile partials ---------------------------------------------
+
+# What each tile of a host writes per statistic output (slot): its sum, or its count, mean and M2.
+PARTIAL_FIELDS = {"sum": 1, "moments": 3}
+
+
+def statistic_slots(statistic: Term) -> int:
+    """How many outputs (slots) an `EpilogueReduce` has: its kept elements (`moments`: per row pair)."""
+    shape = parse_type(statistic.ty).shape
+    return max(1, math.prod(shape[1:] if statistic.args[1] == "moments" else shape))
+
+
+def partials_layout(statistic: Term, size: int) -> tuple[int, int, int] | None:
+    """`(tiles, fields, slots)` when a buffer of `size` elements bound to the `EpilogueReduce`
+    `statistic` holds its hosts' per-tile partials (`[tiles, fields, slots]`, row-major), None when
+    it holds the finished statistic (its own size). The two never clash: moments partials hold 3
+    fields per slot and tile where the statistic holds 2, and sum partials of one tile are the sum."""
+    op = statistic.args[1]
+    shape = parse_type(statistic.ty).shape
+    if size == max(1, math.prod(shape)):
+        return None
+    fields, slots = PARTIAL_FIELDS.get(op), statistic_slots(statistic)
+    if fields is None or size % (fields * slots):
+        raise ValueError(f"a buffer of {size} elements is neither {statistic.ty} nor per-tile partials "
+                         f"of that {op} statistic ([tiles, {fields}, {slots}])")
+    return size // (fields * slots), fields, slots
+
+
+def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: int, slots: int,
+                      slot: IndexEntry):
+    """A statistic at flat output `slot` (an int or int32 array) from `tiles` per-tile partials,
+    merged in tile order: `load(offsets)` reads the partials buffer (`[tiles, fields, slots]`) at
+    flat offsets. `sum` adds the tiles' sums; `moments` merges (count, mean, M2) with Chan's formula
+    (`eqsat.moments.merge_partials`), a tile of count 0 leaving the running value untouched (its
+    mean and M2 are never multiplied in, so no inf * 0). Returns the sum, or `(sum, M2)`."""
+    point = shape_of((slot,))
+    if point == ():  # one slot for every lane: load it as a one-element vector (Triton loads blocks)
+        slot = jnp.full((1,), slot, jnp.int32) if is_static(slot) else jnp.reshape(slot, (1,))
+    lanes = shape_of((slot,))
+    fields = PARTIAL_FIELDS[op]
+    zeros = jnp.zeros(lanes, jnp.float32)
+
+    def field(tile, f):
+        return jnp.broadcast_to(load(add(slot, (tile * fields + f) * slots)).astype(jnp.float32), lanes)
+
+    if op == "sum":
+        def add_tile(tile, total):
+            return total + field(tile, 0)
+
+        total = add_tile(0, zeros) if tiles == 1 else lax.fori_loop(0, tiles, add_tile, zeros)
+        return jnp.reshape(total, point)
+
+    def merge_tile(tile, carry):
+        n, mean, m2 = carry
+        n_t, mean_t, m2_t = field(tile, 0), field(tile, 1), field(tile, 2)
+        merged = n + n_t
+        has = n_t > 0
+        weight = n_t / jnp.maximum(merged, 1.0)
+        delta = jnp.where(has, mean_t - mean, 0.0)
+        spread = jnp.where(has & (n > 0), delta * (n * weight) * delta, 0.0)
+        return merged, mean + delta * weight, m2 + jnp.where(has, m2_t, 0.0) + spread
+
+    n, mean, m2 = merge_tile(0, (zeros, zeros, zeros)) if tiles == 1 else \
+        lax.fori_loop(0, tiles, merge_tile, (zeros, zeros, zeros))
+    return jnp.reshape(mean * n, point), jnp.reshape(m2, point)
+
+
+def read_partials(statistic: Term, index: Index, layout: tuple[int, int, int],
+                  load: Callable[[IndexEntry], jax.Array], memo=None) -> jax.Array:
+    """`Load(statistic)` at `index` from its per-tile partials (`partials_layout`): the slot the
+    index names merged over every tile (`merge_partials_at`). With a `memo` (a mapping the caller
+    scopes to one trace) the merge is kept by the kept index, so a moments reader's sum and M2 at
+    the same point merge once. Every lane is computed (indices clamped, loads unmasked): masked
+    lanes hold some slot's value, never an out-of-range read."""
+    op = statistic.args[1]
+    tiles, _fields, slots = layout
+    shape = parse_type(statistic.ty).shape
+    kept_shape = shape[1:] if op == "moments" else shape
+    kept = tuple(index[1:] if op == "moments" else index)
+    key = ("partials", id(statistic)) + tuple(_key(e) for e in kept)
+    if memo is not None and key in memo:
+        merged = memo[key][0]
+    else:
+        clamped = tuple(clip(e, 0, size - 1) for e, size in zip(kept, kept_shape))
+        merged = merge_partials_at(op, load, tiles, slots, linearize(clamped, kept_shape))
+        if memo is not None:
+            memo[key] = (merged, kept)  # the kept arrays stay alive, so their ids stay unique
+    value = select_moment(index[0], merged) if op == "moments" else merged
+    return jnp.broadcast_to(value, shape_of(tuple(index)))
+
+
 # --- the compiler ------------------------------------------------------------------------------------
 
 
@@ -523,7 +623,20 @@ class _Evaluator:
     # leaves
 
     def _Load(self, term, index, mask, acc):
-        return jnp.asarray(self.memory.load(term.args[0], index, mask))
+        tensor = term.args[0]
+        if tensor.op == "EpilogueReduce":  # bound to its hosts' per-tile partials: merged here, once per point
+            source = getattr(self.memory, "partials_source", None)
+            found = source(tensor) if source is not None else None
+            if found is not None:
+                memo = ChainMap(*(evaluator.memo for evaluator in self._chain()))
+                return read_partials(tensor, index, *found, memo=memo)
+        return jnp.asarray(self.memory.load(tensor, index, mask))
+
+    def _chain(self):
+        evaluator = self
+        while evaluator is not None:
+            yield evaluator
+            evaluator = evaluator.parent
 
     def _Acc(self, term, index, mask, acc):
         if acc is None:
@@ -694,14 +807,27 @@ def acc_dtype(epilogue: Term, default_ty: str):
 
 
 class ArrayMemory:
-    """`Memory` over whole jax arrays: `load` gathers `values[tensor]` at the (clamped) index."""
+    """`Memory` over whole jax arrays: `load` gathers `values[tensor]` at the (clamped) index. An
+    `EpilogueReduce` bound to its per-tile partials is merged where it is read (`read_partials`)."""
 
     chunk_elements = 1 << 16
 
     def __init__(self, values):
         self.values = values
 
+    def partials_source(self, statistic: Term):
+        """`(layout, load)` when `statistic` is bound to its per-tile partials, else None."""
+        array = jnp.asarray(self.values[statistic])
+        layout = partials_layout(statistic, array.size)
+        if layout is None:
+            return None
+        flat_partials = jnp.reshape(array, (-1,))
+        return layout, lambda offsets: flat_partials[offsets]
+
     def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
+        found = self.partials_source(tensor) if tensor.op == "EpilogueReduce" else None
+        if found is not None:
+            return read_partials(tensor, index, *found)
         array = jnp.asarray(self.values[tensor])
         shape = array.shape
         if not shape:

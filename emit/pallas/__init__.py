@@ -5,9 +5,12 @@ A template is a module (the layout of jax's `pallas/ops/gpu`) with three parts:
     emit(kernel: KernelCall, ctx: EmitContext) -> dict[Term, jax.Array]
         Emit `kernel.term` as Pallas kernel(s) named `kernel.name` and return its value under
         `kernel.term`, plus any of `kernel.hosted` (the `EpilogueReduce` statistics the plan asks
-        this kernel to compute) that it computes itself. Hosted reductions it leaves out are
-        computed by the driver as their own reduce kernel. Build closures with `emit.expr`, read
-        tensors with `ctx.value(tensor)`, launch with `emit.pallas.triton.pallas_call(...,
+        this kernel to compute) that it computes itself, as `emit.pallas.partials.Partials` (the
+        per-tile partials of every host so far; `ctx.pending` has the earlier hosts'). Hosted
+        reductions it leaves out are computed by the driver as their own reduce kernel. Build
+        closures with `emit.expr`, pass a kernel the tensors it reads as `ctx.operand(tensor)` (a
+        statistic as its partials, merged where the kernel reads it: `emit.expr.read_partials`;
+        `ctx.value(tensor)` is a finished value), launch with `emit.pallas.triton.pallas_call(...,
         name=kernel.name, interpret=ctx.interpret)`. Raise `NotImplementedError("why")` for a form
         the template does not cover: the dispatcher then runs that kernel with the XLA emitter
         and warns (`XlaFallbackWarning`, naming the kernel and the reason) — never silently.
@@ -75,11 +78,20 @@ class EmitContext:
     backend: str = "pallas"                         # "pallas" or "xla": which emitter runs each kernel
     components: dict = field(default_factory=dict)  # Program.components: lifted kernel term -> scope path
     shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site
+    partials: dict = field(default_factory=dict)    # hosted statistic -> its hosts' per-tile partials (all hosts run)
+    pending: dict = field(default_factory=dict)     # hosted statistic -> the partials of the hosts run so far
 
     def value(self, tensor: Term) -> jax.Array:
-        """The value of a Tensor term the kernel reads (already computed, or a leaf)."""
+        """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
+        by its partials is merged here in plain jax, for readers outside the Pallas templates."""
         value = self.values.get(tensor)
         if value is not None:
+            return value
+        if tensor in self.partials:
+            from emit.pallas.partials import merged
+
+            value = merged(tensor, self.partials[tensor])
+            self.values[tensor] = value
             return value
         if tensor.op == "Constant":
             import jax.numpy as jnp
@@ -89,10 +101,17 @@ class EmitContext:
             return value
         raise KeyError(f"{tensor!r} has not been computed before the kernel that reads it")
 
+    def operand(self, tensor: Term) -> jax.Array:
+        """What a Pallas kernel reading `tensor` through `emit.expr` is passed: its value, or for a
+        statistic its hosts computed, their per-tile partials (the kernel merges them where it reads)."""
+        if tensor not in self.values and tensor in self.partials:
+            return self.partials[tensor]
+        return self.value(tensor)
+
     def child(self, bound: dict) -> "EmitContext":
         """A context for a loop body: `bound` (LoopArg terms -> values) plus everything known here."""
         return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend,
-                           self.components, dict(self.shared))
+                           self.components, dict(self.shared), dict(self.partials))
 
     def kernel_name(self, term: Term, default: str = "") -> str:
         """`"<component>:<kind>"` for a kernel term the program's lift named, else `default`."""
@@ -155,22 +174,41 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
             reason = str(error) or f"{module.__name__} does not cover this {kernel.term.op}"
     warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through the XLA emitter: {reason}",
                   XlaFallbackWarning, stacklevel=2)
+    for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
+        if tensor in ctx.partials:
+            ctx.value(tensor)  # the XLA emitter reads finished statistics
     return xla.emit_kernel(kernel, ctx)
 
 
 def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
-    emitter `ctx.backend` names. A hosted statistic the Pallas template does not compute itself is
-    emitted right after its (last) host as its own reduce kernel."""
+    emitter `ctx.backend` names. A hosted statistic is complete after its last host: as partials
+    (`ctx.partials`, what the readers merge) when every host wrote its tiles, else the driver emits
+    it right after its last host as its own reduce kernel."""
     from emit import xla
+    from emit.pallas.partials import Partials
 
     calls = list(calls)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
+    host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
+    wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
     for i, call in enumerate(calls):
         with jax.named_scope(call.name):
             produced = xla.emit_kernel(call, ctx) if ctx.backend == "xla" else emit_kernel(call, ctx)
-            ctx.values.update(produced)
+            for term, value in produced.items():
+                if isinstance(value, Partials):
+                    ctx.pending[term] = value.buffer
+                    wrote[term] = wrote.get(term, 0) + 1
+                else:
+                    ctx.values[term] = value
             for reduction in call.hosted:
-                if reduction not in ctx.values and last_host[reduction] == i:
-                    name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
-                    ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))
+                if last_host[reduction] != i:
+                    continue
+                buffer = ctx.pending.pop(reduction, None)
+                if reduction in ctx.values:
+                    continue
+                if buffer is not None and wrote.get(reduction) == host_count[reduction]:
+                    ctx.partials[reduction] = buffer
+                    continue
+                name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
+                ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))

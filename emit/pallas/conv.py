@@ -31,10 +31,12 @@ numbers, so conv_out writes NCHW directly.
 Statistics of the output (`TileStatistic`, an `EpilogueReduce` the plan hosts on this conv: the
 next GroupNorm's sum/M2): while the tile is in registers, each program writes its own partial
 (a sum, or count, mean and M2 computed two-pass over the tile) for every statistic output into
-its row of a small fp32 partials buffer, a second output of the kernel: no atomics, no zeroing.
-`merge_partials` combines the tiles pairwise in a fixed order (Chan et al.'s formula), so the
-result is deterministic; `emit` runs that merge after the kernel (a small XLA computation) and a
-statistic over `concat(h, skip)` is merged at its last host.
+its row of a small fp32 partials buffer, a second output of the kernel: no atomics, no zeroing,
+no index tables (each element's statistic output is index arithmetic in the kernel). The kernels
+reading the statistic merge the rows in tile order where they read it (`emit.expr.read_partials`,
+Chan et al.'s formula), so the result is deterministic and no merge kernel runs. A statistic over
+`concat(h, skip)` has one buffer: the later host copies the earlier one's rows in front of its
+own (`emit.pallas.partials`). `merge_partials` is a pairwise merge in plain jax (tests).
 
     emit(kernel, ctx)              the dispatch entry (`emit.pallas`): a KernelCall in an EmitContext
     run(term, operands, ...)       a Conv term with its tensors bound: output (and partials)
@@ -61,6 +63,7 @@ from jax.experimental import pallas as pl
 
 from emit.expr import compile_expr, linearize, reshape_index
 from emit.pallas import loaded_tensors, triton
+from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
@@ -236,12 +239,14 @@ def _flat_offset(index: Sequence[jax.Array], shape: Sequence[int]) -> jax.Array:
 
 
 def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epilogue: EpilogueFn,
-                 config: ConvConfig, n_inputs: int, dot_dtype, statistics: tuple["_Layout", ...]):
-    # Every ref is flat (`triton.pallas_call`): operands, then each statistic's 4 slot tables, then
-    # the output and each statistic's partials.
+                 config: ConvConfig, n_inputs: int, dot_dtype, statistics: tuple["_Layout", ...],
+                 prefix_sizes: tuple[int, ...]):
+    # Every ref is flat (`triton.pallas_call`): operands, then the earlier hosts' partials of each
+    # statistic that has some, then the output and each statistic's partials.
     inputs = refs[:n_inputs]
-    tables = refs[n_inputs:n_inputs + 4 * len(statistics)]
-    out_ref, partial_refs = refs[n_inputs + 4 * len(statistics)], refs[n_inputs + 4 * len(statistics) + 1:]
+    prefixes = iter(refs[n_inputs:n_inputs + sum(size > 0 for size in prefix_sizes)])
+    out_ref = refs[n_inputs + sum(size > 0 for size in prefix_sizes)]
+    partial_refs = refs[n_inputs + sum(size > 0 for size in prefix_sizes) + 1:]
     g, p = geometry, geometry.params
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
@@ -289,20 +294,33 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     triton.store(out_ref, offset, value, out_mask)
 
     stored = value.astype(out_ref.dtype)  # what readers of the output see
-    for layout, partial_ref, t in zip(statistics, partial_refs, range(len(statistics))):
+    program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
+    for layout, partial_ref, prefix_size in zip(statistics, partial_refs, prefix_sizes):
+        if prefix_size:
+            copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
         body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
-        _write_partials(layout, tables[4 * t:4 * t + 4], partial_ref, body, out_mask & body_ok, m, n)
+        slot_at = layout.statistic.slot_at
+        row_part = slot_at(_place(p.out_spec, (b, 0, oy, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
+        col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
+        tile = prefix_size // (layout.fields * layout.slots) + program
+        _write_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part, tile)
 
 
 # --- build ------------------------------------------------------------------------------------
 
 
+def _grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
+    return pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n)
+
+
 def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn, inputs: Sequence[jax.Array],
-          out_dtype, *, statistics: Sequence["TileStatistic"] = (), config: ConvConfig | None = None,
-          dot_dtype=None, interpret: bool = False, name: str = "conv"):
+          out_dtype, *, statistics: Sequence["TileStatistic"] = (), prefixes: Sequence[jax.Array | None] = (),
+          config: ConvConfig | None = None, dot_dtype=None, interpret: bool = False, name: str = "conv"):
     """Run the conv template: `inputs` are the arrays the closures read (flattened here, so the
     closures see flat refs in the same order). Returns the output of `geometry.out_shape`, or,
-    with `statistics`, `(output, [partials of each statistic])` (see `TileStatistic`)."""
+    with `statistics`, `(output, [partials of each statistic])` (see `TileStatistic`). A statistic's
+    `prefixes` entry (None, or its earlier hosts' partials `[tiles, fields, slots]`) is copied into
+    the front of its partials, this conv's tiles written after it."""
     ranges = tuple(ranges)
     if not ranges:
         raise ValueError("a conv needs at least one K range")
@@ -315,18 +333,29 @@ def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn
     dot_dtype = jnp.dtype(dot_dtype or out_dtype)
     if dot_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"dot dtype {dot_dtype} is not one of float16, bfloat16, float32")
-    grid = (pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n))
+    grid = _grid(geometry, config)
     layouts = tuple(_Layout.of(statistic, geometry, config) for statistic in statistics)
+    prefixes = tuple(prefixes) or (None,) * len(layouts)
+    if len(prefixes) != len(layouts):
+        raise ValueError(f"{len(prefixes)} partials prefixes for {len(layouts)} statistics")
+    prefix_tiles = []
+    for layout, prefix in zip(layouts, prefixes):
+        row = layout.fields * layout.slots
+        if prefix is not None and (prefix.dtype != jnp.float32 or prefix.size % row):
+            raise ValueError(f"earlier hosts' partials {prefix.shape} {prefix.dtype} are not fp32 [tiles, "
+                             f"{layout.fields}, {layout.slots}]")
+        prefix_tiles.append(0 if prefix is None else prefix.size // row)
     kernel = functools.partial(_conv_kernel, geometry=geometry, ranges=ranges, epilogue=epilogue, config=config,
-                               n_inputs=len(inputs), dot_dtype=dot_dtype, statistics=layouts)
-    tables = [table for layout in layouts for table in layout.tables()]
+                               n_inputs=len(inputs), dot_dtype=dot_dtype, statistics=layouts,
+                               prefix_sizes=tuple(t * l.fields * l.slots for t, l in zip(prefix_tiles, layouts)))
     out_shapes = [jax.ShapeDtypeStruct(geometry.out_shape, out_dtype)]
-    out_shapes += [jax.ShapeDtypeStruct((grid[0] * grid[1], layout.fields, layout.slots), jnp.float32)
-                   for layout in layouts]
-    out, *partials = triton.pallas_call(kernel, [*inputs, *tables], out_shapes, grid=grid, name=name,
-                                        interpret=interpret, num_warps=config.num_warps,
-                                        num_stages=config.num_stages)
-    return (out, partials) if statistics else out
+    out_shapes += [jax.ShapeDtypeStruct((t + grid[0] * grid[1], layout.fields, layout.slots), jnp.float32)
+                   for t, layout in zip(prefix_tiles, layouts)]
+    operands = [*inputs, *(prefix for prefix in prefixes if prefix is not None)]
+    out, *partials_out = triton.pallas_call(kernel, operands, out_shapes, grid=grid, name=name,
+                                            interpret=interpret, num_warps=config.num_warps,
+                                            num_stages=config.num_stages)
+    return (out, partials_out) if statistics else out
 
 
 
@@ -339,11 +368,13 @@ class TileStatistic:
 
     `value(refs, out_tile, out_index, mask) -> (body [bm, bn] fp32, ok)` is the reduction's body at
     each output element (`out_tile` is the output as stored, `ok` where the body reads it), and
-    `slot_of[m, n]` the reduction output (row-major over its kept axes, `0 <= slot < slots`)
-    element (pixel m, output channel n) belongs to. `op` "sum" writes per tile the partial sum of
-    every slot (`[tiles, 1, slots]`); "moments" its count, mean and M2 (`[tiles, 3, slots]`, two-pass
-    over the tile's elements of that slot; 0, 0, 0 for slots the tile does not touch), tiles in
-    row-major (M tile, N tile) order; `merge_partials` combines them in that order.
+    `slot_at(out_index)` the reduction output (row-major over its kept axes, `0 <= slot < slots`)
+    an output element belongs to: index arithmetic, on numpy arrays on the host (`slot_of[m, n]`,
+    pixel m, output channel n) and on index tiles in the kernel (no index tables). `op` "sum" writes
+    per tile the partial sum of every slot (`[tiles, 1, slots]`); "moments" its count, mean and M2
+    (`[tiles, 3, slots]`, two-pass over the tile's elements of that slot; 0, 0, 0 for slots the
+    tile does not touch), tiles in row-major (M tile, N tile) order; readers merge them in that
+    order (`emit.expr.read_partials`; `merge_partials` here, pairwise, for tests).
 
     The slot must split into a pixel part plus a channel part (GroupNorm: batch·groups + channel //
     group size), and an output tile may touch at most `MAX_ROW_SLOTS` pixel parts: each tile sums
@@ -354,6 +385,7 @@ class TileStatistic:
     value: Callable
     slot_of: np.ndarray
     slots: int
+    slot_at: Callable
 
     def __post_init__(self):
         if self.op not in ("sum", "moments"):
@@ -430,21 +462,38 @@ class _Layout:
     def slots(self) -> int:
         return self.statistic.slots
 
-    def tables(self) -> list[jax.Array]:
-        return [jnp.asarray(t, jnp.int32) for t in (self.row_local, self.row_parts, self.col_local, self.col_parts)]
 
 
-def _write_partials(layout: _Layout, tables, partial_ref, body, valid, m, n) -> None:
-    """This tile's partial statistic of every slot into its own row of `partial_ref`."""
-    row_local_ref, row_parts_ref, col_local_ref, col_parts_ref = tables
+# Larger than any slot part; the sum of two still fits int32.
+_NO_PART = 1 << 29
+
+
+def _distinct_parts(parts: jax.Array, valid: jax.Array, count: int) -> list[jax.Array]:
+    """The `count` smallest distinct values of `parts` where `valid`, ascending, as scalars
+    (`_NO_PART` past the last one): the slot parts of one tile, found in the kernel."""
+    found, previous = [], None
+    for _ in range(count):
+        live = valid if previous is None else valid & (parts > previous)
+        previous = jnp.min(jnp.where(live, parts, _NO_PART))
+        found.append(previous)
+    return found
+
+
+def _write_partials(layout: _Layout, partial_ref, body, valid, rows_ok, cols_ok, row_part, col_part, tile) -> None:
+    """This tile's partial statistic of every slot into its own row `tile` of `partial_ref`.
+
+    `row_part` [bm, 1] and `col_part` [1, bn] are each element's slot parts (slot = row part + col
+    part). The tile's distinct parts are found by successive minima (at most `MAX_ROW_SLOTS` row
+    parts and the layout's column count), so no index table is read."""
     n_rows, n_cols = layout.row_parts.shape[1], layout.col_parts.shape[1]
     cols, slots = next_pow2(n_cols), next_pow2(layout.slots)
-    tile_m, tile_n = pl.program_id(0), pl.program_id(1)
-    row_rank = triton.gather_load(row_local_ref, m)                                        # [bm, 1]
-    col_rank = triton.gather_load(col_local_ref, jnp.minimum(n, len(layout.col_local) - 1))  # [1, bn]
+    row_part = jnp.broadcast_to(jnp.asarray(row_part, jnp.int32), rows_ok.shape)
+    col_part = jnp.broadcast_to(jnp.asarray(col_part, jnp.int32), cols_ok.shape)
     rank = _iota(cols)[:, None]                                                             # [cols, 1]
-    in_part = col_rank == rank                                                              # [cols, bn]
-    col_part = triton.gather_load(col_parts_ref, tile_n * n_cols + jnp.minimum(rank, n_cols - 1))
+    part_of_rank = jnp.full((cols, 1), _NO_PART, jnp.int32)
+    for r, part in enumerate(_distinct_parts(col_part, cols_ok, n_cols)):
+        part_of_rank = jnp.where(rank == r, part, part_of_rank)
+    in_part = (col_part == part_of_rank) & cols_ok                                          # [cols, bn]
     slot = _iota(slots)[None, :]                                                            # [1, slots]
     body = jnp.where(valid, body, 0.0)
     fields = [jnp.zeros((1, slots), jnp.float32) for _ in range(layout.fields)]
@@ -452,12 +501,11 @@ def _write_partials(layout: _Layout, tables, partial_ref, body, valid, m, n) -> 
     def per_part(column_values):  # [1, bn] -> [cols, 1]: summed over each channel part
         return jnp.sum(jnp.where(in_part, column_values, 0.0), axis=1, keepdims=True)
 
-    for r in range(n_rows):
-        rows_r = valid & (row_rank == r)
+    for part in _distinct_parts(row_part, rows_ok, n_rows):
+        rows_r = valid & (row_part == part)
         count = per_part(jnp.sum(jnp.where(rows_r, 1.0, 0.0), axis=0, keepdims=True))
         total = per_part(jnp.sum(jnp.where(rows_r, body, 0.0), axis=0, keepdims=True))
-        row_part = triton.gather_load(row_parts_ref, jnp.full((1, 1), tile_m * n_rows + r, jnp.int32))
-        hit = ((row_part + col_part) == slot) & (count > 0)                                 # [cols, slots]
+        hit = ((part + part_of_rank) == slot) & (count > 0)                                 # [cols, slots]
         if layout.statistic.op == "sum":
             parts = (total,)
         else:  # two-pass over the tile: the part's mean, then the squares about it
@@ -468,7 +516,6 @@ def _write_partials(layout: _Layout, tables, partial_ref, body, valid, m, n) -> 
             parts = (count, mean, m2)
         fields = [f + jnp.sum(jnp.where(hit, part, 0.0), axis=0, keepdims=True) for f, part in zip(fields, parts)]
 
-    tile = tile_m * pl.num_programs(1) + tile_n
     for f, value in enumerate(fields):
         offset = (tile * layout.fields + f) * layout.slots + slot
         ok = slot < layout.slots
@@ -720,14 +767,18 @@ def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Seq
         b, oy, ox = m // (out_h * out_w), (m // out_w) % out_h, m % out_w
         return _place(geometry.params.out_spec, (b, n, oy, ox))
 
+    def slot_at(out_index):
+        """The statistic output an output element adds to (numpy on the host, index tiles in the kernel)."""
+        index, _ok = _body_index(path, out_index)
+        return linearize(tuple(index[a] for a in kept), kept_shape)
+
     # The slot of every output element, on the host (numpy): [pixels, out channels].
     pixels = np.arange(geometry.pixels)[:, None]
     channels = np.arange(geometry.out_features)[None, :]
-    index, ok = _body_index(path, output_index(pixels, channels))
+    _index, ok = _body_index(path, output_index(pixels, channels))
     if ok is not True and not np.all(ok):
         raise NotImplementedError(f"{reduction!r} reads only part of this conv's output")
-    slot_of = np.broadcast_to(linearize(tuple(index[a] for a in kept), kept_shape),
-                              (geometry.pixels, geometry.out_features))
+    slot_of = np.broadcast_to(slot_at(output_index(pixels, channels)), (geometry.pixels, geometry.out_features))
     compiled = compile_expr(path[root])
 
     def value(refs, out_tile, out_index, mask):
@@ -736,7 +787,7 @@ def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Seq
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
 
-    return TileStatistic(op, value, slot_of, max(1, math.prod(kept_shape)))
+    return TileStatistic(op, value, slot_of, max(1, math.prod(kept_shape)), slot_at)
 
 
 def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
@@ -752,14 +803,15 @@ def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
 
 
 def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term] = (),
-        config: ConvConfig | None = None, interpret: bool = False, name: str = "conv",
-        skip_unsupported: bool = False):
+        prefixes: Mapping[Term, jax.Array] | None = None, config: ConvConfig | None = None,
+        interpret: bool = False, name: str = "conv", skip_unsupported: bool = False):
     """The output of the `Conv` kernel `term`, the tensors it reads bound by `operands`.
 
     With `hosted` (`EpilogueReduce` terms this conv computes in its epilogue) returns `(output,
-    {reduction: partials})`: per-tile partials of the elements this conv writes (`TileStatistic`,
-    combined with `merge_partials`). A statistic the template cannot compute raises
-    `NotImplementedError`, or with `skip_unsupported` is left out of the dict."""
+    {reduction: partials})`: per-tile partials of the elements this conv writes (`TileStatistic`;
+    readers merge them, `emit.expr.read_partials`), after the earlier hosts' partials of that
+    statistic in `prefixes` (a statistic over `concat(h, skip)`). A statistic the template cannot
+    compute raises `NotImplementedError`, or with `skip_unsupported` is left out of the dict."""
     if term.op != "Conv":
         raise ValueError(f"the conv template emits Conv kernels, not {term.op}")
     lhs, rhs, params_key, epilogue, ty = term.args
@@ -783,9 +835,10 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
         statistics.append(statistic)
         computed.append(reduction)
     dot_dtype = jnp.promote_types(parse_type(lhs.ty).dtype, parse_type(rhs.ty).dtype)
+    prefixes = prefixes or {}
     result = build(geometry, ranges, _epilogue(epilogue, tensors), [operands[t] for t in tensors],
-                   parse_type(ty).dtype, statistics=statistics, config=config, dot_dtype=dot_dtype,
-                   interpret=interpret, name=name)
+                   parse_type(ty).dtype, statistics=statistics, prefixes=[prefixes.get(r) for r in computed],
+                   config=config, dot_dtype=dot_dtype, interpret=interpret, name=name)
     if not hosted:
         return result
     if not statistics:
@@ -796,27 +849,17 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
 
 def emit(kernel, ctx) -> dict:
     """Emit a `Conv` kernel (`emit.pallas.KernelCall`) in an `emit.pallas.EmitContext`: returns
-    `{kernel.term: output}` plus the hosted statistics (`EpilogueReduce`) this conv completes.
-
-    A statistic hosted by several kernels (GroupNorm over `concat(h, skip)`) is complete at its
-    last host: earlier hosts leave their partials in `ctx.values` under `(reduction, "partials",
-    host)`. A statistic this template cannot compute is left to the driver (its own kernel)."""
-    from eqsat.cost.hosting import hosts_of
-
+    `{kernel.term: output}` plus, for each hosted statistic (`EpilogueReduce`) it computes, its
+    partials (`emit.pallas.partials.Partials`): those of the hosts run before it (GroupNorm over
+    `concat(h, skip)`, `ctx.pending`) followed by its own tiles. Readers merge them. A statistic
+    this template cannot compute is left to the driver (its own kernel)."""
     term = kernel.term
     hosted = list(kernel.hosted)
     reads = loaded_tensors(term.args[0], term.args[1], term.args[3], *_statistic_reads(hosted, term))
-    operands = {t: ctx.value(t) for t in reads if t is not term}
+    operands = {t: ctx.operand(t) for t in reads if t is not term}
     if not hosted:
         return {term: run(term, operands, interpret=ctx.interpret, name=kernel.name)}
-    out, partials = run(term, operands, hosted=hosted, interpret=ctx.interpret, name=kernel.name,
-                        skip_unsupported=True)
-    result = {term: out}
-    for reduction, partial in partials.items():
-        hosts = hosts_of(reduction) or [term]
-        ctx.values[(reduction, "partials", hosts.index(term))] = partial
-        pieces = [ctx.values.get((reduction, "partials", i)) for i in range(len(hosts))]
-        if all(piece is not None for piece in pieces):
-            merged = merge_partials(jnp.concatenate(pieces), reduction.args[1])
-            result[reduction] = jnp.reshape(merged, parse_type(reduction.ty).shape)
-    return result
+    prefixes = {r: ctx.pending[r] for r in hosted if ctx.pending.get(r) is not None}
+    out, partials = run(term, operands, hosted=hosted, prefixes=prefixes, interpret=ctx.interpret,
+                        name=kernel.name, skip_unsupported=True)
+    return {term: out, **{reduction: Partials(buffer) for reduction, buffer in partials.items()}}

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from emit.expr import Index, Mask, clip, erf, is_static, linearize, shape_of
+from emit.expr import Index, Mask, clip, erf, is_static, linearize, partials_layout, read_partials, shape_of
 from eqsat.term import Term
 from eqsat.types import parse_type
 
@@ -154,18 +154,32 @@ class RefMemory:
     """`emit.expr.Memory` over flat refs: `Load(T)` gathers from `refs[T]` at the linearized index.
 
     `refs` maps a tensor term to its flat ref (what `pallas_call` hands the kernel); the tensor's
-    shape comes from its type. `chunk_elements` bounds the tile of in-kernel row reductions.
+    shape comes from its type. `chunk_elements` bounds the tile of in-kernel row reductions. A
+    statistic (`EpilogueReduce`) bound to its hosts' per-tile partials is merged where it is read
+    (`partials_source` lets the expression compiler merge once per point; `load` merges each time).
     """
 
     def __init__(self, refs: Mapping[Term, object], *, chunk_elements: int = 4096):
         self.refs = dict(refs)
         self.chunk_elements = chunk_elements
 
-    def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
+    def _ref(self, tensor: Term):
         try:
-            ref = self.refs[tensor]
+            return self.refs[tensor]
         except KeyError:
             raise KeyError(f"the kernel has no operand for {tensor!r}") from None
+
+    def partials_source(self, statistic: Term):
+        """`(layout, load)` when `statistic`'s ref holds its per-tile partials, else None."""
+        ref = self._ref(statistic)
+        layout = partials_layout(statistic, ref.shape[0])
+        return None if layout is None else (layout, lambda offsets: gather_load(ref, offsets))
+
+    def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
+        ref = self._ref(tensor)
+        found = self.partials_source(tensor) if tensor.op == "EpilogueReduce" else None
+        if found is not None:
+            return read_partials(tensor, index, *found)
         shape = parse_type(tensor.ty).shape
         clamped = tuple(clip(entry, 0, size - 1) for entry, size in zip(index, shape))
         offsets = linearize(clamped, shape)
