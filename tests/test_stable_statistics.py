@@ -105,6 +105,44 @@ def test_layer_norm_then_linear_recomputes_stable_row_statistics():
     _assert_matches_jit(fn, x, w, atol=max(1e-4, _rounding_tolerance(250.0, 0.05)))
 
 
+def test_every_extraction_of_fused_layer_norm_statistics_is_stable():
+    """Not only the plan the cost model picks: every form the e-graph holds (a statistics kernel,
+    the row statistics recomputed in the matmul, the split variance) evaluates stably."""
+    from eqsat import rules
+    from eqsat.interpret import evaluate
+
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(-800.0 + 0.2 * rng.normal(size=(2, 4, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 8)) / 4, jnp.float32)
+    params = _ln_params(16, seed=11)
+    fn = lambda x, w: layer_norm(params, "n", x, 1e-6) @ w  # noqa: E731
+    lowered = eqsat.optimize(fn, rulesets=["absorb", "norm_split", "row_stats"]).lower(x, w)
+    graph = rules.SerializedGraph(lowered.egraph._serialize().to_json())
+    program = lowered.program
+    roots = [graph.handle_class[lowered.builder.handles[t]] for t in program.outputs]
+    plans = rules.extractions(graph, roots, limit=48)
+    forms = {n.op for plan in plans for n in _ops_all(plan)}
+    assert {"RowReduce", "Reduce"} <= forms and len(plans) >= 8
+    reference = np.asarray(jax.jit(fn)(x, w))
+    env = program.environment(x, w)
+    for plan in plans:
+        (value,) = evaluate(plan, env, program.constants, program.payloads)
+        np.testing.assert_allclose(np.asarray(value), reference, rtol=0,
+                                   atol=max(1e-4, _rounding_tolerance(800.0, 0.2)))
+
+
+def _ops_all(roots) -> list:
+    seen, stack, out = set(), list(roots), []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        stack.extend(node.children)
+    return out
+
+
 def _group_norm_input(offset, seed=3):
     rng = np.random.default_rng(seed)
     return jnp.asarray(offset + 0.05 * rng.normal(size=(2, 4, 4, 12)), jnp.float32)
@@ -236,3 +274,145 @@ def test_hosted_statistics_cost_partials_and_no_memset():
                                     "f32[2,32]"), "f32[2,32]")
     # the reader reads the whole partials buffer (and merges it), even for one row of the statistic
     assert kernel_cost(reader, H100).bytes == partials_bytes("moments", x_ty, stats_ty) + 2 * 32 * 4
+
+
+# --- the soundness checker draws adversarial values ---------------------------------------------------
+
+
+def test_the_checker_draws_every_value_regime():
+    from eqsat.rules.checker import VALUE_REGIMES, values
+
+    rng = np.random.default_rng(12)
+    shape = (6, 40)
+    for _ in range(20):
+        x = values(shape, "float32", "offset", rng).astype(np.float64)
+        assert np.all(np.abs(x.mean(-1)) >= 5 * x.std(-1)) and x.std() > 0
+    ratios = [abs(v.mean()) / v.std() for v in (values((4000,), "float32", "offset", rng) for _ in range(40))]
+    assert max(ratios) > 1e3  # means up to 1e4 spreads
+    rows = values(shape, "float32", "constant_rows", rng)
+    assert np.all(rows == rows[:, :1]) and len(set(rows[:, 0])) == 6 and np.abs(rows).max() > 1.0
+    assert not values(shape, "float32", "zeros", rng).any()
+    assert np.abs(values(shape, "float32", "tiny", rng)).max() < 1e-14
+    assert np.abs(values(shape, "float32", "huge", rng)).max() > 1e14
+    nonfinite = values(shape, "float32", "nonfinite", rng)
+    assert np.isnan(nonfinite).any() and np.isinf(nonfinite).any() and np.isfinite(nonfinite).mean() > 0.8
+    for regime in VALUE_REGIMES:  # float16 stays finite where it should (squares too)
+        half = values(shape, "float16", regime, rng)
+        assert half.dtype == np.float16
+        if regime != "nonfinite":
+            assert np.isfinite(half.astype(np.float32) ** 2).all()
+
+
+def test_the_checker_compares_nan_and_infinities_exactly():
+    from eqsat.rules.checker import _close
+
+    e = np.array([1.0, np.nan, np.inf, -np.inf, 0.0], np.float32)
+    assert _close(e.copy(), e) is None
+    assert "NaN" in _close(np.array([1.0, 2.0, np.inf, -np.inf, 0.0], np.float32), e)
+    assert "NaN" in _close(np.array([np.nan, np.nan, np.inf, -np.inf, 0.0], np.float32), e)
+    assert "infinities" in _close(np.array([1.0, np.nan, -np.inf, -np.inf, 0.0], np.float32), e)
+    tiny = np.array([1e-20, 2e-20], np.float32)
+    assert _close(tiny * 1.5, tiny) is not None  # relative to the output's own magnitude
+
+
+def _count(tx: str, axes: str) -> str:
+    import math
+
+    from eqsat.types import ints, parse_type
+
+    return str(math.prod(parse_type(tx).shape[a] for a in ints(axes)))
+
+
+def _cancelling_ruleset():
+    """The variance law norm_split shipped before: E[x^2] - E[x]^2 (wrong on purpose)."""
+    from egglog import String, f64, rule, ruleset, union
+
+    from eqsat.lang import Acc, Binary, Expr, Lit, Load, Reduce, Tensor
+    from eqsat.rules import py_int
+    from eqsat.rules.norm_split import Centered, SquareOf
+
+    cancelling = ruleset(name="cancelling_variance_for_test")
+
+    @cancelling.register
+    def _e_x2_minus_mean2(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, tx: String,
+                          ts: String):
+        """sum((x - sum(x)/n)^2) = sum(x*x) - sum(x)^2/n: cancels when |mean| >> spread."""
+        n = Lit(f64.from_i64(py_int(_count, tx, axes)), ts)
+        squares = Reduce("sum", Binary("mul", x, x, tx), axes, Acc(ts), ts)
+        yield rule(v == Reduce("sum", body, axes, Acc(ts), ts), SquareOf(body, d, tx), Centered(d, x, s, tx),
+                   s == Reduce("sum", x, axes, Acc(ts), ts)).then(
+            union(Load(v, ts)).with_(Binary("sub", Load(squares, ts),
+                                            Binary("div", Binary("mul", Load(s, ts), Load(s, ts), ts), n, ts), ts)))
+
+    return cancelling
+
+
+def test_the_checker_catches_the_cancelling_variance_law():
+    """The old law passed the checker on centred values in [-2, 2]; adversarial values catch it."""
+    from eqsat import rules
+    from eqsat.rules import Example, dim, tensor
+
+    def layer_norm_rows(x):
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        return (x - mean) * lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + 1e-5)
+
+    def args(draw):
+        return (tensor(draw, (dim(draw, 1, 3), dim(draw, 4, 8))),)
+
+    case = Example(layer_norm_rows, args, ("e_x2_minus_mean2",), support=("norm_split",))
+    with pytest.raises(rules.RuleCheckError) as caught:
+        rules.check(_cancelling_ruleset(), examples=2, cases=[case])
+    assert caught.value.rule == "e_x2_minus_mean2"
+    assert "(drawn values)" not in str(caught.value).split("\n")[0]  # found on adversarial values
+    # the stable law of the shipped family passes the same case
+    shipped = Example(layer_norm_rows, args, ("variance",))
+    assert rules.check("norm_split", examples=2, cases=[shipped]).extractions > 0
+
+
+def test_the_checker_catches_a_rule_that_loses_nan():
+    """x * 0 = 0 holds in real arithmetic, not for inf and NaN."""
+    from egglog import String, rewrite, ruleset
+
+    from eqsat import rules
+    from eqsat.lang import Binary, Expr, Lit, Load, Pointwise
+    from eqsat.rules import Example, dim, tensor
+
+    times_zero = ruleset(name="times_zero_for_test")
+
+    @times_zero.register
+    def _drop_product(e: Expr, ty: String):
+        """Load(Pointwise(x * 0)) = 0: loses NaN and infinities (wrong on purpose)."""
+        yield rewrite(Load(Pointwise(Binary("mul", e, Lit(0.0, ty), ty), ty), ty)).to(Lit(0.0, ty))
+
+    case = Example(lambda x: (x * 0.0) + 1.0, lambda draw: (tensor(draw, (dim(draw, 2, 5),)),), ("drop_product",))
+    with pytest.raises(rules.RuleCheckError, match="nonfinite values"):
+        rules.check(times_zero, examples=2, cases=[case])
+
+
+def test_the_checker_holds_a_rule_to_its_stated_contract():
+    """A law off by a bounded amount passes only under a contract (`Example.tolerance`) that allows it."""
+    from egglog import String, rewrite, ruleset
+
+    from eqsat import rules
+    from eqsat.lang import Binary, Expr, Lit, Load, Pointwise
+    from eqsat.rules import Example, dim, tensor
+
+    nudge = ruleset(name="nudge_for_test")
+
+    @nudge.register
+    def _nudge(e: Expr, ty: String):
+        """Load(Pointwise(x + 1)) = x + 1.001: off by 1e-3 on purpose."""
+        yield rewrite(Load(Pointwise(Binary("add", e, Lit(1.0, ty), ty), ty), ty)).to(
+            Binary("add", e, Lit(1.001, ty), ty))
+
+    def args(draw):
+        return (tensor(draw, (dim(draw, 2, 5),)),)
+
+    def fn(x):
+        return (x + 1.0) * 2.0
+
+    plain = Example(fn, args, ("nudge",), regimes=("zeros",))
+    with pytest.raises(rules.RuleCheckError, match="nudge"):
+        rules.check(nudge, examples=1, cases=[plain])
+    contract = Example(fn, args, ("nudge",), regimes=("zeros",), tolerance=lambda leaves: 4e-3)
+    assert rules.check(nudge, examples=1, cases=[contract]).extractions > 0

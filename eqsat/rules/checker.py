@@ -6,6 +6,24 @@ extractions of the output e-classes with the reference interpreter against the p
 A mismatch raises `RuleCheckError` naming the rule (re-run alone to localize it) and the
 counterexample.
 
+Values are adversarial: every draw's extractions are evaluated on the values its example drew and
+again, at the same shapes, on each of `VALUE_REGIMES` (`values`: means large against the spread,
+constant rows, zeros, tiny and huge magnitudes, NaN and infinities), since a rewrite that is exact
+in real arithmetic can still cancel, overflow or lose a NaN in floating point. Results must match
+the function's to a tolerance relative to each output's largest finite magnitude, NaN exactly where
+the function gives NaN and infinities exactly where it gives them (`_close`).
+
+The default numerical contract is backward stability: on top of that tolerance, a result may
+differ from the function's by `SENSITIVITY_FACTOR` times what the function itself changes when its
+float inputs are perturbed by `PERTURBATION_ULPS` ulps (`_sensitivity`, element by element). That
+is what rounding inside any correct implementation amounts to, and it is large only where the
+function is ill-conditioned (a LayerNorm of a nearly constant row amplifies the rounding of its
+mean by 1/sqrt(eps)); E[x^2] - E[x]^2 at an offset errs by eps * mean^2, far beyond it. A rule
+that needs more states its contract on its examples: the regimes it is held to
+(`Example.regimes`) and an error allowed on top, computed from the drawn arguments
+(`Example.tolerance`: e.g. a few ulps of the largest |argument| for a law that rounds differently
+by more than its inputs' perturbation explains).
+
 Import these from `eqsat.rules`, not from here.
 """
 
@@ -43,6 +61,8 @@ class Example:
     fires: bool = True
     name: str = ""
     support: tuple[str, ...] = ()   # families run alongside (e.g. "absorb" to bring views together)
+    regimes: tuple[str, ...] | None = None  # adversarial value regimes it is held to (None: all of VALUE_REGIMES)
+    tolerance: Callable[[list], Any] | None = None  # extra absolute error allowed, from the argument leaves
 
     @property
     def label(self) -> str:
@@ -56,8 +76,10 @@ def dim(draw, low: int = 1, high: int = 4) -> int:
     return draw(st.integers(low, high))
 
 
-def tensor(draw, shape, dtype: str = "float32", low: float = -2.0, high: float = 2.0) -> np.ndarray:
-    """A random array (values from a drawn seed: cheap to shrink, reproducible)."""
+def tensor(draw, shape, dtype: str = "float32", low: float = -2.0, high: float = 2.0,
+           regime: str = "uniform") -> np.ndarray:
+    """A random array (values from a drawn seed: cheap to shrink, reproducible): uniform in
+    [low, high], or floats of one of `VALUE_REGIMES` (see `values`)."""
     from hypothesis import strategies as st
 
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -66,8 +88,59 @@ def tensor(draw, shape, dtype: str = "float32", low: float = -2.0, high: float =
         return rng.random(shape) < 0.5
     if np.issubdtype(dtype, np.integer):
         return rng.integers(int(low), int(high) + 1, size=shape).astype(dtype)
-    return rng.uniform(low, high, size=shape).astype(dtype)
+    return values(shape, dtype, regime, rng, low, high)
 
+
+# Adversarial values every draw is evaluated on besides its own (float arguments; same shapes).
+VALUE_REGIMES = ("offset", "constant_rows", "zeros", "tiny", "huge", "nonfinite")
+# Largest |value| of the offset and constant regimes, and the tiny/huge scales, by itemsize:
+# float16 overflows at 65504 (a square of 1e3 already does).
+_BOUND = {2: 1e3, 4: 1e6, 8: 1e6}
+_TINY = {2: 1e-2, 4: 1e-15, 8: 1e-15}
+_HUGE = {2: 1e2, 4: 1e15, 8: 1e15}
+
+
+def values(shape, dtype, regime: str, rng: np.random.Generator, low: float = -2.0, high: float = 2.0) -> np.ndarray:
+    """Float values of one regime:
+
+        uniform        uniform in [low, high]
+        offset         m + s * normal: spread s in [1e-2, 10], |m| / s in [10, 1e4] (a mean large
+                       against the spread: what cancels in E[x^2] - E[x]^2)
+        constant_rows  every row (last axis) one value, |value| up to 1e4, rows far apart
+        zeros          all zeros
+        tiny / huge    uniform in [-2, 2] times 1e-15 / 1e15 (float16: 1e-2 / 1e2)
+        nonfinite      uniform in [-2, 2] with NaN, +inf and -inf at an eighth of the places (at least one)
+
+    Offsets and constants stay below 1e6 (float16: 1e3) so that squares stay finite.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(shape)
+    bound = _BOUND[dtype.itemsize]
+    if regime == "uniform":
+        out = rng.uniform(low, high, size=shape)
+    elif regime == "offset":
+        spread = 10 ** rng.uniform(-2, 1)
+        mean = rng.choice([-1.0, 1.0]) * spread * 10 ** rng.uniform(1, 4)
+        shrink = min(1.0, bound / (abs(mean) + 10 * spread))
+        out = (mean + spread * rng.standard_normal(shape)) * shrink
+    elif regime == "constant_rows":
+        rows = shape[:-1]
+        row_values = rng.choice([-1.0, 1.0], size=rows) * np.minimum(10 ** rng.uniform(-1, 4, size=rows), bound)
+        out = np.broadcast_to(np.asarray(row_values)[..., None], shape) if shape else row_values
+    elif regime == "zeros":
+        out = np.zeros(shape)
+    elif regime in ("tiny", "huge"):
+        out = rng.uniform(-2.0, 2.0, size=shape) * (_TINY if regime == "tiny" else _HUGE)[dtype.itemsize]
+    elif regime == "nonfinite":
+        out = rng.uniform(-2.0, 2.0, size=shape)
+        flat = out.reshape(-1)
+        if flat.size:
+            places = rng.choice(flat.size, size=max(1, flat.size // 8), replace=False)
+            flat[places] = rng.choice([np.nan, np.inf, -np.inf], size=places.size)
+        out = flat.reshape(shape)
+    else:
+        raise ValueError(f"unknown value regime {regime!r}; known: uniform, {', '.join(VALUE_REGIMES)}")
+    return np.asarray(out).astype(dtype)
 
 
 # --- the checker -------------------------------------------------------------------------------------
@@ -125,8 +198,11 @@ def _tolerance(dtype) -> tuple[float, float]:
     return (2e-2, 2e-2) if np.dtype(dtype).itemsize <= 2 else (2e-4, 2e-4)
 
 
-def _close(actual, expected) -> str | None:
-    """None if `actual` equals `expected` (to a dtype tolerance); else why not."""
+def _close(actual, expected, slack=0.0) -> str | None:
+    """None if `actual` equals `expected`, else why not: NaN exactly where `expected` has NaN,
+    infinities exactly where it has them, finite values to the dtype's tolerance relative to the
+    output's largest finite magnitude, plus `slack` (a scalar, or an array of the output's shape:
+    the contract, see the module docstring)."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:
         return f"shape {actual.shape} != {expected.shape}"
@@ -136,20 +212,70 @@ def _close(actual, expected) -> str | None:
         return None if np.array_equal(actual, expected) else "values differ"
     rtol, atol = _tolerance(expected.dtype)
     a, e = actual.astype(np.float64), expected.astype(np.float64)
-    scale = max(1.0, float(np.nanmax(np.abs(e), initial=0.0))) if e.size else 1.0
-    if np.allclose(a, e, rtol=rtol, atol=atol * scale, equal_nan=True):
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    if not np.array_equal(nan_a, nan_e):
+        return (f"NaN at {int((nan_a & ~nan_e).sum())} places the function is not NaN, "
+                f"not NaN at {int((nan_e & ~nan_a).sum())} places it is")
+    infinite = np.isinf(a) | np.isinf(e)
+    if not np.array_equal(a[infinite], e[infinite]):
+        return f"infinities differ at {int((a[infinite] != e[infinite]).sum())} places"
+    finite = np.isfinite(e)
+    scale = float(np.abs(e[finite]).max(initial=0.0))
+    error = np.abs(a[finite] - e[finite])
+    allowed = rtol * np.abs(e[finite]) + atol * scale + np.broadcast_to(slack, e.shape)[finite]
+    if np.all(error <= allowed):
         return None
-    return f"max abs error {float(np.nanmax(np.abs(a - e))):.3g} (scale {scale:.3g})"
+    worst = int(np.argmax(error - allowed))
+    return (f"max abs error {float(error.max()):.3g} (scale {scale:.3g}); worst {float(error[worst]):.3g} "
+            f"where {float(allowed[worst]):.3g} is allowed")
 
 
-def _compare(actuals, expecteds) -> str | None:
+def _compare(actuals, expecteds, slacks=None) -> str | None:
     if len(actuals) != len(expecteds):
         return f"{len(actuals)} outputs != {len(expecteds)}"
     for i, (a, e) in enumerate(zip(actuals, expecteds)):
-        why = _close(a, e)
+        why = _close(a, e, 0.0 if slacks is None else slacks[i])
         if why is not None:
             return f"output {i}: {why}"
     return None
+
+
+# The default contract (module docstring): perturbations of the inputs and how much of the
+# function's response to them a result may show.
+PERTURBATION_ULPS = 8
+PERTURBATIONS = 2
+SENSITIVITY_FACTOR = 2.0
+
+
+def _outputs(fn, args) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(fn(*jax.tree.map(jax.numpy.asarray, args)))]
+
+
+def _sensitivity(fn, args, expected: list[np.ndarray]) -> list[np.ndarray]:
+    """Per output, the largest change of `fn` when every float input is scaled by 1 + u * ulps * eps
+    (u uniform in [-1, 1] per element, `PERTURBATIONS` draws): 0 where the function is exact."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    changes = [np.zeros(np.shape(e)) for e in expected]
+
+    def perturb(leaf):
+        array = np.asarray(leaf)
+        if not np.issubdtype(array.dtype, np.floating):
+            return leaf
+        eps = float(np.finfo(array.dtype).eps)
+        factor = 1 + rng.uniform(-1, 1, size=array.shape) * PERTURBATION_ULPS * eps
+        return (array.astype(np.float64) * factor).astype(array.dtype)
+
+    for _ in range(PERTURBATIONS):
+        for change, moved, e in zip(changes, _outputs(fn, jax.tree.map(perturb, args)), expected):
+            if np.issubdtype(np.asarray(e).dtype, np.inexact):
+                with np.errstate(invalid="ignore"):  # inf - inf: an infinity that stays put
+                    delta = np.abs(np.asarray(moved, np.float64) - np.asarray(e, np.float64))
+                np.maximum(change, np.where(np.isnan(delta), 0.0, delta), out=change)
+    return changes
 
 
 @dataclass
@@ -157,26 +283,47 @@ class _Lifted:
     program: Any
     env: dict[str, Any]
     expected: list[Any]
+    args: tuple = ()
+    regime: str = "drawn"       # which values: the example's own draw, or a VALUE_REGIMES entry
+    slack: list = field(default_factory=list)  # per output: the error the contract allows beyond the dtype's
 
 
-def _lift(example: Example, args: tuple) -> _Lifted:
+def _lift(example: Example, args: tuple, program=None, regime: str = "drawn") -> _Lifted:
+    """The program of `example` (lifted from `args` unless given) with its expected values on `args`."""
     import jax
 
     from eqsat.interpret import evaluate
     from eqsat.lift import lift
 
-    program = lift(example.fn, *args)
+    if program is None:
+        program = lift(example.fn, *args)
     leaves = jax.tree.leaves(args)
     env = {f"arg{i}": leaf for i, leaf in enumerate(leaves)}
     with jax.default_matmul_precision("highest"):
-        expected = [np.asarray(x) for x in jax.tree.leaves(example.fn(*jax.tree.map(jax.numpy.asarray, args)))]
+        expected = _outputs(example.fn, args)
+        sensitivity = _sensitivity(example.fn, args, expected)
         naive = evaluate(list(program.outputs), env, program.constants, program.payloads)
-    why = _compare([np.asarray(x) for x in naive], expected)
+    extra = example.tolerance(leaves) if example.tolerance is not None else 0.0
+    slack = [SENSITIVITY_FACTOR * change + extra for change in sensitivity]
+    why = _compare([np.asarray(x) for x in naive], expected, slack)
     if why is not None:
         raise RuleCheckError(
-            f"example {example.label}: the lifted program already differs from the function ({why}); "
-            "a lift or interpreter bug, not a rule's", example=example.label, counterexample=args)
-    return _Lifted(program, env, expected)
+            f"example {example.label}: the lifted program already differs from the function on {regime} values "
+            f"({why}); a lift or interpreter bug, not a rule's", example=example.label, counterexample=args)
+    return _Lifted(program, env, expected, args, regime, slack)
+
+
+def _revalued(args: tuple, regime: str, rng: np.random.Generator) -> tuple:
+    """`args` with every float array replaced by `regime` values of its shape and dtype."""
+    import jax
+
+    def redraw(leaf):
+        array = np.asarray(leaf)
+        if not np.issubdtype(array.dtype, np.floating):
+            return leaf
+        return values(array.shape, array.dtype, regime, rng)
+
+    return jax.tree.map(redraw, args)
 
 
 def _saturate(ruleset, lifted: _Lifted, iterations: int, support: Sequence[str] = ()):
@@ -215,10 +362,10 @@ def _first_wrong(plans, lifted: _Lifted) -> tuple[list[Term], str] | None:
     for plan in plans:
         with jax.default_matmul_precision("highest"):
             try:
-                values = evaluate(plan, lifted.env, program.constants, program.payloads)
+                results = evaluate(plan, lifted.env, program.constants, program.payloads)
             except Exception as error:  # an ill-typed term is as wrong as a wrong value
                 return plan, f"evaluation failed: {type(error).__name__}: {error}"
-        why = _compare([np.asarray(v) for v in values], lifted.expected)
+        why = _compare([np.asarray(v) for v in results], lifted.expected, lifted.slack or None)
         if why is not None:
             return plan, why
     return None
@@ -293,11 +440,16 @@ def check(ruleset, examples: int = 10, *, cases: Sequence[Example] | None = None
 
 def _property(ruleset, named, example: Example, fired: Counter, report: CheckReport, iterations: int,
               extractions_per_draw: int):
-    """The hypothesis property of one example: every extraction evaluates to the function's value."""
+    """The hypothesis property of one example: every extraction evaluates to the function's value,
+    on the drawn values and on adversarial values of the same shapes (`VALUE_REGIMES`)."""
+    from hypothesis import strategies as st
+
     draws = [0]
+    regimes = VALUE_REGIMES if example.regimes is None else example.regimes
 
     def prop(data):
         args = example.args(data.draw)
+        value_seed = data.draw(st.integers(0, 2**32 - 1))
         lifted = _lift(example, args)
         builder, handles, decl_matches = _saturate(ruleset, lifted, iterations, example.support)
         matched: Counter = Counter()
@@ -311,15 +463,21 @@ def _property(ruleset, named, example: Example, fired: Counter, report: CheckRep
                                  "(the checker's extractor failed)", example=example.label, counterexample=args)
         report.extractions += len(plans)
         wrong = _first_wrong(plans, lifted)
+        for index, regime in enumerate(regimes):
+            if wrong is not None:
+                break
+            rng = np.random.default_rng([value_seed, index])
+            lifted = _lift(example, _revalued(args, regime, rng), lifted.program, regime)
+            wrong = _first_wrong(plans, lifted)
         if wrong is None:
             return
         culprit = _localize(ruleset, named, matched, lifted, iterations, extractions_per_draw, example.support)
         plan, why = wrong
         raise RuleCheckError(
-            f"{report.ruleset}: rule {culprit} is unsound on example {example.label}: {why}\n"
-            f"arguments: {[(np.shape(a), str(np.asarray(a).dtype)) for a in args]}\n"
+            f"{report.ruleset}: rule {culprit} is unsound on example {example.label} ({lifted.regime} values): "
+            f"{why}\narguments: {[(np.shape(a), str(np.asarray(a).dtype)) for a in args]}\n"
             f"rules that matched: {dict(matched)}\nwrong plan:\n{format_terms(plan)}",
-            rule=culprit, example=example.label, counterexample=args)
+            rule=culprit, example=example.label, counterexample=lifted.args)
 
     return prop
 
