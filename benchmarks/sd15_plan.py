@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     report = plan_cli.run_plan(
         batch=options.batch, size=options.size, dtype=options.dtype, components=options.components,
         device=options.device, config=options.config, xla=options.xla, optimize=options.optimize,
+        emit=options.emit,
         log=lambda message: print(message, file=sys.stderr, flush=True),
     )
     report["benchmark_seconds"] = time.perf_counter() - start
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plan_cli.render(report)
         print(f"wrote {options.out} ({report['benchmark_seconds']:.0f} s)")
-    return 0
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -12,10 +12,14 @@ Each component is traced with abstract parameters (`sd15.params.abstract_params`
 - vae: the decoder on `--batch / 2` latents (scaled by 1 / scaling_factor, as the pipeline does);
 - text_encoder: CLIP on `--batch` prompts of 77 tokens (the unconditional and the conditional one).
 
-For each it reports our plan (`eqsat.optimize(fn).lower(*args).stats`: naive and fused kernel
-counts, modeled HBM bytes, peak activation memory, seconds per optimizer stage) and XLA's
-(`jax.jit(fn)` compiled for an H100 without a GPU, `eqsat.xla_target`: kernel launches, modeled
-HBM bytes, temporary memory). This module uses only `eqsat.optimize` and `eqsat.xla_target`.
+For each it reports our plan (`eqsat.optimize(fn, params_argnums=0).lower(*args).stats`: naive and
+fused kernel counts, the kernels prepared once per set of weights and those run per call, modeled
+HBM bytes, peak activation memory, seconds per optimizer stage), our emitted executable (the
+per-call stage of `eqsat.optimize(fn, backend="pallas", params_argnums=0)` compiled for an H100
+without a GPU, the prepared tensors as its inputs: kernels in its thunk sequence, memsets, copies,
+temporary memory, compile seconds; `--no-emit` skips it) and XLA's (`jax.jit(fn)` compiled the
+same way, `eqsat.xla_target`: kernel launches, modeled HBM bytes, temporary memory). This module
+uses only `eqsat.optimize` and `eqsat.xla_target`.
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ INFERENCE_STEPS = 50
 KEYS = (
     "naive_kernels", "fused_kernels", "xla_kernels", "plan_bytes", "xla_bytes", "plan_peak_bytes",
     "xla_temp_bytes", "optimize_seconds", "xla_compile_seconds",
+    "planned_kernels", "prepared_kernels", "emitted_kernels", "emitted_memsets", "emitted_copies",
+    "emitted_temp_bytes", "emit_compile_seconds",
 )
+# The argument of every workload that holds the weights (marked `params_argnums` for the prepare stage).
+PARAMS_ARGNUM = 0
+
+
+class EmitCompileError(RuntimeError):
+    """Our emitted executable did not compile for the H100; the message names the failing kernel."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,23 +187,39 @@ def _load_optimize():
         return None, f"eqsat.optimize is not available ({type(error).__name__}: {error})"
 
 
-def measure_plan(workload: Workload, optimize, device: str) -> dict[str, Any]:
-    """Our plan: `optimize(fn).lower(*args).stats`, as the per-component JSON fields."""
+def optimized(workload: Workload, optimize, device: str):
+    """`optimize(workload.fn, ...)` as we deploy it: weights marked as parameters (prepared once),
+    the Pallas backend, no progress bar (options the given `optimize` does not take are left out)."""
     accepted = inspect.signature(optimize).parameters
-    kwargs = {key: value for key, value in (("device", device), ("progress", False)) if key in accepted}
+    options = (("device", device), ("progress", False), ("backend", "pallas"), ("params_argnums", PARAMS_ARGNUM))
+    return optimize(workload.fn, **{key: value for key, value in options if key in accepted})
+
+
+def measure_plan(workload: Workload, optimize, device: str) -> tuple[dict[str, Any], Any, Any]:
+    """Our plan: `optimize(fn).lower(*args).stats`, as the per-component JSON fields; and the
+    optimized function and its lowering (for the emitted compile)."""
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lowered = optimize(workload.fn, **kwargs).lower(*workload.args)
+        fast = optimized(workload, optimize, device)
+        lowered = fast.lower(*workload.args)
     wall = time.perf_counter() - start
     stats = getattr(lowered, "stats", None)
     seconds = _stat(stats, "seconds")
     if isinstance(seconds, dict):
         seconds = {stage: float(value) for stage, value in seconds.items()}
     messages = list(dict.fromkeys(str(w.message) for w in caught))
-    return {
+    split = getattr(lowered, "split", None)
+    fields = {
         "naive_kernels": _stat(stats, "naive_kernels"),
         "fused_kernels": _stat(stats, "fused_kernels"),
+        # The kernels our executable runs per call, and those run once per set of weights (the
+        # prepare stage, `emit.prepare`: parameter-only kernels of the plan and parameter-only
+        # operands hoisted out of per-call kernels).
+        "planned_kernels": _stat(stats, "per_call_kernels", _stat(stats, "fused_kernels")),
+        "prepared_kernels": _stat(stats, "prepared_kernels") if split is not None else None,
+        "prepared_hoisted_kernels": _stat(stats, "hoisted_kernels") if split is not None else None,
+        "prepared_bytes": _stat(stats, "prepared_bytes") if split is not None else None,
         "plan_bytes": _stat(stats, "plan_bytes"),
         "plan_peak_bytes": _stat(stats, "plan_peak_bytes"),
         "plan_modeled_seconds": _stat(stats, "plan_seconds"),
@@ -207,6 +235,103 @@ def measure_plan(workload: Workload, optimize, device: str) -> dict[str, Any]:
         "e_classes": _stat(stats, "e_classes"),
         "iterations": _stat(stats, "iterations"),
         "optimize_warnings": messages[:10],
+    }
+    return fields, fast, lowered
+
+
+# --- our emitted executable, compiled for an H100 ----------------------------------------------
+
+
+def emitted_per_call(fast, prepared, *args):
+    """The per-call stage of `fast` (an `eqsat.optimize` function with parameters marked) on the
+    prepared tensors `prepared`, as a deployment runs it once the weights are prepared: what
+    `sd15 plan` compiles for an H100. Module level, so it pickles by reference into the compile
+    subprocess, where `fast` plans again (its lowerings do not pickle)."""
+    run = fast.lower(*args).executable()
+    if hasattr(run, "per_call"):
+        return run.per_call(prepared, *args)
+    if prepared:
+        raise ValueError(f"{len(prepared)} prepared tensors for a plan with no prepare stage")
+    return run(*args)
+
+
+def planned_kernel_names(lowered) -> list[str]:
+    """The `pallas_call` names (`"<component>:<kind>"`) of the per-call plan's kernels, in order."""
+    import emit
+
+    split = getattr(lowered, "split", None)
+    return [call.name for call in emit.kernel_calls(split.per_call if split is not None else lowered.plan)]
+
+
+def launch_kernel_name(launch) -> str:
+    """The plan kernel a launch was emitted for: the outermost named scope of its HLO op (the
+    emitter traces each kernel under `jax.named_scope("<component>:<kind>")`)."""
+    return launch.scope.split("/", 1)[0]
+
+
+def emitted_against_plan(report, names: list[str]) -> dict[str, Any]:
+    """Our executable's launches against the plan's kernels: launches that are not Pallas kernels
+    (an XLA fusion, a transpose, a convert around a `pallas_call`), planned kernels with no Pallas
+    launch, and kernels launched more often than planned."""
+    import collections
+
+    kernels = [launch for launch in report.launches if launch.counted == "kernel"]
+    pallas = [launch for launch in kernels if launch.category.startswith("Pallas")]
+    pallas_ids = {id(launch) for launch in pallas}
+    planned = collections.Counter(names)
+    launched = collections.Counter(launch_kernel_name(launch) for launch in pallas)
+    return {
+        "emitted_pallas_kernels": len(pallas),
+        "emitted_kernels_by_category": report.by_category,
+        "emitted_non_pallas": [
+            {"name": launch.name, "category": launch.category, "kind": launch.kind,
+             "kernel": launch_kernel_name(launch) or None}
+            for launch in report.launches if launch.counted != "none" and id(launch) not in pallas_ids
+        ],
+        "emitted_missing": sorted((planned - launched).elements()),
+        "emitted_extra": sorted((launched - planned).elements()),
+    }
+
+
+def _failing_kernel(message: str, names: list[str]) -> str | None:
+    """The plan kernel a compile error is about: its name (or the name Triton sanitizes it to)
+    appearing in the error. The longest match wins (`a.b:conv` over `a:conv`)."""
+    import re
+
+    found = [name for name in names if name in message or re.sub(r"[^A-Za-z0-9_]", "_", name) in message]
+    return max(found, key=len) if found else None
+
+
+def measure_emitted(workload: Workload, fast, lowered) -> dict[str, Any]:
+    """Our per-call executable compiled for an H100 (`eqsat.xla_target`, as XLA's is): kernels in its
+    thunk sequence and how they compare with the plan. A compile that fails raises
+    `EmitCompileError` naming the failing kernel."""
+    import functools as ft
+
+    from eqsat import xla_target
+
+    split = getattr(lowered, "split", None)
+    prepared = split.prepared_specs() if split is not None else []
+    names = planned_kernel_names(lowered)
+    try:
+        report = xla_target.compile_for_h100(ft.partial(emitted_per_call, fast), prepared, *workload.args)
+    except RuntimeError as error:
+        message = str(error)
+        kernel = _failing_kernel(message, names)
+        where = f"kernel {kernel}" if kernel else "a kernel the error does not name (no plan kernel name in it)"
+        tail = "\n".join(message.strip().splitlines()[-12:])
+        raise EmitCompileError(f"{workload.name}: {where} failed to compile for sm_90:\n{tail}") from None
+    if report is None:
+        return {}
+    return {
+        "emitted_kernels": report.kernels,
+        "emitted_memsets": report.memsets,
+        "emitted_copies": report.copies,
+        "emitted_temp_bytes": report.temp_bytes,
+        "emit_compile_seconds": report.compile_seconds,
+        "emit_lower_seconds": report.lower_seconds,
+        "emit_wall_seconds": report.wall_seconds,
+        **emitted_against_plan(report, names),
     }
 
 
@@ -245,13 +370,16 @@ def run_plan(
     config: str = "full",
     xla: bool = True,
     optimize: bool = True,
+    emit: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure every component; the result is what `--json` prints."""
+    """Measure every component; the result is what `--json` prints. A component whose emitted
+    executable fails to compile keeps its row, with `emit_error` naming the kernel (also listed in
+    the report's `errors`)."""
     log = log or (lambda message: None)
     report: dict[str, Any] = {
         "batch": batch, "size": size, "dtype": str(jnp.dtype(dtype)), "device": device, "config": config,
-        "jax_version": jax.__version__, "notes": [], "components": {},
+        "jax_version": jax.__version__, "notes": [], "errors": [], "components": {},
     }
     work = workloads(batch, size, dtype, config, components)
     report["size"] = size if size is not None else (VAEConfig() if config == "full" else VAEConfig.tiny()).sample_size
@@ -259,30 +387,44 @@ def run_plan(
     optimize_fn, optimize_reason = (None, "optimizer skipped (--no-optimize)") if not optimize else _load_optimize()
     if optimize_reason:
         report["notes"].append(f"fused/naive columns are empty: {optimize_reason}")
-    xla_reason = None
-    if not xla:
-        xla_reason = "XLA skipped (--no-xla)"
-    else:
-        from eqsat import xla_target
+    from eqsat import xla_target
 
-        xla_reason = xla_target.unavailable_reason()
+    target_reason = xla_target.unavailable_reason()
+    xla_reason = "XLA skipped (--no-xla)" if not xla else target_reason
     if xla_reason:
         report["notes"].append(f"XLA columns are empty: {xla_reason}")
     report["xla_available"] = xla_reason is None
+    emit_reason = "emitted compile skipped (--no-emit)" if not emit else optimize_reason or target_reason
+    if emit_reason:
+        report["notes"].append(f"emitted columns are empty: {emit_reason}")
 
     for name, workload in work.items():
         row: dict[str, Any] = {key: None for key in KEYS}
         row["description"] = workload.description
+        lowering = None
         if optimize_fn is not None:
             log(f"{name}: optimizing ({workload.description})")
             try:
-                row.update(measure_plan(workload, optimize_fn, device))
+                fields, *lowering = measure_plan(workload, optimize_fn, device)
+                row.update(fields)
                 log(f"{name}: {row['naive_kernels']} naive -> {row['fused_kernels']} fused kernels "
+                    f"({row['planned_kernels']} per call, {row['prepared_kernels']} prepared) "
                     f"in {row['optimize_wall_seconds']:.1f} s")
             except Exception as error:  # noqa: BLE001 - one component failing must not hide the others
                 row["optimize_error"] = f"{type(error).__name__}: {error}"
                 row["optimize_traceback"] = traceback.format_exc()
                 report["notes"].append(f"{name}: optimize failed: {row['optimize_error']}")
+        if lowering and emit_reason is None:
+            log(f"{name}: compiling our emitted per-call executable (backend=pallas) for H100")
+            try:
+                row.update(measure_emitted(workload, *lowering))
+                log(f"{name}: emitted {row['emitted_kernels']} kernels ({row['emitted_pallas_kernels']} Pallas, "
+                    f"{row['emitted_memsets']} memsets, {row['emitted_copies']} copies) for "
+                    f"{row['planned_kernels']} planned, compiled in {row['emit_compile_seconds']:.1f} s")
+            except Exception as error:  # noqa: BLE001 - reported in the row and the errors, never skipped
+                row["emit_error"] = f"{type(error).__name__}: {error}"
+                report["errors"].append(row["emit_error"] if isinstance(error, EmitCompileError)
+                                        else f"{name}: emitted compile failed: {row['emit_error']}")
         if xla_reason is None:
             log(f"{name}: compiling jax.jit for H100")
             try:
@@ -295,11 +437,23 @@ def run_plan(
             except Exception as error:  # noqa: BLE001
                 row["xla_error"] = f"{type(error).__name__}: {error}"
                 report["notes"].append(f"{name}: XLA compile failed: {row['xla_error']}")
-        row["winner_kernels"] = _winner(row["fused_kernels"], row.get("xla_kernels"))
+        row["winner_kernels"] = _winner(our_kernels(row), row.get("xla_kernels"))
         row["winner_bytes"] = _winner(row["plan_bytes"], row.get("xla_bytes"))
-        row["winner_memory"] = _winner(row["plan_peak_bytes"], row.get("xla_temp_bytes"))
+        row["winner_memory"] = _winner(our_memory(row), row.get("xla_temp_bytes"))
         report["components"][name] = row
     return report
+
+
+def our_kernels(row: dict[str, Any]):
+    """Our kernel count to set against XLA's: the emitted executable's when it was compiled, else
+    the plan's per-call kernels."""
+    return row.get("emitted_kernels") if row.get("emitted_kernels") is not None else row.get("planned_kernels")
+
+
+def our_memory(row: dict[str, Any]):
+    """Our memory to set against XLA's temporary memory: the emitted executable's temporary memory
+    when it was compiled (like for like), else the plan's peak of live activations."""
+    return row.get("emitted_temp_bytes") if row.get("emitted_temp_bytes") is not None else row.get("plan_peak_bytes")
 
 
 def _winner(ours, theirs) -> str | None:
@@ -334,6 +488,12 @@ def _seconds(value) -> str:
 
 def _stages(value) -> str:
     return ", ".join(f"{stage} {float(v):.1f} s" for stage, v in value.items())
+
+
+def _emitted_cell(row: dict[str, Any]) -> str:
+    if row.get("emit_error"):
+        return "[bold red]compile failed[/]"
+    return _count(row.get("emitted_kernels"))
 
 
 def _verdict(winner, ours, theirs, fmt) -> str:
@@ -373,19 +533,25 @@ def render(report: dict[str, Any], console=None) -> None:
         table.add_row(label, *(cell(rows[name]) for name in names))
 
     add("naive kernels (1 per primitive)", lambda r: _count(r["naive_kernels"]))
-    add("eqsat fused kernels", lambda r: _count(r["fused_kernels"]))
+    add("eqsat planned kernels: per call / prepared", lambda r: f"{_count(r.get('planned_kernels'))} / "
+        f"{_count(r.get('prepared_kernels'))}")
+    add("eqsat emitted kernels (H100 executable)", lambda r: _emitted_cell(r))
+    add("  of which Pallas kernels", lambda r: _count(r.get("emitted_pallas_kernels")))
     add("XLA kernels (jax.jit, H100)", lambda r: _count(r["xla_kernels"]))
     add("  of which read only weights/inputs", lambda r: _count(r.get("xla_input_only_kernels")))
-    add("memsets (not kernels): eqsat / XLA", lambda r: f"{_count(r.get('plan_memsets'))} / {_count(r.get('xla_memsets'))}")
+    add("memsets (not kernels): eqsat / XLA", lambda r: f"{_count(r.get('emitted_memsets'))} / {_count(r.get('xla_memsets'))}")
+    add("copies (not kernels): eqsat / XLA", lambda r: f"{_count(r.get('emitted_copies'))} / {_count(r.get('xla_copies'))}")
     add("eqsat statistics in epilogues", lambda r: _count(r.get("plan_hosted_statistics")))
-    add("fewer kernels", lambda r: _verdict(r["winner_kernels"], r["fused_kernels"], r["xla_kernels"], _count))
+    add("fewer kernels", lambda r: _verdict(r["winner_kernels"], our_kernels(r), r["xla_kernels"], _count))
     add("eqsat modeled HBM bytes", lambda r: _size(r["plan_bytes"]))
     add("XLA modeled HBM bytes", lambda r: _size(r["xla_bytes"]))
     add("less HBM traffic", lambda r: _verdict(r["winner_bytes"], r["plan_bytes"], r["xla_bytes"], _size))
-    add("eqsat peak activations", lambda r: _size(r["plan_peak_bytes"]))
+    add("eqsat peak activations (plan)", lambda r: _size(r["plan_peak_bytes"]))
+    add("eqsat temporary memory (H100 executable)", lambda r: _size(r.get("emitted_temp_bytes")))
     add("XLA temporary memory", lambda r: _size(r["xla_temp_bytes"]))
-    add("less memory", lambda r: _verdict(r["winner_memory"], r["plan_peak_bytes"], r["xla_temp_bytes"], _size))
+    add("less memory", lambda r: _verdict(r["winner_memory"], our_memory(r), r["xla_temp_bytes"], _size))
     add("eqsat optimize seconds", lambda r: _seconds(r["optimize_seconds"]))
+    add("eqsat emitted H100 compile seconds", lambda r: _seconds(r.get("emit_compile_seconds")))
     add("XLA H100 compile seconds", lambda r: _seconds(r["xla_compile_seconds"]))
     add("extractor", lambda r: str(r.get("extractor") or "n/a"))
     add("saturated", lambda r: "n/a" if r.get("saturated") is None else
@@ -401,8 +567,24 @@ def render(report: dict[str, Any], console=None) -> None:
             "  XLA bytes: XLA gives no cost analysis for a compile-only H100 executable; modeled as "
             "operand + result bytes of every kernel in its optimized HLO (the same model as eqsat's)."
         )
+    for name in names:
+        row = rows[name]
+        if row.get("emitted_non_pallas"):
+            launches = ", ".join(f"{launch['name']} ({launch['category']}"
+                                 + (f", in {launch['kernel']})" if launch["kernel"] else ")")
+                                 for launch in row["emitted_non_pallas"][:8])
+            more = len(row["emitted_non_pallas"]) - 8
+            console.print(f"  {name}: {len(row['emitted_non_pallas'])} launches that are not Pallas kernels: {launches}"
+                          + (f" and {more} more" if more > 0 else ""))
+        for key, what in (("emitted_missing", "planned kernels with no Pallas launch"),
+                          ("emitted_extra", "Pallas launches beyond the plan")):
+            if row.get(key):
+                console.print(f"  {name}: {len(row[key])} {what}: {', '.join(row[key][:8])}"
+                              + (" ..." if len(row[key]) > 8 else ""))
     for note in report["notes"]:
         console.print(f"[yellow]note:[/] {note}")
+    for error in report.get("errors", []):
+        console.print(f"[bold red]error:[/] {error}")
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -428,11 +610,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="h100", choices=("h100",), help="the device profile and XLA target")
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's H100 compile")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false", help="skip the eqsat optimizer")
+    parser.add_argument("--no-emit", dest="emit", action="store_false",
+                        help="skip compiling our emitted executable for the H100 (the slow part)")
     parser.add_argument("--config", default="full", choices=("full", "tiny"), help=argparse.SUPPRESS)
 
 
 def plan_command(options: argparse.Namespace) -> int:
-    """Run `sd15 plan` with parsed options; prints the table or the JSON."""
+    """Run `sd15 plan` with parsed options; prints the table or the JSON. Exit status 1 when an
+    emitted executable failed to compile (the report names the kernel)."""
     # Planning only traces: keep this process on the CPU backend (the H100 compile runs in a
     # subprocess of its own), so an installed CUDA plugin without a GPU stays quiet.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -443,13 +628,14 @@ def plan_command(options: argparse.Namespace) -> int:
 
     report = run_plan(
         batch=options.batch, size=options.size, dtype=options.dtype, components=options.components,
-        device=options.device, config=options.config, xla=options.xla, optimize=options.optimize, log=log,
+        device=options.device, config=options.config, xla=options.xla, optimize=options.optimize,
+        emit=options.emit, log=log,
     )
     if options.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         render(report)
-    return 0
+    return 1 if report["errors"] else 0
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
