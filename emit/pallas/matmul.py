@@ -34,9 +34,9 @@ Statistics of the output (`RowStatistic`: an `EpilogueReduce` the plan hosts on 
 next LayerNorm's sum or moments over the output's last axes) are computed while the tile is in
 registers: each tile writes, per row, the partial over its own columns (a sum, or count, mean and
 M2 two-pass over the tile) into its slot of a small fp32 partials buffer, a second output of the
-kernel; no atomics, no zeroing. The N tiles are merged in order with Chan's formula
-(`emit.pallas.conv.merge_partials`) by a small XLA computation after the kernel, until readers
-merge partials themselves. A statistic of another shape is left to the driver (its own kernel).
+kernel; no atomics, no zeroing. The kernels reading the statistic merge the N tiles in order with
+Chan's formula where they read it (`emit.expr.read_partials`): no merge kernel. A statistic of
+another shape is left to the driver (its own kernel).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
+from emit.pallas.partials import Partials, copy_prefix
 from eqsat.term import Term, postorder
 from eqsat.types import ints, parse_type
 
@@ -103,7 +104,7 @@ class RowStatistic:
     each of its rows, its partial over its own columns into its slot of N tile `j`: partials
     `[N tiles, fields, slots]`, fields the sum (op "sum") or count, mean and M2 (op "moments",
     two-pass over the tile's columns). Every entry is written exactly once: no atomics, no zeroing;
-    `emit.pallas.conv.merge_partials` merges the N tiles in order (Chan's formula for moments).
+    readers merge the N tiles in order (`emit.expr.read_partials`, Chan's formula for moments).
     """
 
     op: str
@@ -152,8 +153,9 @@ def store(ref, flat, value, mask) -> None:
     tr.store(ref, jnp.where(mask, flat, ref.shape[0]), value, mask)
 
 
-def _write_row_partials(statistic: RowStatistic, partial_ref, inputs, out, index, mask) -> None:
-    """This tile's partial of `statistic` for each of its rows, into N tile `j`'s slots."""
+def _write_row_partials(statistic: RowStatistic, partial_ref, inputs, out, index, mask, first_tile: int) -> None:
+    """This tile's partial of `statistic` for each of its rows, into N tile `j`'s slots (tile rows
+    `first_tile` on: the earlier hosts' partials come first)."""
     b, rows, cols = index
     body, ok = statistic.value(inputs, out, index, mask)
     valid = jnp.broadcast_to(mask & ok if ok is not True else mask, body.shape)
@@ -167,13 +169,18 @@ def _write_row_partials(statistic: RowStatistic, partial_ref, inputs, out, index
         fields = (count, mean, jnp.sum(jnp.where(valid, jnp.square(body - mean), 0.0), axis=1, keepdims=True))
     slot = jnp.broadcast_to(statistic.slot(b, rows), count.shape)
     written = count > 0  # rows past M have no valid element
-    tile = pl.program_id(2)
+    tile = first_tile + pl.program_id(2)
     for f, value in enumerate(fields):
         store(partial_ref, (tile * statistic.fields + f) * statistic.slots + slot, value, written)
 
 
-def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_inputs: int):
-    inputs, (out_ref, *partial_refs) = refs[:num_inputs], refs[num_inputs:]
+def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_inputs: int,
+                  prefix_sizes: tuple[int, ...] = ()):
+    # Flat refs: the operands, the earlier hosts' partials of each statistic that has some, the
+    # output, each statistic's partials.
+    n_prefixes = sum(size > 0 for size in prefix_sizes)
+    inputs, prefixes = refs[:num_inputs], iter(refs[num_inputs:num_inputs + n_prefixes])
+    out_ref, *partial_refs = refs[num_inputs + n_prefixes:]
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
@@ -196,25 +203,46 @@ def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_input
     mask = row_ok & col_ok
     out = jnp.broadcast_to(problem.epilogue(inputs, acc, (b, rows, cols), mask), (bm, bn)).astype(problem.out_dtype)
     store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask)
-    for statistic, partial_ref in zip(problem.statistics, partial_refs):
-        _write_row_partials(statistic, partial_ref, inputs, out, (b, rows, cols), mask)
+    program = (b * pl.num_programs(1) + i) * pl.num_programs(2) + j
+    programs = problem.batch * pl.cdiv(problem.m, bm) * pl.cdiv(problem.n, bn)
+    for statistic, partial_ref, prefix_size in zip(problem.statistics, partial_refs,
+                                                   prefix_sizes or (0,) * len(problem.statistics)):
+        if prefix_size:
+            copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
+        _write_row_partials(statistic, partial_ref, inputs, out, (b, rows, cols), mask,
+                            prefix_size // (statistic.fields * statistic.slots))
 
 
 # --- build --------------------------------------------------------------------------------------
 
 
 def build(problem: MatmulProblem, inputs: Sequence[jax.Array], *, blocks: MatmulBlocks | None = None,
-          interpret: bool = False, name: str = "matmul"):
+          interpret: bool = False, name: str = "matmul", prefixes: Sequence[jax.Array | None] = ()):
     """Run `problem` as one `pallas_call` reading `inputs` (flat refs, in this order); returns the
-    output as `[batch, m, n]`, and with `problem.statistics` also their partials (`RowStatistic`)."""
+    output as `[batch, m, n]`, and with `problem.statistics` also their partials (`RowStatistic`),
+    each after its `prefixes` entry (None, or the earlier hosts' partials `[tiles, fields, slots]`
+    of a statistic several kernels compute, copied in front)."""
     problem.validate()
     blocks = blocks or MatmulBlocks.get_default(problem.m, problem.n, problem.k)
     blocks.validate()
-    kernel = functools.partial(matmul_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs))
+    prefixes = tuple(prefixes) or (None,) * len(problem.statistics)
+    if len(prefixes) != len(problem.statistics):
+        raise ValueError(f"{len(prefixes)} partials prefixes for {len(problem.statistics)} statistics")
+    prefix_tiles = []
+    for statistic, prefix in zip(problem.statistics, prefixes):
+        row = statistic.fields * statistic.slots
+        if prefix is not None and (prefix.dtype != jnp.float32 or prefix.size % row):
+            raise ValueError(f"earlier hosts' partials {prefix.shape} {prefix.dtype} are not fp32 [tiles, "
+                             f"{statistic.fields}, {statistic.slots}]")
+        prefix_tiles.append(0 if prefix is None else prefix.size // row)
+    kernel = functools.partial(matmul_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs),
+                               prefix_sizes=tuple(t * s.fields * s.slots for t, s in zip(prefix_tiles, problem.statistics)))
     grid = (problem.batch, pl.cdiv(problem.m, blocks.block_m), pl.cdiv(problem.n, blocks.block_n))
     shapes = [jax.ShapeDtypeStruct((problem.batch, problem.m, problem.n), problem.out_dtype)]
-    shapes += [jax.ShapeDtypeStruct((grid[2], s.fields, s.slots), jnp.float32) for s in problem.statistics]
-    out, *partials = tr.pallas_call(kernel, inputs, shapes, grid=grid, name=name, interpret=interpret,
+    shapes += [jax.ShapeDtypeStruct((t + grid[2], s.fields, s.slots), jnp.float32)
+               for t, s in zip(prefix_tiles, problem.statistics)]
+    operands = [*inputs, *(prefix for prefix in prefixes if prefix is not None)]
+    out, *partials = tr.pallas_call(kernel, operands, shapes, grid=grid, name=name, interpret=interpret,
                                     num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     return (out, partials) if problem.statistics else out
 
@@ -287,7 +315,8 @@ class DotAxes:
 
 
 def _outer_row_reduces(term: Term) -> list[Term]:
-    """The `RowReduce`s `term` reads directly, not only inside another one's body or epilogue."""
+    """The `RowReduce`s `term` reads directly, not only inside another one's body or epilogue, and
+    its reads of statistics other kernels computed (`Load(EpilogueReduce)`, merged from partials)."""
     found: dict[int, Term] = {}
     seen: set[int] = set()
     stack = [term]
@@ -296,7 +325,7 @@ def _outer_row_reduces(term: Term) -> list[Term]:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op == "RowReduce":
+        if node.op == "RowReduce" or (node.op == "Load" and node.args[0].op == "EpilogueReduce"):
             found[id(node)] = node
             continue
         stack.extend(child for child in node.children if child.sort == "Expr")
@@ -411,7 +440,8 @@ class _BoundMemory:
 
 
 def _hoist_row_statistics(lhs: Term) -> tuple[Term, dict[Term, Term]]:
-    """`lhs` with its outermost `RowReduce`s replaced by placeholder tensors, and placeholder -> RowReduce."""
+    """`lhs` with its outermost `RowReduce`s (and loads of hosted statistics: their merge is hoisted
+    too) replaced by placeholder tensors, and placeholder -> what it replaces."""
     placeholders = {Term("Input", f"__row_statistic_{n}", r.ty): r for n, r in enumerate(_outer_row_reduces(lhs))}
     return _substitute(lhs, {r: Term("Load", p, r.ty) for p, r in placeholders.items()}), placeholders
 
@@ -487,13 +517,10 @@ def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
 
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, plus
-    the hosted statistics (`EpilogueReduce`) it completes. A statistic hosted by several kernels is
-    complete at its last host: earlier hosts leave their partials in `ctx.values` under
-    `(reduction, "partials", host)` (the convention of `emit.pallas.conv`). A statistic this
-    template cannot compute is left to the driver (its own kernel)."""
+    the partials (`emit.pallas.partials.Partials`) of each hosted statistic (`EpilogueReduce`) it
+    computes: the earlier hosts' (`ctx.pending`), then its own tiles; readers merge them. A
+    statistic this template cannot compute is left to the driver (its own kernel)."""
     from emit.pallas import loaded_tensors
-    from emit.pallas.conv import merge_partials
-    from eqsat.cost.hosting import hosts_of
 
     term = kernel.term
     lhs, rhs, dims, epilogue, ty = term.args
@@ -515,7 +542,8 @@ def emit(kernel, ctx) -> dict:
     statistic_fns = {p: ex.compile_expr(r) for p, r in placeholders.items()}  # inline, where K moves the index
     # In the pre-pass, a statistic read inside another one's body at its kept index comes from the
     # pre-pass too (the LayerNorm variance's mean), not from a reduction per chunk.
-    inners = {p: [q for q, inner in placeholders.items() if q is not p and _reads_at_kept_index(r, inner)]
+    inners = {p: [q for q, inner in placeholders.items()
+                  if q is not p and r.op == inner.op == "RowReduce" and _reads_at_kept_index(r, inner)]
               for p, r in placeholders.items()}
     prepass_fns = {p: ex.compile_expr(_substitute(r, {placeholders[q]: Term("Load", q, placeholders[q].ty)
                                                       for q in inners[p]}))
@@ -573,14 +601,7 @@ def emit(kernel, ctx) -> dict:
         computed.append(reduction)
     problem = MatmulProblem(batch, m, n, k, lhs_tile, rhs_tile, epilogue_tile, jnp.dtype(out_type.dtype),
                             prepass=prepass if placeholders else None, statistics=tuple(statistics))
-    result = build(problem, [ctx.value(t) for t in tensors], blocks=blocks, interpret=ctx.interpret, name=kernel.name)
+    result = build(problem, [ctx.operand(t) for t in tensors], blocks=blocks, interpret=ctx.interpret,
+                   name=kernel.name, prefixes=[ctx.pending.get(r) for r in computed])
     out, partials = result if statistics else (result, [])
-    values = {term: out.reshape(out_type.shape)}
-    for reduction, partial in zip(computed, partials):
-        hosts = hosts_of(reduction) or [term]
-        ctx.values[(reduction, "partials", hosts.index(term))] = partial
-        pieces = [ctx.values.get((reduction, "partials", i)) for i in range(len(hosts))]
-        if all(piece is not None for piece in pieces):
-            merged = merge_partials(jnp.concatenate(pieces), reduction.args[1])
-            values[reduction] = jnp.reshape(merged, parse_type(reduction.ty).shape)
-    return values
+    return {term: out.reshape(out_type.shape), **{r: Partials(p) for r, p in zip(computed, partials)}}
