@@ -218,5 +218,5 @@ def emit(kernel, ctx) -> dict:
     problem = AttentionProblem(batch, heads, q_len, k_shape[2], head_dim, operand(q_fn), operand(k_fn),
                                operand(v_fn), operand(bias_fn) if bias_fn is not None else None, float(scale),
                                epilogue_tile, jnp.dtype(out_type.dtype))
-    out = build(problem, [ctx.value(t) for t in tensors], interpret=ctx.interpret, name=kernel.name)
+    out = build(problem, [ctx.operand(t) for t in tensors], interpret=ctx.interpret, name=kernel.name)
     return {term: out.reshape(out_type.shape)}

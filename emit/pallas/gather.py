@@ -97,7 +97,7 @@ def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     out_type = parse_type(ty)
     tensors = loaded_tensors(operand, indices)
     value = build_pointwise(gather_value(operand, indices, params, out_type.shape), tensors,
-                            [ctx.value(t) for t in tensors], jax.ShapeDtypeStruct(out_type.shape, out_type.dtype),
+                            [ctx.operand(t) for t in tensors], jax.ShapeDtypeStruct(out_type.shape, out_type.dtype),
                             name=kernel.name, interpret=ctx.interpret)
     return {term: value}
 

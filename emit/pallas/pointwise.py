@@ -134,7 +134,7 @@ def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     if term.op == "Pointwise":
         body = term.args[0]
         tensors = loaded_tensors(body)
-        value = build(_expr_value(body), tensors, [ctx.value(t) for t in tensors], out, name=kernel.name,
+        value = build(_expr_value(body), tensors, [ctx.operand(t) for t in tensors], out, name=kernel.name,
                       interpret=ctx.interpret)
         return {term: value}
     if term.op in ("AssignStatic", "AssignDynamic"):
@@ -145,7 +145,7 @@ def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
             start_values: list = list(ints(starts))
         else:
             start_values = [ctx.value(t) for t in list_items(starts)]
-        result = build_box(_expr_value(value_expr), tensors, [ctx.value(t) for t in tensors], ctx.value(target),
+        result = build_box(_expr_value(value_expr), tensors, [ctx.operand(t) for t in tensors], ctx.value(target),
                            box, start_values, name=kernel.name, interpret=ctx.interpret)
         return {term: result}
     raise NotImplementedError(f"the pointwise template does not emit {term.op}")

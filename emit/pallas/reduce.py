@@ -167,7 +167,7 @@ def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     problem = ReduceProblem(op, body_type.shape, tuple(sorted(ints(axes))), body_type.dtype,
                             jnp.dtype(acc_dtype(epilogue, ty)).name, out_type.shape, out_type.dtype)
     tensors = loaded_tensors(body, epilogue)
-    value = build(problem, body, epilogue, [ctx.value(t) for t in tensors], tensors, name=kernel.name,
+    value = build(problem, body, epilogue, [ctx.operand(t) for t in tensors], tensors, name=kernel.name,
                   interpret=ctx.interpret)
     return {term: value}
 
