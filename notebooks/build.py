@@ -484,11 +484,31 @@ def where_is_bias(e: Expr, m: Expr, fill: Expr, s: Expr, ty: String):
 `check` draws shapes and values with hypothesis for each `Example` (plain JAX), lifts it, runs the
 ruleset until nothing changes, and evaluates many extractions of the rewritten e-graph (random
 ones, and one forcing each alternative e-node) with the reference interpreter against the
-function. It also asserts that the named rules fired, and that a guarded rule did **not** fire on
-its must-not-fire example: here `where(m, x, 0.0)`, a finite fill, which is not a bias. Random
-masks include fully masked rows, where both sides are NaN (a softmax of nothing but `-inf`).
+function, on the drawn values and again on adversarial ones (`eqsat.rules.VALUE_REGIMES`: a mean
+large against the spread, constant rows, zeros, tiny and huge magnitudes, NaN and ±inf). It also
+asserts that the named rules fired, and that a guarded rule did **not** fire on its must-not-fire
+example: here `where(m, x, 0.0)`, a finite fill, which is not a bias.
+
+The law holds for finite scores only. Where a masked score is NaN or +inf, `where` still gives
+`-inf` but the sum gives NaN:
 '''),
     code('''
+s, m = jnp.array([1.0, jnp.nan, jnp.inf]), jnp.array([True, False, False])
+print("where(m, s, -inf)     =", jnp.where(m, s, -jnp.inf))
+print("s + where(m, 0, -inf) =", s + jnp.where(m, 0.0, -jnp.inf))
+'''),
+    md('''
+Scores are finite unless `q` or `k` hold NaN or infinities, or `q·kᵀ` overflows, so the example
+states that numerical contract: it is held to every value regime but `nonfinite` (the check would
+report the NaN above otherwise). Random masks still include fully masked rows, where both sides
+are NaN (a softmax of nothing but `-inf`).
+'''),
+    code('''
+from eqsat.rules import VALUE_REGIMES
+
+FINITE = tuple(regime for regime in VALUE_REGIMES if regime != "nonfinite")
+
+
 def masked_attention_args(draw):
     batch, heads, q_len, kv_len, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw)
     return (tensor(draw, (batch, heads, q_len, head_dim)), tensor(draw, (batch, heads, kv_len, head_dim)),
@@ -504,7 +524,7 @@ def zero_masked_args(draw):
     return tensor(draw, shape), tensor(draw, shape, "bool")
 
 
-cases = [Example(masked_attention, masked_attention_args, ("where_is_bias",)),
+cases = [Example(masked_attention, masked_attention_args, ("where_is_bias",), regimes=FINITE),
          Example(zero_masked, zero_masked_args, ("where_is_bias",), fires=False)]
 print(check(mask_bias, examples=5, cases=cases))
 '''),

@@ -15,6 +15,8 @@ uses exactly these; `check(my_ruleset, cases=[Example(...)])` checks it):
 
     Example, dim, tensor               soundness examples: a plain-JAX program and how to draw its arguments
     check(ruleset, examples=N)         the hypothesis soundness check -> CheckReport, or RuleCheckError
+    VALUE_REGIMES, values              the adversarial values every draw is also evaluated on (an
+                                       Example states the regimes it is held to: `regimes=`)
     py_string / py_int / py_true, flag shape arithmetic on type strings in Python, from a rule
     typed_forms(ty)                    bind an Expr variable's type (one pattern per constructor)
     rules_of(ruleset), rule_name       a ruleset's rules with their names and laws
@@ -34,7 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from eqsat.rules.checker import (
-    CheckReport, Example, RuleCheckError, check, dim, format_terms, resolve_ruleset, tensor,
+    VALUE_REGIMES, CheckReport, Example, RuleCheckError, check, dim, format_terms, resolve_ruleset, tensor, values,
 )
 from eqsat.rules.dsl import RuleInfo, _name_rules, flag, py_int, py_string, py_true, rule_name, rules_of, typed_forms
 from eqsat.rules.existence import SerializedGraph, extractions, kernel_terms, min_kernel_plan
@@ -42,6 +44,7 @@ from eqsat.rules.existence import SerializedGraph, extractions, kernel_terms, mi
 __all__ = [
     "FAMILIES", "family_module", "family_ruleset", "registry", "seed", "examples_of",
     "Example", "dim", "tensor", "check", "CheckReport", "RuleCheckError", "resolve_ruleset", "format_terms",
+    "VALUE_REGIMES", "values",
     "py_string", "py_int", "py_true", "flag", "typed_forms", "RuleInfo", "rules_of", "rule_name",
     "SerializedGraph", "extractions", "kernel_terms", "min_kernel_plan",
 ]
