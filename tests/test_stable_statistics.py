@@ -92,6 +92,32 @@ def test_layer_norm_of_constant_rows_is_its_bias():
                                atol=1e-5)
 
 
+def test_layer_norm_written_with_jnp_var_far_from_zero():
+    """equinox's LayerNorm (jnp.mean, jnp.var) on 50 + 0.05 randn: abs error 0.59 on scale 2.8 before."""
+    x = jnp.asarray(50.0 + 0.05 * np.random.default_rng(13).normal(size=(3, 64)), jnp.float32)
+    weight, bias = _ln_params(64, seed=14).values()
+
+    def layer_norm_var(x):
+        mean, var = jnp.mean(x, axis=-1, keepdims=True), jnp.var(x, axis=-1, keepdims=True)
+        return (x - mean) * lax.rsqrt(var + 1e-5) * weight + bias
+
+    _assert_matches_jit(layer_norm_var, x, atol=max(1e-4, _rounding_tolerance(50.0, 0.05)))
+
+
+def test_group_norm_written_with_lax_square_on_constant_input():
+    """flax's GroupNorm(use_fast_variance=False) computes mean(square(x - mean)): 256/256 NaN before. 300.7
+    does not sum exactly, so the centred values are a rounding of the mean, amplified by 1/sqrt(eps)."""
+    x = jnp.full((2, 4, 4, 8), 300.7, jnp.float32)
+
+    def group_norm_square(x):
+        groups = x.reshape(2, 16, 4, 2)
+        mean = jnp.mean(groups, axis=(1, 3), keepdims=True)
+        var = jnp.mean(lax.square(groups - mean), axis=(1, 3), keepdims=True)
+        return ((groups - mean) * lax.rsqrt(var + 1e-6)).reshape(x.shape)
+
+    _assert_matches_jit(group_norm_square, x, atol=_rounding_tolerance(300.7, np.sqrt(1e-6)))
+
+
 def test_layer_norm_then_linear_recomputes_stable_row_statistics():
     """The statistics recomputed in the matmul's K pre-pass (`RowReduce`) are moments too."""
     rng = np.random.default_rng(2)
