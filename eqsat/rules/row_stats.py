@@ -2,12 +2,12 @@
 
 After `norm_split` and `absorb`, a LayerNorm feeding a linear layer is two kernels:
 
-    stats = Reduce(sum, stack(x, x*x), over C)              kernel 1 reads x
+    stats = Reduce(moments, x, over C)                      kernel 1 reads x
     y     = Matmul(((x - mean) * rsqrt(var + eps)) * g + b, W)  kernel 2 reads x and stats
 
 A matmul kernel walks every full row of its lhs along the contraction axis K, so it can compute
-any reduction over K of that row itself (a pre-pass over the row block's K strips) and drop
-kernel 1. The law is the trivial one,
+any reduction over K of that row itself (a pre-pass over the row block's K strips; for moments,
+each strip's count/mean/M2 merged by Chan's formula, `eqsat.moments`) and drop kernel 1. The law is the trivial one,
 
     Load(Reduce(op, body, "a", epi, ty), ty) = RowReduce(op, body, a, epi, ty)
 
