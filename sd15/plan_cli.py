@@ -435,9 +435,9 @@ def run_plan(
                     f"{row['emitted_memsets']} memsets, {row['emitted_copies']} copies) for "
                     f"{row['planned_kernels']} planned, compiled in {row['emit_compile_seconds']:.1f} s")
             except Exception as error:  # noqa: BLE001 - reported in the row and the errors, never skipped
-                row["emit_error"] = f"{type(error).__name__}: {error}"
-                report["errors"].append(row["emit_error"] if isinstance(error, EmitCompileError)
-                                        else f"{name}: emitted compile failed: {row['emit_error']}")
+                row["emit_error"] = (str(error) if isinstance(error, EmitCompileError)
+                                     else f"{name}: emitted compile failed: {type(error).__name__}: {error}")
+                report["errors"].append(row["emit_error"])
         if xla_reason is None:
             log(f"{name}: compiling jax.jit for H100")
             try:

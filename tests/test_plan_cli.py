@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ def run_cli(argv, capsys) -> str:
 
 
 def test_plan_json_on_the_tiny_config_has_every_key(capsys):
-    report = json.loads(run_cli(["plan", "--json", "--config", "tiny"], capsys))
+    report = json.loads(run_cli(["plan", "--json", "--config", "tiny", "--no-emit"], capsys))
     assert set(report["components"]) == {"unet", "vae", "text_encoder"}
     assert report["config"] == "tiny" and report["batch"] == 2 and report["dtype"] == "float16"
     xla_expected = xla_target.unavailable_reason() is None
@@ -41,8 +42,95 @@ def test_plan_json_on_the_tiny_config_has_every_key(capsys):
             assert row["xla_kernels"] is None
         if row["fused_kernels"] is not None:  # the optimizer ran: our plan is no bigger than naive
             assert 0 < row["fused_kernels"] <= row["naive_kernels"], (name, row)
+            # the weights are marked as parameters: every kernel is either per call or prepared
+            assert row["planned_kernels"] + row["prepared_kernels"] >= row["fused_kernels"], (name, row)
+            assert 0 < row["planned_kernels"] <= row["fused_kernels"], (name, row)
+        assert row["emitted_kernels"] is None and row["emit_compile_seconds"] is None
+    assert any("emitted columns are empty: emitted compile skipped (--no-emit)" in note for note in report["notes"])
+    assert report["errors"] == []
     if not xla_expected:
         assert any("XLA columns are empty" in note for note in report["notes"])
+
+
+@pytest.mark.skipif(xla_target.unavailable_reason() is not None, reason=str(xla_target.unavailable_reason()))
+def test_emitted_columns_on_the_tiny_text_encoder(capsys):
+    """Our per-call executable compiled for an H100: its launches are accounted for kernel by kernel."""
+    report = json.loads(run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla"],
+                                capsys))
+    row = report["components"]["text_encoder"]
+    assert report["errors"] == [] and "emit_error" not in row
+    assert row["prepared_kernels"] >= 1  # the QKV weight concatenations
+    non_pallas = [launch for launch in row["emitted_non_pallas"] if launch["category"] not in ("copy", "memset")]
+    assert row["emitted_kernels"] == row["emitted_pallas_kernels"] + len(non_pallas)
+    assert sum(row["emitted_kernels_by_category"].values()) == row["emitted_kernels"]
+    assert row["emitted_missing"] == []  # every planned kernel is a Pallas launch
+    assert row["emitted_pallas_kernels"] == row["planned_kernels"] + len(row["emitted_extra"])
+    assert row["emitted_memsets"] >= 0 and row["emitted_copies"] >= 0 and row["emitted_temp_bytes"] > 0
+    assert row["emit_compile_seconds"] > 0 and row["emit_cpu_seconds"] > 0
+    assert row["winner_kernels"] is None  # no XLA column to compare with
+
+
+def _launch(name, scope, category="Pallas (Triton)", counted="kernel"):
+    return xla_target.Launch(0, "kCustomKernel", name, category, counted, False, 0, scope, False)
+
+
+def test_emitted_launches_are_matched_to_plan_kernels_by_named_scope():
+    launches = (
+        _launch("pallas_call.1", "down.0:conv/cond/branch_0_fun/down.0:conv"),
+        _launch("pallas_call.2", "down.0:conv"),  # a second conv of the same component
+        _launch("loop_pad_fusion", "down.0:conv", category="loop fusion"),  # XLA work around it
+        _launch("pallas_call.3", "down.0:reduce"),  # a statistic its host left to the driver
+        _launch("while", "", counted="none", category="none"),
+        _launch("memset", "", counted="memset", category="memset"),
+    )
+    report = types.SimpleNamespace(launches=launches, by_category={"Pallas (Triton)": 3, "loop fusion": 1})
+    found = plan_cli.emitted_against_plan(report, ["down.0:conv", "down.0:conv", "mid:matmul"])
+    assert found["emitted_pallas_kernels"] == 3
+    assert found["emitted_missing"] == ["mid:matmul"]
+    assert found["emitted_extra"] == ["down.0:reduce"]
+    assert [(launch["name"], launch["kernel"]) for launch in found["emitted_non_pallas"]] == [
+        ("loop_pad_fusion", "down.0:conv"), ("memset", None)]
+
+
+def test_failing_kernel_is_named_by_its_longest_match():
+    names = ["up.1:conv", "up.1.resnets.0:conv", "mid:matmul"]
+    assert plan_cli._failing_kernel("triton failed in up_1_resnets_0_conv: out of shared memory", names) == \
+        "up.1.resnets.0:conv"
+    assert plan_cli._failing_kernel("error at up.1:conv (pallas_call.7)", names) == "up.1:conv"
+    assert plan_cli._failing_kernel("segfault", names) is None
+
+
+def test_a_kernel_that_fails_to_compile_is_an_error_naming_it(monkeypatch, capsys):
+    """The row stays, with `emit_error` naming the kernel; the report lists it and the command exits 1."""
+    class Lowered:
+        stats = {"naive_kernels": 50, "fused_kernels": 7, "per_call_kernels": 6, "prepared_kernels": 1}
+        split = None
+
+    class Optimized:
+        def lower(self, *args):
+            return Lowered()
+
+    def compile_for_h100(fn, *args, **options):
+        raise RuntimeError("compiling for H100 failed:\nTraceback ...\nValueError: Triton compile of "
+                           "text_model_encoder_layers_0_mlp_fc1_matmul: shared memory 300000 > 232448")
+
+    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (lambda fn, device="h100", progress=None: Optimized(), None))
+    monkeypatch.setattr(plan_cli, "planned_kernel_names",
+                        lambda lowered: ["text_model.encoder.layers.0.mlp.fc1:matmul", "text_model:gather"])
+    monkeypatch.setattr(xla_target, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(xla_target, "compile_for_h100", compile_for_h100)
+    try:
+        from sd15.cli import main
+    except ImportError:
+        main = plan_cli.main
+    argv = ["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla"]
+    assert main(argv) == 1
+    report = json.loads(capsys.readouterr().out)
+    row = report["components"]["text_encoder"]
+    assert row["fused_kernels"] == 7 and row["planned_kernels"] == 6 and row["emitted_kernels"] is None
+    assert "kernel text_model.encoder.layers.0.mlp.fc1:matmul failed to compile for sm_90" in row["emit_error"]
+    assert "shared memory 300000" in row["emit_error"]
+    assert row["emit_error"].startswith("text_encoder: ") and report["errors"] == [row["emit_error"]]
 
 
 def test_missing_cuda_plugin_leaves_xla_fields_null_and_says_so(monkeypatch, capsys):
@@ -73,13 +161,13 @@ def test_workloads_trace_with_abstract_parameters():
 def test_table_shows_where_xla_is_better():
     row = {key: None for key in plan_cli.KEYS}
     row.update(
-        description="a component", naive_kernels=100, fused_kernels=40, xla_kernels=30,
+        description="a component", naive_kernels=100, fused_kernels=40, planned_kernels=40, xla_kernels=30,
         plan_bytes=2**30, xla_bytes=2**31, plan_peak_bytes=2**20, xla_temp_bytes=2**21,
         optimize_seconds={"lift": 1.0, "saturate": 2.0}, xla_compile_seconds=1.5,
     )
-    row["winner_kernels"] = plan_cli._winner(row["fused_kernels"], row["xla_kernels"])
+    row["winner_kernels"] = plan_cli._winner(plan_cli.our_kernels(row), row["xla_kernels"])
     row["winner_bytes"] = plan_cli._winner(row["plan_bytes"], row["xla_bytes"])
-    row["winner_memory"] = plan_cli._winner(row["plan_peak_bytes"], row["xla_temp_bytes"])
+    row["winner_memory"] = plan_cli._winner(plan_cli.our_memory(row), row["xla_temp_bytes"])
     report = {
         "config": "full", "size": 512, "dtype": "float16", "batch": 2, "device": "h100", "notes": [],
         "components": {"unet": row},
@@ -125,7 +213,7 @@ def test_optimizer_stats_reach_the_report(monkeypatch, capsys):
 
     monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (optimize, None))
     report = json.loads(
-        run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla"], capsys)
+        run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla", "--no-emit"], capsys)
     )
     row = report["components"]["text_encoder"]
     assert seen == ["h100", (2, 77, 32)]
