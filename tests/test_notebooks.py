@@ -1,8 +1,9 @@
 """The tour notebooks run top to bottom (nbclient, a fresh kernel each) without an error, and their
 committed copies carry outputs, pictures included, so GitHub readers see them without running anything.
 
-Together they take about two minutes on a 2-core machine (most of it notebook 2's full-size UNet
-plan and XLA's H100 compile). `python notebooks/build.py` rewrites and re-executes them.
+Together they took 2-3.5 minutes on a 2-core machine shared at load average 8-12, most of it
+notebook 2's full-size UNet plan and XLA's H100 compile of it (which alone takes ~9 s idle and
+~100 s at that load). `python notebooks/build.py` rewrites and re-executes them.
 """
 
 from __future__ import annotations
