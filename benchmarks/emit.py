@@ -131,7 +131,8 @@ def pallas_entries(entries: dict[str, str], kernel_names) -> dict[str, str]:
     """The PTX entries of our kernels: entries named after a plan kernel (`"<component>:<kind>"`,
     sanitized by Triton), as opposed to XLA's own fusions."""
     wanted = {_sanitize(name) for name in kernel_names}
-    return {name: text for name, text in entries.items() if any(name.startswith(w) for w in wanted)}
+    # Repeated names get a "__<n>" suffix; XLA's fusions ("loop_add_fusion") must not match "loop".
+    return {name: text for name, text in entries.items() if re.sub(r"__\d+$", "", name) in wanted}
 
 
 def compile_case(case: Case) -> dict:
