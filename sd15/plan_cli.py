@@ -263,10 +263,17 @@ def planned_kernel_names(lowered) -> list[str]:
     return [call.name for call in emit.kernel_calls(split.per_call if split is not None else lowered.plan)]
 
 
-def launch_kernel_name(launch) -> str:
-    """The plan kernel a launch was emitted for: the outermost named scope of its HLO op (the
-    emitter traces each kernel under `jax.named_scope("<component>:<kind>")`)."""
-    return launch.scope.split("/", 1)[0]
+def launch_kernel_name(launch, pallas: bool = False) -> str:
+    """The kernel a launch was emitted for, from the named scopes of its HLO op: the emitter traces
+    each plan kernel under `jax.named_scope("<component>:<kind>")` (the outermost scope), and a
+    `pallas_call` adds its own name innermost (`a:conv/cond/branch_0_fun/a:reduce`: a statistic
+    the conv left to the driver, launched while emitting the conv). `pallas`: the launch's own
+    `pallas_call` name (the innermost kernel-named scope), else the plan kernel it belongs to."""
+    parts = launch.scope.split("/") if launch.scope else [""]
+    if pallas:
+        named = [part for part in parts if ":" in part]
+        return named[-1] if named else parts[-1]
+    return parts[0]
 
 
 def emitted_against_plan(report, names: list[str]) -> dict[str, Any]:
@@ -279,7 +286,7 @@ def emitted_against_plan(report, names: list[str]) -> dict[str, Any]:
     pallas = [launch for launch in kernels if launch.category.startswith("Pallas")]
     pallas_ids = {id(launch) for launch in pallas}
     planned = collections.Counter(names)
-    launched = collections.Counter(launch_kernel_name(launch) for launch in pallas)
+    launched = collections.Counter(launch_kernel_name(launch, pallas=True) for launch in pallas)
     return {
         "emitted_pallas_kernels": len(pallas),
         "emitted_kernels_by_category": report.by_category,

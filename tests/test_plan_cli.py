@@ -79,7 +79,7 @@ def test_emitted_launches_are_matched_to_plan_kernels_by_named_scope():
         _launch("pallas_call.1", "down.0:conv/cond/branch_0_fun/down.0:conv"),
         _launch("pallas_call.2", "down.0:conv"),  # a second conv of the same component
         _launch("loop_pad_fusion", "down.0:conv", category="loop fusion"),  # XLA work around it
-        _launch("pallas_call.3", "down.0:reduce"),  # a statistic its host left to the driver
+        _launch("pallas_call.3", "down.0:conv/cond/branch_0_fun/down.0:reduce"),  # a statistic left to the driver
         _launch("while", "", counted="none", category="none"),
         _launch("memset", "", counted="memset", category="memset"),
     )
