@@ -30,10 +30,13 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -263,30 +266,46 @@ def planned_kernel_names(lowered) -> list[str]:
     return [call.name for call in emit.kernel_calls(split.per_call if split is not None else lowered.plan)]
 
 
-def launch_kernel_name(launch, pallas: bool = False) -> str:
-    """The kernel a launch was emitted for, from the named scopes of its HLO op: the emitter traces
-    each plan kernel under `jax.named_scope("<component>:<kind>")` (the outermost scope), and a
-    `pallas_call` adds its own name innermost (`a:conv/cond/branch_0_fun/a:reduce`: a statistic
-    the conv left to the driver, launched while emitting the conv). `pallas`: the launch's own
-    `pallas_call` name (the innermost kernel-named scope), else the plan kernel it belongs to."""
-    parts = launch.scope.split("/") if launch.scope else [""]
-    if pallas:
-        named = [part for part in parts if ":" in part]
-        return named[-1] if named else parts[-1]
-    return parts[0]
+def launch_kernel_name(launch) -> str:
+    """The plan kernel a launch belongs to: the outermost named scope of its HLO op (the emitter
+    traces each plan kernel under `jax.named_scope("<component>:<kind>")`)."""
+    return launch.scope.split("/", 1)[0]
 
 
-def emitted_against_plan(report, names: list[str]) -> dict[str, Any]:
-    """Our executable's launches against the plan's kernels: launches that are not Pallas kernels
-    (an XLA fusion, a transpose, a convert around a `pallas_call`), planned kernels with no Pallas
-    launch, and kernels launched more often than planned."""
+def triton_kernel_names(dump: Path) -> dict[str, str]:
+    """HLO instruction -> the Triton kernel name of each `pallas_call` in an XLA dump's optimized
+    HLO (its `backend_config` carries `name = "..."`: the `pallas_call`'s name, `:` made `_`)."""
+    pattern = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*custom_call_target="__gpu\$xla\.gpu\.triton".*?'
+                         r'\bname = "([^"]*)"', re.MULTILINE)
+    names: dict[str, str] = {}
+    for path in sorted(dump.glob("*after_optimizations.txt")):
+        names.update(pattern.findall(path.read_text(errors="replace")))
+    return names
+
+
+def _triton_name(name: str) -> str:
+    """A `pallas_call` name as Triton spells its kernel: characters outside [A-Za-z0-9_.] become `_`."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", name)
+
+
+def emitted_against_plan(report, names: list[str], triton_names: dict[str, str] | None = None) -> dict[str, Any]:
+    """Our executable's launches against the plan's kernels (`names`, `"<component>:<kind>"`):
+    launches that are not Pallas kernels (an XLA fusion, a transpose, a convert around a
+    `pallas_call`; `kernel` says which plan kernel's emission made it), planned kernels with no
+    Pallas launch, and Pallas launches beyond the plan (e.g. a statistic its host left to the
+    driver: `"<component>_reduce"`). A Pallas launch is known by its Triton kernel name
+    (`triton_names`, HLO instruction -> name), else by its plan kernel's named scope."""
     import collections
 
+    triton_names = triton_names or {}
     kernels = [launch for launch in report.launches if launch.counted == "kernel"]
     pallas = [launch for launch in kernels if launch.category.startswith("Pallas")]
     pallas_ids = {id(launch) for launch in pallas}
+    spelled = {_triton_name(name): name for name in names}
+    launched = collections.Counter(
+        spelled.get(triton_names[launch.name], triton_names[launch.name]) if launch.name in triton_names
+        else launch_kernel_name(launch) for launch in pallas)
     planned = collections.Counter(names)
-    launched = collections.Counter(launch_kernel_name(launch, pallas=True) for launch in pallas)
     return {
         "emitted_pallas_kernels": len(pallas),
         "emitted_kernels_by_category": report.by_category,
@@ -330,16 +349,20 @@ def measure_emitted(workload: Workload, fast, lowered) -> dict[str, Any]:
     prepared = split.prepared_specs() if split is not None else []
     names = planned_kernel_names(lowered)
     cpu = _children_cpu_seconds()
-    try:
-        report = xla_target.compile_for_h100(ft.partial(emitted_per_call, fast), prepared, *workload.args)
-    except RuntimeError as error:
-        message = str(error)
-        kernel = _failing_kernel(message, names)
-        where = f"kernel {kernel}" if kernel else "a kernel the error does not name (no plan kernel name in it)"
-        tail = "\n".join(message.strip().splitlines()[-12:])
-        raise EmitCompileError(f"{workload.name}: {where} failed to compile for sm_90:\n{tail}") from None
-    if report is None:
-        return {}
+    with tempfile.TemporaryDirectory(prefix="sd15_plan_") as scratch:
+        dump = Path(scratch) / "dump"
+        try:
+            report = xla_target.compile_for_h100(ft.partial(emitted_per_call, fast), prepared, *workload.args,
+                                                 keep_dump=dump)
+        except RuntimeError as error:
+            message = str(error)
+            kernel = _failing_kernel(message, names)
+            where = f"kernel {kernel}" if kernel else "a kernel the error does not name (no plan kernel name in it)"
+            tail = "\n".join(message.strip().splitlines()[-12:])
+            raise EmitCompileError(f"{workload.name}: {where} failed to compile for sm_90:\n{tail}") from None
+        if report is None:
+            return {}
+        triton_names = triton_kernel_names(dump)
     return {
         "emitted_kernels": report.kernels,
         "emitted_memsets": report.memsets,
@@ -349,7 +372,7 @@ def measure_emitted(workload: Workload, fast, lowered) -> dict[str, Any]:
         "emit_lower_seconds": report.lower_seconds,
         "emit_wall_seconds": report.wall_seconds,
         "emit_cpu_seconds": _children_cpu_seconds() - cpu,
-        **emitted_against_plan(report, names),
+        **emitted_against_plan(report, names, triton_names),
     }
 
 

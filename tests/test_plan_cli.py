@@ -74,20 +74,29 @@ def _launch(name, scope, category="Pallas (Triton)", counted="kernel"):
     return xla_target.Launch(0, "kCustomKernel", name, category, counted, False, 0, scope, False)
 
 
-def test_emitted_launches_are_matched_to_plan_kernels_by_named_scope():
+def test_emitted_launches_are_matched_to_plan_kernels(tmp_path):
+    """Pallas launches by their Triton kernel name (from the optimized HLO), else by named scope."""
     launches = (
         _launch("pallas_call.1", "down.0:conv/cond/branch_0_fun/down.0:conv"),
         _launch("pallas_call.2", "down.0:conv"),  # a second conv of the same component
         _launch("loop_pad_fusion", "down.0:conv", category="loop fusion"),  # XLA work around it
-        _launch("pallas_call.3", "down.0:conv/cond/branch_0_fun/down.0:reduce"),  # a statistic left to the driver
+        _launch("pallas_call.3", "down.0:conv/cond/branch_0_fun"),  # a statistic left to the driver
         _launch("while", "", counted="none", category="none"),
         _launch("memset", "", counted="memset", category="memset"),
     )
+    (tmp_path / "module.sm_9.0a_gpu_after_optimizations.txt").write_text(
+        '  %pallas_call.3 = f32[128]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+        'backend_config={debug = false, grid_x = 64 : i32, name = "down.0_reduce", num_stages = 2 : i32}\n'
+        '  ROOT %pallas_call.2 = f16[8]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+        'backend_config={name = "down.0_conv"}\n'
+        '  %gemm = f16[8]{0} custom-call(%p), custom_call_target="__cublas$gemm", backend_config={name = "x"}\n')
+    names = plan_cli.triton_kernel_names(tmp_path)
+    assert names == {"pallas_call.3": "down.0_reduce", "pallas_call.2": "down.0_conv"}
     report = types.SimpleNamespace(launches=launches, by_category={"Pallas (Triton)": 3, "loop fusion": 1})
-    found = plan_cli.emitted_against_plan(report, ["down.0:conv", "down.0:conv", "mid:matmul"])
+    found = plan_cli.emitted_against_plan(report, ["down.0:conv", "down.0:conv", "mid:matmul"], names)
     assert found["emitted_pallas_kernels"] == 3
     assert found["emitted_missing"] == ["mid:matmul"]
-    assert found["emitted_extra"] == ["down.0:reduce"]
+    assert found["emitted_extra"] == ["down.0_reduce"]
     assert [(launch["name"], launch["kernel"]) for launch in found["emitted_non_pallas"]] == [
         ("loop_pad_fusion", "down.0:conv"), ("memset", None)]
 
