@@ -1033,9 +1033,14 @@ _ANY_DTYPE = _EFFECT_AWARE | frozenset({_Lifter._identity, _Lifter._new_ref, _Li
 def _touches_complex(eqn) -> bool:
     for var in (*eqn.invars, *eqn.outvars):
         dtype = getattr(_inner_aval(var.aval), "dtype", None)
-        if dtype is not None and not is_key(dtype_name(dtype)) and np.issubdtype(dtype, np.complexfloating):
+        if dtype is not None and _is_complex(dtype):
             return True
     return False
+
+
+@lru_cache(maxsize=None)
+def _is_complex(dtype) -> bool:
+    return not is_key(dtype_name(dtype)) and np.issubdtype(dtype, np.complexfloating)
 
 
 def _caller_stacklevel() -> int:

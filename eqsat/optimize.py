@@ -332,10 +332,10 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
             builder = Builder()
             handles = builder.add(program.outputs)
         with stage("saturate"):
-            from eqsat.saturate import saturate
+            from eqsat.saturate import classes_in, saturate, serialized_data
 
-            report = saturate(builder.egraph, _schedule(rulesets), node_limit=node_limit,
-                              iteration_limit=iteration_limit, time_limit=time_limit, program=program)
+            report = saturate(builder.egraph, _schedule(rulesets), node_limit=node_limit, iteration_limit=iteration_limit,
+                              time_limit=time_limit, program=program, classes=False)  # counted on the extraction's copy
         if not report.saturated:
             message = (f"saturation stopped by {report.limit_reached} after {report.iterations} iterations "
                        f"({report.e_nodes} e-nodes): the plan is the best found so far")
@@ -345,7 +345,9 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
             import extract as extraction_stage
             from extract.plan import plan_from_extraction
 
-            extraction = extraction_stage.extract(builder.egraph._serialize(), handles, device=device,
+            serialized = serialized_data(builder.egraph)  # serialized once: for the class count and extraction
+            report.e_classes = classes_in(serialized)
+            extraction = extraction_stage.extract(serialized, handles, device=device,
                                                   method=extractor, time_limit=extract_time_limit)
             plan = plan_from_extraction(extraction, program, builder.handles, device)
         if extraction.limit_reached:

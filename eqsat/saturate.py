@@ -11,7 +11,6 @@ stopping at a limit leaves it valid, with every rewrite applied so far.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from eqsat import lang
 from eqsat.schedule import Schedule, as_schedule
 
 LIMITS = ("node_limit", "iteration_limit", "time_limit", "rounds")
+LANGUAGE_SORTS = ("Tensor", "Expr", "TensorList")
 
 
 @dataclass
@@ -58,10 +58,21 @@ def count_nodes(egraph: EGraph) -> dict[str, int]:
 
 
 def count_classes(egraph: EGraph) -> int:
-    """E-classes of the language sorts, from the serialized e-graph (costs one serialization)."""
-    data = json.loads(egraph._serialize().to_json())
-    sorts = {"Tensor", "Expr", "TensorList"}
-    return sum(1 for info in data["class_data"].values() if info.get("type") in sorts)
+    """E-classes of the language sorts, from the serialized e-graph (costs one serialization: a
+    caller that serializes anyway passes `classes=False` to `saturate` and counts with `classes_in`)."""
+    return classes_in(serialized_data(egraph))
+
+
+def serialized_data(egraph: EGraph) -> dict:
+    """`egraph`'s serialization, parsed (the input of `extract.load`)."""
+    from extract.serialized import parse_serialized
+
+    return parse_serialized(egraph._serialize())
+
+
+def classes_in(data: dict) -> int:
+    """E-classes of the language sorts in a parsed serialization (`serialized_data`)."""
+    return sum(1 for info in data["class_data"].values() if info.get("type") in LANGUAGE_SORTS)
 
 
 def saturate(

@@ -129,15 +129,27 @@ class EGraphData:
         return [self.handles[int(h)] for h in handles]
 
 
+def parse_serialized(serialized) -> dict:
+    """The dict of `egraph._serialize()`, of its `.to_json()` text, or the dict itself (orjson reads
+    the text when it is installed: about three times faster than `json` on a large e-graph)."""
+    if hasattr(serialized, "to_json"):
+        serialized = serialized.to_json()
+    if not isinstance(serialized, (str, bytes)):
+        return serialized
+    try:
+        import orjson
+    except ImportError:
+        return json.loads(serialized)
+    return orjson.loads(serialized)
+
+
 def load(serialized) -> EGraphData:
     """Read `egraph._serialize()` (or its `.to_json()` text, or the parsed dict) into arrays.
 
     Only the classes extraction can see are indexed (those of candidate nodes, of their children and
     of builder handles), in order of first appearance: egglog also serializes its helper relations
     and one class per primitive, which no candidate needs."""
-    if hasattr(serialized, "to_json"):
-        serialized = serialized.to_json()
-    data = json.loads(serialized) if isinstance(serialized, (str, bytes)) else serialized
+    data = parse_serialized(serialized)
     raw_nodes: dict = data["nodes"]
     class_data: dict = data.get("class_data", {})
 
