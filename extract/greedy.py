@@ -18,6 +18,12 @@ see `serialized.Selection`). A kernel node of class `P` whose child's best choic
 uses the child's `inner` choice; a candidate that still depends on its own class is a cycle and
 is skipped. Classes on cycles of the class graph get bits too (weight 0), only for that check.
 
+A conv's input expression is computed by its template once per window tap and output-channel
+tile (`extract.prologue`), so a conv node does not take its input class's context-free best: for
+each class of that tree it compares computing it (charged per evaluation) with reading a tensor
+one of the class's `Load` nodes names (`Load(P)`: `P` materialized, paid through `deps`), and
+keeps its choices for its own kernel's slots. The classes it looked at wake it up when they change.
+
 Order: Kahn's (a node is first evaluated once all its children have a value); then every node
 whose children (or whose read tensors' costs) changed is re-evaluated, in Kahn order, until no
 class changes: the fixed point (with a budget of evaluations per node). If a stale set lets a
@@ -39,7 +45,9 @@ Rounds (`ROUNDS`), each scored by the caller's `score` (the plan's roofline cost
 Polish (`polish`): local moves on the best round's plan, each kept only if the modeled plan cost
 drops, with incremental reference counts: switch a kernel's node (a bias add `Pointwise` over a
 matmul -> the matmul with the add in its epilogue); read a tensor the plan materializes anyway
-instead of recomputing it; retire a tensor by switching all its readers at once (a narrow matmul
+instead of recomputing it; let a conv read a new tensor holding (part of) its input expression,
+when that kernel costs less than the template's recompute; retire a tensor by switching all its
+readers at once (a narrow matmul
 whose readers can read a slice of a wider one already in the plan; a reduction hosted in a
 producer's epilogue may move to another producer, or to its own kernel, so that producer can
 retire). Regional ILPs run after the polish find nothing left to gain on the SD 1.5 UNet.
@@ -64,6 +72,8 @@ import numpy as np
 
 from eqsat.cost.roofline import HOSTED_OPS
 from eqsat.lang import KERNEL_OPS
+from eqsat.types import parse_type
+from extract.prologue import prologue_charge
 from extract.serialized import (
     EPSILON,
     GLOBAL,
@@ -159,6 +169,16 @@ class _Problem:
         for tensor, loads in load_classes.items():
             readers = {graph.node_class[p] for load in loads for p in self.parents.get(load, ())}
             self.readers[tensor] = max(1, len(readers))
+        # Conv nodes whose template evaluates their input expression more than once, and the Load
+        # nodes of each class (what such a conv may read instead of computing the class).
+        self.prologue_costs = costs if getattr(costs, "prologues", None) else None
+        self.prologues = {n: p for n, p in (getattr(costs, "prologues", None) or {}).items()
+                          if graph.node_class[n] in self.parents}
+        self.loads_of: dict[int, list[int]] = {}
+        for cls in classes:
+            for node in graph.class_nodes[cls]:
+                if graph.node_op[node] == "Load":
+                    self.loads_of.setdefault(cls, []).append(node)
 
 
 def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: bool, max_evaluations_per_node: int):
@@ -167,6 +187,18 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
     weights = _Weights(len(problem.bit_of))
     unpaid = ~sum(mask[cls] for cls in paid if cls in mask)
     share = {cls: (problem.readers.get(cls, 1) if shared else 1) for cls in problem.bit_of}
+
+    prologues = problem.prologues
+    watchers: dict[int, set[int]] = {}  # class -> conv nodes whose input choice depends on it
+    sizes: dict[int, int] = {}
+    prologue_evaluations: dict[tuple, float] = {}
+    load_tensor = {load: graph.node_children[load][0] for loads in problem.loads_of.values() for load in loads}
+
+    def size_of(cls: int) -> int:
+        if cls not in sizes:
+            ty = graph.class_type[cls]
+            sizes[cls] = parse_type(ty).size if ty else 0
+        return sizes[cls]
 
     a_node: dict[int, int] = {}
     a_local: dict[int, float] = {}
@@ -186,17 +218,24 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         own = mask.get(cls, 0)
         local = costs[node]
         deps = 0
-        for child in children[node]:
+        prologue = prologues.get(node)
+        for position, child in enumerate(children[node]):
             if child not in a_node:
                 return False
             if is_tensor[child]:
                 deps |= a_deps[child] | mask[child]
                 continue
-            child_local, child_deps = a_local[child], a_deps[child]
-            if tensor and child_deps & own:
-                if child not in i_node or i_deps[child] & own:
+            if position == 0 and prologue is not None:  # a conv's input: computed per tap and tile, or loaded
+                found = input_choice(node, prologue, own)
+                if found is None:
                     return False
-                child_local, child_deps = i_local[child], i_deps[child]
+                child_local, child_deps = found[0], found[1]
+            else:
+                child_local, child_deps = a_local[child], a_deps[child]
+                if tensor and child_deps & own:
+                    if child not in i_node or i_deps[child] & own:
+                        return False
+                    child_local, child_deps = i_local[child], i_deps[child]
             local += child_local
             deps |= child_deps | mask.get(child, 0)
         if deps & own:
@@ -218,12 +257,117 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
                 changed = True
         return changed
 
+    def base_node(cls: int, own: int) -> int | None:
+        """The node of expression class `cls` inside the kernel of the class with bit `own`."""
+        if not a_deps[cls] & own:
+            return a_node[cls]
+        if cls in i_node and not i_deps[cls] & own:
+            return i_node[cls]
+        return None
+
+    def input_choice(node: int, prologue, own: int, overrides: dict | None = None):
+        """(local, deps) of conv `node`'s input expression: each class of its tree (the best nodes so
+        far) either computed as often as the template evaluates it (`extract.prologue`) or read from
+        a tensor one of its `Load` nodes names, whichever the comparison of the rest of the pass
+        prefers. None if no choice is free of a cycle. `overrides` receives, per class, the choices
+        that differ from the class's own best node (for the selection)."""
+        # Keys: (class, lo, hi, points): points 0 while descending concats on the feature axis.
+        values: dict[tuple, tuple | None] = {}
+        on_path: set[tuple] = set()
+        root_key = (prologue.lhs, 0, prologue.channels, 0)
+        stack: list[tuple[tuple, bool]] = [(root_key, False)]
+        while stack:
+            key, ready = stack.pop()
+            if key in values:
+                continue
+            cls = key[0]
+            if not ready:
+                watchers.setdefault(cls, set()).add(node)
+                if cls not in a_node:
+                    values[key] = None
+                    continue
+                chosen = base_node(cls, own)
+                on_path.add(key)
+                stack.append((key, True))
+                if chosen is not None and node_op[chosen] != "Load":
+                    for child_key in input_children(chosen, key, prologue):
+                        if child_key not in values and child_key not in on_path:
+                            stack.append((child_key, False))
+                continue
+            on_path.discard(key)
+            chosen = base_node(cls, own)
+            best = None
+            if chosen is not None and node_op[chosen] != "Load":
+                local, deps, feasible = input_charge(chosen, key, prologue), 0, True
+                for child_key in input_children(chosen, key, prologue):
+                    value = values.get(child_key)
+                    if value is None:
+                        feasible = False
+                        break
+                    local += value[0]
+                    deps |= value[1] | mask.get(child_key[0], 0)
+                if feasible and not deps & own:
+                    best = (local, deps, chosen)
+            for load in problem.loads_of.get(cls, ()):
+                tensor_cls = load_tensor[load]
+                watchers.setdefault(tensor_cls, set()).add(node)
+                if load in banned or tensor_cls not in a_node:
+                    continue
+                deps = a_deps[tensor_cls] | mask[tensor_cls]
+                if deps & own:
+                    continue
+                if best is None or (best[2] != load and better(costs[load], deps, best[0], best[1])):
+                    best = (costs[load], deps, load)
+            values[key] = best
+        root = values.get(root_key)
+        if root is None:
+            return None
+        if overrides is not None:
+            walk, seen = [root_key], set()
+            while walk:
+                key = walk.pop()
+                if key in seen or values.get(key) is None:
+                    continue
+                seen.add(key)
+                chosen = values[key][2]
+                if chosen != a_node[key[0]]:
+                    overrides.setdefault(key[0], chosen)
+                if node_op[chosen] != "Load":
+                    walk.extend(input_children(chosen, key, prologue))
+        return root[0], root[1]
+
+    def input_children(chosen: int, key: tuple, prologue) -> list[tuple]:
+        cls, lo, hi, points = key
+        kids = children[chosen]
+        if points == 0 and node_op[chosen] == "Concat" and graph.node_literals[chosen][2] == prologue.axis:
+            split = lo + graph.node_literals[chosen][3]
+            return [(kids[0], lo, split, 0), (kids[1], split, hi, 0)]
+        if points == 0:
+            points = size_of(cls)
+        return [(c, lo, hi, points) for c in kids]
+
+    def input_charge(chosen: int, key: tuple, prologue) -> float:
+        cls, lo, hi, points = key
+        if points == 0:
+            if node_op[chosen] == "Concat" and graph.node_literals[chosen][2] == prologue.axis:
+                return costs[chosen]
+            points = size_of(cls)
+        evaluations = prologue_evaluations.get((id(prologue), lo, hi))
+        if evaluations is None:
+            evaluations = prologue_evaluations[(id(prologue), lo, hi)] = prologue.evaluations(lo, hi)
+        charge = problem.prologue_costs.in_prologue(chosen, points, evaluations)
+        return costs[chosen] if charge is None else charge + EPSILON
+
     def users(cls: int) -> list[int]:
-        """The nodes to re-evaluate when class `cls` changes: its parents and, for a tensor (whose
-        cost re-ranks its readers' comparisons), the parents of its `Load`s."""
-        if not is_tensor[cls]:
-            return problem.parents[cls]
-        return problem.parents[cls] + [p for load in problem.load_classes.get(cls, ()) for p in problem.parents[load]]
+        """The nodes to re-evaluate when class `cls` changes: its parents, for a tensor (whose cost
+        re-ranks its readers' comparisons) the parents of its `Load`s, and the convs whose input
+        choice looked at it."""
+        found = problem.parents[cls]
+        if is_tensor[cls]:
+            found = found + [p for load in problem.load_classes.get(cls, ()) for p in problem.parents[load]]
+        if cls in watchers:
+            found = found + sorted(watchers[cls])
+        return found
 
     # Kahn's order; a node already evaluated whose inputs change later in it is queued for the fixed point.
     nodes = [n for cls in problem.classes for n in graph.class_nodes[cls] if n not in banned]
@@ -280,6 +424,11 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         for child in children[node]:
             if not is_tensor[child] and a_deps[child] & own and child in i_node:
                 chosen[(child, cls)] = i_node[child]
+        if node in prologues:
+            overrides: dict[int, int] = {}
+            if input_choice(node, prologues[node], own, overrides) is not None:
+                for child, choice in overrides.items():
+                    chosen[(child, cls)] = choice
     return Selection(graph, chosen, list(problem.roots)), sweeps
 
 
@@ -397,6 +546,7 @@ class PolishReport:
     kernel_switches: int = 0   # move 1: another node for a kernel
     reuses: int = 0            # move 2: a slot reads a tensor the plan materializes anyway
     retirements: int = 0       # move 3: every reader of a tensor stops reading it
+    materializations: int = 0  # move 2b: a conv reads a new tensor instead of recomputing its input
     walks: int = 0             # kernel contexts walked
     slots_visited: int = 0     # expression slots those walks visited
     memo_hits: int = 0         # contexts answered without a walk (the kernel's slots had not changed)
@@ -413,6 +563,7 @@ class _Context(NamedTuple):
     cost: float
     reads: frozenset
     slots: tuple
+    prologue: frozenset = frozenset()  # the classes of a conv's input expression (`extract.prologue`)
 
 
 
@@ -449,6 +600,7 @@ class _Polish:
             else:
                 self.inner.setdefault(ctx, {})[cls] = node
         self.memo: dict[int, dict] = {}
+        self.prologues = getattr(costs, "prologues", None) or {}
         self.load_nodes: dict[int, list[int]] = {}
         for node, op in enumerate(graph.node_op):
             if op == "Load":
@@ -503,6 +655,20 @@ class _Polish:
         self.report.walks += 1
         inner = self.inner.get(owner, {})
         default = self.default
+        covered: set[int] = set()
+        prologue = self.prologues.get(kernel_node)
+        if prologue is not None:  # a conv's input expression, as often as its template computes it
+
+            def resolve(cls: int) -> int | None:
+                node = local.get(cls)
+                if node is None:
+                    node = inner.get(cls)
+                return default.get(cls) if node is None else node
+
+            charge, covered = prologue_charge(graph, costs, prologue, resolve)
+            total += charge
+            if not math.isfinite(total):
+                return _Context(math.inf, frozenset(), ())
         reads: set[int] = set()
         loads: dict[int, list] = {}  # Load slot's class -> [read whole?, sliced fraction, Load node]
         state: dict[int, int] = {}  # class -> 1 while on the depth-first path, 2 when done
@@ -524,7 +690,7 @@ class _Polish:
                 index = len(slots)
                 is_load = node_op[node] == "Load"
                 slots.append((cls, node_children[node][0] if is_load else -1, parent_index))
-                if not is_load:
+                if not is_load and cls not in covered:
                     total += costs[node]
                 if index > MAX_CONTEXT_SLOTS:
                     self.report.slots_visited += len(slots)
@@ -565,7 +731,7 @@ class _Polish:
         for whole, fraction, load_node in loads.values():
             read = costs[load_node]
             total += read if whole else read * min(1.0, fraction)
-        return _Context(total, frozenset(reads), tuple(slots))
+        return _Context(total, frozenset(reads), tuple(slots), frozenset(covered))
 
     # --- reference counts, order, legality ---
 
@@ -718,7 +884,44 @@ class _Polish:
                         self.report.reuses += 1
                         improved = True
                         break
+            if node in self.prologues:
+                improved = self.materialize(owner, node) or improved
         return improved
+
+    def materialize(self, owner: int, node: int) -> bool:
+        """Move 2b: a conv computes its input expression per tap and per output-channel tile; store
+        a tensor of it the plan does not have yet (one kernel more) and read that instead, when
+        the two kernels cost less than the recompute. The new kernel may read only tensors the
+        plan has (or leaves) that do not depend on the conv."""
+        graph, nodes, node_op = self.graph, self.nodes, self.graph.node_op
+        for cls, loaded, _ in self.context(owner, node).slots:
+            if loaded >= 0 or cls not in self.context(owner, node).prologue:
+                continue
+            for alternative in self.load_nodes.get(cls, ()):
+                tensor = graph.node_children[alternative][0]
+                if tensor == owner or self.refcount.get(tensor, 0) > 0 or tensor in self.leaf_classes:
+                    continue  # already in the plan: move 2's
+                tensor_node = nodes.get((tensor, GLOBAL))
+                if tensor_node is None or node_op[tensor_node] not in KERNEL_OPS:
+                    continue
+                made = self.context(tensor, tensor_node)
+                if not math.isfinite(made.cost) or tensor in made.reads or not self.valid(owner, made.reads):
+                    continue
+                found = self.context(owner, node, {cls: alternative})
+                if not math.isfinite(found.cost) or not self.valid(owner, found.reads - {tensor}):
+                    continue
+                saved = self.freed(self.kernel_reads[owner], found.reads | made.reads)
+                if found.cost + made.cost - self.kernel_cost[owner] - saved < -1e-12:
+                    self.kernel_cost[tensor], self.kernel_reads[tensor] = made.cost, made.reads
+                    self.refcount.setdefault(tensor, 0)
+                    for read in made.reads:
+                        self.refcount[read] = self.refcount.get(read, 0) + 1
+                    self.dirty = True
+                    self.apply(owner, found)
+                    self.set_slot(cls, owner, alternative)
+                    self.report.materializations += 1
+                    return True
+        return False
 
     def retire(self, order: list[int]) -> bool:
         """Move 3: retire a tensor: every kernel that reads it switches expression slots (in its own

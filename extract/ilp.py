@@ -6,6 +6,8 @@ expression is recomputed in every kernel that uses it). Variables, one binary pe
 
     x[T, n]     tensor class T is produced by node n (a kernel or a leaf)
     y[T, E, m]  inside the kernel of T, expression class E is computed by node m
+    y[T, n, E, m]  the same inside conv node n's input expression, which its template computes per
+                window tap and output-channel tile: m costs that many evaluations (`extract.prologue`)
     o[T]        (continuous, 0..|C|-1) topological position of tensor class T on a cycle C
     o[T, E]     (continuous) position of E inside T's kernel, on expression cycles only
 
@@ -14,15 +16,19 @@ Constraints:
     sum_n x[R, n] = 1                      every root is produced
     sum_n x[T, n] <= 1, sum_m y[T,E,m] <= 1   at most one node per slot
     x[T, n] <= sum_m y[T, E, m]            a kernel's expression children are computed in it
+                                           (a conv's input: sum_m y[T, n, E, m])
     y[T, E, m] <= sum_m' y[T, E', m']      so are an expression's expression children
+    y[T, n, E, m] + sum_(m' != m) y[T, E, m'] <= 1   one node per class and kernel
     x or y <= sum_n x[D, n]                a read tensor D (a Load's or an operand) is produced
     o[T] - o[D] >= 1 - M (1 - x or y)      reads go to earlier tensors (acyclic), for T, D on a
                                            cycle of the tensor graph; the same for o[T, E]
 
 Objective: the sum of node costs (`EGraphData.node_costs`) over chosen `x` and `y`: launch,
 output write and dense flops for each kernel, each read once per kernel, each expression node's
-flops once per kernel; the roofline model of `eqsat.cost.kernel_cost`, up to partial reads
-through slices.
+flops once per kernel, a conv input's as often as the template evaluates them (the K-range part
+of a class is the first a breadth-first walk from the input reaches it by); the roofline model of
+`eqsat.cost.kernel_cost`, up to partial reads through slices and a class shared by two K ranges
+(charged once here).
 
 A region: only tensor classes in `region` are free; the rest keep the `incumbent` selection.
 An outside tensor may be read if the incumbent materializes it (or it is an input); region
@@ -127,11 +133,13 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
         return tensor in free or tensor in paid or _is_leaf_class(graph, tensor)
 
     # --- variables -------------------------------------------------------------------------
-    var_slot: list[tuple[int, int]] = []   # (class, context) per variable
-    var_node: list[int] = []
-    slot_vars: dict[tuple[int, int], list[int]] = {}
+    var_slot: list[tuple] = []   # (class, context) per variable; a context is GLOBAL, a tensor class,
+    var_node: list[int] = []     # or ("input", conv node, tensor class) for a conv's input expression
+    var_cost: dict[int, float] = {}  # objective terms other than the node's own cost
+    slot_vars: dict[tuple, list[int]] = {}
+    prologues = getattr(costs, "prologues", None) or {}
 
-    def new_var(cls: int, context: int, node: int) -> int:
+    def new_var(cls: int, context, node: int) -> int:
         index = len(var_node)
         var_slot.append((cls, context))
         var_node.append(node)
@@ -139,16 +147,30 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
         return index
 
     contexts: dict[int, list[int]] = {}
+    input_parts: dict[tuple, dict[int, tuple[float, float]]] = {}
     for tensor in sorted(free):
+        convs = []
         for node in graph.class_nodes[tensor]:
             if node not in banned:
                 new_var(tensor, GLOBAL, node)
+                if node in prologues:
+                    convs.append(node)
         must = _incumbent_context(incumbent, tensor) if incumbent is not None else []
         contexts[tensor] = _context_classes(graph, tensor, is_tensor, banned, max_context_classes, must)
         for cls in contexts[tensor]:
             for node in graph.class_nodes[cls]:
                 if node not in banned:
                     new_var(cls, tensor, node)
+        for conv in convs:  # its input expression, charged as often as its template computes it
+            context = ("input", conv, tensor)
+            input_parts[context] = parts = _prologue_parts(graph, prologues[conv], set(contexts[tensor]))
+            for cls, (points, evaluations) in parts.items():
+                for node in graph.class_nodes[cls]:
+                    if node not in banned:
+                        charge = costs.in_prologue(node, points, evaluations)
+                        var = new_var(cls, context, node)
+                        if charge is not None:
+                            var_cost[var] = charge
         if len(var_node) > max_variables:
             return IlpResult(None, "too large", float("nan"), len(var_node), 0, time.perf_counter() - started)
     # Outside tensors read by region kernels but not free: constants (always there or forbidden).
@@ -163,7 +185,9 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     for var in range(num_x):
         cls, context = var_slot[var]
         node = var_node[var]
-        owner = cls if context == GLOBAL else context
+        owner = cls if context == GLOBAL else context[2] if isinstance(context, tuple) else context
+        scope = owner if not isinstance(context, tuple) else context  # where its expression children live
+        prologue = prologues.get(node) if context == GLOBAL else None
         for child in sorted(set(c for c in graph.node_children[node] if c >= 0)):
             if is_tensor[child]:
                 if not readable(child):
@@ -179,7 +203,10 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
                     for below in sorted(depends_on.get(child, ())):
                         tensor_edges.append((var, owner, below))
             else:
-                child_vars = slot_vars.get((child, owner))
+                child_scope = scope
+                if prologue is not None and child == prologue.lhs and ("input", node, cls) in input_parts:
+                    child_scope = ("input", node, cls)
+                child_vars = slot_vars.get((child, child_scope))
                 if not child_vars:
                     fixed_zero.add(var)  # beyond the context cut
                     continue
@@ -188,7 +215,7 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
                     continue
                 rows.add([(var, 1.0)] + [(v, -1.0) for v in child_vars], -np.inf, 0.0)
                 if context != GLOBAL:
-                    expr_edges.append((var, owner, cls, child))
+                    expr_edges.append((var, scope, cls, child))
 
     for slot, variables in slot_vars.items():
         cls, context = slot
@@ -196,6 +223,12 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
             rows.add([(v, 1.0) for v in variables], 1.0, 1.0)
         else:
             rows.add([(v, 1.0) for v in variables], 0.0, 1.0)
+        if isinstance(context, tuple):  # one node per class in a kernel: as its input, and elsewhere in it
+            elsewhere = slot_vars.get((cls, context[2]), ())
+            for v in variables:
+                others = [(w, 1.0) for w in elsewhere if var_node[w] != var_node[v]]
+                if others:
+                    rows.add([(v, 1.0)] + others, 0.0, 1.0)
 
     # --- acyclicity: positions on cycles of the possible-read graph ------------------------
     order_index: dict[tuple[int, int], int] = {}
@@ -241,7 +274,7 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     total = num_x + extra
     c = np.zeros(total)
     for var in range(num_x):
-        c[var] = (costs[var_node[var]] + EPSILON) * _SCALE
+        c[var] = (var_cost.get(var, costs[var_node[var]]) + EPSILON) * _SCALE
     integrality = np.zeros(total)
     integrality[:num_x] = 1
     lower = np.zeros(total)
@@ -268,7 +301,8 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     chosen = np.flatnonzero(result.x[:num_x] > 0.5)
     nodes: dict[tuple[int, int], int] = {}
     for var in chosen:
-        slot = var_slot[var]
+        cls, context = var_slot[var]
+        slot = (cls, context[2]) if isinstance(context, tuple) else (cls, context)
         if slot not in nodes:
             nodes[slot] = var_node[var]
     if region is not None:
@@ -286,6 +320,45 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
         return IlpResult(None, "invalid", float(result.fun) / _SCALE, total, len(rows), seconds, stopped)
     selection.nodes = {slot: nodes[slot] for slot in reached}
     return IlpResult(selection, status, float(result.fun) / _SCALE, total, len(rows), seconds, stopped)
+
+
+def _prologue_parts(graph: EGraphData, prologue, classes: set[int]) -> dict[int, tuple[float, float]]:
+    """(points, evaluations per element) of each class in `classes` a conv's input may reach: the
+    concats along the feature axis split it into K-range parts (`extract.prologue`); first reach wins."""
+    parts: dict[int, tuple[float, float]] = {}
+    queue = [(prologue.lhs, 0, prologue.channels, 0)]
+    seen = {prologue.lhs}
+    head = 0
+    while head < len(queue):
+        cls, lo, hi, points = queue[head]
+        head += 1
+        if points == 0:  # still splitting at concats: this class is its own part
+            own = graph.class_type[cls]
+            part_points = _size(own)
+        else:
+            part_points = points
+        parts[cls] = (part_points, prologue.evaluations(lo, hi))
+        for node in graph.class_nodes[cls]:
+            op, literals = graph.node_op[node], graph.node_literals[node]
+            if op == "Load":
+                continue
+            kids = [c for c in graph.node_children[node] if c >= 0]
+            if points == 0 and op == "Concat" and literals[2] == prologue.axis:
+                split = lo + literals[3]
+                reached = [(kids[0], lo, split, 0), (kids[1], split, hi, 0)]
+            else:
+                reached = [(c, lo, hi, part_points) for c in kids]
+            for key in reached:
+                if key[0] in classes and key[0] not in seen:
+                    seen.add(key[0])
+                    queue.append(key)
+    return parts
+
+
+def _size(ty) -> int:
+    from eqsat.types import parse_type
+
+    return parse_type(ty).size if ty else 0
 
 
 def _is_leaf_class(graph: EGraphData, cls: int) -> bool:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from eqsat.cost import get_device, node_cost
 from eqsat.lang import KERNEL_OPS, OPS
 from eqsat.types import parse_type
+from extract.prologue import prologue_charge
 
 PRIMITIVE_SORTS = ("String", "i64", "f64", "bool", "Unit")
 
@@ -81,20 +81,12 @@ class EGraphData:
             for child, lit in zip(self.node_children[node], self.node_literals[node])
         )
 
-    def node_costs(self, device="h100") -> list[float]:
-        """Seconds of each node's own work (`eqsat.cost.node_cost`), the extraction objective's terms."""
-        device = get_device(device)
-        cache: dict[tuple, float] = {}
-        costs = []
-        for node, op in enumerate(self.node_op):
-            weights = self.nonzero_weight_elements(self.node_children[node][1]) if op == "Conv" else None
-            key = (op, self.node_args(node), weights)
-            value = cache.get(key)
-            if value is None:
-                value = node_cost(op, key[1], device, weights).seconds
-                cache[key] = value
-            costs.append(value)
-        return costs
+    def node_costs(self, device="h100"):
+        """Seconds of each node's own work (`eqsat.cost.node_cost`), the extraction objective's terms,
+        with what a conv template evaluates more than once (`extract.prologue.NodeCosts`)."""
+        from extract.prologue import node_costs
+
+        return node_costs(self, device)
 
     def nonzero_weight_elements(self, cls: int, depth: int = 4) -> int:
         """`eqsat.cost.roofline.nonzero_weight_elements` of the cheapest form in weight class `cls`
@@ -453,10 +445,12 @@ class Selection:
     def cost(self, costs, cutoff: float = float("inf")) -> float:
         """The plan's modeled seconds, from node `costs` (`EGraphData.node_costs`) without building
         terms: each kernel pays its own node and, once per kernel, each expression slot it computes
-        (so an expression inlined into two kernels is paid twice); a tensor read only through
-        slices pays the slices (as `eqsat.cost.kernel_reads`). Returns `inf` once past `cutoff`."""
+        (so an expression inlined into two kernels is paid twice), a conv's input expression as
+        often as its template evaluates it (`extract.prologue`); a tensor read only through slices
+        pays the slices (as `eqsat.cost.kernel_reads`). Returns `inf` once past `cutoff`."""
         graph = self.graph
         node_op, sort = graph.node_op, graph.class_sort
+        prologues = getattr(costs, "prologues", None) or {}
         total = 0.0
         for cls, context in self.postorder():
             if context != GLOBAL or sort[cls] != "Tensor":
@@ -465,6 +459,11 @@ class Selection:
             total += costs[node]
             if node_op[node] not in KERNEL_OPS:
                 continue
+            covered: set[int] = set()
+            if node in prologues:  # a conv's input expression, as often as its template computes it
+                charge, covered = prologue_charge(graph, costs, prologues[node],
+                                                  lambda c, owner=cls: self.node_of((c, owner)))
+                total += charge
             seen = {(cls, GLOBAL)}
             stack = [(cls, GLOBAL)]
             loads: dict[Slot, list] = {}  # Load slot -> [read whole?, sliced fraction]
@@ -486,7 +485,7 @@ class Selection:
                             entry[0] = True
                     if child not in seen:
                         seen.add(child)
-                        if node_op[child_node] != "Load":
+                        if node_op[child_node] != "Load" and child[0] not in covered:
                             total += costs[child_node]
                         stack.append(child)
             for slot, (whole, fraction) in loads.items():

@@ -10,7 +10,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | kernel | flops |
 |---|---|
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
-| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile (`conv_prologue_flops`) |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile (`conv_prologue_flops`; extraction charges the same: `extract.prologue`) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
@@ -412,8 +412,25 @@ def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str
     return out_pixels * taps * conv_output_tiles(cout) / max(in_pixels, 1)
 
 
-def _conv_parts(lhs: Term, rhs: Term, lhs_axis: int, rhs_axis: int, window: tuple[int, ...]) -> list[tuple[Term, int]]:
-    """The conv template's K ranges: (input expression of the range, taps it runs over)."""
+def zero_pad_taps(pad_config: str, inner_shape: Sequence[int], rhs_spec: Sequence[int]) -> int | None:
+    """The window taps a conv runs over a weight `pad(inner, 0)` with `pad_config`
+    (`lo,hi,interior` per axis, `;`-separated) when the pad adds zero taps on the window axes only:
+    the taps of `inner`, the rest multiply zeros and the template skips them. None otherwise."""
+    config = [ints(part) for part in pad_config.split(";")]
+    if len(config) != len(inner_shape):
+        return None
+    for axis, (lo, hi, interior) in enumerate(config):
+        if interior != 0 or lo < 0 or hi < 0 or (axis not in rhs_spec[2:] and (lo, hi) != (0, 0)):
+            return None
+    return math.prod(inner_shape[a] for a in rhs_spec[2:])
+
+
+def _conv_parts(lhs: Term, rhs: Term, lhs_axis: int, rhs_spec: Sequence[int],
+                window: tuple[int, ...]) -> list[tuple[Term, int, float]]:
+    """The conv template's K ranges: (input expression of the range, taps it runs over, the part
+    of that expression's channels the range covers). An input expression wider than its range
+    (the weight is a concat there, the input is not) is evaluated at the range's channels only."""
+    rhs_axis = rhs_spec[1]
     bounds = {0, parse_type(lhs.ty).shape[lhs_axis]}
     for expr, axis in ((lhs, lhs_axis), (rhs, rhs_axis)):
         stack, base = [(expr, 0)], 0
@@ -437,35 +454,48 @@ def _conv_parts(lhs: Term, rhs: Term, lhs_axis: int, rhs_axis: int, window: tupl
         weight = sides[1]
         taps = math.prod(window)
         if weight.op == "Pad" and _is_zero(weight.args[1]):  # zero taps are skipped
-            inner = parse_type(weight.args[0].ty).shape
-            taps = math.prod(inner) // max(math.prod(parse_type(weight.ty).shape) // math.prod(window), 1)
-        parts.append((sides[0], max(taps, 1)))
+            inner = zero_pad_taps(weight.args[2], parse_type(weight.args[0].ty).shape, rhs_spec)
+            taps = taps if inner is None else inner
+        width = parse_type(sides[0].ty).shape[lhs_axis]
+        parts.append((sides[0], max(taps, 1), (stop - start) / max(width, 1)))
     return parts
+
+
+def prologue_node_flops(op: str, points: float, evaluations: float, reduced: int = 0, reduction: str = "") -> float:
+    """Flops of one node of a conv's input expression as the template runs it: a compute node once
+    per point of its K range's index tile (`points` elements of the range's expression; a statistic
+    broadcast over the tile is computed per element), `evaluations` times
+    (`conv_prologue_evaluations`); a `RowReduce` reduces its `reduced` elements `evaluations` times;
+    views, literals and loads compute nothing (a load's bytes are read once per kernel)."""
+    if op in COMPUTE_OPS:
+        return points * evaluations
+    if op == "RowReduce":
+        return reduction_flops(reduction, reduced) * evaluations
+    return 0.0
 
 
 def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
     """The flops a `Conv` kernel spends on its input expression as the template runs it, and the
-    ids of the expression nodes they cover: each compute node once per point of its K range's
-    index tile, `conv_prologue_evaluations` times."""
+    ids of the expression nodes they cover: each node `prologue_node_flops` per K range it is in."""
     from eqsat.conv_params import ConvParams
 
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
     flops, covered = 0.0, set()
-    for part, taps in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec[1], window):
+    for part, taps, fraction in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
         per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
-        points = _size(part.ty)
+        points = _size(part.ty) * fraction
         stack, seen = [part], set()
         while stack:
             node = stack.pop()
             if id(node) in seen or node.sort != "Expr":
                 continue
             seen.add(id(node))
-            if node.op in COMPUTE_OPS:
-                flops += points * per_point
-            elif node.op == "RowReduce":
-                flops += reduction_flops(node.args[0], _size(node.args[1].ty)) * per_point
+            if node.op == "RowReduce":
+                flops += prologue_node_flops(node.op, points, per_point, _size(node.args[1].ty), node.args[0])
+            else:
+                flops += prologue_node_flops(node.op, points, per_point)
             covered.add(id(node))
             stack.extend(node.children)
     return flops, covered

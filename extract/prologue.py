@@ -1,0 +1,206 @@
+"""How often a kernel's template evaluates its input expression, as extraction charges it.
+
+The conv template (`emit/pallas/conv.py`, an implicit GEMM) computes its input expression (its
+prologue: a GroupNorm apply + SiLU, say) at an index tile for every window tap and every
+output-channel tile, so each element of it is computed `conv_prologue_evaluations` times (27 for
+a 3×3 conv with 320 output channels), and `eqsat.cost.kernel_cost` charges the plan that way. A
+node's own cost (`EGraphData.node_costs`) counts its flops once; this module is what extraction
+charges instead inside a conv, the same way in every extractor:
+
+- `NodeCosts`: the per-node seconds (a list, as before) with, per `Conv` node, its
+  `ConvPrologue` (input class, feature axis, the weight's K ranges and how many times each
+  evaluates an input element), and per node the seconds of one evaluation at one point of a tile
+  (`point_seconds`: compute nodes) or of one evaluation (`evaluation_seconds`: a `RowReduce`).
+- `prologue_charge(graph, costs, prologue, resolve)`: the seconds a conv kernel spends on its
+  input expression under a choice of nodes (`resolve(class) -> node`), and the classes that
+  covers (their once-only costs are not added again): the input splits at concats along its
+  feature axis into K-range parts, each node of a part is charged per point of the part and per
+  evaluation (`roofline.prologue_node_flops`), a `Load` stays one read per kernel. This is
+  `roofline.conv_prologue_flops` on the built term.
+
+A plain list of costs (no `prologues`) charges every node once, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from eqsat.cost import get_device
+from eqsat.cost.roofline import conv_prologue_evaluations, prologue_node_flops, reduction_flops, zero_pad_taps
+from eqsat.types import parse_type
+
+
+def _size(ty) -> int:
+    return parse_type(ty).size if ty else 0
+
+
+@dataclass(frozen=True)
+class ConvPrologue:
+    """A `Conv` node's input expression as the template evaluates it."""
+
+    lhs: int                                     # the input expression's class
+    axis: int                                    # its feature axis (K ranges split it)
+    channels: int                                # its size along `axis`
+    ranges: tuple[tuple[int, int, float], ...]   # (start, stop, evaluations per element) per K range
+
+    def evaluations(self, lo: int, hi: int) -> float:
+        """Evaluations per element of the input channels [lo, hi), averaged over the K ranges there."""
+        total = 0.0
+        for start, stop, evaluations in self.ranges:
+            overlap = min(stop, hi) - max(start, lo)
+            if overlap > 0:
+                total += overlap * evaluations
+        return total / max(hi - lo, 1)
+
+    @property
+    def most(self) -> float:
+        return max((evaluations for _, _, evaluations in self.ranges), default=1.0)
+
+
+class NodeCosts(list):
+    """Seconds of each node's own work (a list, the extraction objective's terms) and what a conv's
+    template repeats (see the module docstring)."""
+
+    def __init__(self, seconds, prologues: dict[int, ConvPrologue], point_seconds: list[float],
+                 evaluation_seconds: list[float]):
+        super().__init__(seconds)
+        self.prologues = prologues
+        self.point_seconds = point_seconds
+        self.evaluation_seconds = evaluation_seconds
+
+    def in_prologue(self, node: int, points: float, evaluations: float) -> float | None:
+        """The seconds of `node` inside a conv's input expression (`points` per evaluation, each
+        `evaluations` times), or None for a node charged as usual (views, literals; a `Load`)."""
+        per_point, per_evaluation = self.point_seconds[node], self.evaluation_seconds[node]
+        if not per_point and not per_evaluation:
+            return None
+        return (per_point * points + per_evaluation) * evaluations
+
+
+def node_costs(graph, device="h100") -> NodeCosts:
+    """`NodeCosts` of every node of `graph` (an `EGraphData`) on `device`."""
+    from eqsat.cost import node_cost
+
+    device = get_device(device)
+    vector = 1.0 / device.peak_fp32
+    cache: dict[tuple, float] = {}
+    seconds: list[float] = []
+    point_seconds: list[float] = []
+    evaluation_seconds: list[float] = []
+    prologues: dict[int, ConvPrologue] = {}
+    prologue_cache: dict[tuple, ConvPrologue | None] = {}
+    for node, op in enumerate(graph.node_op):
+        weights = graph.nonzero_weight_elements(graph.node_children[node][1]) if op == "Conv" else None
+        key = (op, graph.node_args(node), weights)
+        value = cache.get(key)
+        if value is None:
+            value = node_cost(op, key[1], device, weights).seconds
+            cache[key] = value
+        seconds.append(value)
+        point_seconds.append(prologue_node_flops(op, 1.0, 1.0) * vector)
+        if op == "RowReduce":
+            reduced = _size(graph.class_type[graph.node_children[node][1]])
+            evaluation_seconds.append(reduction_flops(graph.node_literals[node][0], reduced) * vector)
+        else:
+            evaluation_seconds.append(0.0)
+        if op == "Conv":
+            lhs, rhs = graph.node_children[node][0], graph.node_children[node][1]
+            key = (lhs, rhs, graph.node_literals[node][2], graph.node_literals[node][4])
+            if key not in prologue_cache:
+                prologue_cache[key] = conv_prologue(graph, *key)
+            if prologue_cache[key] is not None:
+                prologues[node] = prologue_cache[key]
+    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds)
+
+
+def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPrologue | None:
+    """The `ConvPrologue` of a conv reading input class `lhs` with weight class `rhs` (None when
+    the template evaluates its input once per element: nothing to add)."""
+    from eqsat.conv_params import ConvParams
+
+    p = ConvParams.parse(params)
+    lhs_ty, rhs_ty = graph.class_type[lhs], graph.class_type[rhs]
+    if not lhs_ty or not rhs_ty:
+        return None
+    rhs_shape = parse_type(rhs_ty).shape
+    channels = parse_type(lhs_ty).shape[p.lhs_spec[1]]
+    ranges = tuple((start, stop, conv_prologue_evaluations(lhs_ty, rhs_ty, params, out_ty, taps))
+                   for start, stop, taps in weight_ranges(graph, rhs, p.rhs_spec, rhs_shape))
+    if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations in ranges):
+        return None
+    return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges)
+
+
+def weight_ranges(graph, rhs: int, rhs_spec, rhs_shape, depth: int = 4) -> list[tuple[int, int, int]]:
+    """(start, stop, taps) per K range of a conv weight class: its in-feature axis split where the
+    weight is a concat, a range over `pad(w, 0)` on the window axes running over `w`'s taps only
+    (the conv template skips zero taps). The form with the fewest non-zero weights, like
+    `EGraphData.nonzero_weight_elements`."""
+    axis = rhs_spec[1]
+    window = math.prod(rhs_shape[a] for a in rhs_spec[2:])
+
+    def best(cls: int, remaining: int) -> tuple[int, list[tuple[int, int, int]]]:
+        shape = parse_type(graph.class_type[cls]).shape
+        found = (math.prod(shape), [(0, shape[axis], window)])
+        if remaining == 0:
+            return found
+        for node in graph.class_nodes[cls]:
+            op, kids, literals = graph.node_op[node], graph.node_children[node], graph.node_literals[node]
+            if op == "Concat" and literals[2] == axis:
+                left, right = best(kids[0], remaining - 1), best(kids[1], remaining - 1)
+                split = literals[3]
+                candidate = (left[0] + right[0], left[1] + [(a + split, b + split, t) for a, b, t in right[1]])
+            elif op == "Pad" and graph._is_zero_class(kids[1]):
+                inner_shape = parse_type(graph.class_type[kids[0]]).shape
+                taps = zero_pad_taps(literals[2], inner_shape, rhs_spec)
+                if taps is None:
+                    continue
+                candidate = (math.prod(inner_shape), [(0, shape[axis], taps)])
+            else:
+                continue
+            if candidate[0] < found[0]:
+                found = candidate
+        return found
+
+    return best(rhs, depth)[1]
+
+
+def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
+                    resolve: Callable[[int], int | None]) -> tuple[float, set[int]]:
+    """The seconds a conv spends on its input expression when each class `c` of it is computed by
+    node `resolve(c)`, and the classes charged (see the module docstring); `inf` if one has no node."""
+    node_op, node_children, node_literals = graph.node_op, graph.node_children, graph.node_literals
+    total = 0.0
+    covered: set[int] = set()
+    descend = [(prologue.lhs, 0, prologue.channels)]
+    while descend:
+        cls, lo, hi = descend.pop()
+        node = resolve(cls)
+        if node is None:
+            return math.inf, covered
+        if node_op[node] == "Concat" and node_literals[node][2] == prologue.axis:
+            covered.add(cls)
+            total += costs[node]
+            left, right = node_children[node][0], node_children[node][1]
+            split = lo + node_literals[node][3]
+            descend += [(right, split, hi), (left, lo, split)]
+            continue
+        points, evaluations = _size(graph.class_type[cls]), prologue.evaluations(lo, hi)
+        stack, seen = [cls], set()
+        while stack:
+            part_cls = stack.pop()
+            if part_cls in seen:
+                continue
+            seen.add(part_cls)
+            node = resolve(part_cls)
+            if node is None:
+                return math.inf, covered
+            covered.add(part_cls)
+            if node_op[node] == "Load":
+                continue  # a read: charged once per kernel by the caller
+            charge = costs.in_prologue(node, points, evaluations)
+            total += costs[node] if charge is None else charge
+            stack.extend(c for c in node_children[node] if c >= 0)
+    return total, covered
