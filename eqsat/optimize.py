@@ -187,6 +187,11 @@ class Optimized:
             self._say_not_donated(args, kwargs)
         return run(*args, **kwargs)
 
+    @property
+    def lowerings(self) -> list[Lowered]:
+        """The lowerings made so far, one per argument signature (calls with a known signature reuse them)."""
+        return list(self._cache.values())
+
     def __getstate__(self):
         """Pickled without its lowerings (e-graphs and opaque primitives do not pickle): it re-plans."""
         state = dict(self.__dict__)
