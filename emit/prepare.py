@@ -416,6 +416,8 @@ class Prepared:
 
     def prepared_for(self, parameters: list) -> list:
         """The prepare stage's outputs for the parameter leaves `parameters` (`split.prepare_inputs`)."""
+        if not self.split.prepared_tensors:
+            return []  # nothing is prepared: nothing to run or cache
         if any(isinstance(leaf, jax.core.Tracer) for leaf in parameters):
             return self._prepare(parameters)  # traced with the call: nothing to cache
         entry = self._entry
