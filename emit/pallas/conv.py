@@ -67,7 +67,7 @@ from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
-from eqsat.types import ints, parse_type
+from eqsat.types import format_type, ints, parse_type
 
 # (refs, index, mask) -> tile: an operand expression evaluated at an index tile. `refs` are the
 # kernel's flat input refs, `index` one int32 array per axis of the operand.
@@ -677,6 +677,9 @@ _THROUGH = {"Unary": (1,), "Reshape": (0,), "Transpose": (0,), "Slice": (0,), "C
 def _spine_path(body: Term, producer: Term) -> list[Term] | None:
     """The nodes from a reduction body down to `Load(producer)` through views and elementwise ops
     (the spine `eqsat.cost.hosting` allows), or None when the body does not read `producer` so.
+    Each `Concat` on the spine (a statistic over `concat(h, skip)`: several hosts) is replaced by
+    this host's side padded to the concat's shape (`_own_side`), so the path's top is the body as
+    this host computes it at the elements it writes, reading no other host's output.
 
     Raises `NotImplementedError` when the body reads one element of `producer` at several body
     elements (`concat(x, x * x)`): the tile would have to add each element to several slots."""
@@ -693,7 +696,27 @@ def _spine_path(body: Term, producer: Term) -> list[Term] | None:
         stack.extend(path + [child] for child in children.values())
     if len(found) > 1:
         raise NotImplementedError("the statistic reads each element of the conv's output more than once")
-    return found[0] if found else None
+    return _own_side(found[0]) if found else None
+
+
+def _own_side(path: list[Term]) -> list[Term]:
+    """`path` rebuilt bottom-up with each `Concat(x, y)` on it replaced by `Pad(side, 0)`, `side` its
+    operand on the path, padded back to the concat's shape: equal to the concat wherever `side`
+    holds the element, so elementwise ops above the concat stay in the host's part."""
+    rebuilt = [path[-1]]
+    for node, old in zip(reversed(path[:-1]), reversed(path[1:])):
+        new = rebuilt[0]
+        if node.op == "Concat":
+            x, _y, axis, split, ty = node.args
+            shape = parse_type(ty).shape
+            lo = 0 if old is x else split
+            hi = shape[axis] - lo - parse_type(old.ty).shape[axis]
+            config = ";".join(f"{lo},{hi},0" if a == axis else "0,0,0" for a in range(len(shape)))
+            fill = Term("Lit", 0.0, format_type(parse_type(ty).dtype, ()))
+            rebuilt.insert(0, Term("Pad", new, fill, config, ty))
+        else:
+            rebuilt.insert(0, Term(node.op, *(new if arg is old else arg for arg in node.args)))
+    return rebuilt
 
 
 def _body_index(path: list[Term], index: tuple, stop: int = 0):
@@ -714,21 +737,9 @@ def _body_index(path: list[Term], index: tuple, stop: int = 0):
             shifted = index[axis] - start
             ok = ok & (shifted >= 0) & (shifted % stride == 0) & (shifted // stride < parse_type(ty).shape[axis])
             index = index[:axis] + (shifted // stride,) + index[axis + 1:]
-        elif op == "Concat" and child is node.args[1] and node.args[0] is not child:
-            axis, split = node.args[2], node.args[3]
-            index = index[:axis] + (index[axis] + split,) + index[axis + 1:]
+        elif op == "Pad":  # a concat's side (`_own_side`): shifted by its low padding
+            index = tuple(entry + ints(part)[0] for entry, part in zip(index, node.args[2].split(";")))
     return index, ok
-
-
-def _part_root(path: list[Term]) -> int:
-    """Where on the spine to evaluate this host's part of the body: below the last `Concat` (the
-    other side is another kernel's output, not written yet), provided only views lie above it."""
-    concats = [level for level, node in enumerate(path) if node.op == "Concat"]
-    if not concats:
-        return 0
-    if any(node.op not in ("Reshape", "Transpose", "Slice", "Concat") for node in path[:concats[-1]]):
-        raise NotImplementedError("an elementwise op over a concat of several kernels' outputs")
-    return concats[-1] + 1
 
 
 class _TileMemory:
@@ -745,18 +756,18 @@ class _TileMemory:
         return self.memory.load(tensor, index, mask)
 
 
-def _statistic_part(reduction: Term, term: Term) -> tuple[list[Term], int]:
-    """The spine from the reduction's body to `Load(term)` and where this host's part starts on it."""
+def _statistic_part(reduction: Term, term: Term) -> list[Term]:
+    """The spine from the reduction's body (as this host computes it) to `Load(term)`."""
     path = _spine_path(reduction.args[2], term)
     if path is None:
         raise NotImplementedError(f"{reduction!r} does not read this conv's output at the element it writes")
-    return path, _part_root(path)
+    return path
 
 
 def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Sequence[Term]) -> TileStatistic:
     """The part of an `EpilogueReduce` that the conv `term` computes: the elements it writes."""
     _producer, op, body, axes_key, ty = reduction.args
-    path, root = _statistic_part(reduction, term)
+    path = _statistic_part(reduction, term)
     body_shape = parse_type(body.ty).shape
     reduced = set(ints(axes_key))
     kept = [a for a in range(len(body_shape)) if a not in reduced]
@@ -779,10 +790,10 @@ def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Seq
     if ok is not True and not np.all(ok):
         raise NotImplementedError(f"{reduction!r} reads only part of this conv's output")
     slot_of = np.broadcast_to(slot_at(output_index(pixels, channels)), (geometry.pixels, geometry.out_features))
-    compiled = compile_expr(path[root])
+    compiled = compile_expr(path[0])
 
     def value(refs, out_tile, out_index, mask):
-        body_index, body_ok = _body_index(path, out_index, stop=root)
+        body_index, body_ok = _body_index(path, out_index)
         memory = _TileMemory(RefMemory(dict(zip(tensors, refs))), term, out_tile)
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
@@ -795,10 +806,10 @@ def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
     parts = []
     for reduction in hosted:
         try:
-            path, root = _statistic_part(reduction, term)
+            path = _statistic_part(reduction, term)
         except NotImplementedError:
             continue
-        parts.append(path[root])
+        parts.append(path[0])
     return parts
 
 

@@ -462,13 +462,12 @@ def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence
     """The part of `reduction` (an `EpilogueReduce`) the matmul `term` computes: the elements it
     writes, when each output row belongs to one statistic output of its own (a LayerNorm over the
     output's last axes). Raises `NotImplementedError` otherwise (the driver computes it)."""
-    from emit.pallas.conv import _body_index, _part_root, _spine_path, _TileMemory
+    from emit.pallas.conv import _body_index, _spine_path, _TileMemory
 
     _producer, op, body, axes_key, ty = reduction.args
     path = _spine_path(body, term)
     if path is None:
         raise NotImplementedError(f"{reduction!r} does not read this matmul's output at the element it writes")
-    root = _part_root(path)
     body_shape = parse_type(body.ty).shape
     reduced = set(ints(axes_key))
     kept_axes = [a for a in range(len(body_shape)) if a not in reduced]
@@ -488,10 +487,10 @@ def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence
     if not np.array_equal(table, table[:, :1] + np.zeros_like(table)) or \
             len(np.unique(table[:, 0])) != rows.shape[0] or rows.shape[0] != slots:
         raise NotImplementedError(f"{reduction!r} is not one statistic per output row")
-    compiled = ex.compile_expr(path[root])
+    compiled = ex.compile_expr(path[0])  # the body as this host computes it (`_spine_path`)
 
     def value(refs, out_tile, index, mask):
-        body_index, body_ok = _body_index(path, axes.out_index(*index), stop=root)
+        body_index, body_ok = _body_index(path, axes.out_index(*index))
         memory = _TileMemory(tr.RefMemory(dict(zip(tensors, refs))), term, out_tile)
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
@@ -505,13 +504,13 @@ def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence
 
 def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
     """The part of each hosted statistic's body this matmul evaluates (what it reads besides its output)."""
-    from emit.pallas.conv import _part_root, _spine_path
+    from emit.pallas.conv import _spine_path
 
     parts = []
     for reduction in hosted:
         path = _spine_path(reduction.args[2], term) if reduction.args[1] in ("sum", "moments") else None
         if path is not None:
-            parts.append(path[_part_root(path)])
+            parts.append(path[0])
     return parts
 
 
