@@ -74,7 +74,12 @@ REDUCE_OPS = ("sum", "max", "min", "prod", "and", "or", "xor", "argmax", "argmin
 
 class Memory(Protocol):
     """Where `Load(tensor)` reads: `load` returns `tensor`'s elements at `index` (one entry per
-    axis of `tensor`), zero (or anything) where `mask` is False, never reading out of bounds."""
+    axis of `tensor`), zero (or anything) where `mask` is False, never reading out of bounds.
+
+    A memory that may bind a statistic (`EpilogueReduce`) to its hosts' per-tile partials also has
+    `partials_source(statistic) -> (layout, load) | None` (`partials_layout`, and a function reading
+    the flat buffer at offsets), so the compiler merges each point once (`read_partials`); its
+    `load` must merge too, for wrappers that only forward `load`."""
 
     def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array: ...
 
