@@ -429,7 +429,19 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
             if input_choice(node, prologues[node], own, overrides) is not None:
                 for child, choice in overrides.items():
                     chosen[(child, cls)] = choice
-    return Selection(graph, chosen, list(problem.roots)), sweeps
+    # The input choices of the convs a class did not choose, for the polish's fallback: switching
+    # such a class to its conv (a residual add into conv2's epilogue, say) keeps the conv's reads.
+    unchosen: dict[tuple[int, int], int] = {}
+    for cls, chosen_node in a_node.items():
+        if not is_tensor[cls]:
+            continue
+        for node in graph.class_nodes[cls]:
+            if node in prologues and node != chosen_node and node not in banned:
+                overrides = {}
+                if input_choice(node, prologues[node], mask[cls], overrides) is not None:
+                    for child, choice in overrides.items():
+                        unchosen.setdefault((child, cls), choice)
+    return Selection(graph, chosen, list(problem.roots), fallback=unchosen), sweeps
 
 
 def _acyclic_pass(problem: _Problem, banned: set[int], paid, shared: bool, max_evaluations_per_node: int):
@@ -444,7 +456,7 @@ def _acyclic_pass(problem: _Problem, banned: set[int], paid, shared: bool, max_e
                 raise
             banned.add(selection.node_of(cycle[0]))  # break the cycle at its entry and search again
             continue
-        pruned.fallback = selection.nodes
+        pruned.fallback = {**(selection.fallback or {}), **selection.nodes}
         return pruned, sweeps
     raise RuntimeError("greedy extraction could not break its cycles")
 
