@@ -94,10 +94,10 @@ def split_plan(plan, parameters) -> Split:
     staged, hoisted = _hoist(plan, marked)
     prepared = _prepared_kernels(staged, marked)
     per_call = [k for i, k in enumerate(staged.kernels) if i not in prepared]
-    produced = {t: i for i, k in enumerate(staged.kernels) if i in prepared for t in k.outputs}
+    produced = {t for i, k in enumerate(staged.kernels) if i in prepared for t in k.outputs}
     outputs_read, inputs_read = _stage_reads(staged, per_call)
-    prepared_tensors = [t for t in outputs_read if t in produced]
-    prepared_tensors += [t for t in staged.outputs if t in produced and t not in set(prepared_tensors)]
+    prepared_tensors = list(dict.fromkeys([t for t in outputs_read if t in produced]
+                                          + [t for t in staged.outputs if t in produced]))
     prepare_kernels = [k for i, k in enumerate(staged.kernels) if i in prepared]
     _, prepare_inputs = _stage_reads(staged, prepare_kernels)
     program_inputs = [t.args[0] for t in staged.program.inputs] if staged.program is not None else []
