@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from egglog import StringLike, rewrite, ruleset
 from jax import lax
@@ -247,3 +248,33 @@ def test_sd15_resnet_block_plan_cost_matches_its_extraction():
     assert extraction.cost == pytest.approx(sum(k.seconds for k in lowered.plan.kernels), rel=1e-3)
     convs = [k for k in lowered.plan.kernels if k.kind == "conv"]
     assert len(convs) == 2 and all(roofline.conv_prologue_flops(k.term)[0] > 0 for k in convs)
+
+
+def test_a_plan_that_stores_conv_inputs_runs_like_the_function():
+    """On a device where launching a kernel costs nothing and vector flops are dear, storing the
+    GroupNorm + SiLU inputs of a tiny ResNet block's convs is the cheaper plan; it runs through the
+    Pallas templates (interpret mode) and equals the plain function."""
+    import eqsat
+    import emit
+    from eqsat.cost.devices import Device
+    from sd15 import layers
+
+    rng = np.random.default_rng(4)
+    c = 6
+    shapes = {"r.norm1.weight": (c,), "r.norm1.bias": (c,), "r.conv1.weight": (c, c, 3, 3), "r.conv1.bias": (c,),
+              "r.time_emb_proj.weight": (c, 8), "r.time_emb_proj.bias": (c,), "r.norm2.weight": (c,),
+              "r.norm2.bias": (c,), "r.conv2.weight": (c, c, 3, 3), "r.conv2.bias": (c,)}
+    params = {k: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for k, s in shapes.items()}
+    x = jnp.asarray(rng.normal(size=(2, 8, 8, c)) + 3.0, jnp.float32)  # an offset the statistics must not cancel
+    temb = jnp.asarray(rng.normal(size=(2, 8)), jnp.float32)
+
+    def block(p, x, t):
+        return layers.resnet_block(p, "r", x, t, 2, 1e-5)
+
+    slow_vector = Device("slow-vector", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=1e9, launch_overhead=0.0)
+    plan = eqsat.optimize(block, device=slow_vector, extractor="greedy", progress=False).lower(params, x, temb).plan
+    convs = [k for k in plan.kernels if k.kind == "conv"]
+    assert len(convs) == 2 and all(k.term.args[0].op == "Load" for k in convs)
+    assert all(k.term.args[0].args[0].op == "Pointwise" for k in convs)
+    got = emit.emit(plan, "pallas", interpret=True)(params, x, temb)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(block)(params, x, temb)), rtol=2e-4, atol=2e-4)
