@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from emit.expr import PARTIAL_FIELDS, evaluate_whole, statistic_slots
+from emit.expr import evaluate_whole
 from emit.pallas import triton
 from eqsat.term import Term
 
@@ -42,25 +42,6 @@ class Partials:
     tiles last (`[tiles, fields, slots]` fp32)."""
 
     buffer: jax.Array
-
-
-def fields_of(statistic: Term) -> int:
-    """Fields each tile writes per slot: 1 (sum) or 3 (count, mean, M2)."""
-    op = statistic.args[1]
-    if op not in PARTIAL_FIELDS:
-        raise NotImplementedError(f"a {op!r} statistic has no per-tile partials (sum or moments only)")
-    return PARTIAL_FIELDS[op]
-
-
-def prefix_tiles(statistic: Term, prefix: jax.Array | None) -> int:
-    """How many tiles the earlier hosts wrote into `prefix` (0 without one)."""
-    if prefix is None:
-        return 0
-    row = fields_of(statistic) * statistic_slots(statistic)
-    if prefix.size % row:
-        raise ValueError(f"a partials buffer of {prefix.size} elements is not [tiles, {fields_of(statistic)}, "
-                         f"{statistic_slots(statistic)}] for {statistic.ty}")
-    return prefix.size // row
 
 
 def copy_prefix(src_ref, dst_ref, size: int, program, programs: int) -> None:
