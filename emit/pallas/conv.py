@@ -439,13 +439,12 @@ class _Layout:
             raise NotImplementedError(f"an output tile touches {row_parts.shape[1]} pixel parts of the statistic "
                                       f"(at most {MAX_ROW_SLOTS})")
         layout = cls(statistic, row_local, row_parts, col_local, col_parts)
-        layout._check_distinct()
+        layout._check_distinct(config.block_m, config.block_n)
         return layout
 
-    def _check_distinct(self) -> None:
-        """Within a tile, distinct (pixel part, channel part) pairs are distinct slots."""
-        rows = -(-len(self.row_local) // self.row_parts.shape[0])
-        cols = -(-len(self.col_local) // self.col_parts.shape[0])
+    def _check_distinct(self, rows: int, cols: int) -> None:
+        """Within a tile (`rows` pixels by `cols` channels), distinct (pixel part, channel part) pairs
+        are distinct slots."""
         for tm, parts_m in enumerate(self.row_parts):
             used_m = parts_m[:self.row_local[tm * rows:(tm + 1) * rows].max() + 1]
             for tn, parts_n in enumerate(self.col_parts):
