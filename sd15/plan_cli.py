@@ -59,6 +59,10 @@ KEYS = (
 )
 # The argument of every workload that holds the weights (marked `params_argnums` for the prepare stage).
 PARAMS_ARGNUM = 0
+# Extraction's time limit here (optimize's default is 5 s): on a loaded machine a 5 s limit cuts
+# the search at a load-dependent point, and the compile subprocess, which plans again, could then
+# compile another plan than the one reported.
+EXTRACT_TIME_LIMIT = 120.0
 
 
 class EmitCompileError(RuntimeError):
@@ -194,7 +198,8 @@ def optimized(workload: Workload, optimize, device: str):
     """`optimize(workload.fn, ...)` as we deploy it: weights marked as parameters (prepared once),
     the Pallas backend, no progress bar (options the given `optimize` does not take are left out)."""
     accepted = inspect.signature(optimize).parameters
-    options = (("device", device), ("progress", False), ("backend", "pallas"), ("params_argnums", PARAMS_ARGNUM))
+    options = (("device", device), ("progress", False), ("backend", "pallas"), ("params_argnums", PARAMS_ARGNUM),
+               ("extract_time_limit", EXTRACT_TIME_LIMIT))
     return optimize(workload.fn, **{key: value for key, value in options if key in accepted})
 
 

@@ -1,0 +1,86 @@
+"""SD 1.5 components as `sd15 plan` compiles them for an H100 without a GPU: the per-call stage of
+`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the prepared tensors as inputs, through
+`eqsat.xla_target`. Its thunk sequence must launch exactly the planned kernels, every one a Pallas
+kernel, with no copies and at most one memset (the full-size run is `benchmarks/sd15_plan.py`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqsat
+from eqsat import xla_target
+from sd15 import plan_cli
+from sd15.layers import resnet_block
+
+pytestmark = pytest.mark.skipif(xla_target.unavailable_reason() is not None,
+                                reason=str(xla_target.unavailable_reason()))
+
+
+def compiled(workload: plan_cli.Workload) -> dict:
+    fields, fast, lowered = plan_cli.measure_plan(workload, eqsat.optimize, "h100")
+    return {**fields, **plan_cli.measure_emitted(workload, fast, lowered)}
+
+
+def assert_exactly_the_planned_pallas_kernels(row: dict) -> None:
+    assert row["emitted_non_pallas"] == [], row["emitted_non_pallas"]
+    assert row["emitted_missing"] == [] and row["emitted_extra"] == [], (row["emitted_missing"], row["emitted_extra"])
+    assert row["emitted_kernels"] == row["emitted_pallas_kernels"] == row["planned_kernels"], row
+    assert row["emitted_kernels_by_category"] == {"Pallas (Triton)": row["planned_kernels"]}
+    assert row["emitted_copies"] == 0 and row["emitted_memsets"] <= 1
+
+
+def test_tiny_text_encoder_launches_exactly_its_planned_pallas_kernels():
+    """CLIP (2 layers, 4 heads of 8, 2x77 tokens, fp16): embedding gather, fused QKV on prepared
+    weight concatenations, causal attention, LayerNorm statistics hosted in the matmuls."""
+    row = compiled(plan_cli.workloads(config="tiny", components=("text_encoder",))["text_encoder"])
+    assert row["prepared_kernels"] >= 2  # the QKV weight concatenations, once per set of weights
+    assert_exactly_the_planned_pallas_kernels(row)
+
+
+def resnet_shapes(fan_in: int, fan_out: int, temb: int) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of `resnet_step` (torch layouts, as `sd15.params` has them)."""
+    shapes = {
+        "norm1.weight": (fan_in,), "norm1.bias": (fan_in,), "conv1.weight": (fan_out, fan_in, 3, 3),
+        "conv1.bias": (fan_out,), "time_emb_proj.weight": (fan_out, temb), "time_emb_proj.bias": (fan_out,),
+        "norm2.weight": (fan_out,), "norm2.bias": (fan_out,), "conv2.weight": (fan_out, fan_out, 3, 3),
+        "conv2.bias": (fan_out,), "conv_shortcut.weight": (fan_out, fan_in, 1, 1), "conv_shortcut.bias": (fan_out,),
+    }
+    return {f"resnets.0.{key}": shape for key, shape in shapes.items()}
+
+
+def resnet_step(params, x, temb):
+    """A UNet ResNet block (GroupNorm, SiLU, 3x3 conv, time embedding, GroupNorm, conv, 1x1 shortcut)."""
+    return resnet_block(params, "resnets.0", x, temb, groups=32, eps=1e-5)
+
+
+def test_resnet_block_with_3_channels_per_group_launches_exactly_its_planned_pallas_kernels():
+    """96 -> 192 channels in 32 groups (3 and 6 channels per group, groups straddling channel tiles),
+    15x15 pixels, fp16: the second GroupNorm's statistics hosted by conv1, the shortcut merged into
+    conv2 as a K range, the time projection prepared."""
+    params = {key: jax.ShapeDtypeStruct(shape, jnp.float16) for key, shape in resnet_shapes(96, 192, 128).items()}
+    workload = plan_cli.Workload("resnet", "ResNet block 96 -> 192", resnet_step, (
+        params, jax.ShapeDtypeStruct((2, 15, 15, 96), jnp.float16), jax.ShapeDtypeStruct((2, 128), jnp.float16)))
+    row = compiled(workload)
+    assert row["plan_kernels_by_kind"].get("conv", 0) >= 2 and row["plan_hosted_statistics"] >= 1, row
+    assert_exactly_the_planned_pallas_kernels(row)
+
+
+def test_resnet_block_with_tiles_straddling_images_computes_the_block():
+    """The same block through the Pallas templates in interpret mode (fp32) equals the function, its
+    inputs offset by 300 (GroupNorm statistics that cancel if computed naively): conv1's M tiles
+    straddle the two 15x15 images, its N tiles the groups of 6 channels."""
+    rng = np.random.default_rng(0)
+    shapes = resnet_shapes(96, 192, 128)
+    params = {key: jnp.asarray(rng.normal(size=shape) * (0.1 if len(shape) > 1 else 1.0), jnp.float32)
+              for key, shape in shapes.items()}
+    x = jnp.asarray(300.0 + rng.normal(size=(2, 15, 15, 96)), jnp.float32)
+    temb = jnp.asarray(rng.normal(size=(2, 128)), jnp.float32)
+    fast = eqsat.optimize(resnet_step, params_argnums=0, backend="pallas", interpret=True, progress=False,
+                          extract_time_limit=plan_cli.EXTRACT_TIME_LIMIT)
+    plan = fast.lower(params, x, temb).plan
+    assert any(k.op == "Conv" and k.hosted for k in plan.kernels), plan.summary()
+    want = jax.jit(resnet_step)(params, x, temb)  # values up to ~500: fp32 sums in another order differ by ~1e-4
+    np.testing.assert_allclose(fast(params, x, temb), want, rtol=1e-4, atol=5e-6 * float(jnp.abs(want).max()))
