@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import eqsat
 from emit.prepare import split_plan
 from eqsat.term import Term
+from test_fuzz import programs
 
 D, N, T = 24, 40, 9  # model width, head width (a multiple of 8 but not of 16), tokens
 
@@ -286,3 +287,27 @@ def test_prepared_concat_equals_jit_on_adversarial_values(seed, value, where, of
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want[finite]).max(
         initial=0.0)))
+
+
+@settings(max_examples=8, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(programs())
+def test_random_programs_split_at_their_parameters(case):
+    """Random programs (tests/test_fuzz.py's grammar) with `z` and `w` marked as parameters: what
+    depends only on them is prepared, the per-call kernels each read a per-call value, and the
+    results equal jax.jit's, again with new parameters."""
+    fn, (x, z, w), steps = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # saturation limits
+        fast = eqsat.optimize(fn, params_argnums=(1, 2), backend="xla", time_limit=20.0, progress=False)
+        split = fast.lower(x, z, w).split
+    prepared = set(split.prepared_tensors)
+    event(f"{len(split.prepared.kernels)} prepared kernels")
+    for kernel in split.per_call.kernels:
+        assert any(t.op == "Input" and t.args[0] not in split.parameters or
+                   (t.op not in ("Input", "Constant") and t not in prepared) for t in kernel.inputs), (steps, kernel)
+    with jax.default_matmul_precision("highest"):
+        for params in ((z, w), (z * -1.5, w + 0.25)):
+            got, want = fast(x, *params), jax.jit(fn)(x, *params)
+            for g, v in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=2e-4, atol=2e-4, err_msg=str(steps))
+        assert fast.lowerings[0].executable().prepare_runs == (2 if prepared else 0)
