@@ -19,10 +19,11 @@ _interned: "weakref.WeakValueDictionary[tuple, Term]" = weakref.WeakValueDiction
 
 
 class Term:
-    __slots__ = ("op", "args", "__weakref__")
+    __slots__ = ("op", "args", "children", "__weakref__")
 
     op: str
     args: tuple[Arg, ...]
+    children: tuple["Term", ...]  # the Term arguments, in order (walked often: computed once)
 
     def __new__(cls, op: str, *args: Arg) -> "Term":
         if op not in OPS:
@@ -38,6 +39,7 @@ class Term:
         self = object.__new__(cls)
         self.op = op
         self.args = normalized
+        self.children = tuple(a for a in normalized if isinstance(a, Term))
         _interned[key] = self
         return self
 
@@ -51,10 +53,6 @@ class Term:
         if self.sort == "TensorList":
             raise TypeError("a TensorList has no single type")
         return self.args[-1]  # type: ignore[return-value]
-
-    @property
-    def children(self) -> tuple["Term", ...]:
-        return tuple(a for a in self.args if isinstance(a, Term))
 
     def __repr__(self) -> str:
         parts = [a.op + "(...)" if isinstance(a, Term) else repr(a) for a in self.args]
