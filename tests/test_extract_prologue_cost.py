@@ -278,3 +278,32 @@ def test_a_plan_that_stores_conv_inputs_runs_like_the_function():
     assert all(k.term.args[0].args[0].op == "Pointwise" for k in convs)
     got = emit.emit(plan, "pallas", interpret=True)(params, x, temb)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(block)(params, x, temb)), rtol=2e-4, atol=2e-4)
+
+
+def conv_chain(layers: int, out_channels: int = 1280):
+    """`layers` convs, each reading silu(x * scale + shift) of the previous one, one kernel per op."""
+    shape = (2, 32, 32, out_channels)
+    ty = format_type("float16", shape)
+    h = Term("Input", "x", ty)
+    for i in range(layers):
+        scale, shift = Term("Input", f"scale{i}", f"f16[{out_channels}]"), Term("Input", f"shift{i}", f"f16[{out_channels}]")
+        scaled = Term("Pointwise", Term("Binary", "mul", ld(h), Term("Broadcast", ld(scale), "3", ty), ty), ty)
+        shifted = Term("Pointwise", Term("Binary", "add", ld(scaled), Term("Broadcast", ld(shift), "3", ty), ty), ty)
+        sigmoid = Term("Pointwise", Term("Unary", "logistic", ld(shifted), ty), ty)
+        silu = Term("Pointwise", Term("Binary", "mul", ld(shifted), ld(sigmoid), ty), ty)
+        w = Term("Input", f"w{i}", format_type("float16", (out_channels, out_channels, 3, 3)))
+        h = conv(ld(silu), ld(w), shape, (out_channels, out_channels, 3, 3))
+    return h
+
+
+def test_extraction_work_stays_linear_with_conv_inputs():
+    """Twice the convs, about twice the work: the greedy's input choices walk each conv's input tree
+    a bounded number of times, and the polish's walks (materializations included) grow linearly."""
+    work = {}
+    for layers in (8, 16):
+        graph, roots, _ = saturated([conv_chain(layers)])
+        result = extract_greedy(graph, roots, graph.node_costs())
+        assert count_kernels(result.selection.to_terms()[0]) == 2 * layers  # each input stored
+        work[layers] = (result.sweeps, result.polish.walks, result.polish.slots_visited)
+    (sweeps_8, walks_8, slots_8), (sweeps_16, walks_16, slots_16) = work[8], work[16]
+    assert sweeps_16 <= 1.15 * sweeps_8 and walks_16 <= 2.3 * walks_8 and slots_16 <= 2.3 * slots_8, work
