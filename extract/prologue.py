@@ -54,10 +54,6 @@ class ConvPrologue:
                 total += overlap * evaluations
         return total / max(hi - lo, 1)
 
-    @property
-    def most(self) -> float:
-        return max((evaluations for _, _, evaluations in self.ranges), default=1.0)
-
 
 class NodeCosts(list):
     """Seconds of each node's own work (a list, the extraction objective's terms) and what a conv's
