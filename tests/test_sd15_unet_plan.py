@@ -29,7 +29,7 @@ MAX_UNET_KERNELS = 255
 @pytest.fixture(scope="module")
 def unet_step():
     workload = workloads(batch=2, dtype="float16", components=("unet",))["unet"]
-    return eqsat.optimize(workload.fn, progress=False).lower(*workload.args)
+    return eqsat.optimize(workload.fn, progress=False, extract_time_limit=120.0).lower(*workload.args)
 
 
 def test_unet_step_saturates_and_fuses(unet_step):
