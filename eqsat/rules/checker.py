@@ -283,9 +283,25 @@ class _Lifted:
     program: Any
     env: dict[str, Any]
     expected: list[Any]
+    fn: Callable[..., Any]
     args: tuple = ()
     regime: str = "drawn"       # which values: the example's own draw, or a VALUE_REGIMES entry
-    slack: list = field(default_factory=list)  # per output: the error the contract allows beyond the dtype's
+    extra: Any = 0.0            # the example's own contract on these values (`Example.tolerance`)
+    sensitivity: list | None = None  # the function's, per output (`_sensitivity`), once it is needed
+
+    def compare(self, actuals) -> str | None:
+        """Why `actuals` break the contract on these values, or None. The function's sensitivity is
+        computed only for results that the dtype tolerance and `extra` alone reject."""
+        import jax
+
+        actuals = [np.asarray(a) for a in actuals]
+        if _compare(actuals, self.expected, [self.extra] * len(self.expected)) is None:
+            return None
+        if self.sensitivity is None:
+            with jax.default_matmul_precision("highest"):
+                self.sensitivity = _sensitivity(self.fn, self.args, self.expected)
+        return _compare(actuals, self.expected, [SENSITIVITY_FACTOR * change + self.extra
+                                                 for change in self.sensitivity])
 
 
 def _lift(example: Example, args: tuple, program=None, regime: str = "drawn") -> _Lifted:
@@ -301,16 +317,15 @@ def _lift(example: Example, args: tuple, program=None, regime: str = "drawn") ->
     env = {f"arg{i}": leaf for i, leaf in enumerate(leaves)}
     with jax.default_matmul_precision("highest"):
         expected = _outputs(example.fn, args)
-        sensitivity = _sensitivity(example.fn, args, expected)
         naive = evaluate(list(program.outputs), env, program.constants, program.payloads)
     extra = example.tolerance(leaves) if example.tolerance is not None else 0.0
-    slack = [SENSITIVITY_FACTOR * change + extra for change in sensitivity]
-    why = _compare([np.asarray(x) for x in naive], expected, slack)
+    lifted = _Lifted(program, env, expected, example.fn, args, regime, extra)
+    why = lifted.compare(naive)
     if why is not None:
         raise RuleCheckError(
             f"example {example.label}: the lifted program already differs from the function on {regime} values "
             f"({why}); a lift or interpreter bug, not a rule's", example=example.label, counterexample=args)
-    return _Lifted(program, env, expected, args, regime, slack)
+    return lifted
 
 
 def _revalued(args: tuple, regime: str, rng: np.random.Generator) -> tuple:
@@ -365,7 +380,7 @@ def _first_wrong(plans, lifted: _Lifted) -> tuple[list[Term], str] | None:
                 results = evaluate(plan, lifted.env, program.constants, program.payloads)
             except Exception as error:  # an ill-typed term is as wrong as a wrong value
                 return plan, f"evaluation failed: {type(error).__name__}: {error}"
-        why = _compare([np.asarray(v) for v in results], lifted.expected, lifted.slack or None)
+        why = lifted.compare(results)
         if why is not None:
             return plan, why
     return None
