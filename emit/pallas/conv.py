@@ -300,6 +300,11 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
             copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
         body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
         slot_at = layout.statistic.slot_at
+        if layout.per_row:
+            tile = prefix_size // (layout.fields * layout.slots) + pl.program_id(1)
+            _write_row_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok,
+                                slot_at(_place(p.out_spec, (b, 0, oy, ox))), tile)
+            continue
         row_part = slot_at(_place(p.out_spec, (b, 0, oy, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
         col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
         tile = prefix_size // (layout.fields * layout.slots) + program
@@ -349,7 +354,8 @@ def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn
                                n_inputs=len(inputs), dot_dtype=dot_dtype, statistics=layouts,
                                prefix_sizes=tuple(t * l.fields * l.slots for t, l in zip(prefix_tiles, layouts)))
     out_shapes = [jax.ShapeDtypeStruct(geometry.out_shape, out_dtype)]
-    out_shapes += [jax.ShapeDtypeStruct((t + grid[0] * grid[1], layout.fields, layout.slots), jnp.float32)
+    out_shapes += [jax.ShapeDtypeStruct((t + (grid[1] if layout.per_row else grid[0] * grid[1]), layout.fields,
+                                         layout.slots), jnp.float32)
                    for t, layout in zip(prefix_tiles, layouts)]
     operands = [*inputs, *(prefix for prefix in prefixes if prefix is not None)]
     out, *partials_out = triton.pallas_call(kernel, operands, out_shapes, grid=grid, name=name,
@@ -415,24 +421,33 @@ def _local_ids(values: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class _Layout:
-    """A `TileStatistic` laid out for one tiling: each pixel's and channel's local slot part."""
+    """A `TileStatistic` laid out for one tiling: each pixel's and channel's local slot part.
+
+    `per_row`: a statistic of each pixel over the channels (LayerNorm after `proj_in`): every
+    pixel is its own slot, so a tile writes one partial per row (over its columns) into row `N
+    tile` of the partials (`[N tiles, fields, slots]`, each slot written by the one M tile that
+    holds the pixel), as the matmul template writes row statistics; the part tables are empty."""
 
     statistic: TileStatistic
     row_local: np.ndarray     # [pixels] rank of the pixel's slot part within its M tile
     row_parts: np.ndarray     # [M tiles, rows] the distinct pixel parts of each M tile
     col_local: np.ndarray     # [out channels]
     col_parts: np.ndarray     # [N tiles, cols]
+    per_row: bool = False
 
     @classmethod
     def of(cls, statistic: TileStatistic, geometry: ConvGeometry, config: ConvConfig) -> "_Layout":
         table = np.asarray(statistic.slot_of, np.int64)
         if table.shape != (geometry.pixels, geometry.out_features):
             raise ValueError(f"slot table {table.shape} != (pixels, out channels) {(geometry.pixels, geometry.out_features)}")
-        if not 0 < statistic.slots <= MAX_SLOTS:
-            raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
         rows, cols = table[:, 0] - table[0, 0], table[0, :]
         if not np.array_equal(table, rows[:, None] + cols[None, :]):
             raise NotImplementedError("the statistic's output does not split into a pixel part plus a channel part")
+        if np.all(cols == cols[0]) and len(np.unique(rows)) == len(rows) > MAX_ROW_SLOTS:
+            none, no_parts = np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
+            return cls(statistic, none, no_parts, none, no_parts, per_row=True)
+        if not 0 < statistic.slots <= MAX_SLOTS:
+            raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
         row_local, row_parts = _local_ids(rows, config.block_m)
         col_local, col_parts = _local_ids(cols, config.block_n)
         if row_parts.shape[1] > MAX_ROW_SLOTS:
@@ -519,6 +534,24 @@ def _write_partials(layout: _Layout, partial_ref, body, valid, rows_ok, cols_ok,
         offset = (tile * layout.fields + f) * layout.slots + slot
         ok = slot < layout.slots
         triton.store(partial_ref, jnp.where(ok, offset, partial_ref.shape[0]), value, ok)
+
+
+def _write_row_partials(layout: _Layout, partial_ref, body, valid, rows_ok, slot, tile) -> None:
+    """This tile's partial of each of its rows (a `per_row` layout: `slot` [bm, 1] is the row's
+    slot) over its own columns, into row `tile` of `partial_ref`: a sum, or count, mean and M2
+    two-pass over the row's columns. A row with no valid column writes 0, 0, 0 (an empty tile)."""
+    valid = jnp.broadcast_to(valid, body.shape)
+    body = jnp.where(valid, body, 0.0)
+    count = jnp.sum(jnp.where(valid, 1.0, 0.0), axis=1, keepdims=True)
+    total = jnp.sum(body, axis=1, keepdims=True)
+    if layout.statistic.op == "sum":
+        fields = (total,)
+    else:
+        mean = total / jnp.maximum(count, 1.0)
+        fields = (count, mean, jnp.sum(jnp.where(valid, jnp.square(body - mean), 0.0), axis=1, keepdims=True))
+    for f, value in enumerate(fields):
+        offset = (tile * layout.fields + f) * layout.slots + slot
+        triton.store(partial_ref, jnp.where(rows_ok, offset, partial_ref.shape[0]), value, rows_ok)
 
 
 def merge_partials(partials: jax.Array, op: str) -> jax.Array:
