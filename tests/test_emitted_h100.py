@@ -84,3 +84,43 @@ def test_resnet_block_with_tiles_straddling_images_computes_the_block():
     assert any(k.op == "Conv" and k.hosted for k in plan.kernels), plan.summary()
     want = jax.jit(resnet_step)(params, x, temb)  # values up to ~500: fp32 sums in another order differ by ~1e-4
     np.testing.assert_allclose(fast(params, x, temb), want, rtol=1e-4, atol=5e-6 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("values", ["offset", "constant", "huge"])
+def test_layernorm_statistics_of_each_pixel_are_per_row_partials_of_the_1x1_conv(values):
+    """Transformer2D's first LayerNorm reads statistics of each pixel over proj_in's channels: one
+    slot per row of a tile (far more than the 8 pixel parts a GroupNorm tile may touch). The conv
+    writes per-row partials over each N tile's columns; merged, they equal the two-pass moments
+    (2 images of 5x7 pixels straddling 16-pixel tiles, 40 channels over three 16-channel tiles),
+    at an offset far from the spread, on constant pixels (M2 exactly 0) and at huge magnitudes."""
+    from eqsat.conv_params import ConvParams
+    from eqsat.interpret import evaluate
+    from eqsat.term import Term
+    from eqsat.types import format_type
+    from emit.pallas import conv
+
+    rng = np.random.default_rng(3)
+    x = {"offset": 1e3 + rng.normal(size=(2, 5, 7, 40)),
+         "constant": np.repeat(rng.normal(size=(2, 5, 7, 1)) * 50, 40, axis=3),
+         "huge": 1e18 * (3 + rng.normal(size=(2, 5, 7, 40)))}[values].astype(np.float32)
+    x_in, w_in = Term("Input", "x", format_type("float32", x.shape)), Term("Input", "w", format_type("float32", (40, 40, 1, 1)))
+    numbers = jax.lax.conv_dimension_numbers(x.shape, (40, 40, 1, 1), ("NHWC", "OIHW", "NHWC"))
+    params = ConvParams.from_lax((1, 1), ((0, 0), (0, 0)), (1, 1), (1, 1), numbers)
+    out_ty = format_type("float32", x.shape)
+    term = Term("Conv", Term("Load", x_in, x_in.ty), Term("Load", w_in, w_in.ty), params.key,
+                Term("Acc", out_ty), out_ty)
+    tokens = Term("Reshape", Term("Load", term, term.ty), format_type("float32", (2, 35, 40)))
+    stats = Term("EpilogueReduce", term, "moments", tokens, "2", format_type("float32", (2, 2, 35)))
+    identity = np.eye(40, dtype=np.float32).reshape(40, 40, 1, 1)  # the output is the drawn values
+    config = conv.ConvConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    out, partials = conv.run(term, {x_in: x, w_in: identity}, hosted=[stats], config=config, interpret=True)
+    assert partials[stats].shape == (3, 3, 70)  # [N tiles, (count, mean, M2), pixels]
+    merged = np.asarray(conv.merge_partials(partials[stats], "moments")).reshape(2, 2, 35)
+    (expected,) = evaluate([stats], {"x": x, "w": identity})
+    expected = np.asarray(expected)
+    np.testing.assert_allclose(np.asarray(out), x, rtol=1e-6)
+    np.testing.assert_allclose(merged[0], expected[0], rtol=1e-5, atol=1e-6 * 40 * float(np.abs(x).max()))
+    noise = 40 * (4 * np.finfo(np.float32).eps * float(np.abs(x).max())) ** 2
+    np.testing.assert_allclose(merged[1], expected[1], rtol=2e-3 if values == "offset" else 1e-4,
+                               atol=max(noise, 1e-6 * float(np.abs(expected[1]).max())))
+    assert (merged[1] >= 0).all()
