@@ -386,6 +386,21 @@ def test_groupnorm_over_a_skip_concat_merges_both_convs_partials(dtype):
     assert statistic not in ctx.values  # no reader needed it finished
 
 
+def test_a_per_pixel_statistic_over_a_concat_along_rows_is_not_left_half_written():
+    """LayerNorm over channels of concat(conv_a, conv_b) along H: each conv holds only its half of
+    the per-pixel slots, so neither may write per-row partials (the other half of each tile row
+    would stay unwritten: NaN in interpret mode); the statistic runs as the driver's reduce kernel."""
+    rng = np.random.default_rng(8)
+    args = (_normal(rng, 1, 4, 4, 3, offset=3.0), _normal(rng, 1, 1, 3, 8), _normal(rng, 1, 1, 3, 8))
+
+    def fn(x, wa, wb):
+        h = jnp.concatenate([_conv(x, wa), _conv(x, wb)], axis=1)
+        return (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+
+    plan = _run_backends(fn, args)
+    assert len(_hosting_convs(plan)) == 2
+
+
 # --- compiled for an H100 without a GPU ---------------------------------------------------------------
 
 

@@ -443,7 +443,8 @@ class _Layout:
         rows, cols = table[:, 0] - table[0, 0], table[0, :]
         if not np.array_equal(table, rows[:, None] + cols[None, :]):
             raise NotImplementedError("the statistic's output does not split into a pixel part plus a channel part")
-        if np.all(cols == cols[0]) and len(np.unique(rows)) == len(rows) > MAX_ROW_SLOTS:
+        # Per row only when this host's pixels are every slot: a slot no row writes would be unset.
+        if np.all(cols == cols[0]) and len(np.unique(rows)) == len(rows) == statistic.slots > MAX_ROW_SLOTS:
             none, no_parts = np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
             return cls(statistic, none, no_parts, none, no_parts, per_row=True)
         if not 0 < statistic.slots <= MAX_SLOTS:
