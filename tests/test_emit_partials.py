@@ -43,6 +43,8 @@ from sd15 import layers
 SETTINGS = settings(max_examples=20, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 EPS = float(np.finfo(np.float32).eps)
+# The greedy extractor, never stopped by the clock: the same plan on a loaded machine.
+PLANNING = dict(extractor="greedy", extract_time_limit=120.0)
 
 
 def _input(name, shape, dtype="float32"):
@@ -292,7 +294,7 @@ def _group_norm(h, groups):
 def _run_backends(fn, args, *, tol=2e-4):
     """`fn`'s plan through backend="pallas" (interpret mode, no XLA fallback) and "xla", both against
     jax.jit. Returns the plan."""
-    plan = eqsat.optimize(fn).lower(*args).plan
+    plan = eqsat.optimize(fn, **PLANNING).lower(*args).plan
     with warnings.catch_warnings():
         warnings.simplefilter("error", XlaFallbackWarning)
         pallas = emit.emit(plan, "pallas", interpret=True)(*args)
@@ -331,7 +333,7 @@ def test_a_host_that_cannot_compute_its_statistic_leaves_it_to_the_driver(monkey
     def fn(x, wa, wb, w):
         return _conv(jax.nn.silu(_group_norm(jnp.concatenate([_conv(x, wa), _conv(x, wb)], -1), 3)), w)
 
-    plan = eqsat.optimize(fn).lower(*args).plan
+    plan = eqsat.optimize(fn, **PLANNING).lower(*args).plan
     hosts = _hosting_convs(plan)
     assert len(hosts) == 2, [(k.kind, len(k.outputs)) for k in plan.kernels]
     first, statistic = hosts[0].term, hosts[0].outputs[1]
@@ -427,7 +429,7 @@ def test_a_resnet_block_and_a_skip_concat_groupnorm_compile_to_the_plans_kernels
               "n.weight": (192,), "n.bias": (192,), "out.weight": (4, 192, 3, 3), "out.bias": (4,)}
     args = ({k: shapes(v, dt) for k, v in params.items()}, shapes((2, 8, 8, 4), dt), shapes((2, 32), dt),
             shapes((2, 8, 8, 4), dt))
-    plan = eqsat.optimize(net).lower(*args).plan
+    plan = eqsat.optimize(net, **PLANNING).lower(*args).plan
     assert [len(k.outputs) for k in plan.kernels if k.kind == "conv"].count(2) == 4, \
         [(k.component, k.kind, len(k.outputs)) for k in plan.kernels]
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args)
