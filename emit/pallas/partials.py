@@ -16,6 +16,11 @@ after the last host, with no XLA concatenate between them.
     ... the host kernel writes [prefix tiles + own tiles, fields, slots] ...
     return {term: out, reduction: Partials(buffer)}
 
+Cost: a reader merges at every point it reads, so each read costs `fields` x tiles loads (memoized
+per point within one expression evaluation; the matmul's pre-pass hoists it per row block). That
+is cheap for row statistics (tiles = the host's N tiles) and large for GroupNorm statistics of big
+convs (every M x N tile: 192 at SD 1.5's 64x64 latents, 4096 at the VAE's 512x512 output).
+
 `merged(statistic, buffer)` is the finished statistic in plain jax (the same merge as the readers'):
 for what reads a statistic outside a Pallas template (an XLA fallback kernel, an opaque primitive,
 a loop's operands, the plan's outputs).
