@@ -198,9 +198,10 @@ def optimized(workload: Workload, optimize, device: str):
     """`optimize(workload.fn, ...)` as we deploy it: weights marked as parameters (prepared once),
     the Pallas backend, no progress bar (options the given `optimize` does not take are left out)."""
     accepted = inspect.signature(optimize).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())  # e.g. the callable module
     options = (("device", device), ("progress", False), ("backend", "pallas"), ("params_argnums", PARAMS_ARGNUM),
                ("extract_time_limit", EXTRACT_TIME_LIMIT))
-    return optimize(workload.fn, **{key: value for key, value in options if key in accepted})
+    return optimize(workload.fn, **{key: value for key, value in options if takes_any or key in accepted})
 
 
 def measure_plan(workload: Workload, optimize, device: str) -> tuple[dict[str, Any], Any, Any]:
