@@ -539,6 +539,10 @@ def _stages(value) -> str:
     return ", ".join(f"{stage} {float(v):.1f} s" for stage, v in value.items())
 
 
+def _pair(ours, theirs) -> str:
+    return f"{_count(ours)} / {_count(theirs)}"
+
+
 def _compile_cell(row: dict[str, Any], prefix: str) -> str:
     """`compile seconds (CPU seconds of the whole compile subprocess)`."""
     cell = _seconds(row.get(f"{prefix}_compile_seconds"))
@@ -595,8 +599,8 @@ def render(report: dict[str, Any], console=None) -> None:
     add("  of which Pallas kernels", lambda r: _count(r.get("emitted_pallas_kernels")))
     add("XLA kernels (jax.jit, H100)", lambda r: _count(r["xla_kernels"]))
     add("  of which read only weights/inputs", lambda r: _count(r.get("xla_input_only_kernels")))
-    add("memsets (not kernels): eqsat / XLA", lambda r: f"{_count(r.get('emitted_memsets'))} / {_count(r.get('xla_memsets'))}")
-    add("copies (not kernels): eqsat / XLA", lambda r: f"{_count(r.get('emitted_copies'))} / {_count(r.get('xla_copies'))}")
+    add("memsets (not kernels): eqsat / XLA", lambda r: _pair(r.get("emitted_memsets"), r.get("xla_memsets")))
+    add("copies (not kernels): eqsat / XLA", lambda r: _pair(r.get("emitted_copies"), r.get("xla_copies")))
     add("eqsat statistics in epilogues", lambda r: _count(r.get("plan_hosted_statistics")))
     add("fewer kernels", lambda r: _verdict(r["winner_kernels"], our_kernels(r), r["xla_kernels"], _count))
     add("eqsat modeled HBM bytes", lambda r: _size(r["plan_bytes"]))

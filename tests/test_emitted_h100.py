@@ -1,7 +1,9 @@
 """SD 1.5 components as `sd15 plan` compiles them for an H100 without a GPU: the per-call stage of
 `eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the prepared tensors as inputs, through
 `eqsat.xla_target`. Its thunk sequence must launch exactly the planned kernels, every one a Pallas
-kernel, with no copies and at most one memset (the full-size run is `benchmarks/sd15_plan.py`)."""
+kernel, with no copies and at most one memset (the full-size run is `benchmarks/sd15_plan.py`).
+Beside them, in interpret mode, what those compiles needed from the conv template: GroupNorm
+statistics whose tiles straddle images, and per-pixel LayerNorm statistics after a 1x1 conv."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ import numpy as np
 import pytest
 
 import eqsat
+from emit.pallas import conv
 from eqsat import xla_target
+from eqsat.conv_params import ConvParams
+from eqsat.interpret import evaluate
 from eqsat.optimize import ExtractionLimitWarning
+from eqsat.term import Term
+from eqsat.types import format_type
 from sd15 import plan_cli
 from sd15.layers import resnet_block
 
-pytestmark = pytest.mark.skipif(xla_target.unavailable_reason() is not None,
-                                reason=str(xla_target.unavailable_reason()))
+needs_h100_target = pytest.mark.skipif(xla_target.unavailable_reason() is not None,
+                                       reason=str(xla_target.unavailable_reason()))
 
 
 def compiled(workload: plan_cli.Workload) -> dict:
@@ -35,6 +42,7 @@ def assert_exactly_the_planned_pallas_kernels(row: dict) -> None:
     assert row["emitted_copies"] == 0 and row["emitted_memsets"] <= 1
 
 
+@needs_h100_target
 def test_tiny_text_encoder_launches_exactly_its_planned_pallas_kernels():
     """CLIP (2 layers, 4 heads of 8, 2x77 tokens, fp16): embedding gather, fused QKV on prepared
     weight concatenations, causal attention, LayerNorm statistics hosted in the matmuls."""
@@ -64,6 +72,7 @@ def resnet_step(params, x, temb):
 SMALL_EXTRACT_TIME_LIMIT = 5.0
 
 
+@needs_h100_target
 def test_resnet_block_with_3_channels_per_group_launches_exactly_its_planned_pallas_kernels(monkeypatch):
     """96 -> 192 channels in 32 groups (3 and 6 channels per group, groups straddling channel tiles),
     15x15 pixels, fp16: the second GroupNorm's statistics hosted by conv1, the shortcut merged into
@@ -104,17 +113,12 @@ def test_layernorm_statistics_of_each_pixel_are_per_row_partials_of_the_1x1_conv
     writes per-row partials over each N tile's columns; merged, they equal the two-pass moments
     (2 images of 5x7 pixels straddling 16-pixel tiles, 40 channels over three 16-channel tiles),
     at an offset far from the spread, on constant pixels (M2 exactly 0) and at huge magnitudes."""
-    from eqsat.conv_params import ConvParams
-    from eqsat.interpret import evaluate
-    from eqsat.term import Term
-    from eqsat.types import format_type
-    from emit.pallas import conv
-
     rng = np.random.default_rng(3)
     x = {"offset": 1e3 + rng.normal(size=(2, 5, 7, 40)),
          "constant": np.repeat(rng.normal(size=(2, 5, 7, 1)) * 50, 40, axis=3),
          "huge": 1e18 * (3 + rng.normal(size=(2, 5, 7, 40)))}[values].astype(np.float32)
-    x_in, w_in = Term("Input", "x", format_type("float32", x.shape)), Term("Input", "w", format_type("float32", (40, 40, 1, 1)))
+    x_in = Term("Input", "x", format_type("float32", x.shape))
+    w_in = Term("Input", "w", format_type("float32", (40, 40, 1, 1)))
     numbers = jax.lax.conv_dimension_numbers(x.shape, (40, 40, 1, 1), ("NHWC", "OIHW", "NHWC"))
     params = ConvParams.from_lax((1, 1), ((0, 0), (0, 0)), (1, 1), (1, 1), numbers)
     out_ty = format_type("float32", x.shape)

@@ -123,7 +123,10 @@ def test_a_kernel_that_fails_to_compile_is_an_error_naming_it(monkeypatch, capsy
         raise RuntimeError("compiling for H100 failed:\nTraceback ...\nValueError: Triton compile of "
                            "text_model_encoder_layers_0_mlp_fc1_matmul: shared memory 300000 > 232448")
 
-    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (lambda fn, device="h100", progress=None: Optimized(), None))
+    def optimize(fn, device="h100", progress=None):
+        return Optimized()
+
+    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (optimize, None))
     monkeypatch.setattr(plan_cli, "planned_kernel_names",
                         lambda lowered: ["text_model.encoder.layers.0.mlp.fc1:matmul", "text_model:gather"])
     monkeypatch.setattr(xla_target, "unavailable_reason", lambda: None)
