@@ -1,9 +1,9 @@
 """Convolution: an implicit GEMM in Pallas Triton (kernel | build | reference).
 
 A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels
-(batch × output rows × output columns), N the output channels and K the input channels times the
-window's taps. Each program owns one output tile [block_m pixels, block_n channels], accumulated
-in fp32 over every tap (ky, kx) and every block_k chunk of input channels:
+(output rows × output columns, per image), N the output channels and K the input channels times
+the window's taps. Each program owns one output tile [block_m pixels of one image, block_n
+channels], accumulated in fp32 over every tap (ky, kx) and every block_k chunk of input channels:
 
     A[m, c] = prologue(b, c, oy·sy − pad_y + ky·dy, ox·sx − pad_x + kx·dx)   (0 in the padding)
     W[c, n] = weight(n, c, ky, kx)
@@ -152,6 +152,11 @@ class ConvGeometry:
         return self.batch * self.out_size[0] * self.out_size[1]
 
     @property
+    def image_pixels(self) -> int:
+        """Output pixels of one image (an M tile never spans two images)."""
+        return math.prod(self.out_size)
+
+    @property
     def taps(self) -> int:
         return self.window[0] * self.window[1]
 
@@ -211,7 +216,7 @@ class ConvConfig:
     def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
         """128×128 output tiles and 64-channel K chunks, shrunk to fit small convs."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
-        block_m = min(DEFAULT_BLOCK_M, max(MIN_BLOCK, next_pow2(geometry.pixels)))
+        block_m = min(DEFAULT_BLOCK_M, max(MIN_BLOCK, next_pow2(geometry.image_pixels)))
         block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
         block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
@@ -253,13 +258,17 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
     (pad_y, _), (pad_x, _) = p.padding
 
-    m = pl.program_id(0) * bm + _iota(bm)[:, None]     # output pixel   [bm, 1]
-    n = pl.program_id(1) * bn + _iota(bn)[None, :]     # output channel [1, bn]
-    rows_ok, cols_ok = m < g.pixels, n < g.out_features
-    m = jnp.where(rows_ok, m, 0)
-    b = lax.div(m, out_h * out_w)
-    oy = lax.rem(lax.div(m, out_w), out_h)
-    ox = lax.rem(m, out_w)
+    # An M tile holds pixels of one image: the batch index is the program's, so whatever the input
+    # expression computes per (batch, channel) (GroupNorm's scale and shift, the merge of its
+    # statistic's partials) is computed on a [1, block_k] tile, not per pixel.
+    tiles_per_image = pl.cdiv(g.image_pixels, bm)
+    b = lax.div(pl.program_id(0), tiles_per_image)                                 # scalar
+    pixel = lax.rem(pl.program_id(0), tiles_per_image) * bm + _iota(bm)[:, None]   # in the image [bm, 1]
+    n = pl.program_id(1) * bn + _iota(bn)[None, :]                                  # output channel [1, bn]
+    rows_ok, cols_ok = pixel < g.image_pixels, n < g.out_features
+    pixel = jnp.where(rows_ok, pixel, 0)
+    oy = lax.div(pixel, out_w)
+    ox = lax.rem(pixel, out_w)
 
     acc = jnp.zeros((bm, bn), jnp.float32)
     for k_range in ranges:
@@ -315,7 +324,15 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
 
 
 def _grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
-    return pl.cdiv(geometry.pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n)
+    return geometry.batch * pl.cdiv(geometry.image_pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n)
+
+
+def tile_pixels(geometry: ConvGeometry, block_m: int) -> list[np.ndarray]:
+    """The output pixels (flat, batch-major) of each M tile, in program order: each image's pixels
+    in blocks of `block_m`, the last block of an image short."""
+    per_image = geometry.image_pixels
+    return [b * per_image + np.arange(start, min(start + block_m, per_image))
+            for b in range(geometry.batch) for start in range(0, per_image, block_m)]
 
 
 def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn, inputs: Sequence[jax.Array],
@@ -402,21 +419,21 @@ MAX_ROW_SLOTS = 8
 MAX_SLOTS = 8192
 
 
-def _local_ids(values: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per block of `block` consecutive entries: each entry's rank among the block's distinct values
-    (`local`), and the distinct values of each block (`distinct[tile, rank]`, 0-padded)."""
-    tiles = -(-len(values) // block)
+def _local_ids(values: np.ndarray, tiles: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tile (the entries of `values` it holds): each entry's rank among the tile's distinct
+    values (`local`, indexed like `values`), the distinct values of each tile (`distinct[tile, rank]`,
+    0-padded) and how many each tile has."""
     local = np.zeros(len(values), np.int32)
     found = []
-    for tile in range(tiles):
-        distinct, rank = np.unique(values[tile * block:(tile + 1) * block], return_inverse=True)
-        local[tile * block:(tile + 1) * block] = rank
+    for members in tiles:
+        distinct, rank = np.unique(values[members], return_inverse=True)
+        local[members] = rank
         found.append(distinct)
     width = max(len(d) for d in found)
-    distinct = np.zeros((tiles, width), np.int32)
+    distinct = np.zeros((len(found), width), np.int32)
     for tile, values_of_tile in enumerate(found):
         distinct[tile, :len(values_of_tile)] = values_of_tile
-    return local, distinct
+    return local, distinct, np.array([len(d) for d in found], np.int32)
 
 
 @dataclass(frozen=True)
@@ -429,10 +446,10 @@ class _Layout:
     holds the pixel), as the matmul template writes row statistics; the part tables are empty."""
 
     statistic: TileStatistic
-    row_local: np.ndarray     # [pixels] rank of the pixel's slot part within its M tile
-    row_parts: np.ndarray     # [M tiles, rows] the distinct pixel parts of each M tile
-    col_local: np.ndarray     # [out channels]
+    row_parts: np.ndarray     # [M tiles, rows] the distinct pixel parts of each M tile (0-padded)
+    row_used: np.ndarray      # [M tiles] how many of them each tile has
     col_parts: np.ndarray     # [N tiles, cols]
+    col_used: np.ndarray      # [N tiles]
     per_row: bool = False
 
     @classmethod
@@ -446,25 +463,26 @@ class _Layout:
         # Per row only when this host's pixels are every slot: a slot no row writes would be unset.
         if np.all(cols == cols[0]) and len(np.unique(rows)) == len(rows) == statistic.slots > MAX_ROW_SLOTS:
             none, no_parts = np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
-            return cls(statistic, none, no_parts, none, no_parts, per_row=True)
+            return cls(statistic, no_parts, none, no_parts, none, per_row=True)
         if not 0 < statistic.slots <= MAX_SLOTS:
             raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
-        row_local, row_parts = _local_ids(rows, config.block_m)
-        col_local, col_parts = _local_ids(cols, config.block_n)
+        _, row_parts, row_used = _local_ids(rows, tile_pixels(geometry, config.block_m))
+        channels = np.arange(geometry.out_features)
+        _, col_parts, col_used = _local_ids(cols, [channels[i:i + config.block_n]
+                                                   for i in range(0, geometry.out_features, config.block_n)])
         if row_parts.shape[1] > MAX_ROW_SLOTS:
             raise NotImplementedError(f"an output tile touches {row_parts.shape[1]} pixel parts of the statistic "
                                       f"(at most {MAX_ROW_SLOTS})")
-        layout = cls(statistic, row_local, row_parts, col_local, col_parts)
-        layout._check_distinct(config.block_m, config.block_n)
+        layout = cls(statistic, row_parts, row_used, col_parts, col_used)
+        layout._check_distinct()
         return layout
 
-    def _check_distinct(self, rows: int, cols: int) -> None:
-        """Within a tile (`rows` pixels by `cols` channels), distinct (pixel part, channel part) pairs
-        are distinct slots."""
-        for tm, parts_m in enumerate(self.row_parts):
-            used_m = parts_m[:self.row_local[tm * rows:(tm + 1) * rows].max() + 1]
-            for tn, parts_n in enumerate(self.col_parts):
-                used_n = parts_n[:self.col_local[tn * cols:(tn + 1) * cols].max() + 1]
+    def _check_distinct(self) -> None:
+        """Within a tile, distinct (pixel part, channel part) pairs are distinct slots."""
+        for parts_m, count_m in zip(self.row_parts, self.row_used):
+            used_m = parts_m[:count_m]
+            for parts_n, count_n in zip(self.col_parts, self.col_used):
+                used_n = parts_n[:count_n]
                 sums = (used_m[:, None] + used_n[None, :]).ravel()
                 if len(np.unique(sums)) != len(sums):
                     raise NotImplementedError("two pixel/channel parts of one tile name the same statistic output")
