@@ -41,10 +41,13 @@ both rows of one `moments`) is computed once.
 A statistic computed in its producers' epilogues (`Load(EpilogueReduce)`, a GroupNorm's or
 LayerNorm's sum and M2) usually reaches a kernel as its hosts' per-tile partials
 (`[tiles, fields, slots]`: each tile's sum, or count, mean and M2), not as finished values: the
-memory reads it with `read_partials`, which merges the tiles of the slot the index names in tile
-order (`merge_partials_at`: sums added, moments by Chan's formula) and memoizes the merge by the
-kept index, so a reader's sum and M2 at one point merge once. `partials_layout` tells the two
-bindings apart by the buffer's size.
+memory reads it with `read_partials`, which merges the tiles of the slot the index names and
+memoizes the merge by the kept index, so a reader's sum and M2 at one point merge once.
+`merge_partials_at` loads TB tiles per step (a power of two, TB x the point's lanes <= 4096
+elements) and reduces them with vector reductions (sums added; moments two-pass over the block's
+tiles in a frame shifted by a tile's mean), then merges the ceil(tiles / TB) blocks in order
+(sums added, moments by Chan's formula): a serial chain of blocks, not of tiles, in a fixed order.
+`partials_layout` tells the two bindings apart by the buffer's size.
 """
 
 from __future__ import annotations
@@ -502,42 +505,124 @@ def partials_layout(statistic: Term, size: int) -> tuple[int, int, int] | None:
     return size // (fields * slots), fields, slots
 
 
+# Elements (tiles of a block x lanes) a reader's merge of per-tile partials loads at once.
+MERGE_BLOCK_ELEMENTS = 4096
+
+
+def merge_block_tiles(tiles: int, lanes: int, budget: int = MERGE_BLOCK_ELEMENTS) -> int:
+    """TB, the tiles `merge_partials_at` loads per step for a point of `lanes` elements: the largest
+    power of two with TB * lanes <= `budget` (at least 1), no more than `tiles` rounded up to one."""
+    cap = max(1, budget // max(1, lanes))
+    cap = 1 << (cap.bit_length() - 1)
+    return max(1, min(1 << max(0, (tiles - 1).bit_length()), cap))
+
+
+def _chan(a, b):
+    """Chan's merge of two (count, mean, M2) triples, `a` first; a part of count 0 changes nothing
+    (its mean and M2 are never multiplied in, so no inf * 0)."""
+    n, mean, m2 = a
+    n_b, mean_b, m2_b = b
+    merged = n + n_b
+    has = n_b > 0
+    weight = n_b / jnp.maximum(merged, 1.0)
+    delta = jnp.where(has, mean_b - mean, 0.0)
+    spread = jnp.where(has & (n > 0), delta * (n * weight) * delta, 0.0)
+    return merged, mean + delta * weight, m2 + jnp.where(has, m2_b, 0.0) + spread
+
+
 def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: int, slots: int,
-                      slot: IndexEntry):
-    """A statistic at flat output `slot` (an int or int32 array) from `tiles` per-tile partials,
-    merged in tile order: `load(offsets)` reads the partials buffer (`[tiles, fields, slots]`) at
-    flat offsets. `sum` adds the tiles' sums; `moments` merges (count, mean, M2) with Chan's formula
-    (`eqsat.moments.merge_partials`), a tile of count 0 leaving the running value untouched (its
-    mean and M2 are never multiplied in, so no inf * 0). Returns the sum, or `(sum, M2)`."""
+                      slot: IndexEntry, *, budget: int = MERGE_BLOCK_ELEMENTS):
+    """A statistic at flat output `slot` (an int or int32 array) from `tiles` per-tile partials:
+    `load(offsets)` reads the partials buffer (`[tiles, fields, slots]`) at flat int32 offsets of
+    any shape and returns values of that shape. Returns the sum, or `(sum, M2)`, of `slot`'s shape.
+
+    The tiles merge in blocks of TB (`merge_block_tiles`: a power of two, TB x the point's lanes
+    <= `budget` elements, no more than the tiles need). A step loads a block's fields at once (a
+    leading axis of TB in front of the lanes; in the last, partial block the tile index is clamped
+    and the tiles past the end count as empty) and reduces over that axis; the blocks then merge
+    in order, serially (`lax.fori_loop` when there are several, straight-line code for one).
+
+    - `sum`: a block's sums added (`jnp.sum`), then the blocks' in order.
+    - `moments`: a block is reduced two-pass over its tiles, in a frame shifted by `s`, the mean
+      of the first tile of nonzero count (of the block, until the merge has elements; then the
+      merge's `s`): n = sum(n_t), d = sum(n_t (mean_t - s)) / n,
+      M2 = sum(M2_t + n_t (mean_t - s - d)^2); blocks merge with Chan's formula
+      (`eqsat.moments.merge_partials`) on (n, d, M2), and mean = s + d. Nothing is rounded at the
+      offset before the end, so the result is the exact merge of the partials to a few ulps of
+      the spread, and tiles of one mean merge to exactly that mean and M2 0. A tile of count 0
+      (or past the end) contributes nothing, whatever its mean and M2 hold (no inf * 0).
+
+    A fixed order of fixed-shape reductions: deterministic. Only ops the Pallas Triton lowering
+    has (elementwise, `where`, `sum`/`min` over an axis, `broadcasted_iota`); TB = 1 (lanes of
+    `budget` elements or more) is the tile-by-tile Chan merge."""
     point = shape_of((slot,))
     if point == ():  # one slot for every lane: load it as a one-element vector (Triton loads blocks)
         slot = jnp.full((1,), slot, jnp.int32) if is_static(slot) else jnp.reshape(slot, (1,))
     lanes = shape_of((slot,))
     fields = PARTIAL_FIELDS[op]
+    block = merge_block_tiles(tiles, math.prod(lanes), budget)
+    steps = -(-tiles // block)
+    ragged = steps * block != tiles
     zeros = jnp.zeros(lanes, jnp.float32)
+    if block > 1:
+        within = lax.broadcasted_iota(jnp.int32, (block,) + (1,) * len(lanes), 0)
+        shape = (block,) + lanes
 
-    def field(tile, f):
-        return jnp.broadcast_to(load(add(slot, (tile * fields + f) * slots)).astype(jnp.float32), lanes)
+    def loaded(start):
+        """The block of tiles from `start` (a python or traced int): each field's values
+        (`[TB, *lanes]`, or `lanes` when TB is 1) and which tiles exist (True when all do)."""
+        if block == 1:
+            tile, valid = start, True
+        else:
+            tile = within + start
+            valid = tile < tiles if ragged else True
+            if ragged:
+                tile = jnp.minimum(tile, tiles - 1)
+        values = [load(add(slot, (tile * fields + f) * slots)).astype(jnp.float32) for f in range(fields)]
+        return [jnp.broadcast_to(v, shape if block > 1 else lanes) for v in values], valid
 
     if op == "sum":
-        def add_tile(tile, total):
-            return total + field(tile, 0)
+        def add_block(step, total):
+            (values,), valid = loaded(step * block)
+            if block == 1:
+                return total + values
+            return total + jnp.sum(values if valid is True else jnp.where(valid, values, 0.0), axis=0)
 
-        total = add_tile(0, zeros) if tiles == 1 else lax.fori_loop(0, tiles, add_tile, zeros)
+        total = add_block(0, zeros) if steps == 1 else lax.fori_loop(0, steps, add_block, zeros)
         return jnp.reshape(total, point)
 
-    def merge_tile(tile, carry):
-        n, mean, m2 = carry
-        n_t, mean_t, m2_t = field(tile, 0), field(tile, 1), field(tile, 2)
-        merged = n + n_t
-        has = n_t > 0
-        weight = n_t / jnp.maximum(merged, 1.0)
-        delta = jnp.where(has, mean_t - mean, 0.0)
-        spread = jnp.where(has & (n > 0), delta * (n * weight) * delta, 0.0)
-        return merged, mean + delta * weight, m2 + jnp.where(has, m2_t, 0.0) + spread
+    def block_moments(start, anchor=None):
+        """The block from `start`: (count, shift, mean - shift, M2), shifted by the running merge's
+        shift (`anchor`: its count and shift) once it has elements, else by the block's first tile
+        of nonzero count (0 where none has)."""
+        (n_t, mean_t, m2_t), valid = loaded(start)
+        has = n_t > 0 if valid is True else valid & (n_t > 0)
+        n_t = jnp.where(has, n_t, 0.0)
+        if block == 1:
+            own = jnp.where(has, mean_t, 0.0)
+        else:
+            first = jnp.min(jnp.where(has, within, block), axis=0)  # `block` where no tile has elements
+            own = jnp.sum(jnp.where(within == first, mean_t, 0.0), axis=0)
+        shift = own if anchor is None else jnp.where(anchor[0] > 0, anchor[1], own)
+        d_t = jnp.where(has, mean_t - shift, 0.0)
+        if block == 1:
+            return n_t, shift, d_t, jnp.where(has, m2_t, 0.0)
+        n = jnp.sum(n_t, axis=0)
+        d_mean = jnp.sum(n_t * d_t, axis=0) / jnp.maximum(n, 1.0)
+        e_t = d_t - d_mean
+        return n, shift, d_mean, jnp.sum(jnp.where(has, m2_t + n_t * e_t * e_t, 0.0), axis=0)
 
-    n, mean, m2 = merge_tile(0, (zeros, zeros, zeros)) if tiles == 1 else \
-        lax.fori_loop(0, tiles, merge_tile, (zeros, zeros, zeros))
+    def merge_block(step, carry):
+        n, shift, d_mean, m2 = carry
+        n_b, shift, d_b, m2_b = block_moments(step * block, (n, shift))
+        n, d_mean, m2 = _chan((n, d_mean, m2), (n_b, d_b, m2_b))  # in the shifted frame: no rounding at the offset
+        return n, shift, d_mean, m2
+
+    if steps == 1:
+        n, shift, d_mean, m2 = block_moments(0)
+    else:
+        n, shift, d_mean, m2 = lax.fori_loop(0, steps, merge_block, (zeros, zeros, zeros, zeros))
+    mean = shift + d_mean
     return jnp.reshape(mean * n, point), jnp.reshape(m2, point)
 
 

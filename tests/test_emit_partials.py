@@ -2,11 +2,15 @@
 
 A statistic computed in its producers' epilogues (`EpilogueReduce`, op sum or moments) reaches its
 readers as the hosts' per-tile partials `[tiles, fields, slots]`; each reading kernel merges the
-slot it reads in tile order (Chan's formula for moments) where it reads it. Checked here:
+slot it reads where it reads it, TB tiles per step (`merge_partials_at`: vector reductions over a
+block, Chan's formula across blocks for moments). Checked here:
 
 - the merge against the two-pass moments on adversarial values (offsets large against the spread,
   constant rows, tiny and huge magnitudes, empty tiles holding garbage), in plain jax and inside a
   Pallas kernel (interpret mode), and that a reader's sum and M2 at one point merge once;
+- the blocked merge at 1, 3, 7, 64 and 300 tiles, TB from 1 to all of them (the last block
+  partial), empty tiles interleaved, mean 1e4 and spread 1e-2: the float64 merge of the partials
+  to a few ulps of the spread, constant slots exactly (M2 0), in jax and in a Pallas kernel;
 - the conv template's partials: no index-table operands, earlier hosts' partials copied in front;
 - plans through `backend="pallas"` against `backend="xla"` and `jax.jit`: a statistic read by a
   pointwise kernel and returned, a host that cannot compute its statistic (the driver's own reduce
@@ -29,7 +33,7 @@ from jax import lax
 
 import emit
 import eqsat
-from emit.expr import compile_expr, evaluate_whole, grid_index, merge_partials_at, partials_layout
+from emit.expr import compile_expr, evaluate_whole, grid_index, merge_block_tiles, merge_partials_at, partials_layout
 from emit.pallas import EmitContext, KernelCall, XlaFallbackWarning, conv, pointwise, run_kernels
 from emit.pallas.partials import Partials, merged
 from eqsat.conv_params import ConvParams
@@ -215,6 +219,117 @@ def test_a_pallas_kernel_merges_the_partials_it_reads():
     np.testing.assert_array_equal(np.asarray(from_partials)[2], np.asarray(from_finished)[2])
     expected = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(np.asarray(from_partials)[[0, 1, 3]], expected[[0, 1, 3]], rtol=1e-3, atol=4e-3)
+
+
+# --- the blocked merge (TB tiles per step) ------------------------------------------------------------
+
+OFFSET, SPREAD = np.float32(1e4), 1e-2
+CONSTANT = np.float32(1e4 + 1 / 3)  # not a short binary fraction: an unshifted mean would round
+
+
+def _random_partials(tiles, slots, rng, garbage=0.0):
+    """Moments partials `[tiles, 3, slots]` of float32 samples (mean 1e4, spread 1e-2; 1..5 per tile
+    and slot, or none: about a third of the tiles are empty, count 0 holding `garbage`), each tile
+    two-pass in float32 as a host writes it, slot 0 constant (every tile's mean exactly CONSTANT, M2
+    0); and each slot's samples in float64."""
+    counts = rng.integers(1, 6, size=(tiles, slots))
+    counts[rng.random((tiles, slots)) < 1 / 3] = 0
+    full = rng.integers(tiles)
+    counts[full] = np.maximum(counts[full], 1)  # no slot left empty
+    parts = np.zeros((tiles, 3, slots), np.float32)
+    samples = [[] for _ in range(slots)]
+    for t in range(tiles):
+        for s in range(slots):
+            k = int(counts[t, s])
+            if k == 0:
+                parts[t, :, s] = (0.0, garbage, garbage)
+                continue
+            x = np.full(k, CONSTANT) if s == 0 else (OFFSET + SPREAD * rng.normal(size=k)).astype(np.float32)
+            mean = CONSTANT if s == 0 else np.float32(x.sum(dtype=np.float32) / np.float32(k))
+            parts[t, :, s] = (k, mean, np.square(x - mean, dtype=np.float32).sum(dtype=np.float32))
+            samples[s].append(x.astype(np.float64))
+    return parts, [np.concatenate(x) for x in samples]
+
+
+def _exact_merge(parts):
+    """The merge of float32 partials `[tiles, 3, slots]` in float64, ignoring empty tiles: `[2, slots]`."""
+    p = np.asarray(parts, np.float64)
+    n, mean, m2 = p[:, 0], np.where(p[:, 0] > 0, p[:, 1], 0.0), np.where(p[:, 0] > 0, p[:, 2], 0.0)
+    total = n.sum(0)
+    merged_mean = (n * mean).sum(0) / np.maximum(total, 1.0)
+    return np.stack([merged_mean * total, (m2 + n * (mean - merged_mean) ** 2).sum(0)])
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 7, 64, 300])
+@pytest.mark.parametrize("budget,garbage", [(1, np.nan), (64, np.inf), (4096, 0.0)])
+def test_the_blocked_merge_is_the_exact_merge_of_the_partials(tiles, budget, garbage):
+    """TB tiles per step (TB = 1, a few, all of them), tile counts that are no power of two (the last
+    block partial), empty tiles interleaved: moments equal the float64 merge of the partials to a
+    few ulps of the spread (nothing rounds at the offset 1e4), a constant slot has M2 exactly 0 and
+    sum exactly mean * n, and the samples' float64 moments hold to the partials' own rounding. Sums
+    likewise. Slots read as a vector, a 2-d block of lanes and one scalar slot."""
+    rng = np.random.default_rng(tiles * 7 + budget)
+    parts, samples = _random_partials(tiles, 4, rng, garbage)
+    live_means = np.where(parts[:, 0] > 0, parts[:, 1], 0.0).astype(np.float64)
+    sums = (parts[:, 0] * live_means)[:, None, :].astype(np.float32)  # sum partials [tiles, 1, 4]
+    lanes = [jnp.arange(4, dtype=jnp.int32), jnp.arange(4, dtype=jnp.int32)[::-1].reshape(2, 2), 0]
+
+    @jax.jit
+    def merge(parts, sums):
+        flat_parts, flat_sums = jnp.reshape(parts, (-1,)), jnp.reshape(sums, (-1,))
+        return [(merge_partials_at("moments", lambda at: flat_parts[at], tiles, 4, slot, budget=budget),
+                 merge_partials_at("sum", lambda at: flat_sums[at], tiles, 4, slot, budget=budget)) for slot in lanes]
+
+    (moments, total), (moments_2d, total_2d), (moments_0, total_0) = merge(parts, sums)
+    block = merge_block_tiles(tiles, 4, budget)
+    assert block == min(1 << (tiles - 1).bit_length(), budget // 4 or 1)
+    got = np.asarray(jnp.stack(moments), np.float64)
+    np.testing.assert_array_equal(np.asarray(jnp.stack(moments_2d)).reshape(2, 4)[:, ::-1], got)
+    np.testing.assert_array_equal(np.asarray(jnp.stack(moments_0)), got[:, 0])  # constant: exact for any TB
+    exact = _exact_merge(parts)
+    np.testing.assert_allclose(got[0], exact[0], rtol=4 * EPS)
+    np.testing.assert_allclose(got[1], exact[1], rtol=1e-5, atol=1e-37)
+    assert got[1, 0] == 0.0 and np.float32(got[0, 0]) == np.float32(CONSTANT * np.float32(len(samples[0])))
+    for s, x in enumerate(samples):  # the samples' moments: the partials' means rounded at 1e4, no worse
+        n, scale = len(x), np.abs(x).max()
+        spread = np.abs(x - x.mean()).max()
+        assert abs(got[0, s] - x.sum()) <= 4 * EPS * n * scale
+        assert abs(got[1, s] - ((x - x.mean()) ** 2).sum()) <= 1e-5 * ((x - x.mean()) ** 2).sum() \
+            + 2 * EPS * n * scale * spread + n * (4 * EPS * scale) ** 2
+    exact_sums = sums[:, 0].astype(np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(total), exact_sums, rtol=tiles * EPS)
+    np.testing.assert_array_equal(np.asarray(total_2d).reshape(4)[::-1], np.asarray(total))
+    np.testing.assert_allclose(np.asarray(total_0), exact_sums[0], rtol=tiles * EPS)  # 1 lane: another TB
+    again = merge(parts, sums)  # deterministic: the same bits
+    np.testing.assert_array_equal(np.asarray(jnp.stack(again[0][0])), np.asarray(jnp.stack(moments)))
+
+
+def test_a_pallas_kernel_merges_many_tiles_in_blocks():
+    """A pointwise kernel (interpret mode) reading a statistic bound to 300 tiles of 2 samples and 1
+    to 3 empty ones holding NaN, with 8 lanes (TB = 512: one block) and 256 lanes (TB = 16: 19 blocks,
+    the last partial): both give the float64 merge of the partials, a constant row's M2 exactly 0."""
+    rng = np.random.default_rng(11)
+    x = (OFFSET + SPREAD * rng.normal(size=(4, 600))).astype(np.float32)
+    x[1] = CONSTANT
+    xt = _input("x", x.shape)
+    stats = _row_moments(xt, 4)
+    parts = _with_empty_tiles(partial_moments(x, (1,), 2), np.random.default_rng(3), np.nan)
+    assert parts.shape[0] > 300 and (parts[parts[:, 0, 1] > 0, 1:, 1] == [CONSTANT, 0.0]).all()
+    read = compile_expr(_load(stats))
+
+    def kernel(block):
+        return pointwise.build(lambda memory, index, mask: read(memory, index, mask), [stats], [jnp.asarray(parts)],
+                               jax.ShapeDtypeStruct((2, 4), jnp.float32), name="test:read", interpret=True,
+                               config=pointwise.PointwiseConfig(block=block))
+
+    exact = _exact_merge(parts)
+    assert merge_block_tiles(parts.shape[0], 8) == 512 and merge_block_tiles(parts.shape[0], 256) == 16
+    for block in (8, 256):
+        got = np.asarray(kernel(block), np.float64)
+        np.testing.assert_allclose(got[0], exact[0], rtol=4 * EPS)
+        np.testing.assert_allclose(got[1], exact[1], rtol=1e-5)
+        assert got[1, 1] == 0.0
+    _assert_moments_close(got, x)
 
 
 # --- the conv template's partials -------------------------------------------------------------------

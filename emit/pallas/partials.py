@@ -5,7 +5,7 @@ written by the kernels that produce its body (its hosts: one conv, or both convs
 `concat(h, skip)`) into one fp32 buffer `[tiles, fields, slots]`: each output tile writes, for
 every statistic output (slot), its sum (`fields` = 1) or its count, mean and M2 (`fields` = 3)
 into its own row, so there are no atomics and nothing to zero. The kernels reading the statistic
-merge the rows in tile order where they read it (`emit.expr.read_partials`): no merge kernel.
+merge the rows in a fixed order where they read it (`emit.expr.read_partials`): no merge kernel.
 
 Several hosts share one buffer, in the order they run: the first writes its tiles; each later host
 takes the buffer so far as an input, copies it into the front of its own partials output
@@ -17,9 +17,13 @@ after the last host, with no XLA concatenate between them.
     return {term: out, reduction: Partials(buffer)}
 
 Cost: a reader merges at every point it reads, so each read costs `fields` x tiles loads (memoized
-per point within one expression evaluation; the matmul's pre-pass hoists it per row block). That
-is cheap for row statistics (tiles = the host's N tiles) and large for GroupNorm statistics of big
-convs (every M x N tile: 192 at SD 1.5's 64x64 latents, 4096 at the VAE's 512x512 output).
+per point within one expression evaluation; the matmul's pre-pass hoists it per row block). It
+merges TB tiles per step (`emit.expr.merge_partials_at`: a block of TB tiles loaded at once and
+reduced with vector reductions, TB a power of two with TB x the point's lanes <= 4096 elements),
+so its serial chain is ceil(tiles / TB) steps, not tiles. Row statistics have few tiles (the
+host's N tiles); GroupNorm statistics of big convs have many (every M x N tile: 192 at SD 1.5's
+64x64 latents, 4096 at the VAE's 512x512 output), merged in ceil(192 / TB) or ceil(4096 / TB)
+steps (one step for 192 tiles at a point of up to 16 lanes).
 
 `merged(statistic, buffer)` is the finished statistic in plain jax (the same merge as the readers'):
 for what reads a statistic outside a Pallas template (an XLA fallback kernel, an opaque primitive,
@@ -73,5 +77,5 @@ def copy_prefix(src_ref, dst_ref, size: int, program, programs: int) -> None:
 
 
 def merged(statistic: Term, buffer: jax.Array) -> jax.Array:
-    """The finished statistic from its partials, in plain jax (the readers' merge, tile order)."""
+    """The finished statistic from its partials, in plain jax (the readers' merge, the same order)."""
     return evaluate_whole(Term("Load", statistic, statistic.ty), {statistic: buffer})
