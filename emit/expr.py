@@ -666,13 +666,47 @@ class CompiledExpr:
         self.ty = parse_type(term.ty)
         self.chunk_elements = chunk_elements
 
-    def __call__(self, memory: Memory, index: Index, mask: Mask = True, acc: AccFn | None = None) -> jax.Array:
+    def __call__(self, memory: Memory, index: Index, mask: Mask = True, acc: AccFn | None = None, *,
+                 hoisted: "Hoisted | None" = None) -> jax.Array:
         if len(index) != len(self.ty.shape):
             raise ValueError(f"{self.term.op} of type {self.term.ty} evaluated at a {len(index)}-axis index")
-        evaluator = _Evaluator(memory, self.chunk_elements)
+        evaluator = _Evaluator(memory, self.chunk_elements, hoisted=hoisted)
         value = evaluator.at(self.term, tuple(index), mask, acc)
         shape = shape_of(tuple(index) + ((mask,) if not isinstance(mask, bool) else ()))
         return jnp.broadcast_to(value, np.broadcast_shapes(value.shape, shape))
+
+
+    def hoist(self, memory: Memory, index: Index, mask: Mask = True, *, free_axis: int = 0) -> "Hoisted":
+        """Evaluate at `index`, an index tile of length 1 on `free_axis` (a conv's pixel (0, 0) of
+        one image), and keep each node's value for later calls `fn(..., hoisted=)`: there a node
+        whose index entries all have length 1 on `free_axis` reads it instead of computing it again
+        (so a conv's GroupNorm scale and shift, or the merge of a statistic's partials, run once
+        per channel chunk rather than at every tap). A node this evaluation met at more than one
+        index is not kept."""
+        evaluator = _Evaluator(memory, self.chunk_elements)
+        evaluator.at(self.term, tuple(index), mask, None)
+        seen: dict[int, int] = {}
+        for key in evaluator.memo:
+            seen[key[0]] = seen.get(key[0], 0) + 1
+        values = {key[0]: value for key, value in evaluator.memo.items() if seen[key[0]] == 1 and key[3] == id(None)}
+        return Hoisted(values, free_axis, evaluator)
+
+
+class Hoisted:
+    """Node values from `CompiledExpr.hoist`, by node id, for index tiles free along `free_axis`."""
+
+    def __init__(self, values: dict, free_axis: int, keep):
+        self.values, self.free_axis, self._keep = values, free_axis, keep  # `keep` holds the nodes' ids
+
+    def get(self, term: Term, index: Index):
+        value = self.values.get(id(term))
+        if value is None:
+            return None
+        for entry in index:
+            shape = () if is_static(entry) else tuple(jnp.shape(entry))
+            if len(shape) > self.free_axis and shape[self.free_axis] != 1:
+                return None
+        return value
 
 
 def compile_expr(term: Term, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> CompiledExpr:
@@ -687,12 +721,14 @@ def _key(entry):
 class _Evaluator:
     """One evaluation: memo of (term, point, acc binding) -> value, alive only while tracing it."""
 
-    def __init__(self, memory: Memory, chunk_elements: int, parent: "_Evaluator | None" = None):
+    def __init__(self, memory: Memory, chunk_elements: int, parent: "_Evaluator | None" = None,
+                 hoisted: "Hoisted | None" = None):
         self.memory = memory
         self.chunk_elements = chunk_elements
         self.memo: dict = {}
         self.keep: list = []  # hold the index arrays a key names, so their ids stay unique
         self.parent = parent
+        self.hoisted = hoisted
 
     def at(self, term: Term, index: Index, mask: Mask, acc: AccFn | None) -> jax.Array:
         key = (id(term), tuple(_key(e) for e in index), _key(mask) if not isinstance(mask, bool) else mask,
@@ -702,7 +738,9 @@ class _Evaluator:
             if key in evaluator.memo:
                 return evaluator.memo[key]
             evaluator = evaluator.parent
-        value = getattr(self, "_" + term.op)(term, index, mask, acc)
+        value = self.hoisted.get(term, index) if self.hoisted is not None and acc is None else None
+        if value is None:
+            value = getattr(self, "_" + term.op)(term, index, mask, acc)
         dtype = jnp.dtype(parse_type(term.ty).dtype)
         if value.dtype != dtype:
             value = value.astype(dtype)

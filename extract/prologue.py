@@ -15,8 +15,10 @@ charges instead inside a conv, the same way in every extractor:
   input expression under a choice of nodes (`resolve(class) -> node`), and the classes that
   covers (their once-only costs are not added again): the input splits at concats along its
   feature axis into K-range parts, each node of a part is charged per point of the part and per
-  evaluation (`roofline.prologue_node_flops`), a `Load` stays one read per kernel. This is
-  `roofline.conv_prologue_flops` on the built term.
+  evaluation (`roofline.prologue_node_flops`), a node that does not vary over the pixels once per
+  program and channel chunk (`roofline.ConvPrograms`), a `Load` stays one read per kernel, plus,
+  for a hosted statistic, the merge of its partials once per program and chunk
+  (`roofline.statistic_merge_flops`). This is `roofline.conv_prologue_flops` on the built term.
 
 A plain list of costs (no `prologues`) charges every node once, as before.
 """
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from eqsat.cost import get_device
-from eqsat.cost.roofline import conv_prologue_evaluations, prologue_node_flops, reduction_flops, zero_pad_taps
+from eqsat.cost.roofline import (ConvPrograms, conv_prologue_evaluations, prologue_node_flops, reduction_flops,
+                                 statistic_merge_flops, zero_pad_taps)
 from eqsat.types import parse_type
 
 
@@ -43,15 +46,17 @@ class ConvPrologue:
     lhs: int                                     # the input expression's class
     axis: int                                    # its feature axis (K ranges split it)
     channels: int                                # its size along `axis`
-    ranges: tuple[tuple[int, int, float], ...]   # (start, stop, evaluations per element) per K range
+    ranges: tuple[tuple[int, int, float, int], ...]   # (start, stop, evaluations per element, taps) per K range
+    programs: ConvPrograms                            # what runs per program instead of per pixel
 
-    def evaluations(self, lo: int, hi: int) -> float:
-        """Evaluations per element of the input channels [lo, hi), averaged over the K ranges there."""
+    def evaluations(self, lo: int, hi: int, ty: str | None = None) -> float:
+        """Evaluations per element of the input channels [lo, hi), averaged over the K ranges there;
+        with a node's type `ty`, as that node is charged (`ConvPrograms.share`)."""
         total = 0.0
-        for start, stop, evaluations in self.ranges:
+        for start, stop, evaluations, taps in self.ranges:
             overlap = min(stop, hi) - max(start, lo)
             if overlap > 0:
-                total += overlap * evaluations
+                total += overlap * evaluations * (1.0 if ty is None else self.programs.share(ty, taps))
         return total / max(hi - lo, 1)
 
 
@@ -60,11 +65,12 @@ class NodeCosts(list):
     template repeats (see the module docstring)."""
 
     def __init__(self, seconds, prologues: dict[int, ConvPrologue], point_seconds: list[float],
-                 evaluation_seconds: list[float]):
+                 evaluation_seconds: list[float], flop_seconds: float = 0.0):
         super().__init__(seconds)
         self.prologues = prologues
         self.point_seconds = point_seconds
         self.evaluation_seconds = evaluation_seconds
+        self.flop_seconds = flop_seconds  # seconds of one vector flop
 
     def in_prologue(self, node: int, points: float, evaluations: float) -> float | None:
         """The seconds of `node` inside a conv's input expression (`points` per evaluation, each
@@ -108,7 +114,7 @@ def node_costs(graph, device="h100") -> NodeCosts:
                 prologue_cache[key] = conv_prologue(graph, *key)
             if prologue_cache[key] is not None:
                 prologues[node] = prologue_cache[key]
-    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds)
+    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector)
 
 
 def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPrologue | None:
@@ -122,11 +128,11 @@ def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPr
         return None
     rhs_shape = parse_type(rhs_ty).shape
     channels = parse_type(lhs_ty).shape[p.lhs_spec[1]]
-    ranges = tuple((start, stop, conv_prologue_evaluations(lhs_ty, rhs_ty, params, out_ty, taps))
+    ranges = tuple((start, stop, conv_prologue_evaluations(lhs_ty, rhs_ty, params, out_ty, taps), taps)
                    for start, stop, taps in weight_ranges(graph, rhs, p.rhs_spec, rhs_shape))
-    if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations in ranges):
+    if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations, _ in ranges):
         return None
-    return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges)
+    return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges, ConvPrograms.of(lhs_ty, params, out_ty))
 
 
 def weight_ranges(graph, rhs: int, rhs_spec, rhs_shape, depth: int = 4) -> list[tuple[int, int, int]]:
@@ -183,7 +189,7 @@ def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
             split = lo + node_literals[node][3]
             descend += [(right, split, hi), (left, lo, split)]
             continue
-        points, evaluations = _size(graph.class_type[cls]), prologue.evaluations(lo, hi)
+        points = _size(graph.class_type[cls])
         stack, seen = [cls], set()
         while stack:
             part_cls = stack.pop()
@@ -194,9 +200,15 @@ def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
             if node is None:
                 return math.inf, covered
             covered.add(part_cls)
-            if node_op[node] == "Load":
-                continue  # a read: charged once per kernel by the caller
-            charge = costs.in_prologue(node, points, evaluations)
+            if node_op[node] == "Load":  # a read: charged once per kernel by the caller
+                tensor = resolve(node_children[node][0])
+                if tensor is not None and node_op[tensor] == "EpilogueReduce":  # merged per program and chunk
+                    body_ty = graph.class_type[node_children[tensor][2]]
+                    total += (statistic_merge_flops(node_literals[tensor][1], body_ty) * points
+                              * prologue.evaluations(lo, hi, graph.class_type[node_children[node][0]])
+                              * costs.flop_seconds)
+                continue
+            charge = costs.in_prologue(node, points, prologue.evaluations(lo, hi, graph.class_type[part_cls]))
             total += costs[node] if charge is None else charge
             stack.extend(c for c in node_children[node] if c >= 0)
     return total, covered

@@ -197,7 +197,7 @@ def test_a_range_of_the_weight_runs_over_its_own_taps():
     graph, roots, handles = saturated([out])
     costs = graph.node_costs()
     (prologue,) = {p for n, p in costs.prologues.items()}
-    assert prologue.ranges == ((0, 64, 27.0), (64, 96, 3.0))
+    assert prologue.ranges == ((0, 64, 27.0, 9), (64, 96, 3.0, 1))
     for selection in every_selection(graph, roots):
         terms, _ = selection.to_terms()
         assert selection.cost(costs) == pytest.approx(dag_cost(terms).seconds, rel=1e-9)

@@ -61,7 +61,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from emit.expr import compile_expr, linearize, reshape_index
+from emit.expr import compile_expr, expr_nodes, linearize, reshape_index
 from emit.pallas import loaded_tensors, triton
 from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
@@ -186,6 +186,9 @@ class KRange:
     lhs: OperandFn
     rhs: OperandFn
     taps: tuple[tuple[int, int], tuple[int, int]] | None = None
+    # (refs, index, mask) -> what `lhs` computes per (batch, channel), evaluated once per channel
+    # chunk at pixel (0, 0) and passed to `lhs(..., hoisted=)` at every tap; None: nothing hoisted.
+    hoist: Callable | None = None
 
     def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
         (kh, kw) = geometry.window
@@ -276,24 +279,34 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
         tap_cols = x1 - x0
         chunks = -(-k_range.channels // bk)
 
-        def step(i, acc, k_range=k_range, y0=y0, x0=x0, tap_cols=tap_cols, chunks=chunks):
-            tap, chunk = lax.div(i, chunks), lax.rem(i, chunks)
-            ty, tx = lax.div(tap, tap_cols), lax.rem(tap, tap_cols)
-            iy = oy * stride_y - pad_y + (y0 + ty) * dil_y
-            ix = ox * stride_x - pad_x + (x0 + tx) * dil_x
-            inside = rows_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+        def chunk_step(chunk, acc, k_range=k_range, y0=y0, x0=x0, tap_cols=tap_cols):
             channel = chunk * bk + _iota(bk)
-            a_mask = inside & (channel[None, :] < k_range.channels)
-            a = k_range.lhs(inputs, _place(p.lhs_spec, (b, channel[None, :], iy, ix)), a_mask)
-            a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
-            w_mask = (channel[:, None] < k_range.channels) & cols_ok
-            tap_index = (jnp.reshape(ty, (1, 1)), jnp.reshape(tx, (1, 1)))
-            w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-            w = jnp.where(w_mask, w, 0).astype(dot_dtype)
-            return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
+            channel_ok = channel[None, :] < k_range.channels
+            # What the input expression computes per (batch, channel) (GroupNorm's scale and shift, the
+            # merge of its statistic's partials), once per chunk for every tap: evaluated at pixel (0, 0).
+            hoisted = None if k_range.hoist is None else \
+                k_range.hoist(inputs, _place(p.lhs_spec, (b, channel[None, :], 0, 0)), channel_ok)
 
-        taps = (y1 - y0) * tap_cols
-        acc = lax.fori_loop(0, taps * chunks, step, acc)
+            def tap_step(tap, acc):
+                ty, tx = lax.div(tap, tap_cols), lax.rem(tap, tap_cols)
+                iy = oy * stride_y - pad_y + (y0 + ty) * dil_y
+                ix = ox * stride_x - pad_x + (x0 + tx) * dil_x
+                inside = rows_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+                a_mask = inside & channel_ok
+                index = _place(p.lhs_spec, (b, channel[None, :], iy, ix))
+                a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
+                    k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
+                a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                w_mask = (channel[:, None] < k_range.channels) & cols_ok
+                tap_index = (jnp.reshape(ty, (1, 1)), jnp.reshape(tx, (1, 1)))
+                w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
+                w = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
+
+            taps = (y1 - y0) * tap_cols
+            return tap_step(0, acc) if taps == 1 else lax.fori_loop(0, taps, tap_step, acc)
+
+        acc = chunk_step(0, acc) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, acc)
 
     out_mask = rows_ok & cols_ok
     out_index = _place(p.out_spec, (b, n, oy, ox))
@@ -701,10 +714,26 @@ def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int
     """A K-range closure: `expr` compiled, read at the range's local feature index + `offset`."""
     compiled = compile_expr(expr)
 
-    def evaluate(refs, index, mask):
-        return compiled(RefMemory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask)
+    def evaluate(refs, index, mask, hoisted=None):
+        return compiled(RefMemory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask,
+                        hoisted=hoisted)
 
     return evaluate
+
+
+def _hoisted_part(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int, pixel_axis: int):
+    """A K range's `hoist`: the values of `expr`'s nodes at a pixel-free index, reused at every tap
+    by the nodes whose index there does not vary over the pixels (`emit.expr.CompiledExpr.hoist`)."""
+    if not any(node.op in ("Unary", "Binary", "Select", "RowReduce")
+               or (node.op == "Load" and node.args[0].op == "EpilogueReduce") for node in expr_nodes(expr)):
+        return None  # reads only: nothing computed per (batch, channel)
+    compiled = compile_expr(expr)
+
+    def hoist(refs, index, mask):
+        return compiled.hoist(RefMemory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask,
+                              free_axis=pixel_axis)
+
+    return hoist
 
 
 def _epilogue(expr: Term, tensors: Sequence[Term]) -> EpilogueFn:
@@ -881,8 +910,10 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
     geometry = ConvGeometry(params, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty).shape)
     tensors = loaded_tensors(lhs, rhs, epilogue, *_statistic_reads(hosted, term))
     tensors = [t for t in tensors if t is not term]  # the statistics read the output from registers
+    # Index tiles are [pixels, channels]: a node whose index has length 1 on axis 0 is per (batch, channel).
     ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
-                     _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), part.taps)
+                     _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), part.taps,
+                     _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0))
               for part in k_ranges(term)]
     config = config or ConvConfig.get_default(geometry, ranges)
     statistics, computed = [], []

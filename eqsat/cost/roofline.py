@@ -388,6 +388,7 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
 # The output-channel tile of the conv template's default config (`emit.pallas.conv.DEFAULT_BLOCK_N`;
 # tests/test_emit_conv.py checks they agree).
 CONV_BLOCK_N = 128
+CONV_BLOCK_M = 128
 _MIN_DOT_BLOCK = 16
 
 
@@ -395,6 +396,66 @@ def conv_output_tiles(out_features: int) -> int:
     """Output-channel tiles of the conv template's default config for `out_features` channels."""
     block = min(CONV_BLOCK_N, max(_MIN_DOT_BLOCK, 1 << max(out_features - 1, 0).bit_length()))
     return -(-out_features // block)
+
+
+# Flops per tile of merging a hosted statistic's partials at one lane (`emit.expr.merge_partials_at`):
+# a sum adds; moments weigh the tile's mean, then add its M2 and its spread about the merged mean.
+PARTIAL_MERGE_FLOPS = {"sum": 1, "moments": 8}
+
+
+def partial_tiles(body_ty: str) -> int:
+    """Tiles of the hosts that write a hosted statistic's partials: one per `PARTIAL_TILE`
+    elements of its body (every host tile writes a row, whatever slots it touches)."""
+    return max(1, math.ceil(_size(body_ty) / PARTIAL_TILE))
+
+
+@dataclass(frozen=True)
+class ConvPrograms:
+    """How the conv template tiles a conv's output (`emit.pallas.conv`): each program holds up to
+    128 output pixels of one image, so an input-expression node whose value does not vary over the
+    pixels (GroupNorm's scale and shift, a statistic's merge) runs once per program and channel
+    chunk on a [1, block_k] tile, for every tap, instead of at every pixel and tap:
+    `pixels × taps` times less often (`share`)."""
+
+    pixels: float               # output pixels per program
+    batch_channels: int         # batch × input channels
+    rows: int                   # the input's spatial size
+    cols: int
+
+    @classmethod
+    def of(cls, lhs_ty: str, params: str, out_ty: str) -> "ConvPrograms":
+        from eqsat.conv_params import ConvParams
+
+        p = ConvParams.parse(params)
+        lhs, out = parse_type(lhs_ty).shape, parse_type(out_ty).shape
+        image = math.prod(out[a] for a in p.out_spec[2:])
+        block = min(CONV_BLOCK_M, max(_MIN_DOT_BLOCK, 1 << max(image - 1, 0).bit_length()))
+        rows, cols = (lhs[a] for a in p.lhs_spec[2:])
+        return cls(image / max(1, math.ceil(image / block)), lhs[p.lhs_spec[0]] * lhs[p.lhs_spec[1]], rows, cols)
+
+    def per_pixel(self, node_ty: str) -> bool:
+        """Whether a node of this type is computed at every pixel: bigger than batch × channels, or
+        a spatial map (an axis of rows·columns, or axes of both rows and columns). A guess from the
+        type: the template decides from the node's index (`emit.expr.CompiledExpr.hoist`)."""
+        shape = list(parse_type(node_ty).shape if node_ty else ())
+        if math.prod(shape) > self.batch_channels:
+            return True
+        pixels = self.rows * self.cols
+        if pixels > 1 and pixels in shape and pixels not in (self.rows, self.cols):
+            return True
+        if self.rows > 1 and self.cols > 1 and self.rows in shape:
+            shape.remove(self.rows)
+            return self.cols in shape
+        return False
+
+    def share(self, node_ty: str, taps: float) -> float:
+        """The fraction of a per-pixel, per-tap charge a node of this type costs."""
+        return 1.0 if self.per_pixel(node_ty) else 1.0 / (max(self.pixels, 1.0) * max(taps, 1.0))
+
+
+def statistic_merge_flops(op: str, body_ty: str) -> float:
+    """Flops of merging a hosted statistic's partials at one lane."""
+    return float(PARTIAL_MERGE_FLOPS.get(op, 1) * partial_tiles(body_ty))
 
 
 def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
@@ -482,6 +543,7 @@ def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    programs = ConvPrograms.of(lhs.ty, params, ty)
     flops, covered = 0.0, set()
     for part, taps, fraction in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
         per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
@@ -492,10 +554,15 @@ def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
             if id(node) in seen or node.sort != "Expr":
                 continue
             seen.add(id(node))
+            share = programs.share(node.ty, taps)
             if node.op == "RowReduce":
-                flops += prologue_node_flops(node.op, points, per_point, _size(node.args[1].ty), node.args[0])
+                flops += prologue_node_flops(node.op, points, per_point, _size(node.args[1].ty), node.args[0]) * share
+            elif node.op == "Load" and node.args[0].op in HOSTED_OPS:  # merged where read, per program and chunk
+                statistic = node.args[0]
+                merge = statistic_merge_flops(statistic.args[1], statistic.args[2].ty)
+                flops += merge * points * per_point * programs.share(statistic.ty, taps)
             else:
-                flops += prologue_node_flops(node.op, points, per_point)
+                flops += prologue_node_flops(node.op, points, per_point) * share
             covered.add(id(node))
             stack.extend(node.children)
     return flops, covered
