@@ -43,9 +43,15 @@ own (`emit.pallas.partials`). `merge_partials` is a pairwise merge in plain jax 
     build(geometry, ranges, ...)   the pallas_call over closures: grid, tiles, validation
     reference(lhs, rhs, params)    lax.conv_general_dilated with fp32 accumulation
 
-Cost: a 3×3 conv evaluates its prologue once per tap and per output-channel tile, i.e.
-taps × ceil(Cout / block_n) times per input element; `eqsat.cost.roofline` charges exactly that
-with `DEFAULT_BLOCK_N` (tests/test_emit_conv.py checks the two agree).
+Loops: channel chunks outer, taps inner. What the input expression computes per (batch, channel)
+(GroupNorm's scale and shift, the merge of a hosted statistic's partials) does not vary over an
+M tile, which holds pixels of one image: it is evaluated once per chunk at pixel (0, 0)
+(`emit.expr.CompiledExpr.hoist`) and reused at every tap, on a [1, block_k] tile.
+
+Cost: a 3×3 conv evaluates its per-pixel prologue once per tap and per output-channel tile, i.e.
+taps × ceil(Cout / block_n) times per input element, and its per-(batch, channel) part once per
+program and chunk; `eqsat.cost.roofline` charges exactly that with `DEFAULT_BLOCK_N`
+(`conv_prologue_flops`, `ConvPrograms`; tests/test_emit_conv.py checks the two agree).
 """
 
 from __future__ import annotations
