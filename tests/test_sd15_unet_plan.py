@@ -21,9 +21,10 @@ from eqsat.cost import kernel_cost, kernel_reads
 from eqsat.term import Term
 from sd15.plan_cli import workloads
 
-# Measured 250 when this bound was set: 217 before extraction charged the conv template's
-# recompute of its input (the goal, <= 225, assumed it computed once); catches regressions.
-MAX_UNET_KERNELS = 255
+# Measured 245 when this bound was set (250 before the conv template hoisted its per-(batch,
+# channel) work out of the tap loop; 217 before extraction charged the template's per-tap and
+# per-output-tile recompute of its input: the goal, <= 225, assumed it computed once).
+MAX_UNET_KERNELS = 250
 
 
 @pytest.fixture(scope="module")
