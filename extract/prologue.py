@@ -51,12 +51,12 @@ class ConvPrologue:
 
     def evaluations(self, lo: int, hi: int, ty: str | None = None) -> float:
         """Evaluations per element of the input channels [lo, hi), averaged over the K ranges there;
-        with a node's type `ty`, as that node is charged (`ConvPrograms.share`)."""
+        with a node's type `ty`, as that node is charged (`ConvPrograms.evaluations`)."""
         total = 0.0
         for start, stop, evaluations, taps in self.ranges:
             overlap = min(stop, hi) - max(start, lo)
             if overlap > 0:
-                total += overlap * evaluations * (1.0 if ty is None else self.programs.share(ty, taps))
+                total += overlap * (evaluations if ty is None else self.programs.evaluations(ty, evaluations))
         return total / max(hi - lo, 1)
 
 
@@ -132,7 +132,8 @@ def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPr
                    for start, stop, taps in weight_ranges(graph, rhs, p.rhs_spec, rhs_shape))
     if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations, _ in ranges):
         return None
-    return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges, ConvPrograms.of(lhs_ty, params, out_ty))
+    return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges,
+                        ConvPrograms.of(lhs_ty, params, out_ty, rhs_shape[p.rhs_spec[0]]))
 
 
 def weight_ranges(graph, rhs: int, rhs_spec, rhs_shape, depth: int = 4) -> list[tuple[int, int, int]]:

@@ -355,7 +355,7 @@ def _identity_conv(batch, side, channels):
 
 def test_conv_partials_need_no_index_tables_and_follow_earlier_hosts():
     """48 channels in 16 groups of 3 over 16-channel tiles (groups straddle tiles), 2 images of 4x4
-    in 16-pixel tiles: the pallas_call reads only x and w (each element's slot is index arithmetic,
+    in one-row tiles (16 columns, 4 valid): the pallas_call reads only x and w (each element's slot is index arithmetic,
     no table operands); an earlier host's partials are copied in front, bit for bit."""
     rng = np.random.default_rng(4)
     x = (1e4 + rng.normal(size=(2, 4, 4, 48))).astype(np.float32)
@@ -371,7 +371,7 @@ def test_conv_partials_need_no_index_tables_and_follow_earlier_hosts():
     assert len(calls) == 1 and len(calls[0].invars) == 2, jaxpr
     out, partials = run(x, w)
     own = np.asarray(partials[stats])
-    assert own.shape == (2 * 3, 3, 32)  # 2 pixel tiles x 3 channel tiles, (count, mean, M2), 2 x 16 slots
+    assert own.shape == (8 * 3, 3, 32)  # 2 x 4 row tiles x 3 channel tiles, (count, mean, M2), 2 x 16 slots
     np.testing.assert_array_equal(np.asarray(out), x)
     grouped = x.reshape(2, 16, 16, 3).transpose(0, 2, 1, 3).reshape(32, 48)  # row b * 16 + g
     _assert_moments_close(np.asarray(merged(stats, own)).reshape(2, 32), grouped)

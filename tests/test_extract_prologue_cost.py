@@ -150,13 +150,15 @@ def test_greedy_and_ilp_find_the_cheapest_plan(case):
 
 
 def test_the_recompute_is_what_the_template_evaluates():
-    """The roofline counts the input's four ops at every tap and every 128-channel output tile (90x
-    here), so conv(silu(affine(x))) costs more than a kernel storing the input and conv(Load(it))."""
+    """The roofline counts the input's four ops as the template computes them: per 2-row x 64-column
+    output tile, its 4 input rows at 3 column taps, for each of 10 128-channel output tiles (3 x 4/2
+    x 10 = 60x here), so conv(silu(affine(x))) costs more than a kernel storing the input and
+    conv(Load(it))."""
     out, silu = affine_silu_conv(*SHAPES["store"])
     shape, weight = (2, 64, 64, 320), out.args[1]
-    assert roofline.conv_prologue_evaluations(silu.ty, weight.ty, out.args[2], out.ty) == 9 * 10
+    assert roofline.conv_prologue_evaluations(silu.ty, weight.ty, out.args[2], out.ty) == 3 * 4 / 2 * 10
     inlined = conv(silu, weight, shape, (1280, 320, 3, 3))
-    assert roofline.conv_prologue_flops(inlined)[0] == 4 * math.prod(shape) * 9 * 10
+    assert roofline.conv_prologue_flops(inlined)[0] == 4 * math.prod(shape) * 3 * 4 / 2 * 10
     stored = conv(ld(Term("Pointwise", silu, silu.ty)), weight, shape, (1280, 320, 3, 3))
     assert dag_cost([inlined]).seconds > dag_cost([stored]).seconds
 
@@ -178,8 +180,9 @@ def test_polish_stores_an_input_expression_that_costs_more_to_recompute():
 
 def test_a_range_of_the_weight_runs_over_its_own_taps():
     """A merged 1x1 shortcut: the weight is concat(w3x3, pad(w1x1)) over the input channels, the
-    input is not split. The template evaluates the input's first 64 channels at 9 taps, its last
-    32 at the centre tap only; extraction charges the same."""
+    input is not split. The template (one 8-row x 16-column tile) evaluates the input's first 64
+    channels at its 10 input rows x 3 column taps, its last 32 at the centre tap's 8 rows only;
+    extraction charges the same."""
     shape = (1, 8, 8, 96)
     ty = format_type("float32", shape)
     x = Term("Input", "x", ty)
@@ -191,13 +194,13 @@ def test_a_range_of_the_weight_runs_over_its_own_taps():
     params = conv_params(shape, (320, 96, 3, 3), ((1, 1), (1, 1)))
     out = Term("Conv", ld(silu), rhs, params.key, Term("Acc", "f32[1,8,8,320]"), "f32[1,8,8,320]")
     tiles = 3
-    expected = 2 * 8 * 8 * (64 * 9 + 32 * 1) * tiles
+    expected = 2 * (64 * 10 * 3 + 32 * 8 * 1) * 16 * tiles  # per channel: rows x column taps x 16 columns
     inlined = Term("Conv", silu.args[0], *out.args[1:])
     assert roofline.conv_prologue_flops(inlined)[0] == expected
     graph, roots, handles = saturated([out])
     costs = graph.node_costs()
     (prologue,) = {p for n, p in costs.prologues.items()}
-    assert prologue.ranges == ((0, 64, 27.0, 9), (64, 96, 3.0, 1))
+    assert prologue.ranges == ((0, 64, 22.5, 9), (64, 96, 6.0, 1))
     for selection in every_selection(graph, roots):
         terms, _ = selection.to_terms()
         assert selection.cost(costs) == pytest.approx(dag_cost(terms).seconds, rel=1e-9)
@@ -301,7 +304,7 @@ def test_extraction_work_stays_linear_with_conv_inputs():
     a bounded number of times, and the polish's walks (materializations included) grow linearly."""
     work = {}
     for layers in (8, 16):
-        graph, roots, _ = saturated([conv_chain(layers)])
+        graph, roots, _ = saturated([conv_chain(layers, 2560)])  # 20 output tiles: storing is cheaper
         result = extract_greedy(graph, roots, graph.node_costs())
         assert count_kernels(result.selection.to_terms()[0]) == 2 * layers  # each input stored
         work[layers] = (result.sweeps, result.polish.walks, result.polish.slots_visited)

@@ -84,6 +84,7 @@ EpilogueFn = Callable[[Sequence, jax.Array, tuple, jax.Array], jax.Array]
 DEFAULT_BLOCK_M = 128
 DEFAULT_BLOCK_N = 128
 DEFAULT_BLOCK_K = 64
+DEFAULT_BLOCK_W = 64
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 
 
@@ -214,18 +215,26 @@ class ConvConfig:
     block_k: int = DEFAULT_BLOCK_K
     num_warps: int = 4
     num_stages: int = 3
+    block_w: int = DEFAULT_BLOCK_W
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k", "block_w"):
             value = getattr(self, name)
             if value < MIN_BLOCK or value != next_pow2(value):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_BLOCK}")
+
+    def tile(self, geometry: ConvGeometry) -> tuple[int, int]:
+        """(rows, columns) of a program's output tile: `block_w` columns (a power of two >= 16, the
+        dots' M) and up to block_m // block_w rows of one image, each its own accumulator."""
+        out_h, out_w = geometry.out_size
+        width = min(self.block_m, self.block_w, max(MIN_BLOCK, next_pow2(out_w)))
+        return max(1, min(self.block_m // width, out_h)), width
 
     @classmethod
     def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
         """128×128 output tiles and 64-channel K chunks, shrunk to fit small convs."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
-        block_m = min(DEFAULT_BLOCK_M, max(MIN_BLOCK, next_pow2(geometry.image_pixels)))
+        block_m = DEFAULT_BLOCK_M
         block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
         block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
@@ -258,100 +267,127 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     # Every ref is flat (`triton.pallas_call`): operands, then the earlier hosts' partials of each
     # statistic that has some, then the output and each statistic's partials.
     inputs = refs[:n_inputs]
-    prefixes = iter(refs[n_inputs:n_inputs + sum(size > 0 for size in prefix_sizes)])
+    prefix_refs = refs[n_inputs:n_inputs + sum(size > 0 for size in prefix_sizes)]
     out_ref = refs[n_inputs + sum(size > 0 for size in prefix_sizes)]
     partial_refs = refs[n_inputs + sum(size > 0 for size in prefix_sizes) + 1:]
     g, p = geometry, geometry.params
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    bn, bk = config.block_n, config.block_k
     (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
     (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
     (pad_y, _), (pad_x, _) = p.padding
 
-    # An M tile holds pixels of one image: the batch index is the program's, so whatever the input
-    # expression computes per (batch, channel) (GroupNorm's scale and shift, the merge of its
-    # statistic's partials) is computed on a [1, block_k] tile, not per pixel.
-    tiles_per_image = pl.cdiv(g.image_pixels, bm)
-    b = lax.div(pl.program_id(0), tiles_per_image)                                 # scalar
-    pixel = lax.rem(pl.program_id(0), tiles_per_image) * bm + _iota(bm)[:, None]   # in the image [bm, 1]
-    n = pl.program_id(1) * bn + _iota(bn)[None, :]                                  # output channel [1, bn]
-    rows_ok, cols_ok = pixel < g.image_pixels, n < g.out_features
-    pixel = jnp.where(rows_ok, pixel, 0)
-    oy = lax.div(pixel, out_w)
-    ox = lax.rem(pixel, out_w)
+    # A program's tile: `th` output rows × `tw` output columns of one image, each row its own [tw, bn]
+    # accumulator. The batch index is the program's, so what the input expression computes per
+    # (batch, channel) (GroupNorm's scale and shift, the merge of its statistic's partials) is
+    # evaluated on a [1, block_k] tile once per channel chunk (`hoist`), not per pixel and tap.
+    th, tw = config.tile(g)
+    tiles_y, tiles_x = pl.cdiv(out_h, th), pl.cdiv(out_w, tw)
+    b = lax.div(pl.program_id(0), tiles_y * tiles_x)                                   # scalar
+    tile = lax.rem(pl.program_id(0), tiles_y * tiles_x)
+    row0, col0 = lax.div(tile, tiles_x) * th, lax.rem(tile, tiles_x) * tw
+    ox = col0 + _iota(tw)[:, None]                                                     # [tw, 1]
+    n = pl.program_id(1) * bn + _iota(bn)[None, :]                                      # [1, bn]
+    cols_in, cols_ok = ox < out_w, n < g.out_features
+    ox = jnp.where(cols_in, ox, 0)
+    accs = tuple(jnp.zeros((tw, bn), jnp.float32) for _ in range(th))
 
-    acc = jnp.zeros((bm, bn), jnp.float32)
     for k_range in ranges:
         (y0, y1), (x0, x1) = k_range.window(g)
-        tap_cols = x1 - x0
         chunks = -(-k_range.channels // bk)
+        # Input row r_in (from the tile's first) feeds output row r through tap ky where
+        # r·stride + ky·dilation == r_in: each input row's expression is computed once per column tap.
+        uses: dict[int, list[tuple[int, int]]] = {}
+        for r in range(th):
+            for ky in range(y1 - y0):
+                uses.setdefault(r * stride_y + ky * dil_y, []).append((r, ky))
 
-        def chunk_step(chunk, acc, k_range=k_range, y0=y0, x0=x0, tap_cols=tap_cols):
+        def chunk_step(chunk, accs, k_range=k_range, y0=y0, x0=x0, x1=x1, uses=uses):
             channel = chunk * bk + _iota(bk)
             channel_ok = channel[None, :] < k_range.channels
-            # What the input expression computes per (batch, channel) (GroupNorm's scale and shift, the
-            # merge of its statistic's partials), once per chunk for every tap: evaluated at pixel (0, 0).
             hoisted = None if k_range.hoist is None else \
                 k_range.hoist(inputs, _place(p.lhs_spec, (b, channel[None, :], 0, 0)), channel_ok)
+            w_mask = (channel[:, None] < k_range.channels) & cols_ok
 
-            def tap_step(tap, acc):
-                ty, tx = lax.div(tap, tap_cols), lax.rem(tap, tap_cols)
-                iy = oy * stride_y - pad_y + (y0 + ty) * dil_y
-                ix = ox * stride_x - pad_x + (x0 + tx) * dil_x
-                inside = rows_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
-                a_mask = inside & channel_ok
-                index = _place(p.lhs_spec, (b, channel[None, :], iy, ix))
-                a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
-                    k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
-                a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
-                w_mask = (channel[:, None] < k_range.channels) & cols_ok
-                tap_index = (jnp.reshape(ty, (1, 1)), jnp.reshape(tx, (1, 1)))
-                w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-                w = jnp.where(w_mask, w, 0).astype(dot_dtype)
-                return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
+            def column_tap(kx, accs):
+                ix = ox * stride_x - pad_x + (x0 + kx) * dil_x
+                x_ok = cols_in & (ix >= 0) & (ix < in_w)
+                weights = {}
+                accs = list(accs)
+                for r_in, targets in sorted(uses.items()):
+                    iy = row0 * stride_y - pad_y + y0 * dil_y + r_in
+                    a_mask = x_ok & (iy >= 0) & (iy < in_h) & channel_ok
+                    # The row index as a [tw, 1] tile, so a node depending on it is seen as per pixel.
+                    index = _place(p.lhs_spec, (b, channel[None, :], jnp.full((tw, 1), iy, jnp.int32), ix))
+                    a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
+                        k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
+                    a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                    for r, ky in targets:
+                        if ky not in weights:
+                            tap_index = (jnp.full((1, 1), ky, jnp.int32), jnp.reshape(kx, (1, 1)))
+                            w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
+                            weights[ky] = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                        accs[r] = accs[r] + lax.dot(a, weights[ky], preferred_element_type=jnp.float32)
+                return tuple(accs)
 
-            taps = (y1 - y0) * tap_cols
-            return tap_step(0, acc) if taps == 1 else lax.fori_loop(0, taps, tap_step, acc)
+            return column_tap(0, accs) if x1 - x0 == 1 else lax.fori_loop(0, x1 - x0, column_tap, accs)
 
-        acc = chunk_step(0, acc) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, acc)
+        accs = chunk_step(0, accs) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, accs)
 
-    out_mask = rows_ok & cols_ok
-    out_index = _place(p.out_spec, (b, n, oy, ox))
-    value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), (bm, bn))
-    # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
-    offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
-    triton.store(out_ref, offset, value, out_mask)
-
-    stored = value.astype(out_ref.dtype)  # what readers of the output see
     program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
-    for layout, partial_ref, prefix_size in zip(statistics, partial_refs, prefix_sizes):
+    fields = [None] * len(statistics)
+    for r, acc in enumerate(accs):
+        oy = row0 + r
+        rows_ok = cols_in & (oy < out_h)
+        out_mask = rows_ok & cols_ok
+        oy_tile = jnp.full((tw, 1), oy, jnp.int32)
+        out_index = _place(p.out_spec, (b, n, oy_tile, ox))
+        value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), (tw, bn))
+        # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
+        offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
+        triton.store(out_ref, offset, value, out_mask)
+
+        stored = value.astype(out_ref.dtype)  # what readers of the output see
+        for s_i, (layout, partial_ref, prefix_size) in enumerate(zip(statistics, partial_refs, prefix_sizes)):
+            body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
+            slot_at = layout.statistic.slot_at
+            if layout.per_row:
+                tile_row = prefix_size // (layout.fields * layout.slots) + pl.program_id(1)
+                _write_row_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok,
+                                    slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))), tile_row)
+                continue
+            row_part = slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
+            col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
+            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part)
+            fields[s_i] = part if fields[s_i] is None else _merge_fields(layout, fields[s_i], part)
+
+    prefixes = iter(prefix_refs)
+    for layout, partial_ref, prefix_size, part in zip(statistics, partial_refs, prefix_sizes, fields):
         if prefix_size:
             copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
-        body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
-        slot_at = layout.statistic.slot_at
-        if layout.per_row:
-            tile = prefix_size // (layout.fields * layout.slots) + pl.program_id(1)
-            _write_row_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok,
-                                slot_at(_place(p.out_spec, (b, 0, oy, ox))), tile)
-            continue
-        row_part = slot_at(_place(p.out_spec, (b, 0, oy, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
-        col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
-        tile = prefix_size // (layout.fields * layout.slots) + program
-        _write_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part, tile)
+        if not layout.per_row:
+            _store_partials(layout, partial_ref, part, prefix_size // (layout.fields * layout.slots) + program)
 
 
 # --- build ------------------------------------------------------------------------------------
 
 
 def _grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
-    return geometry.batch * pl.cdiv(geometry.image_pixels, config.block_m), pl.cdiv(geometry.out_features, config.block_n)
+    th, tw = config.tile(geometry)
+    out_h, out_w = geometry.out_size
+    return (geometry.batch * pl.cdiv(out_h, th) * pl.cdiv(out_w, tw), pl.cdiv(geometry.out_features, config.block_n))
 
 
-def tile_pixels(geometry: ConvGeometry, block_m: int) -> list[np.ndarray]:
-    """The output pixels (flat, batch-major) of each M tile, in program order: each image's pixels
-    in blocks of `block_m`, the last block of an image short."""
-    per_image = geometry.image_pixels
-    return [b * per_image + np.arange(start, min(start + block_m, per_image))
-            for b in range(geometry.batch) for start in range(0, per_image, block_m)]
+def tile_pixels(geometry: ConvGeometry, config: ConvConfig) -> list[np.ndarray]:
+    """The output pixels (flat, batch-major) of each program's tile, in program order."""
+    th, tw = config.tile(geometry)
+    out_h, out_w = geometry.out_size
+    tiles = []
+    for b in range(geometry.batch):
+        for y in range(0, out_h, th):
+            for x in range(0, out_w, tw):
+                rows, cols = np.arange(y, min(y + th, out_h)), np.arange(x, min(x + tw, out_w))
+                tiles.append((b * out_h * out_w + rows[:, None] * out_w + cols[None, :]).ravel())
+    return tiles
 
 
 def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn, inputs: Sequence[jax.Array],
@@ -485,7 +521,7 @@ class _Layout:
             return cls(statistic, no_parts, none, no_parts, none, per_row=True)
         if not 0 < statistic.slots <= MAX_SLOTS:
             raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
-        _, row_parts, row_used = _local_ids(rows, tile_pixels(geometry, config.block_m))
+        _, row_parts, row_used = _local_ids(rows, tile_pixels(geometry, config))
         channels = np.arange(geometry.out_features)
         _, col_parts, col_used = _local_ids(cols, [channels[i:i + config.block_n]
                                                    for i in range(0, geometry.out_features, config.block_n)])
@@ -531,10 +567,10 @@ def _distinct_parts(parts: jax.Array, valid: jax.Array, count: int) -> list[jax.
     return found
 
 
-def _write_partials(layout: _Layout, partial_ref, body, valid, rows_ok, cols_ok, row_part, col_part, tile) -> None:
-    """This tile's partial statistic of every slot into its own row `tile` of `partial_ref`.
+def _tile_partials(layout: _Layout, body, valid, rows_ok, cols_ok, row_part, col_part) -> list[jax.Array]:
+    """A tile's partial statistic of every slot (`[1, slots]` per field: a sum, or count, mean, M2).
 
-    `row_part` [bm, 1] and `col_part` [1, bn] are each element's slot parts (slot = row part + col
+    `row_part` [rows, 1] and `col_part` [1, bn] are each element's slot parts (slot = row part + col
     part). The tile's distinct parts are found by successive minima (at most `MAX_ROW_SLOTS` row
     parts and the layout's column count), so no index table is read."""
     n_rows, n_cols = layout.row_parts.shape[1], layout.col_parts.shape[1]
@@ -567,7 +603,24 @@ def _write_partials(layout: _Layout, partial_ref, body, valid, rows_ok, cols_ok,
             m2 = per_part(jnp.sum(centred * centred, axis=0, keepdims=True))
             parts = (count, mean, m2)
         fields = [f + jnp.sum(jnp.where(hit, part, 0.0), axis=0, keepdims=True) for f, part in zip(fields, parts)]
+    return fields
 
+
+def _merge_fields(layout: _Layout, a: list[jax.Array], b: list[jax.Array]) -> list[jax.Array]:
+    """Two parts of one tile (its rows) merged: sums added, moments by Chan's formula."""
+    if layout.statistic.op == "sum":
+        return [a[0] + b[0]]
+    (n_a, mean_a, m2_a), (n_b, mean_b, m2_b) = a, b
+    n = n_a + n_b
+    weight = n_b / jnp.maximum(n, 1.0)
+    delta = jnp.where(n_b > 0, mean_b - mean_a, 0.0)
+    spread = jnp.where((n_a > 0) & (n_b > 0), delta * (n_a * weight) * delta, 0.0)
+    return [n, mean_a + delta * weight, m2_a + m2_b + spread]
+
+
+def _store_partials(layout: _Layout, partial_ref, fields: list[jax.Array], tile) -> None:
+    """A tile's partials (`_tile_partials`) into its own row `tile` of `partial_ref`."""
+    slot = _iota(next_pow2(layout.slots))[None, :]
     for f, value in enumerate(fields):
         offset = (tile * layout.fields + f) * layout.slots + slot
         ok = slot < layout.slots

@@ -409,29 +409,45 @@ def partial_tiles(body_ty: str) -> int:
     return max(1, math.ceil(_size(body_ty) / PARTIAL_TILE))
 
 
+# The conv template's output tile (`emit.pallas.conv.ConvConfig.tile`): up to CONV_BLOCK_W columns
+# (a power of two >= 16) by CONV_BLOCK_M // columns rows of one image.
+CONV_BLOCK_W = 64
+
+
+def conv_tile(out_h: int, out_w: int) -> tuple[int, int]:
+    """(rows, columns) of the conv template's default output tile for an `out_h × out_w` image."""
+    width = min(CONV_BLOCK_M, CONV_BLOCK_W, max(_MIN_DOT_BLOCK, 1 << max(out_w - 1, 0).bit_length()))
+    return max(1, min(CONV_BLOCK_M // width, out_h)), width
+
+
 @dataclass(frozen=True)
 class ConvPrograms:
-    """How the conv template tiles a conv's output (`emit.pallas.conv`): each program holds up to
-    128 output pixels of one image, so an input-expression node whose value does not vary over the
-    pixels (GroupNorm's scale and shift, a statistic's merge) runs once per program and channel
-    chunk on a [1, block_k] tile, for every tap, instead of at every pixel and tap:
-    `pixels × taps` times less often (`share`)."""
+    """How the conv template tiles a conv (`emit.pallas.conv`): a program holds `rows × cols`
+    output pixels of one image and one output-channel tile. What its input expression computes per
+    (batch, channel) (GroupNorm's scale and shift, a statistic's merge) runs once per program and
+    channel chunk on a [1, block_k] tile: `hoisted` evaluations per input element."""
 
-    pixels: float               # output pixels per program
-    batch_channels: int         # batch × input channels
-    rows: int                   # the input's spatial size
+    rows: int                   # the output tile
     cols: int
+    tiles: int                  # programs per image and output-channel tile
+    hoisted: float              # evaluations per input element of a per-(batch, channel) node
+    batch_channels: int         # batch × input channels
+    in_rows: int                # the input's spatial size
+    in_cols: int
 
     @classmethod
-    def of(cls, lhs_ty: str, params: str, out_ty: str) -> "ConvPrograms":
+    def of(cls, lhs_ty: str, params: str, out_ty: str, out_features: int | None = None) -> "ConvPrograms":
         from eqsat.conv_params import ConvParams
 
         p = ConvParams.parse(params)
         lhs, out = parse_type(lhs_ty).shape, parse_type(out_ty).shape
-        image = math.prod(out[a] for a in p.out_spec[2:])
-        block = min(CONV_BLOCK_M, max(_MIN_DOT_BLOCK, 1 << max(image - 1, 0).bit_length()))
-        rows, cols = (lhs[a] for a in p.lhs_spec[2:])
-        return cls(image / max(1, math.ceil(image / block)), lhs[p.lhs_spec[0]] * lhs[p.lhs_spec[1]], rows, cols)
+        out_h, out_w = (out[a] for a in p.out_spec[2:])
+        in_h, in_w = (lhs[a] for a in p.lhs_spec[2:])
+        rows, cols = conv_tile(out_h, out_w)
+        tiles = math.ceil(out_h / rows) * math.ceil(out_w / cols)
+        cout = out[p.out_spec[1]] if out_features is None else out_features
+        return cls(rows, cols, tiles, tiles * conv_output_tiles(cout) / max(in_h * in_w, 1),
+                   lhs[p.lhs_spec[0]] * lhs[p.lhs_spec[1]], in_h, in_w)
 
     def per_pixel(self, node_ty: str) -> bool:
         """Whether a node of this type is computed at every pixel: bigger than batch × channels, or
@@ -440,17 +456,18 @@ class ConvPrograms:
         shape = list(parse_type(node_ty).shape if node_ty else ())
         if math.prod(shape) > self.batch_channels:
             return True
-        pixels = self.rows * self.cols
-        if pixels > 1 and pixels in shape and pixels not in (self.rows, self.cols):
+        pixels = self.in_rows * self.in_cols
+        if pixels > 1 and pixels in shape and pixels not in (self.in_rows, self.in_cols):
             return True
-        if self.rows > 1 and self.cols > 1 and self.rows in shape:
-            shape.remove(self.rows)
-            return self.cols in shape
+        if self.in_rows > 1 and self.in_cols > 1 and self.in_rows in shape:
+            shape.remove(self.in_rows)
+            return self.in_cols in shape
         return False
 
-    def share(self, node_ty: str, taps: float) -> float:
-        """The fraction of a per-pixel, per-tap charge a node of this type costs."""
-        return 1.0 if self.per_pixel(node_ty) else 1.0 / (max(self.pixels, 1.0) * max(taps, 1.0))
+    def evaluations(self, node_ty: str, per_pixel: float) -> float:
+        """Evaluations per input element of a node of this type: `per_pixel` (the K range's
+        `conv_prologue_evaluations`), or `hoisted` for a per-(batch, channel) node."""
+        return per_pixel if self.per_pixel(node_ty) else self.hoisted
 
 
 def statistic_merge_flops(op: str, body_ty: str) -> float:
@@ -459,18 +476,27 @@ def statistic_merge_flops(op: str, body_ty: str) -> float:
 
 
 def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
-    """How many times the conv template computes each element of its input expression:
-    `output pixels × taps × output-channel tiles / input pixels` (27 for a 3×3 same conv with 320
-    output channels). `taps` defaults to the whole window."""
+    """How many times the conv template computes each element of its input expression per pixel:
+    each program (`conv_tile`: rows × columns of one image, one output-channel tile) computes, per
+    column tap, every input row its output rows read through the row taps, at its columns:
+    `tiles × used input rows × column taps × columns × output-channel tiles / input pixels` (4.5 ×
+    3 = 13.5 for a 3×3 same conv with 320 output channels on 4 × 32 tiles). `taps` (default: the
+    whole window) is a K range's: all of it, or one tap (a merged 1×1 shortcut)."""
     from eqsat.conv_params import ConvParams
 
     p = ConvParams.parse(params)
     lhs, rhs, out = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape, parse_type(out_ty).shape
-    cin, cout = lhs[p.lhs_spec[1]], rhs[p.rhs_spec[0]]
-    if taps is None:
-        taps = math.prod(rhs[a] for a in p.rhs_spec[2:])
-    in_pixels, out_pixels = math.prod(lhs) // max(cin, 1), math.prod(out) // max(cout, 1)
-    return out_pixels * taps * conv_output_tiles(cout) / max(in_pixels, 1)
+    cout = rhs[p.rhs_spec[0]]
+    kh, kw = (rhs[a] for a in p.rhs_spec[2:])
+    if taps is not None and taps != kh * kw:
+        kh, kw = 1, taps
+    out_h, out_w = (out[a] for a in p.out_spec[2:])
+    in_h, in_w = (lhs[a] for a in p.lhs_spec[2:])
+    rows, cols = conv_tile(out_h, out_w)
+    (stride_y, _), (dil_y, _) = p.strides, p.rhs_dilation
+    input_rows = len({r * stride_y + ky * dil_y for r in range(rows) for ky in range(kh)})
+    tiles = math.ceil(out_h / rows) * math.ceil(out_w / cols)
+    return tiles * input_rows * kw * cols * conv_output_tiles(cout) / max(in_h * in_w, 1)
 
 
 def zero_pad_taps(pad_config: str, inner_shape: Sequence[int], rhs_spec: Sequence[int]) -> int | None:
@@ -543,7 +569,7 @@ def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
-    programs = ConvPrograms.of(lhs.ty, params, ty)
+    programs = ConvPrograms.of(lhs.ty, params, ty, parse_type(rhs.ty).shape[p.rhs_spec[0]])
     flops, covered = 0.0, set()
     for part, taps, fraction in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
         per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
@@ -554,15 +580,15 @@ def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
             if id(node) in seen or node.sort != "Expr":
                 continue
             seen.add(id(node))
-            share = programs.share(node.ty, taps)
+            evaluations = programs.evaluations(node.ty, per_point)
             if node.op == "RowReduce":
-                flops += prologue_node_flops(node.op, points, per_point, _size(node.args[1].ty), node.args[0]) * share
+                flops += prologue_node_flops(node.op, points, evaluations, _size(node.args[1].ty), node.args[0])
             elif node.op == "Load" and node.args[0].op in HOSTED_OPS:  # merged where read, per program and chunk
                 statistic = node.args[0]
                 merge = statistic_merge_flops(statistic.args[1], statistic.args[2].ty)
-                flops += merge * points * per_point * programs.share(statistic.ty, taps)
+                flops += merge * points * programs.evaluations(statistic.ty, per_point)
             else:
-                flops += prologue_node_flops(node.op, points, per_point) * share
+                flops += prologue_node_flops(node.op, points, evaluations)
             covered.add(id(node))
             stack.extend(node.children)
     return flops, covered
