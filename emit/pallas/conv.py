@@ -1,16 +1,23 @@
 """Convolution: an implicit GEMM in Pallas Triton (kernel | build | reference).
 
-A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels
-(output rows × output columns, per image), N the output channels and K the input channels times
-the window's taps. Each program owns one output tile [block_m pixels of one image, block_n
-channels], accumulated in fp32 over every tap (ky, kx) and every block_k chunk of input channels:
+A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels,
+N the output channels and K the input channels times the window's taps. Each program owns one
+output tile of one image, `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
+more wide, 4 × 32 and 8 × 16 on narrower ones; `tw` is the dots' M, so 64-wide tiles multiply
+with wgmma, narrower ones with mma.sync), and block_n channels, one fp32 accumulator per row,
+summed over every tap (ky, kx) and every block_k chunk of input channels. Per chunk and column
+tap kx, each input row the tile reads is computed once and feeds every output row r reading it
+through a row tap ky (r·sy + ky·dy = that row):
 
-    A[m, c] = prologue(b, c, oy·sy − pad_y + ky·dy, ox·sx − pad_x + kx·dx)   (0 in the padding)
-    W[c, n] = weight(n, c, ky, kx)
-    acc    += dot(A, W)                                                     (2-D, fp32 result)
+    A_row[x, c] = prologue(b, c, row, (x0 + x)·sx − pad_x + kx·dx)           (0 in the padding)
+    W[c, n]     = weight(n, c, ky, kx)
+    acc[r]     += dot(A_row, W)                                              (2-D, fp32 result)
+
+so a 3×3 conv computes its input 3 × (th + 2) / th times per element and output-channel tile,
+not 9 (Pallas Triton cannot shift a tile in registers, so the column taps still recompute).
 
 `prologue` and `weight` are closures evaluated at index tiles: one int32 array per axis of the
-operand, broadcast-compatible ([block_m, 1] pixels, [1, block_k] channels), with a validity
+operand, broadcast-compatible ([tw, 1] pixels, [1, block_k] channels), with a validity
 mask. They are the conv's operand expressions compiled by `emit.expr`, so an input read through
 a view (NCHW↔NHWC permute, nearest-2× upsample `y // 2`) or through GroupNorm apply + SiLU is
 computed on the fly and never stored. Zero padding applies AFTER the prologue: a tap in the
@@ -43,15 +50,15 @@ own (`emit.pallas.partials`). `merge_partials` is a pairwise merge in plain jax 
     build(geometry, ranges, ...)   the pallas_call over closures: grid, tiles, validation
     reference(lhs, rhs, params)    lax.conv_general_dilated with fp32 accumulation
 
-Loops: channel chunks outer, taps inner. What the input expression computes per (batch, channel)
-(GroupNorm's scale and shift, the merge of a hosted statistic's partials) does not vary over an
-M tile, which holds pixels of one image: it is evaluated once per chunk at pixel (0, 0)
+Loops: channel chunks outer, column taps inner, input rows and row taps unrolled. What the input
+expression computes per (batch, channel) (GroupNorm's scale and shift, the merge of a hosted
+statistic's partials) does not vary over a tile: it is evaluated once per chunk at pixel (0, 0)
 (`emit.expr.CompiledExpr.hoist`) and reused at every tap, on a [1, block_k] tile.
 
-Cost: a 3×3 conv evaluates its per-pixel prologue once per tap and per output-channel tile, i.e.
-taps × ceil(Cout / block_n) times per input element, and its per-(batch, channel) part once per
-program and chunk; `eqsat.cost.roofline` charges exactly that with `DEFAULT_BLOCK_N`
-(`conv_prologue_flops`, `ConvPrograms`; tests/test_emit_conv.py checks the two agree).
+Cost: per output-channel tile, a 3×3 conv evaluates its per-pixel prologue for each input row
+of each tile at each column tap, and its per-(batch, channel) part once per program and chunk;
+`eqsat.cost.roofline` charges exactly that (`conv_tile`, `conv_prologue_evaluations`,
+`ConvPrograms`; tests/test_emit_conv.py checks the tile and the count agree).
 """
 
 from __future__ import annotations
