@@ -239,13 +239,17 @@ class ConvConfig:
 
     @classmethod
     def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
-        """128×128 output tiles and 64-channel K chunks, shrunk to fit small convs."""
+        """128-pixel × 128-channel output tiles and 64-channel K chunks, shrunk to fit small convs.
+        Software pipelining over 2 stages for one K range, none for several: each column tap loads
+        every input row of the tile and the weights of every row tap, and a kernel with a skip
+        concat or a merged shortcut has a loop per K range (with 3 stages everywhere, one of the
+        UNet step's convs asked for 300 KB of shared memory; an H100 has 227 KB)."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
         block_m = DEFAULT_BLOCK_M
         block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
         block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-        return cls(block_m, block_n, block_k, num_warps)
+        return cls(block_m, block_n, block_k, num_warps, num_stages=2 if len(ranges) <= 1 else 1)
 
 
 def output_channel_tiles(out_features: int, block_n: int = DEFAULT_BLOCK_N) -> int:
