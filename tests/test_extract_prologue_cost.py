@@ -180,9 +180,9 @@ def test_polish_stores_an_input_expression_that_costs_more_to_recompute():
 
 def test_a_range_of_the_weight_runs_over_its_own_taps():
     """A merged 1x1 shortcut: the weight is concat(w3x3, pad(w1x1)) over the input channels, the
-    input is not split. The template (one 8-row x 16-column tile) evaluates the input's first 64
-    channels at its 10 input rows x 3 column taps, its last 32 at the centre tap's 8 rows only;
-    extraction charges the same."""
+    input is not split. The template (two 4-row x 16-column tiles) evaluates the input's first 64
+    channels at each tile's 6 input rows x 3 column taps, its last 32 at the centre tap's 4 rows
+    only; extraction charges the same."""
     shape = (1, 8, 8, 96)
     ty = format_type("float32", shape)
     x = Term("Input", "x", ty)
@@ -194,13 +194,13 @@ def test_a_range_of_the_weight_runs_over_its_own_taps():
     params = conv_params(shape, (320, 96, 3, 3), ((1, 1), (1, 1)))
     out = Term("Conv", ld(silu), rhs, params.key, Term("Acc", "f32[1,8,8,320]"), "f32[1,8,8,320]")
     tiles = 3
-    expected = 2 * (64 * 10 * 3 + 32 * 8 * 1) * 16 * tiles  # per channel: rows x column taps x 16 columns
+    expected = 2 * 2 * (64 * 6 * 3 + 32 * 4 * 1) * 16 * tiles  # per tile and channel: rows x column taps x 16 columns
     inlined = Term("Conv", silu.args[0], *out.args[1:])
     assert roofline.conv_prologue_flops(inlined)[0] == expected
     graph, roots, handles = saturated([out])
     costs = graph.node_costs()
     (prologue,) = {p for n, p in costs.prologues.items()}
-    assert prologue.ranges == ((0, 64, 22.5, 9), (64, 96, 6.0, 1))
+    assert prologue.ranges == ((0, 64, 27.0, 9), (64, 96, 6.0, 1))
     for selection in every_selection(graph, roots):
         terms, _ = selection.to_terms()
         assert selection.cost(costs) == pytest.approx(dag_cost(terms).seconds, rel=1e-9)

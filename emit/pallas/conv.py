@@ -3,7 +3,7 @@
 A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels,
 N the output channels and K the input channels times the window's taps. Each program owns one
 output tile of one image, `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
-more wide, 4 × 32 and 8 × 16 on narrower ones; `tw` is the dots' M, so 64-wide tiles multiply
+more wide, 4 × 32 and 4 × 16 on narrower ones; `tw` is the dots' M, so 64-wide tiles multiply
 with wgmma, narrower ones with mma.sync), and block_n channels, one fp32 accumulator per row,
 summed over every tap (ky, kx) and every block_k chunk of input channels. Per chunk and column
 tap kx, each input row the tile reads is computed once and feeds every output row r reading it
@@ -92,6 +92,7 @@ DEFAULT_BLOCK_M = 128
 DEFAULT_BLOCK_N = 128
 DEFAULT_BLOCK_K = 64
 DEFAULT_BLOCK_W = 64
+MAX_TILE_ROWS = 4  # each row of a tile is unrolled: more rows, fewer recomputes, longer compiles
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 
 
@@ -232,10 +233,11 @@ class ConvConfig:
 
     def tile(self, geometry: ConvGeometry) -> tuple[int, int]:
         """(rows, columns) of a program's output tile: `block_w` columns (a power of two >= 16, the
-        dots' M) and up to block_m // block_w rows of one image, each its own accumulator."""
+        dots' M) and up to block_m // block_w rows (at most `MAX_TILE_ROWS`) of one image, each its
+        own accumulator."""
         out_h, out_w = geometry.out_size
         width = min(self.block_m, self.block_w, max(MIN_BLOCK, next_pow2(out_w)))
-        return max(1, min(self.block_m // width, out_h)), width
+        return max(1, min(self.block_m // width, MAX_TILE_ROWS, out_h)), width
 
     @classmethod
     def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":

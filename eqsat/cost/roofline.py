@@ -410,14 +410,15 @@ def partial_tiles(body_ty: str) -> int:
 
 
 # The conv template's output tile (`emit.pallas.conv.ConvConfig.tile`): up to CONV_BLOCK_W columns
-# (a power of two >= 16) by CONV_BLOCK_M // columns rows of one image.
+# (a power of two >= 16) by CONV_BLOCK_M // columns rows (at most CONV_MAX_TILE_ROWS) of one image.
 CONV_BLOCK_W = 64
+CONV_MAX_TILE_ROWS = 4
 
 
 def conv_tile(out_h: int, out_w: int) -> tuple[int, int]:
     """(rows, columns) of the conv template's default output tile for an `out_h × out_w` image."""
     width = min(CONV_BLOCK_M, CONV_BLOCK_W, max(_MIN_DOT_BLOCK, 1 << max(out_w - 1, 0).bit_length()))
-    return max(1, min(CONV_BLOCK_M // width, out_h)), width
+    return max(1, min(CONV_BLOCK_M // width, CONV_MAX_TILE_ROWS, out_h)), width
 
 
 @dataclass(frozen=True)
