@@ -309,7 +309,7 @@ def _emit_and_compare(fn, args, dtype=jnp.float32, *, expect_convs: int, monkeyp
     """Lower `fn`, emit its plan with the Pallas templates (interpret mode) and with XLA; both
     equal the plain function. Every conv runs in the template, and so does every statistic the
     plan hosts on a conv. Returns the plan."""
-    lowered = eqsat.optimize(fn).lower(*args)
+    lowered = eqsat.optimize(fn, extractor="greedy").lower(*args)  # the plan is not what this tests
     plan = lowered.plan
     assert sum(k.kind == "conv" for k in plan.kernels) == expect_convs, lowered.report()
     produced: list = []
