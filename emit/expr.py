@@ -517,7 +517,7 @@ def merge_block_tiles(tiles: int, lanes: int, budget: int = MERGE_BLOCK_ELEMENTS
     return max(1, min(1 << max(0, (tiles - 1).bit_length()), cap))
 
 
-def _chan(a, b):
+def chan_merge(a, b):
     """Chan's merge of two (count, mean, M2) triples, `a` first; a part of count 0 changes nothing
     (its mean and M2 are never multiplied in, so no inf * 0)."""
     n, mean, m2 = a
@@ -615,7 +615,7 @@ def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: i
     def merge_block(step, carry):
         n, shift, d_mean, m2 = carry
         n_b, shift, d_b, m2_b = block_moments(step * block, (n, shift))
-        n, d_mean, m2 = _chan((n, d_mean, m2), (n_b, d_b, m2_b))  # in the shifted frame: no rounding at the offset
+        n, d_mean, m2 = chan_merge((n, d_mean, m2), (n_b, d_b, m2_b))  # in the shifted frame: no rounding at the offset
         return n, shift, d_mean, m2
 
     if steps == 1:

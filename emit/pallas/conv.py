@@ -74,7 +74,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from emit.expr import compile_expr, expr_nodes, linearize, reshape_index
+from emit.expr import chan_merge, compile_expr, expr_nodes, linearize, reshape_index
 from emit.pallas import loaded_tensors, triton
 from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
@@ -255,7 +255,8 @@ class ConvConfig:
 
 
 def output_channel_tiles(out_features: int, block_n: int = DEFAULT_BLOCK_N) -> int:
-    """How many times the template evaluates each prologue element per tap: one per N tile."""
+    """Output-channel tiles of the default config for `out_features` channels (the template
+    evaluates its input once more per tile; `eqsat.cost.roofline.conv_output_tiles` agrees)."""
     return -(-out_features // min(block_n, max(MIN_BLOCK, next_pow2(out_features))))
 
 
@@ -623,12 +624,7 @@ def _merge_fields(layout: _Layout, a: list[jax.Array], b: list[jax.Array]) -> li
     """Two parts of one tile (its rows) merged: sums added, moments by Chan's formula."""
     if layout.statistic.op == "sum":
         return [a[0] + b[0]]
-    (n_a, mean_a, m2_a), (n_b, mean_b, m2_b) = a, b
-    n = n_a + n_b
-    weight = n_b / jnp.maximum(n, 1.0)
-    delta = jnp.where(n_b > 0, mean_b - mean_a, 0.0)
-    spread = jnp.where((n_a > 0) & (n_b > 0), delta * (n_a * weight) * delta, 0.0)
-    return [n, mean_a + delta * weight, m2_a + m2_b + spread]
+    return list(chan_merge(a, b))
 
 
 def _store_partials(layout: _Layout, partial_ref, fields: list[jax.Array], tile) -> None:
