@@ -343,9 +343,9 @@ def _identity(op: str, dtype):
         return jnp.zeros((), dtype)
     if op in ("prod", "and"):
         return jnp.ones((), dtype)
-    big = jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
     if dtype == jnp.bool_:
-        return jnp.asarray(op == "min")
+        return jnp.asarray(op in ("min", "argmin"))
+    big = jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
     return jnp.asarray(-big if op in ("max", "argmax") else big, dtype)
 
 
@@ -375,7 +375,9 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
     holds at most `budget` // lanes elements at once. Sums and products accumulate in `out_dtype`
     (the `Acc` dtype); `value_dtype` is the dtype `body` returns. Returns an array of `kept`'s
     point shape, or for `moments` the pair `(sum, m2)` in float32 (Chan's merge of per-chunk
-    count/mean/M2).
+    count/mean/M2, in a frame shifted by each lane's first element, so data at an offset large
+    against its spread loses nothing to cancellation). Float sums add their chunks with Neumaier's
+    compensation (a chunk itself is a tree sum): no less accurate than XLA's own reductions.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; expected one of {REDUCE_OPS}")
@@ -394,6 +396,11 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
     iota = lax.broadcasted_iota(jnp.int32, (1,) * rank + (chunk,), rank)
     value_dtype = jnp.dtype(value_dtype)
     acc_type = jnp.float32 if op == "moments" else jnp.dtype(out_dtype)
+    if value_dtype == jnp.bool_ and op in ("max", "min", "argmax", "argmin", "sum", "prod"):
+        boolean_body = body  # bools compare and add as int32 (Triton has no ordered bool reductions)
+        body = lambda index, mask: boolean_body(index, mask).astype(jnp.int32)  # noqa: E731
+        value_dtype = jnp.dtype(jnp.int32)
+        acc_type = jnp.dtype(jnp.int32) if acc_type == jnp.bool_ else acc_type
 
     def chunk_values(start):
         offset = iota + start
@@ -407,20 +414,30 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
 
     def fold(carry, start):
         values, in_range = chunk_values(start)
-        if op == "moments":
+        if op == "moments":  # in a frame shifted by each lane's first element: no cancellation at an offset
             x = values.astype(jnp.float32)
             if in_range is True:
                 n_c = jnp.full(lane_shape, float(chunk), jnp.float32)
             else:
                 n_c = jnp.sum(jnp.where(in_range, 1.0, 0.0), axis=-1) + jnp.zeros(lane_shape, jnp.float32)
-            s_c = jnp.sum(neutral(x, in_range, 0.0), axis=-1)
-            mean_c = s_c / jnp.maximum(n_c, 1.0)
-            m2_c = jnp.sum(neutral(jnp.square(x - mean_c[..., None]), in_range, 0.0), axis=-1)
-            n, total, mean, m2 = carry
+            n, shifted_total, d, m2, shift = carry
+            first = jnp.sum(jnp.where(iota == 0, x, 0.0), axis=-1)  # x[..., 0] (Triton has no slice)
+            shift = jnp.where(n > 0, shift, first)
+            y = neutral(x - shift[..., None], in_range, 0.0)
+            s_c = jnp.sum(y, axis=-1)
+            d_c = s_c / jnp.maximum(n_c, 1.0)
+            m2_c = jnp.sum(neutral(jnp.square(y - d_c[..., None]), in_range, 0.0), axis=-1)
             merged = n + n_c
-            delta = mean_c - mean
+            delta = d_c - d
             weight = n_c / jnp.maximum(merged, 1.0)
-            return merged, total + s_c, mean + delta * weight, m2 + m2_c + jnp.square(delta) * n * weight
+            return merged, shifted_total + s_c, d + delta * weight, m2 + m2_c + jnp.square(delta) * n * weight, shift
+        if op == "sum" and jnp.issubdtype(acc_type, jnp.floating):  # chunks added with Neumaier's compensation
+            total, compensation = carry
+            part = jnp.sum(neutral(values.astype(acc_type), in_range, 0), axis=-1).astype(acc_type)
+            added = total + part
+            compensation = compensation + jnp.where(jnp.abs(total) >= jnp.abs(part),
+                                                    (total - added) + part, (part - added) + total)
+            return added, compensation
         if op in ("argmax", "argmin"):
             best, best_at = carry
             values = neutral(values, in_range, _identity(op, value_dtype))
@@ -451,7 +468,9 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
 
     if op == "moments":
         zeros = jnp.zeros(lane_shape, jnp.float32)
-        init = (zeros, zeros, zeros, zeros)
+        init = (zeros, zeros, zeros, zeros, zeros)
+    elif op == "sum" and jnp.issubdtype(acc_type, jnp.floating):
+        init = (jnp.zeros(lane_shape, acc_type), jnp.zeros(lane_shape, acc_type))
     elif op in ("argmax", "argmin"):
         init = (jnp.full(lane_shape, _identity(op, value_dtype), value_dtype), jnp.zeros(lane_shape, jnp.int32))
     elif op in ("and", "or", "xor"):
@@ -463,7 +482,11 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
     else:
         result = lax.fori_loop(0, steps, lambda step, carry: fold(carry, step * chunk), init)
     if op == "moments":
-        return result[1], result[3]
+        count, shifted_total, _d, m2, shift = result
+        return jnp.where(count > 0, shift * count + shifted_total, 0.0), m2
+    if op == "sum" and jnp.issubdtype(acc_type, jnp.floating):
+        total, compensation = result
+        return jnp.where(jnp.abs(compensation) < jnp.inf, total + compensation, total).astype(out_dtype)
     if op in ("argmax", "argmin"):
         return result[1].astype(out_dtype)
     return result.astype(out_dtype)
@@ -957,6 +980,9 @@ class ArrayMemory:
         if found is not None:
             return read_partials(tensor, index, *found)
         array = jnp.asarray(self.values[tensor])
+        typed = parse_type(tensor.ty).shape
+        if array.shape != typed and array.size == math.prod(typed):  # one tile's partials are the statistic
+            array = jnp.reshape(array, typed)
         shape = array.shape
         if not shape:
             return array

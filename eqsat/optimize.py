@@ -153,6 +153,8 @@ class Optimized:
 
         if not callable(fn):
             raise TypeError(f"Expected a callable value, got {fn!r}")
+        static_argnums, static_argnames, donate_argnums, donate_argnames = _inherit_jit_options(
+            fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         (self.donate_argnums, self.donate_argnames, self.static_argnums,
          self.static_argnames) = api_util.resolve_argnums(fn, api_util.fun_signature(fn), donate_argnums,
                                                           donate_argnames, static_argnums, static_argnames)
@@ -220,6 +222,18 @@ class Optimized:
                       f"arguments are not donated (backend 'interpret' runs the plan op by op, outside any "
                       f"jit); their buffers stay valid", DonationWarning, stacklevel=3)
 
+    def _check_static_hashable(self, args, kwargs) -> None:
+        """Static arguments key the cache: like `jax.jit`, an unhashable one is a `ValueError`."""
+        static = [arg for i, arg in enumerate(args) if self._is_static(i, len(args))]
+        static += [value for name, value in kwargs.items() if name in self.static_argnames]
+        for value in static:
+            try:
+                hash(value)
+            except TypeError as error:
+                raise ValueError(f"Non-hashable static arguments are not supported. An error occurred while "
+                                 f"trying to hash an object of type {type(value)}, {value!r}. The error was:\n"
+                                 f"TypeError: {error}") from None
+
     def _is_static(self, i: int, count: int) -> bool:
         return i in self.static_argnums or (i - count) in self.static_argnums
 
@@ -242,6 +256,7 @@ class Optimized:
         return tree, shapes, tuple(static), static_kwargs
 
     def lower(self, *args, **kwargs) -> Lowered:
+        self._check_static_hashable(args, kwargs)
         try:
             key = self._signature(args, kwargs)
             hash(key)
@@ -259,6 +274,20 @@ class Optimized:
         if key is not None:
             self._cache[key] = lowered
         return lowered
+
+
+def _inherit_jit_options(fn, static_argnums, static_argnames, donate_argnums, donate_argnames):
+    """The static and donated arguments of a `jax.jit`-wrapped `fn`, for each option the caller left
+    unset: `optimize(jax.jit(f, donate_argnums=0))` donates as the jitted function does."""
+    info = getattr(fn, "_jit_info", None)
+    if info is None:
+        return static_argnums, static_argnames, donate_argnums, donate_argnames
+    inherited = []
+    for given, name in ((static_argnums, "static_argnums"), (static_argnames, "static_argnames"),
+                        (donate_argnums, "donate_argnums"), (donate_argnames, "donate_argnames")):
+        value = getattr(info, name, None)
+        inherited.append(given if given is not None or not value else tuple(value))
+    return tuple(inherited)
 
 
 def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,

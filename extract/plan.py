@@ -140,6 +140,9 @@ class Plan:
         class_components = class_components or {}
         lifted = program.components if program is not None else {}
         hosting = hosted_reductions(outputs)
+        if _outside:  # a loop body: a statistic whose host ran before the loop is read, or runs alone
+            hosting = {reduction: None if hosts is not None and any(h in _outside for h in hosts) else hosts
+                       for reduction, hosts in hosting.items()}
         order = kernel_order(outputs, hosting)
         if _outside:
             order = [term for term in order if term not in _outside]
@@ -184,7 +187,7 @@ class Plan:
                         components[i] = components[j]
                         break
         kernels = []
-        outside = (_outside or frozenset()) | set(order)
+        outside = (_outside or frozenset()) | set(order) | set(share)
         for i, term in enumerate(order):
             cost = kernel_cost(term, device)
             body: list = []

@@ -143,3 +143,38 @@ def test_an_optimized_function_runs_inside_jit_which_decides_donation(backend):
         warnings.simplefilter("error", DonationWarning)  # the outer jit decides
         outer = jax.jit(lambda x, w: fast(x, w) * 2)
         close(outer(x, w), affine(x, w) * 2)
+
+
+def test_an_unhashable_static_argument_is_refused_like_jit():
+    def scale(x, factors):
+        return x * len(factors)
+
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="Non-hashable static arguments"):
+        jax.jit(scale, static_argnums=1)(x, [1, 2])
+    with pytest.raises(ValueError, match="Non-hashable static arguments.*list"):
+        eqsat.optimize(scale, static_argnums=1)(x, [1, 2])
+    with pytest.raises(ValueError, match="Non-hashable static arguments"):
+        eqsat.optimize(scale, static_argnames="factors")(x, factors={"a": 1})
+    close(eqsat.optimize(scale, static_argnums=1, backend="xla")(x, (1, 2)), x * 2)
+
+
+def test_a_wrapped_jit_keeps_its_static_and_donated_arguments():
+    jitted = jax.jit(sgd, donate_argnums=0)
+    fast = eqsat.optimize(jitted, backend="xla")
+    assert fast.donate_argnums == (0,) and fast.donate_argnames == ("params",)
+    x, w, _ = args()
+    params, grads = {"x": jnp.asarray(x), "w": jnp.asarray(w)}, {"x": jnp.asarray(x * 2), "w": jnp.asarray(w * 2)}
+    want = sgd(params, grads)
+    close(fast(params, grads), want)
+    assert all(p.is_deleted() for p in params.values()) and not any(g.is_deleted() for g in grads.values())
+    assert eqsat.optimize(jitted, donate_argnums=()).donate_argnums == ()   # the caller's choice wins
+
+    def power(x, n):
+        for _ in range(n):
+            x = jnp.sin(x)
+        return x
+
+    static = eqsat.optimize(jax.jit(power, static_argnums=1), backend="xla")
+    assert static.static_argnums == (1,)
+    close(static(x, 2), power(x, 2))

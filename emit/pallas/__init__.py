@@ -19,10 +19,12 @@ A template is a module (the layout of jax's `pallas/ops/gpu`) with three parts:
 
 `TEMPLATES` maps each kernel op to its module. `emit_kernel(kernel, ctx)` dispatches; a module
 that does not exist yet, a `NotImplementedError`, or an op with no template (`AssignScatter`)
-falls back to `emit.xla.emit_kernel` for that kernel with a warning. `run_kernels(calls, ctx)`
-emits a sequence into `ctx.values` (the driver's plan, a loop body), each kernel under
-`jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter. `loaded_tensors(*exprs)` lists a
-kernel's operands (the tensors its Exprs `Load`), the order a template passes them in.
+falls back to `emit.xla.emit_kernel` for that kernel with a warning; a kernel with a zero-size
+output or operand launches nothing (the XLA emitter computes its empty or constant result). Any
+other exception from a template is a broken contract and raises `TemplateError` naming the kernel.
+`run_kernels(calls, ctx)` emits a sequence into `ctx.values` (the driver's plan, a loop body),
+each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter.
+`loaded_tensors(*exprs)` lists a kernel's operands (the tensors its Exprs `Load`), the order a template passes them in.
 
     ctx = EmitContext(values={...}, constants=program.constants, payloads=program.payloads, interpret=True)
     outputs = emit_kernel(KernelCall(term, "mid_block.resnets.0:pointwise"), ctx)
@@ -56,6 +58,11 @@ TEMPLATES: dict[str, str] = {
 
 class XlaFallbackWarning(UserWarning):
     """A kernel ran through the XLA emitter because no Pallas template covers it (yet)."""
+
+
+class TemplateError(RuntimeError):
+    """A template failed on a kernel the plan gave it (a broken contract between extraction and
+    emission: a bug in eqsat). The message names the kernel, its op and the unmet condition."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,8 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
     from emit import xla
 
     module = template_for(kernel.term.op)
+    if is_empty(kernel):  # nothing to launch: the reference computes the (empty or constant) result
+        return xla.emit_kernel(kernel, ctx)
     if module is None:
         reason = f"no Pallas template for {kernel.term.op}"
     else:
@@ -172,12 +181,24 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
             return module.emit(kernel, ctx)
         except NotImplementedError as error:
             reason = str(error) or f"{module.__name__} does not cover this {kernel.term.op}"
+        except (KeyError, AssertionError, IndexError, TypeError, ValueError, AttributeError) as error:
+            detail = str(error) or type(error).__name__
+            raise TemplateError(f"{kernel.name} ({kernel.term.op}): {module.__name__} failed on a kernel the "
+                                f"plan gave it: {type(error).__name__}: {detail}") from error
     warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through the XLA emitter: {reason}",
                   XlaFallbackWarning, stacklevel=2)
     for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
         if tensor in ctx.partials:
             ctx.value(tensor)  # the XLA emitter reads finished statistics
     return xla.emit_kernel(kernel, ctx)
+
+
+def is_empty(kernel: KernelCall) -> bool:
+    """Whether the kernel writes no element or reads an operand with none (a zero-size axis)."""
+    from eqsat.types import parse_type
+
+    tensors = [kernel.term, *kernel.hosted, *loaded_tensors(*kernel_exprs(kernel.term))]
+    return any(0 in parse_type(t.ty).shape for t in tensors if t.sort == "Tensor")
 
 
 def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:

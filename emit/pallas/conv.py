@@ -840,7 +840,11 @@ def _spine_path(body: Term, producer: Term) -> list[Term] | None:
             if node.args[0] is producer:
                 found.append(path)
             continue
-        children = {id(node.args[p]): node.args[p] for p in _THROUGH.get(node.op, ())}
+        positions = _THROUGH.get(node.op, ())
+        if node.op == "Concat":  # two sides are two reads, even of one term (`concat(x, x)`)
+            stack.extend(path + [node.args[p]] for p in positions)
+            continue
+        children = {id(node.args[p]): node.args[p] for p in positions}  # x * x reads one element once
         stack.extend(path + [child] for child in children.values())
     if len(found) > 1:
         raise NotImplementedError("the statistic reads each element of the conv's output more than once")

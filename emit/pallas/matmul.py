@@ -332,12 +332,34 @@ def _outer_row_reduces(term: Term) -> list[Term]:
     return list(found.values())
 
 
+def _expr_postorder(term: Term) -> list[Term]:
+    """The Expr nodes of `term`, children first, not entering the tensors they `Load`."""
+    order: list[Term] = []
+    done: set[int] = set()
+    stack = [(term, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in done:
+            continue
+        if ready:
+            done.add(id(node))
+            order.append(node)
+            continue
+        stack.append((node, True))
+        if node.op != "Load":
+            stack.extend((child, False) for child in node.children if child.sort == "Expr" and id(child) not in done)
+    return order
+
+
 def _substitute(term: Term, replace: dict[Term, Term]) -> Term:
     """`term` with the subterms in `replace` replaced (terms are interned: rebuilt bottom-up)."""
     built: dict[int, Term] = {}
-    for node in postorder([term]):
+    for node in _expr_postorder(term):  # a Load's tensor (another kernel) is kept as it is
         if node in replace:
             built[id(node)] = replace[node]
+            continue
+        if node.op == "Load":
+            built[id(node)] = node
             continue
         args = tuple(built[id(a)] if isinstance(a, Term) else a for a in node.args)
         built[id(node)] = node if all(x is y for x, y in zip(args, node.args)) else Term(node.op, *args)
@@ -508,7 +530,10 @@ def _statistic_reads(hosted: Sequence[Term], term: Term) -> list[Term]:
 
     parts = []
     for reduction in hosted:
-        path = _spine_path(reduction.args[2], term) if reduction.args[1] in ("sum", "moments") else None
+        try:
+            path = _spine_path(reduction.args[2], term) if reduction.args[1] in ("sum", "moments") else None
+        except NotImplementedError:
+            continue  # `_row_statistic` refuses it too: the driver computes it
         if path is not None:
             parts.append(path[0])
     return parts
@@ -559,13 +584,16 @@ def emit(kernel, ctx) -> dict:
         probe = _HoistedMemory(memory(refs), placeholders, statistic_fns)
         lhs_fn(probe, axes.lhs_index(lhs_rank, b, rows, ks), row_ok & (ks < k))
         computed: dict = {}
+        # With no M axes (a batched vector-matrix product) the statistics do not vary by row: a
+        # rows-shaped mask would give them a rows axis their readers' index lacks.
+        statistic_mask = row_ok if axes.m_shape else True
 
         def value_at(placeholder, index):
             key = (placeholder, tuple(("i", int(e)) if ex.is_static(e) else ("a", id(e)) for e in index))
             if key not in computed:
                 bound = {q: value_at(q, index) for q in inners[placeholder]}
                 source = _BoundMemory(memory(refs), bound) if bound else memory(refs)
-                computed[key] = prepass_fns[placeholder](source, index, row_ok)
+                computed[key] = prepass_fns[placeholder](source, index, statistic_mask)
             return computed[key]
 
         return {placeholder: [value_at(placeholder, index) if _k_independent(index) else None for index in indices]

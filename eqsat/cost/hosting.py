@@ -14,9 +14,11 @@ decided here, on the chosen terms. The body is split into its spine (what the ho
 side values (what they read besides):
 
     Load(T), T a Matmul/Conv/Attention output (`HOST_OPS`)   spine, hosted by T
-    Unary, Reshape, Transpose, Slice of a spine              spine (each element still comes from
+    Unary, Reshape, Transpose of a spine                     spine (each element still comes from
                                                              one element of one host)
-    Concat of spines                                         spine (each element from one side)
+    Concat of spines reading different hosts                 spine (each element from one side)
+    Slice of a spine, Concat of two reads of one host        not hostable (a host element would
+                                                             feed no slot, or two)
     Binary/Select whose spine operands are one and the same  spine (x*x: both read the same element)
       term, the others side values
     anything else (Broadcast, Lit, Iota, a Load of an input   side value; must not read a host
@@ -34,7 +36,7 @@ from typing import Iterable
 
 HOST_OPS = frozenset({"Pointwise", "Matmul", "Conv", "Attention"})
 HOSTED_REDUCTIONS = frozenset({"sum", "moments"})
-_THROUGH = frozenset({"Unary", "Reshape", "Transpose", "Slice"})
+_THROUGH = frozenset({"Unary", "Reshape", "Transpose"})
 _ELEMENTWISE = frozenset({"Binary", "Select"})
 
 
@@ -57,33 +59,43 @@ def _side_loads(expr, out: dict) -> None:
 
 
 def _split(body) -> tuple[list, list]:
-    """(hosts, side inputs) of a reduction body; raises `_NotHostable`."""
+    """(hosts, side inputs) of a reduction body; raises `_NotHostable`.
+
+    Each host element must reach the body at exactly one element (a tile adds each element it
+    writes to one slot): two spine paths to one host (`concat(x, x)`, `tile`) are not hostable,
+    nor is a slice of a host (the host writes elements the body does not read)."""
     hosts: dict[int, object] = {}
     side: dict[int, object] = {}
-    memo: dict[int, bool] = {}  # id -> is spine
+    memo: dict[int, frozenset] = {}  # id -> the hosts its spine reads (empty: a side value)
 
-    def spine(node) -> bool:
+    def spine(node) -> frozenset:
         key = id(node)
         if key in memo:
             return memo[key]
         if node.op == "Load" and node.args[0].op in HOST_OPS:
             hosts[id(node.args[0])] = node.args[0]
-            result = True
+            result = frozenset({id(node.args[0])})
         elif node.op in _THROUGH:
             result = spine(node.args[0] if node.op != "Unary" else node.args[1])
+        elif node.op == "Slice":
+            if spine(node.args[0]):
+                raise _NotHostable("a slice of a producer (its tiles write elements the body does not read)")
+            result = frozenset()
         elif node.op == "Concat":
-            parts = [spine(node.args[0]), spine(node.args[1])]
-            if any(parts) and not all(parts):
+            left, right = spine(node.args[0]), spine(node.args[1])
+            if bool(left) != bool(right):
                 raise _NotHostable("a concat of a spine and a side value")
-            result = all(parts)
+            if left & right:
+                raise _NotHostable("a concat reading one producer twice (each element would feed two slots)")
+            result = left | right
         elif node.op in _ELEMENTWISE:
             operands = [c for c in node.children if c.sort == "Expr"]
             spines = {id(c): c for c in operands if spine(c)}
             if len(spines) > 1:
                 raise _NotHostable("an elementwise op of two different reads of the producers")
-            result = bool(spines)
+            result = spine(next(iter(spines.values()))) if spines else frozenset()
         else:
-            result = False
+            result = frozenset()
         if not result:
             _side_loads(node, side)
         memo[key] = result
