@@ -385,6 +385,12 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
         raise ValueError(f"{op} reduces exactly one axis, got {len(reduced)}")
     length = math.prod(reduced)
     lane_shape = shape_of(kept)
+    if length == 0:  # an empty reduction is its identity (a sum over x[..., :0])
+        if op == "moments":
+            zeros = jnp.zeros(lane_shape, jnp.float32)
+            return zeros, zeros
+        value_type = jnp.int32 if op in ("argmax", "argmin") else (value_dtype if op in ("max", "min") else out_dtype)
+        return jnp.full(lane_shape, _identity(op, value_type), value_type).astype(out_dtype)
     if not isinstance(mask, bool) and tuple(np.broadcast_shapes(lane_shape, mask.shape)) != lane_shape:
         mask = True  # a mask wider than the kept index only guards lanes; loads clamp, so drop it
     rank = len(lane_shape)

@@ -8,7 +8,10 @@ on every backend against `jax.jit`:
 - a matmul prologue that reads an earlier matmul whose own prologue reads a hosted statistic
   (the prologue's statistics substituted inside the earlier kernel's term);
 - row statistics of a batched vector-matrix product (`einsum("bs,bsh->bh", softmax(s), v)`);
-- bool reductions (`argmax(x > 0)`, `max(x > 0)`) and zero-size operands.
+- a LayerNorm of a LayerNorm read by a matmul (the inner statistic at a moments row's kept index;
+  rows of size 1 given no rows-shaped mask);
+- bool reductions (`argmax(x > 0)`, `max(x > 0)`), zero-size operands and reductions over an
+  empty slice.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ CASES = {
     "argmin_of_bools": (lambda x: jnp.argmin(x > 0, -1), (_normal(0, (4, 6)),)),
     "max_of_bools": (lambda x: jnp.max(x > 0, -1), (_normal(0, (4, 6)),)),
     "count_of_bools": (lambda x: jnp.sum(x > 0, -1) + jnp.any(x > 1, 0).sum() + jnp.all(x > -3), (_normal(0, (4, 6)),)),
+    "norm_of_a_norm_into_matmul": (lambda x, w: ln(ln(x)) @ w, (_normal(7, (2, 3), 50.0), _normal(8, (3, 3)))),
+    "norm_of_a_norm_size_1_rows": (lambda x, w: ln(ln(x)) @ w, (_normal(7, (1, 1, 1, 3)), _normal(8, (3, 3)))),
+    "sum_over_an_empty_slice": (lambda x: x + x[..., :0].sum(-1, keepdims=True) + x[..., :0].max(-1, keepdims=True, initial=-3.0)
+                                + (x[..., :0] > 0).sum(-1, keepdims=True), (_normal(0, (2, 3)),)),
     "zero_size_reduction": (lambda x: jnp.sum(x, 0) + 1, (jnp.zeros((0, 3)),)),
     "zero_size_matmul": (lambda a, b: a @ b + 1, (jnp.zeros((2, 0)), jnp.zeros((0, 3)))),
 }

@@ -584,16 +584,21 @@ def emit(kernel, ctx) -> dict:
         probe = _HoistedMemory(memory(refs), placeholders, statistic_fns)
         lhs_fn(probe, axes.lhs_index(lhs_rank, b, rows, ks), row_ok & (ks < k))
         computed: dict = {}
-        # With no M axes (a batched vector-matrix product) the statistics do not vary by row: a
-        # rows-shaped mask would give them a rows axis their readers' index lacks.
-        statistic_mask = row_ok if axes.m_shape else True
+
+        def statistic_mask(index):
+            """`row_ok` where the statistic's index has the rows axis; with no M axes, or M axes of
+            size 1 (the index is static), a rows-shaped mask would give the value an axis its readers'
+            index lacks. Loads clamp, so unmasked rows compute values nobody reads."""
+            shape = ex.shape_of(tuple(index))
+            return row_ok if tuple(np.broadcast_shapes(shape, row_ok.shape)) == tuple(shape) else True
 
         def value_at(placeholder, index):
             key = (placeholder, tuple(("i", int(e)) if ex.is_static(e) else ("a", id(e)) for e in index))
             if key not in computed:
-                bound = {q: value_at(q, index) for q in inners[placeholder]}
+                kept = index[1:] if placeholders[placeholder].args[0] == "moments" else index  # [sum, M2] rows
+                bound = {q: value_at(q, kept) for q in inners[placeholder]}
                 source = _BoundMemory(memory(refs), bound) if bound else memory(refs)
-                computed[key] = prepass_fns[placeholder](source, index, statistic_mask)
+                computed[key] = prepass_fns[placeholder](source, index, statistic_mask(index))
             return computed[key]
 
         return {placeholder: [value_at(placeholder, index) if _k_independent(index) else None for index in indices]
