@@ -21,10 +21,12 @@ A template is a module (the layout of jax's `pallas/ops/gpu`) with three parts:
 that does not exist yet, a `NotImplementedError`, or an op with no template (`AssignScatter`)
 falls back to `emit.xla.emit_kernel` for that kernel with a warning; a kernel with a zero-size
 output or operand launches nothing (the XLA emitter computes its empty or constant result). Any
-other exception from a template is a broken contract and raises `TemplateError` naming the kernel.
+other exception from a template is a broken contract and raises `TemplateError` naming the
+kernel (an `EmitError`, as is a tensor read before the kernel computing it ran).
 `run_kernels(calls, ctx)` emits a sequence into `ctx.values` (the driver's plan, a loop body),
 each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter.
-`loaded_tensors(*exprs)` lists a kernel's operands (the tensors its Exprs `Load`), the order a template passes them in.
+`loaded_tensors(*exprs)` lists a kernel's operands (the tensors its Exprs `Load`), the order a
+template passes them in.
 
     ctx = EmitContext(values={...}, constants=program.constants, payloads=program.payloads, interpret=True)
     outputs = emit_kernel(KernelCall(term, "mid_block.resnets.0:pointwise"), ctx)
@@ -60,9 +62,14 @@ class XlaFallbackWarning(UserWarning):
     """A kernel ran through the XLA emitter because no Pallas template covers it (yet)."""
 
 
-class TemplateError(RuntimeError):
-    """A template failed on a kernel the plan gave it (a broken contract between extraction and
-    emission: a bug in eqsat). The message names the kernel, its op and the unmet condition."""
+class EmitError(RuntimeError):
+    """The plan cannot be emitted as given (a broken contract between extraction and emission: a
+    bug in eqsat, never the user's). The message names the kernel or tensor and the reason."""
+
+
+class TemplateError(EmitError):
+    """A template failed on a kernel the plan gave it. The message names the kernel, its op and the
+    unmet condition."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ class EmitContext:
             value = jnp.asarray(self.constants[tensor.args[0]])
             self.values[tensor] = value
             return value
-        raise KeyError(f"{tensor!r} has not been computed before the kernel that reads it")
+        raise EmitError(f"{tensor!r} has not been computed before the kernel that reads it")
 
     def operand(self, tensor: Term) -> jax.Array:
         """What a Pallas kernel reading `tensor` through `emit.expr` is passed: its value, or for a
@@ -181,7 +188,7 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
             return module.emit(kernel, ctx)
         except NotImplementedError as error:
             reason = str(error) or f"{module.__name__} does not cover this {kernel.term.op}"
-        except (KeyError, AssertionError, IndexError, TypeError, ValueError, AttributeError) as error:
+        except (EmitError, KeyError, AssertionError, IndexError, TypeError, ValueError, AttributeError) as error:
             detail = str(error) or type(error).__name__
             raise TemplateError(f"{kernel.name} ({kernel.term.op}): {module.__name__} failed on a kernel the "
                                 f"plan gave it: {type(error).__name__}: {detail}") from error
