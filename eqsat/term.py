@@ -95,8 +95,9 @@ def list_items(lst: Term) -> list[Term]:
     return items
 
 
-def postorder(roots) -> Iterator[Term]:
-    """Every term reachable from `roots`, children before parents, each once (no recursion)."""
+def postorder(roots, children=None) -> Iterator[Term]:
+    """Every term reachable from `roots`, children before parents, each once (no recursion).
+    `children(node)`: the nodes to descend into (default: all of `node.children`)."""
     seen: set[int] = set()
     stack: list[tuple[Term, bool]] = [(r, False) for r in reversed(list(roots))]
     while stack:
@@ -108,6 +109,6 @@ def postorder(roots) -> Iterator[Term]:
             yield node
             continue
         stack.append((node, True))
-        for child in reversed(node.children):
+        for child in reversed(node.children if children is None else children(node)):
             if id(child) not in seen:
                 stack.append((child, False))

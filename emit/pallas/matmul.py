@@ -332,29 +332,15 @@ def _outer_row_reduces(term: Term) -> list[Term]:
     return list(found.values())
 
 
-def _expr_postorder(term: Term) -> list[Term]:
-    """The Expr nodes of `term`, children first, not entering the tensors they `Load`."""
-    order: list[Term] = []
-    done: set[int] = set()
-    stack = [(term, False)]
-    while stack:
-        node, ready = stack.pop()
-        if id(node) in done:
-            continue
-        if ready:
-            done.add(id(node))
-            order.append(node)
-            continue
-        stack.append((node, True))
-        if node.op != "Load":
-            stack.extend((child, False) for child in node.children if child.sort == "Expr" and id(child) not in done)
-    return order
+def _expr_children(node: Term) -> tuple:
+    """The Expr children of `node`; none for a `Load` (its tensor is another kernel's)."""
+    return () if node.op == "Load" else tuple(c for c in node.children if c.sort == "Expr")
 
 
 def _substitute(term: Term, replace: dict[Term, Term]) -> Term:
     """`term` with the subterms in `replace` replaced (terms are interned: rebuilt bottom-up)."""
     built: dict[int, Term] = {}
-    for node in _expr_postorder(term):  # a Load's tensor (another kernel) is kept as it is
+    for node in postorder([term], _expr_children):  # a Load's tensor (another kernel) is kept
         if node in replace:
             built[id(node)] = replace[node]
             continue
