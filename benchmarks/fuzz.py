@@ -224,12 +224,13 @@ class Program:
                 "          np.max(np.where(same, 0.0, np.abs(a - b)), initial=0.0) if a.shape == b.shape else \"-\")\n")
         return "\n".join(parts)
 
-    def fn(self, outputs=None):
-        """The program's function (its rendered source, exec'd)."""
-        name = f"<fuzz {self.seed}:{self.index}:{id(self)}>"
-        src = NAMESPACE_SOURCE + self.function_source(outputs=outputs)
+    def fn(self, outputs=None, *, wide: bool = False):
+        """The program's function (its rendered source, exec'd). `wide`: every float dtype the source
+        names (`.astype(jnp.float32)`, ...) is float64, for the float64 reference (under x64)."""
+        name = f"<fuzz {self.seed}:{self.index}:{id(self)}{':wide' if wide else ''}>"
+        src = NAMESPACE_SOURCE + ("jnp, np = _wide(jnp), _wide(np)\n" if wide else "") + self.function_source(outputs=outputs)
         linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # tracebacks show the lines
-        namespace: dict = {}
+        namespace: dict = {"_wide": _WideFloats}
         exec(compile(src, name, "exec"), namespace)
         return namespace["f"]
 
@@ -250,6 +251,19 @@ class Program:
 
 
 NAMESPACE_SOURCE = "import jax\nimport jax.numpy as jnp\nimport numpy as np\nfrom jax import lax\n"
+
+
+class _WideFloats:
+    """`jnp` or `np` with float16, bfloat16 and float32 meaning float64: a program's explicit casts
+    (an fp32 upcast, a cast back to the input's dtype) stay exact in the float64 reference."""
+
+    NARROW = ("float16", "bfloat16", "float32")
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, "float64" if name in self.NARROW else name)
 
 
 def evaluate_size(expr, sizes: dict) -> int:
@@ -1342,7 +1356,7 @@ def run_program(program: Program, backend: str, options: dict | None = None, tim
         warnings.simplefilter("ignore")
         magnitudes = input_magnitudes(fn, args)
         try:
-            diff = compare(got, want, args, _float64_run(fn, args), magnitudes)
+            diff = compare(got, want, args, _float64_run(program.fn(wide=True), args), magnitudes)
         except Exception as error:  # noqa: BLE001  the float64 run failed: compare without it
             diff = compare(got, want, args, None, magnitudes)
             if diff is not None:

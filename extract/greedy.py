@@ -627,12 +627,28 @@ class _Polish:
         self.kernel_reads: dict[int, frozenset] = {}
         self.refcount: dict[int, int] = {cls: 0 for cls in order}
         for cls in order:
-            found = self.context(cls, nodes[(cls, GLOBAL)])
-            self.kernel_cost[cls], self.kernel_reads[cls] = found.cost, found.reads
-            for read in found.reads:
-                self.refcount[read] = self.refcount.get(read, 0) + 1
+            self._count(cls)
         for root in self.roots:
             self.refcount[root] = self.refcount.get(root, 0) + 1
+
+    def _count(self, cls: int) -> None:
+        """Compute kernel `cls`'s context and count its reads; a kernel it reads that has no context
+        yet (read only through another kernel's slot choice) gets one too."""
+        stack = [cls]
+        while stack:
+            owner = stack.pop()
+            if owner in self.kernel_reads:
+                continue
+            found = self.context(owner, self.nodes[(owner, GLOBAL)])
+            self.kernel_cost[owner], self.kernel_reads[owner] = found.cost, found.reads
+            for read in found.reads:
+                self.refcount[read] = self.refcount.get(read, 0) + 1
+                if read not in self.kernel_reads and self._is_kernel(read):
+                    stack.append(read)
+
+    def _is_kernel(self, cls: int) -> bool:
+        node = self.nodes.get((cls, GLOBAL))
+        return node is not None and self.graph.node_op[node] in KERNEL_OPS
 
     # --- kernel contexts ---
 
@@ -821,6 +837,8 @@ class _Polish:
             refcount[r] = refcount.get(r, 0) + 1
             if r not in self.position or self.position[r] > self.position[owner]:
                 self.dirty = True
+            if r not in kernel_reads and self._is_kernel(r):
+                self._count(r)
         stack = list(kernel_reads[owner] - found.reads)
         while stack:
             tensor = stack.pop()
@@ -942,12 +960,12 @@ class _Polish:
         nodes, node_op, refcount, kernel_reads = self.nodes, self.graph.node_op, self.refcount, self.kernel_reads
         improved = False
         readers: dict[int, set[int]] = {}
-        for owner in order:
+        for owner in order:  # a leaf class a move made readable (an input) has no kernel and no reads
             if refcount.get(owner, 0) > 0:
-                for read in kernel_reads[owner]:
+                for read in kernel_reads.get(owner, ()):
                     readers.setdefault(read, set()).add(owner)
         for tensor in reversed(order):
-            if refcount.get(tensor, 0) == 0 or tensor in self.root_set or \
+            if refcount.get(tensor, 0) == 0 or tensor in self.root_set or tensor not in kernel_reads or \
                     node_op[nodes[(tensor, GLOBAL)]] not in KERNEL_OPS:
                 continue
             if self.out_of_time():

@@ -11,7 +11,8 @@ on every backend against `jax.jit`:
 - a LayerNorm of a LayerNorm read by a matmul (the inner statistic at a moments row's kept index;
   rows of size 1 given no rows-shaped mask);
 - bool reductions (`argmax(x > 0)`, `max(x > 0)`), zero-size operands and reductions over an
-  empty slice.
+  empty slice;
+- extraction's polish retiring a tensor read by a kernel it had not counted.
 """
 
 from __future__ import annotations
@@ -136,3 +137,16 @@ def test_a_broken_template_contract_names_the_kernel(monkeypatch):
     fn = lambda a, w: jnp.tanh(a @ w)  # noqa: E731
     with pytest.raises(TemplateError, match=r"matmul.*KeyError.*an operand the plan did not provide"):
         eqsat.optimize(fn, backend="pallas")(_normal(0, (4, 8)), _normal(1, (8, 8)))
+
+
+def test_polish_counts_a_kernel_read_only_through_a_slot_choice():
+    """`extract.greedy`'s polish: a kernel read only through another kernel's slot choice has its
+    reads counted (its retire move raised `KeyError` on it; found by benchmarks.fuzz)."""
+
+    def f(x, w, n):
+        h = x @ w
+        return jnp.sum((h[..., :1] - h[..., 1:] > 0).astype(jnp.int32), axis=-1) + n.sum(-1)
+
+    args = (_normal(9, (1, 1)), _normal(10, (1, 2)), jnp.array([[3]], jnp.int32))
+    for backend in ("xla", "pallas"):
+        np.testing.assert_array_equal(eqsat.optimize(f, backend=backend)(*args), jax.jit(f)(*args))
