@@ -714,10 +714,11 @@ class CompiledExpr:
         index is not kept."""
         evaluator = _Evaluator(memory, self.chunk_elements)
         evaluator.at(self.term, tuple(index), mask, None)
+        nodes = [key for key in evaluator.memo if isinstance(key[0], int)]  # not the partials merges' keys
         seen: dict[int, int] = {}
-        for key in evaluator.memo:
+        for key in nodes:
             seen[key[0]] = seen.get(key[0], 0) + 1
-        values = {key[0]: value for key, value in evaluator.memo.items() if seen[key[0]] == 1 and key[3] == id(None)}
+        values = {key[0]: evaluator.memo[key] for key in nodes if seen[key[0]] == 1 and key[3] == id(None)}
         return Hoisted(values, free_axis, evaluator)
 
 

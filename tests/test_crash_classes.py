@@ -12,7 +12,9 @@ on every backend against `jax.jit`:
   rows of size 1 given no rows-shaped mask);
 - bool reductions (`argmax(x > 0)`, `max(x > 0)`), zero-size operands and reductions over an
   empty slice;
-- extraction's polish retiring a tensor read by a kernel it had not counted.
+- extraction's polish retiring a tensor read by a kernel it had not counted;
+- a conv whose prologue merges a hosted statistic's partials (the hoist mistook the merge's memo
+  entries for expression nodes).
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ CASES = {
     "count_of_bools": (lambda x: jnp.sum(x > 0, -1) + jnp.any(x > 1, 0).sum() + jnp.all(x > -3), (_normal(0, (4, 6)),)),
     "norm_of_a_norm_into_matmul": (lambda x, w: ln(ln(x)) @ w, (_normal(7, (2, 3), 50.0), _normal(8, (3, 3)))),
     "norm_of_a_norm_size_1_rows": (lambda x, w: ln(ln(x)) @ w, (_normal(7, (1, 1, 1, 3)), _normal(8, (3, 3)))),
+    "norm_of_a_matmul_into_a_conv": (lambda x, w, k: lax.conv_general_dilated(
+        ln(x @ w)[None, :, None, :], k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")),
+        (_normal(0, (2, 3)), _normal(1, (3, 40)), 0.05 * _normal(2, (3, 3, 40, 16)))),
     "sum_over_an_empty_slice": (lambda x: x + x[..., :0].sum(-1, keepdims=True) + x[..., :0].max(-1, keepdims=True, initial=-3.0)
                                 + (x[..., :0] > 0).sum(-1, keepdims=True), (_normal(0, (2, 3)),)),
     "zero_size_reduction": (lambda x: jnp.sum(x, 0) + 1, (jnp.zeros((0, 3)),)),
