@@ -14,6 +14,9 @@ the values) through `eqsat.optimize(fn, backend="pallas", params_argnums=0)` and
   launches per call seen in that trace, and the slowest kernels of each side. Measured.
 - `max_abs_error` / `max_rel_error`: ours against `jax.jit`'s output on the same inputs.
 - `compile_seconds`: planning + emission + XLA's compile of the first call, for both sides.
+- `ours_modeled_ms`: the cost model's time for our per-call plan; `calibration`: each of our
+  kernels' measured device time against its modeled time, per kernel and per kind
+  (`benchmarks.calibration`): how far the model is from what the templates really take.
 
 Without a GPU it says so in one line and runs the same harness on the tiny model with the Pallas
 kernels in interpret mode (the path a test runs): the numbers then time an interpreter, not a GPU.
@@ -38,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 import eqsat  # noqa: F401 - first, so a CUDA plugin on a machine without a GPU stays quiet
+from benchmarks import calibration
 
 COMPONENTS = ("text_encoder", "unet", "vae")
 SHOWN_KERNELS = 6  # slowest kernels printed per side (the JSON keeps every kernel)
@@ -50,6 +54,7 @@ class Side:
     name: str
     call: Callable[[], Any]
     build_seconds: float
+    lowered: Any = None  # ours: the `optimize(...).lower(...)` result (its plan and modeled times)
 
 
 def has_gpu() -> bool:
@@ -96,7 +101,8 @@ def build_ours(workload, args, backend: str) -> Side:
 
     start = time.perf_counter()
     fast = optimize(workload.fn, backend=backend, params_argnums=0, progress=False, extract_time_limit=120.0)
-    run = fast.lower(*args).executable()
+    lowered = fast.lower(*args)
+    run = lowered.executable()
     # Both sides are called through one `jax.jit` dispatch (the same C++ fast path as jit's own),
     # so wall times compare the executables, not Python argument handling.
     if hasattr(run, "prepare"):
@@ -105,7 +111,7 @@ def build_ours(workload, args, backend: str) -> Side:
     else:
         call = functools.partial(jax.jit(run), *args)
     jax.block_until_ready(call())
-    return Side("ours", call, time.perf_counter() - start)
+    return Side("ours", call, time.perf_counter() - start, lowered)
 
 
 def build_xla(workload, args) -> Side:
@@ -208,6 +214,11 @@ def measure_component(workload, *, backend: str, iters: int, warmup: int, profil
         row[f"{side.name}_trace_lines"] = None if kernels is None else kernels["lines"]
         log(f"{workload.name}: {side.name} {row[f'{side.name}_ms']:.3f} ms median of {iters}")
     row["speedup"] = row["xla_ms"] / row["ours_ms"] if row["ours_ms"] else None
+    planned = calibration.plan_kernels(ours.lowered)
+    row["ours_modeled_ms"] = sum(k["seconds"] for k in planned) * 1e3
+    if row["ours_top_kernels"]:
+        kernels = calibration.join(planned, {k["name"]: k["seconds_per_call"] for k in row["ours_top_kernels"]})
+        row["calibration"] = {"by_kind": calibration.by_kind(kernels), "kernels": kernels}
     return row
 
 
@@ -235,6 +246,16 @@ def render(report: dict[str, Any]) -> None:
     console.print(table)
     console.print("Measured: wall ms = median of each call waited for; device ms = summed kernel durations per "
                   "call from a jax.profiler trace; error = max |ours - jit| / max |jit|.", soft_wrap=True)
+    for row in report["components"]:
+        kinds = (row.get("calibration") or {}).get("by_kind")
+        if kinds:
+            per_kind = Table(title=f"{row['component']}: our kernels measured against the cost model, per kind")
+            for column in ("kind", "kernels", "launches", "measured ms", "modeled ms", "measured/modeled"):
+                per_kind.add_column(column, justify="left" if column == "kind" else "right")
+            for k in kinds:
+                per_kind.add_row(k["kind"], str(k["kernels"]), str(k["launches"]), ms(k["measured_seconds"] * 1e3),
+                                 ms(k["modeled_seconds"] * 1e3), "—" if k["ratio"] is None else f"{k['ratio']:.1f}×")
+            console.print(per_kind)
     for row in report["components"]:
         for side in ("ours", "xla"):
             top = row.get(f"{side}_top_kernels")
