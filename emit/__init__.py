@@ -13,7 +13,10 @@ Backends:
   XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
 - `xla`: every kernel in jax.numpy/lax (`emit.xla`), the reference for the templates and the fast
   path on a CPU.
-- `auto`: `pallas` when jax's default backend is a GPU, else `xla`.
+- `hybrid`: convs and matmuls through the XLA emitter (cuDNN / cuBLAS with XLA's fusions around
+  them), every other kernel through its Pallas template: on a GPU our conv and matmul templates
+  are still many times slower than the libraries (measured; `emit.library` has the numbers).
+- `auto`: `hybrid` when jax's default backend is a GPU, else `xla`.
 - `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
 
 The callable jits the whole plan (one `jax.jit` over the flattened arguments; `donate` names the
@@ -28,15 +31,15 @@ import jax
 
 from emit.pallas import EmitContext, KernelCall, name_of, run_kernels
 
-BACKENDS = ("auto", "pallas", "xla", "interpret")
+BACKENDS = ("auto", "pallas", "hybrid", "xla", "interpret")
 
 
 def resolve_backend(backend: str) -> str:
-    """`auto` -> `pallas` on a GPU, `xla` elsewhere; other names are checked and returned."""
+    """`auto` -> `hybrid` on a GPU, `xla` elsewhere; other names are checked and returned."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "hybrid" if jax.default_backend() == "gpu" else "xla"
     return backend
 
 
@@ -100,7 +103,7 @@ class Emitted:
         self.__init__(state["plan"], state["backend"], interpret=state["interpret"], donate=state.get("donate", ()))
 
     def __repr__(self) -> str:
-        mode = f", interpret={self.interpret}" if self.backend == "pallas" and self.interpret is not None else ""
+        mode = f", interpret={self.interpret}" if self.backend in ("pallas", "hybrid") and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 

@@ -20,8 +20,10 @@ Lowerings are cached per argument signature (shapes, dtypes, pytree structure, s
 
 Running: calling the optimized function runs its plan through `emit.emit(plan, backend)`, built
 once per signature: `backend="pallas"` emits every kernel as a Pallas kernel (Triton on a GPU,
-interpreted on a CPU; `interpret=` forces either), `"xla"` as jax.numpy (the fast path on a CPU),
-`"auto"` (default) picks `pallas` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
+interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls through XLA's
+libraries and the rest as Pallas kernels (`emit.library`: our conv and matmul templates are still
+slower than cuDNN/cuBLAS, measured), `"xla"` as jax.numpy (the fast path on a CPU), `"auto"`
+(default) picks `hybrid` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
 plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
 `eqsat.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
@@ -302,7 +304,7 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
     or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
-    `backend` ("auto", "pallas", "xla", "interpret") and `interpret` say how calls run the plan
+    `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring).
     """
     options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,

@@ -10,7 +10,7 @@ carries no tokenizer: pass `--tokenizer` a folder with vocab.json and merges.txt
 package that ships CLIP's vocabulary, see `sd15.tokenizer`). `--tiny` needs no files: random
 weights in the `tiny()` configs (`sd15.params.init_random`) and `sd15.tokenizer.tiny_tokenizer()`,
 a byte-level vocabulary with one token per character; its images are noise, it exercises the code.
-The networks run through `eqsat.optimize` (`--backend`: auto, pallas, xla or interpret; see
+The networks run through `eqsat.optimize` (`--backend`: auto, pallas, hybrid, xla or interpret; see
 `sd15.pipeline`) unless `--no-optimize` asks for plain `jax.jit`.
 
 More subcommands plug in without editing this file: a module listed in `COMMAND_MODULES` that
@@ -51,8 +51,9 @@ def add_generate_command(subparsers) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype (default float32)")
     parser.add_argument("--tokenizer", type=Path, help="folder with vocab.json and merges.txt (for single files)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="how eqsat.optimize runs the networks: auto (Pallas on a GPU, XLA elsewhere), pallas, "
-                             "xla or interpret (default auto)")
+                        help="how eqsat.optimize runs the networks: auto (hybrid on a GPU, XLA elsewhere), pallas, "
+                             "hybrid (convs and matmuls through XLA's libraries, the rest Pallas), xla or "
+                             "interpret (default auto)")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false",
                         help="run the networks with plain jax.jit instead of eqsat.optimize")
     parser.add_argument("--out", type=Path, required=True, help="output image file (.png)")

@@ -14,8 +14,8 @@ Compilation: with `optimize=True` (the default) the text encoder, the UNet step 
 DDIM update in one function) and the VAE decoder each run through `eqsat.optimize` with their
 parameters marked (`params_argnums=0`), so the kernels that read only weights (fused QKV and K/V
 weight concatenations, the time projections, merged shortcut biases) run once per set of weights;
-`backend` is `eqsat.optimize`'s ("auto": Pallas on a GPU, XLA elsewhere; "pallas"; "xla";
-"interpret"). The first call of each component shows the optimizer's stages on a progress bar
+`backend` is `eqsat.optimize`'s ("auto": "hybrid" on a GPU, XLA elsewhere; "pallas"; "hybrid";
+"xla"; "interpret"). The first call of each component shows the optimizer's stages on a progress bar
 (`progress=False` in `generate` hides them); later calls hit its cache. `optimize=False` runs
 plain `jax.jit`.
 """
@@ -41,7 +41,7 @@ from sd15.tokenizer import Tokenizer, load_tokenizer, tiny_tokenizer
 from sd15.weights import check_exists, is_single_file, load_all_params, load_params
 
 
-BACKENDS = ("auto", "pallas", "xla", "interpret")
+BACKENDS = ("auto", "pallas", "hybrid", "xla", "interpret")
 
 
 def check_backend(backend: str) -> str:

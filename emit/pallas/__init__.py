@@ -24,7 +24,8 @@ output or operand launches nothing (the XLA emitter computes its empty or consta
 other exception from a template is a broken contract and raises `TemplateError` naming the
 kernel (an `EmitError`, as is a tensor read before the kernel computing it ran).
 `run_kernels(calls, ctx)` emits a sequence into `ctx.values` (the driver's plan, a loop body),
-each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter.
+each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter (`"hybrid"`: the
+kinds `emit.library` names through XLA's libraries, the rest through their templates).
 `loaded_tensors(*exprs)` lists a kernel's operands (the tensors its Exprs `Load`), the order a
 template passes them in.
 
@@ -89,7 +90,7 @@ class EmitContext:
     constants: dict = field(default_factory=dict)   # Program.constants: Constant key -> array
     payloads: dict = field(default_factory=dict)    # Program.payloads: Opaque/Gather/Loop key -> what it needs
     interpret: bool | None = None                   # pallas_call(interpret=...); None: by the lowering platform
-    backend: str = "pallas"                         # "pallas" or "xla": which emitter runs each kernel
+    backend: str = "pallas"                         # "pallas", "hybrid" or "xla": which emitter runs each kernel
     components: dict = field(default_factory=dict)  # Program.components: lifted kernel term -> scope path
     shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site
     partials: dict = field(default_factory=dict)    # hosted statistic -> its hosts' per-tile partials (all hosts run)
@@ -194,6 +195,14 @@ def emit_kernel(kernel: KernelCall, ctx: EmitContext) -> dict:
                                 f"plan gave it: {type(error).__name__}: {detail}") from error
     warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through the XLA emitter: {reason}",
                   XlaFallbackWarning, stacklevel=2)
+    return emit_with_xla(kernel, ctx)
+
+
+def emit_with_xla(kernel: KernelCall, ctx: EmitContext) -> dict:
+    """`kernel` through the XLA emitter inside a Pallas program: the statistics it reads finished
+    (merged from their partials once, here), the ones it hosts computed finished."""
+    from emit import xla
+
     for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
         if tensor in ctx.partials:
             ctx.value(tensor)  # the XLA emitter reads finished statistics
@@ -216,13 +225,23 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     from emit import xla
     from emit.pallas.partials import Partials
 
+    from emit.library import runs_in_library
+
     calls = list(calls)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
     wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
     for i, call in enumerate(calls):
         with jax.named_scope(call.name):
-            produced = xla.emit_kernel(call, ctx) if ctx.backend == "xla" else emit_kernel(call, ctx)
+            if ctx.backend == "xla":
+                produced = xla.emit_kernel(call, ctx)
+            elif ctx.backend == "hybrid" and runs_in_library(call.term):
+                # A library kernel finishes only the statistics it alone hosts; shared ones are
+                # reduced by the driver after their last host (its partials are not written here).
+                own = tuple(r for r in call.hosted if host_count[r] == 1)
+                produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
+            else:
+                produced = emit_kernel(call, ctx)
             for term, value in produced.items():
                 if isinstance(value, Partials):
                     ctx.pending[term] = value.buffer
