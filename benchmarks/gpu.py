@@ -3,8 +3,10 @@
     python -m benchmarks.gpu [--components unet,vae,text_encoder] [--iters 20] [--json out.json]
 
 On a GPU it runs the full-size networks (fp16, random weights: the kernels' time does not depend on
-the values) through `eqsat.optimize(fn, backend="pallas", params_argnums=0)` and through
-`jax.jit(fn)`, and reports per component:
+the values) through `eqsat.optimize(fn, params_argnums=0)`, planned once and emitted with each of
+`--backends` (`pallas`: every kernel a Pallas template; `hybrid`: convs and matmuls through XLA's
+libraries, what `"auto"` picks on a GPU), and through `jax.jit(fn)`, and reports per component and
+backend:
 
 - `ours_ms` / `xla_ms`: the median wall time of one call, `--iters` calls after `--warmup` calls,
   each call waited for (`block_until_ready`); ours is the per-call stage on weights prepared once
@@ -94,15 +96,19 @@ def concrete_args(workload, seed: int = 0):
     return jax.device_put((weights, *rest))
 
 
-def build_ours(workload, args, backend: str) -> Side:
-    import jax
-
+def plan(workload, args):
+    """Our plan of the workload (planned once; every backend emits it)."""
     from eqsat import optimize
 
+    fast = optimize(workload.fn, params_argnums=0, progress=False, extract_time_limit=120.0)
+    return fast.lower(*args)
+
+
+def build_ours(lowered, args, backend: str) -> Side:
+    import jax
+
     start = time.perf_counter()
-    fast = optimize(workload.fn, backend=backend, params_argnums=0, progress=False, extract_time_limit=120.0)
-    lowered = fast.lower(*args)
-    run = lowered.executable()
+    run = lowered.executable(backend)
     # Both sides are called through one `jax.jit` dispatch (the same C++ fast path as jit's own),
     # so wall times compare the executables, not Python argument handling.
     if hasattr(run, "prepare"):
@@ -111,7 +117,7 @@ def build_ours(workload, args, backend: str) -> Side:
     else:
         call = functools.partial(jax.jit(run), *args)
     jax.block_until_ready(call())
-    return Side("ours", call, time.perf_counter() - start, lowered)
+    return Side(backend, call, time.perf_counter() - start, lowered)
 
 
 def build_xla(workload, args) -> Side:
@@ -188,38 +194,59 @@ def max_errors(ours, reference) -> tuple[float, float]:
     return worst_abs, worst_rel
 
 
-def measure_component(workload, *, backend: str, iters: int, warmup: int, profile_calls: int,
-                      log: Callable[[str], None]) -> dict[str, Any]:
+def timed(side: Side, iters: int, warmup: int, profile_calls: int) -> dict[str, Any]:
+    times = wall_times(side.call, iters, warmup)
+    kernels = device_kernels(side.call, profile_calls) if profile_calls else None
+    return {"ms": statistics.median(times) * 1e3, "ms_min": min(times) * 1e3,
+            "device_ms": None if kernels is None else kernels["device_seconds"] * 1e3,
+            "kernels": None if kernels is None else kernels["launches"],
+            "top_kernels": None if kernels is None else kernels["top"],
+            "trace_lines": None if kernels is None else kernels["lines"]}
+
+
+def measure_component(workload, *, backends, iters: int, warmup: int, profile_calls: int,
+                      log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One row per backend of ours, each with `jax.jit`'s figures (measured once) beside it."""
     import jax
 
-    row: dict[str, Any] = {"component": workload.name, "description": workload.description}
     start = time.perf_counter()
     args = concrete_args(workload)
-    row["inputs_seconds"] = time.perf_counter() - start
-    log(f"{workload.name}: inputs ready ({row['inputs_seconds']:.1f} s); compiling jax.jit")
+    inputs_seconds = time.perf_counter() - start
+    log(f"{workload.name}: inputs ready ({inputs_seconds:.1f} s); compiling jax.jit")
     xla = build_xla(workload, args)
-    log(f"{workload.name}: jax.jit compiled in {xla.build_seconds:.1f} s; planning and compiling ours ({backend})")
-    ours = build_ours(workload, args, backend)
-    log(f"{workload.name}: ours built in {ours.build_seconds:.1f} s; timing")
-    row["compile_seconds"] = {"ours": ours.build_seconds, "xla": xla.build_seconds}
-    row["max_abs_error"], row["max_rel_error"] = max_errors(jax.device_get(ours.call()), jax.device_get(xla.call()))
-    for side in (xla, ours):
-        times = wall_times(side.call, iters, warmup)
-        row[f"{side.name}_ms"] = statistics.median(times) * 1e3
-        row[f"{side.name}_ms_min"] = min(times) * 1e3
-        kernels = device_kernels(side.call, profile_calls) if profile_calls else None
-        row[f"{side.name}_device_ms"] = None if kernels is None else kernels["device_seconds"] * 1e3
-        row[f"{side.name}_kernels"] = None if kernels is None else kernels["launches"]
-        row[f"{side.name}_top_kernels"] = None if kernels is None else kernels["top"]
-        row[f"{side.name}_trace_lines"] = None if kernels is None else kernels["lines"]
-        log(f"{workload.name}: {side.name} {row[f'{side.name}_ms']:.3f} ms median of {iters}")
-    row["speedup"] = row["xla_ms"] / row["ours_ms"] if row["ours_ms"] else None
-    planned = calibration.plan_kernels(ours.lowered)
-    row["ours_modeled_ms"] = sum(k["seconds"] for k in planned) * 1e3
-    if row["ours_top_kernels"]:
-        kernels = calibration.join(planned, {k["name"]: k["seconds_per_call"] for k in row["ours_top_kernels"]})
-        row["calibration"] = {"by_kind": calibration.by_kind(kernels), "kernels": kernels}
-    return row
+    log(f"{workload.name}: jax.jit compiled in {xla.build_seconds:.1f} s; planning ours")
+    start = time.perf_counter()
+    lowered = plan(workload, args)
+    plan_seconds = time.perf_counter() - start
+    reference = jax.device_get(xla.call())
+    jit = timed(xla, iters, warmup, profile_calls)
+    log(f"{workload.name}: planned in {plan_seconds:.1f} s; jax.jit {jit['ms']:.3f} ms median of {iters}")
+    planned = calibration.plan_kernels(lowered)
+    rows = []
+    for backend in backends:
+        row: dict[str, Any] = {"component": workload.name, "description": workload.description,
+                               "backend": backend, "inputs_seconds": inputs_seconds}
+        try:
+            ours = build_ours(lowered, args, backend)
+            log(f"{workload.name}: {backend} built in {ours.build_seconds:.1f} s; timing")
+            row["compile_seconds"] = {"ours": plan_seconds + ours.build_seconds, "xla": xla.build_seconds}
+            row["max_abs_error"], row["max_rel_error"] = max_errors(jax.device_get(ours.call()), reference)
+            mine = timed(ours, iters, warmup, profile_calls)
+        except Exception as error:  # noqa: BLE001 - one backend's failure is reported, the others still run
+            row.update(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+            log(row["traceback"])
+            rows.append(row)
+            continue
+        row.update({f"ours_{key}": value for key, value in mine.items()})
+        row.update({f"xla_{key}": value for key, value in jit.items()})
+        row["speedup"] = row["xla_ms"] / row["ours_ms"] if row["ours_ms"] else None
+        row["ours_modeled_ms"] = sum(k["seconds"] for k in planned) * 1e3
+        if row["ours_top_kernels"]:
+            kernels = calibration.join(planned, {k["name"]: k["seconds_per_call"] for k in row["ours_top_kernels"]})
+            row["calibration"] = {"by_kind": calibration.by_kind(kernels), "kernels": kernels}
+        log(f"{workload.name}: {backend} {row['ours_ms']:.3f} ms median of {iters} (jit/ours {row['speedup']:.2f}x)")
+        rows.append(row)
+    return rows
 
 
 def render(report: dict[str, Any]) -> None:
@@ -228,19 +255,20 @@ def render(report: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title=f"ours vs jax.jit on {report['device']} ({report['mode']})")
-    for column in ("component", "ours ms", "jax.jit ms", "jit/ours", "ours device ms", "jit device ms",
+    for column in ("component", "backend", "ours ms", "jax.jit ms", "jit/ours", "ours device ms", "jit device ms",
                    "launches ours/jit", "max rel err", "compile s ours/jit"):
-        table.add_column(column, justify="left" if column == "component" else "right")
+        table.add_column(column, justify="left" if column in ("component", "backend") else "right")
 
     def ms(value):
         return "—" if value is None else f"{value:,.3f}"
 
     for row in report["components"]:
         if "error" in row:
-            table.add_row(row["component"], f"[red]failed: {row['error'][:60]}[/red]", *[""] * 7)
+            table.add_row(row["component"], row.get("backend", "—"), f"[red]failed: {row['error'][:60]}[/red]",
+                          *[""] * 7)
             continue
         launches = "—" if row["ours_kernels"] is None else f"{row['ours_kernels']:.0f} / {row['xla_kernels']:.0f}"
-        table.add_row(row["component"], ms(row["ours_ms"]), ms(row["xla_ms"]), f"{row['speedup']:.2f}×",
+        table.add_row(row["component"], row["backend"], ms(row["ours_ms"]), ms(row["xla_ms"]), f"{row['speedup']:.2f}×",
                       ms(row["ours_device_ms"]), ms(row["xla_device_ms"]), launches, f"{row['max_rel_error']:.2e}",
                       f"{row['compile_seconds']['ours']:.0f} / {row['compile_seconds']['xla']:.0f}")
     console.print(table)
@@ -249,7 +277,8 @@ def render(report: dict[str, Any]) -> None:
     for row in report["components"]:
         kinds = (row.get("calibration") or {}).get("by_kind")
         if kinds:
-            per_kind = Table(title=f"{row['component']}: our kernels measured against the cost model, per kind")
+            per_kind = Table(title=f"{row['component']} ({row['backend']}): our kernels measured against the "
+                                   f"cost model, per kind")
             for column in ("kind", "kernels", "launches", "measured ms", "modeled ms", "measured/modeled"):
                 per_kind.add_column(column, justify="left" if column == "kind" else "right")
             for k in kinds:
@@ -260,7 +289,8 @@ def render(report: dict[str, Any]) -> None:
         for side in ("ours", "xla"):
             top = row.get(f"{side}_top_kernels")
             if top:
-                console.print(f"[bold]{row['component']} {side}[/bold]: slowest kernels (ms per call): " + "; ".join(
+                who = row["backend"] if side == "ours" else "jax.jit"
+                console.print(f"[bold]{row['component']} {who}[/bold]: slowest kernels (ms per call): " + "; ".join(
                     f"{k['name'][:48]} {k['seconds_per_call'] * 1e3:.3f}" for k in top[:SHOWN_KERNELS]), soft_wrap=True)
 
 
@@ -272,10 +302,11 @@ def environment() -> dict[str, Any]:
             "platform": device.platform, "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def run(components=COMPONENTS, *, iters: int = 20, warmup: int = 3, profile_calls: int = 3,
+def run(components=COMPONENTS, *, backends=("pallas",), iters: int = 20, warmup: int = 3, profile_calls: int = 3,
         deadline: float | None = None, json_path: str | None = None, config: str | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure `components`; on a machine without a GPU, the tiny config in interpret mode."""
+    """Measure `components` with each of our `backends`; on a machine without a GPU, the tiny config in
+    interpret mode."""
     from sd15.plan_cli import workloads
 
     gpu = has_gpu()
@@ -283,7 +314,7 @@ def run(components=COMPONENTS, *, iters: int = 20, warmup: int = 3, profile_call
         log("no GPU here: running the tiny model with Pallas in interpret mode (times an interpreter, not a GPU)")
     config = config or ("full" if gpu else "tiny")
     report = {**environment(), "mode": f"{config} config, " + ("Pallas on the GPU" if gpu else "Pallas interpret mode"),
-              "config": config, "iters": iters, "warmup": warmup, "components": []}
+              "config": config, "backends": list(backends), "iters": iters, "warmup": warmup, "components": []}
     start = time.perf_counter()
     batch, size = (2, None) if config == "full" else (2, 64)
     chosen = workloads(batch=batch, size=size, dtype="float16" if gpu else "float32", config=config,
@@ -293,13 +324,13 @@ def run(components=COMPONENTS, *, iters: int = 20, warmup: int = 3, profile_call
             report["components"].append({"component": name, "error": f"skipped: past the {deadline:.0f} s deadline"})
             continue
         try:
-            row = measure_component(chosen[name], backend="pallas", iters=iters, warmup=warmup,
-                                    profile_calls=profile_calls if gpu else 0, log=log)
+            rows = measure_component(chosen[name], backends=backends, iters=iters, warmup=warmup,
+                                     profile_calls=profile_calls if gpu else 0, log=log)
         except Exception as error:  # noqa: BLE001 - one component's failure is reported, the rest still run
-            row = {"component": name, "error": f"{type(error).__name__}: {error}",
-                   "traceback": traceback.format_exc()}
-            log(row["traceback"])
-        report["components"].append(row)
+            rows = [{"component": name, "error": f"{type(error).__name__}: {error}",
+                     "traceback": traceback.format_exc()}]
+            log(rows[0]["traceback"])
+        report["components"].extend(rows)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(report, f, indent=2, default=str)
@@ -314,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--components", default=",".join(COMPONENTS),
                         help="comma-separated, of " + ", ".join(COMPONENTS) + " (run in this order)")
+    parser.add_argument("--backends", default="pallas,hybrid",
+                        help="our backends to time, comma-separated: pallas (every kernel a Pallas template), "
+                             "hybrid (convs and matmuls through XLA's libraries; auto's choice on a GPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per side (default 20 on a GPU, 2 without)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3 on a GPU, 1 without)")
     parser.add_argument("--profile-calls", type=int, default=3, help="calls traced for per-kernel times (0: none)")
@@ -326,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown:
         parser.error(f"unknown components {unknown}; choose from {', '.join(COMPONENTS)}")
+    backends = [b.strip() for b in options.backends.split(",") if b.strip()]
+    if not backends or set(backends) - {"pallas", "hybrid"}:
+        parser.error(f"--backends {options.backends!r}: choose from pallas, hybrid")
     gpu = has_gpu()
     iters = options.iters if options.iters is not None else (20 if gpu else 2)
     warmup = options.warmup if options.warmup is not None else (3 if gpu else 1)
-    report = run(components, iters=iters, warmup=warmup, profile_calls=options.profile_calls,
+    report = run(components, backends=tuple(backends), iters=iters, warmup=warmup, profile_calls=options.profile_calls,
                  deadline=options.deadline, json_path=options.json_path, config=options.config,
                  log=lambda message: print(message, flush=True))
     render(report)

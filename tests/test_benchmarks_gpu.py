@@ -17,15 +17,19 @@ def test_without_a_gpu_the_harness_runs_the_tiny_text_encoder_in_interpret_mode(
     assert printed.splitlines()[0].startswith("no GPU here: running the tiny model")
     report = json.loads(out.read_text())
     assert report["config"] == "tiny" and "interpret" in report["mode"]
-    (row,) = report["components"]
-    assert row["component"] == "text_encoder"
-    assert row["ours_ms"] > 0 and row["xla_ms"] > 0 and row["speedup"] == pytest.approx(row["xla_ms"] / row["ours_ms"])
-    # The emitted kernels compute what jax.jit computes (float32 tiny model).
-    assert row["max_rel_error"] < 1e-4
-    # No device trace on a CPU: the device columns say so instead of inventing numbers.
-    assert row["ours_device_ms"] is None and row["xla_kernels"] is None
+    assert [(row["component"], row["backend"]) for row in report["components"]] == [
+        ("text_encoder", "pallas"), ("text_encoder", "hybrid")]
+    for row in report["components"]:
+        assert row["ours_ms"] > 0 and row["xla_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["xla_ms"] / row["ours_ms"])
+        # The emitted kernels compute what jax.jit computes (float32 tiny model).
+        assert row["max_rel_error"] < 1e-4
+        # No device trace on a CPU: the device columns say so instead of inventing numbers.
+        assert row["ours_device_ms"] is None and row["xla_kernels"] is None
+        assert row["ours_modeled_ms"] > 0
 
 
-def test_an_unknown_component_is_a_usage_error():
+@pytest.mark.parametrize("argv", [["--components", "unet,decoder"], ["--backends", "pallas,triton"]])
+def test_unknown_components_or_backends_are_usage_errors(argv):
     with pytest.raises(SystemExit):
-        gpu.main(["--components", "unet,decoder"])
+        gpu.main(argv)
