@@ -114,14 +114,17 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
 
 def gather_load(ref, offsets, mask: Mask = True, *, size: int | None = None) -> jax.Array:
     """`ref`'s elements at flat `offsets` (an int array, or an int for one element), 0 where `mask` is
-    False. Offsets are clamped to `[0, size)` first, so masked lanes never address past the tensor."""
+    False. With a mask the offsets are used as they are: a masked lane addresses nothing on the GPU
+    (and interpret mode clamps it), and offsets that are `start + iota` stay provably contiguous,
+    so Triton can vectorize the load (a clamp hides that: every element became a scalar load).
+    Without a mask (every lane live) they are clamped to `[0, size)`."""
     size = ref.shape[0] if size is None else size
     if is_static(offsets):
         offsets = jnp.full((1,), min(max(int(offsets), 0), size - 1), jnp.int32)
         value = pltriton.load(ref.at[offsets])
         return jnp.reshape(value, ())
-    offsets = jnp.clip(offsets, 0, size - 1)
     if isinstance(mask, bool):
+        offsets = jnp.clip(offsets, 0, size - 1)
         if not mask:
             return jnp.zeros(offsets.shape, ref.dtype)
         return pltriton.load(ref.at[offsets])
@@ -181,8 +184,9 @@ class RefMemory:
         if found is not None:
             return read_partials(tensor, index, *found)
         shape = parse_type(tensor.ty).shape
-        clamped = tuple(clip(entry, 0, size - 1) for entry, size in zip(index, shape))
-        offsets = linearize(clamped, shape)
+        if isinstance(mask, bool):
+            index = tuple(clip(entry, 0, size - 1) for entry, size in zip(index, shape))
+        offsets = linearize(index, shape)
         if not is_static(offsets) and not isinstance(mask, bool):
             offsets = jnp.broadcast_to(offsets, shape_of((offsets, mask)))
         return gather_load(ref, offsets, mask, size=max(1, math.prod(shape)))
