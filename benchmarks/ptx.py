@@ -98,7 +98,7 @@ _LABEL = re.compile(r"^\s*[$\w]+:\s*")
 _PREDICATE = re.compile(r"^@!?%?\w+\s+")
 _WIDTH = re.compile(r"^(?:b|u|s|f)(\d+)$")
 _WAIT_GROUP = re.compile(r"^wgmma\.wait_group(?:\.sync)?(?:\.aligned)?\s+(\d+)")
-_CP_ASYNC_SIZE = re.compile(r",\s*(\d+)\s*(?:,|$)")
+_CP_ASYNC_SIZE = re.compile(r",\s*(0[xX][0-9a-fA-F]+|\d+)\s*(?:,|$)")  # the copy size: 4, 8 or 16 (often hex)
 
 
 def entries(text: str) -> dict[str, str]:
@@ -178,7 +178,7 @@ def read_kernel(name: str, body: str) -> PtxKernel:
         elif opcode.startswith("cp.async.") and ".global" in opcode and ".shared" in opcode:
             size = _CP_ASYNC_SIZE.search(instruction.split(None, 1)[1] if " " in instruction else "")
             if size is not None:
-                width = int(size[1])
+                width = int(size[1], 0)
                 loads += 1
                 load_bytes += width
                 vector_bytes += width if width * 8 >= VECTOR_BITS else 0
