@@ -311,19 +311,24 @@ def _first_elements(shape: str) -> int | None:
     return math.prod(arrays[0][1]) if arrays else None
 
 
+def kernel_symbol(name: str) -> str:
+    """A kernel name as its PTX `.entry` spells it: characters outside [A-Za-z0-9_] become `_`
+    (`"a.b:matmul"`, Triton's `"a.b_matmul"` -> `"a_b_matmul"`)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
 def match_launches(planned: list[PlannedKernel], launches: list[tuple[str, int | None]]) -> list[int | None]:
     """For each launch (its Triton base name, its first output's elements), the index of its plan
     kernel or None: same Triton name, then the first unmatched one of equal output size, else the
-    first unmatched one (XLA keeps the order of same-named kernels that depend on each other)."""
-    from sd15.plan_cli import _triton_name
-
+    first unmatched one (XLA keeps the order of same-named kernels that depend on each other).
+    Names are compared as PTX spells them (`kernel_symbol`)."""
     by_name: dict[str, list[int]] = collections.defaultdict(list)
     for i, kernel in enumerate(planned):
-        by_name[_triton_name(kernel.name)].append(i)
+        by_name[kernel_symbol(kernel.name)].append(i)
     taken: set[int] = set()
     out: list[int | None] = []
     for name, elements in launches:
-        free = [i for i in by_name.get(name, ()) if i not in taken]
+        free = [i for i in by_name.get(kernel_symbol(name), ()) if i not in taken]
         same = [i for i in free if planned[i].elements == elements]
         choice = (same or free or [None])[0]
         if choice is not None:
@@ -603,7 +608,7 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
         f"bytes) moved by >= 64-bit loads or TMA. modeled: eqsat.cost.roofline for ours; XLA's launches as launch "
         f"+ HBM bytes + dots/convolutions (cuBLAS, cuDNN, Triton GEMM) at {XLA_LIBRARY_EFFICIENCY:.0%} of the "
         f"tensor-core peak, no ALU work for its fusions. CTA/SM: H100 limits of 65536 registers, 228 KB shared "
-        f"memory (1 KB reserved per CTA), 2048 threads, 32 CTAs.")
+        f"memory (1 KB reserved per CTA), 2048 threads, 32 CTAs.", soft_wrap=True)
 
 
 def kinds_table(name: str, row: dict[str, Any], report: dict[str, Any]):
