@@ -274,16 +274,15 @@ class PlannedKernel:
     merge_seconds: float | None  # modeled, when the cost model reports merges
 
 
-def merge_seconds(term, device=DEVICE) -> float | None:
-    """Seconds the cost model charges a kernel for merging hosted-statistic partials, when it
-    reports that (a `merge_seconds` on `kernel_cost`'s result, or `roofline.merge_cost(term,
-    device)`); None when it gives no merge breakdown."""
+def merge_seconds(kernel, device=DEVICE) -> float | None:
+    """Of a plan kernel's modeled seconds, those spent merging hosted-statistic partials where it
+    reads them, when the cost model reports that: the plan's `Kernel.merge_seconds`, else
+    `eqsat.cost.roofline.merge_cost(term, device)`; None when the cost model gives no merge breakdown."""
     from eqsat.cost import roofline
 
-    cost = roofline.kernel_cost(term, device)
-    value = getattr(cost, "merge_seconds", None)
+    value = getattr(kernel, "merge_seconds", None)
     if value is None and callable(getattr(roofline, "merge_cost", None)):
-        merged = roofline.merge_cost(term, device)
+        merged = roofline.merge_cost(kernel.term, device)
         value = getattr(merged, "seconds", merged)
     return None if value is None else float(value)
 
@@ -299,7 +298,7 @@ def planned_kernels(lowered, device=DEVICE) -> list[PlannedKernel]:
     for kernel in plan.kernels:
         name = name_of(kernel.component, kernel.kind)
         terms = kernel.outputs if kernel.op == "Loop" else [kernel.term]
-        merge = merge_seconds(kernel.term, device)
+        merge = merge_seconds(kernel, device)
         for i, term in enumerate(terms):
             out.append(PlannedKernel(name, kernel.kind, parse_type(term.ty).size, kernel.seconds if i == 0 else 0.0,
                                      merge if i == 0 else None))

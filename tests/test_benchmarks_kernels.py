@@ -270,3 +270,16 @@ def test_tiny_text_encoder_end_to_end(tmp_path, capsys):
     # the compiled program is kept: PTX and the thunk sequence of both executables
     assert list((tmp_path / "dump" / "text_encoder" / "eqsat").glob("*.ptx"))
     assert list((tmp_path / "dump" / "text_encoder" / "xla").glob("*.thunk_sequence.txt"))
+
+
+def test_merge_seconds_from_the_plan_or_the_roofline(monkeypatch):
+    """The merge breakdown is read when the cost model gives one, and is None when it does not."""
+    from types import SimpleNamespace
+
+    from eqsat.cost import Cost, roofline
+
+    assert kernels.merge_seconds(SimpleNamespace(merge_seconds=2e-6, term=None)) == 2e-6
+    monkeypatch.delattr(roofline, "merge_cost", raising=False)
+    assert kernels.merge_seconds(SimpleNamespace(term=None)) is None
+    monkeypatch.setattr(roofline, "merge_cost", lambda term, device: Cost(0.0, 10.0, 3e-6), raising=False)
+    assert kernels.merge_seconds(SimpleNamespace(term=None)) == 3e-6
