@@ -601,6 +601,10 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
             console.print(table)
         console.print(kinds_table(name, row, report))
     console.print(components_table(report))
+    for name, row in report["components"].items():
+        if row.get("xla_seconds_by_category"):
+            parts = ", ".join(f"{category} {_us(seconds)}" for category, seconds in row["xla_seconds_by_category"].items())
+            console.print(f"  {name}: XLA's modeled µs by category: {parts}", soft_wrap=True)
     console.print(
         f"  counted: read from the compiled program (thunk sequence, PTX, ptxas -arch=sm_90a -v); 'vector ld' is the "
         f"share of static PTX global-load instruction bytes (each instruction weighted by its width, not dynamic "
