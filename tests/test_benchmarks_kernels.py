@@ -283,3 +283,15 @@ def test_merge_seconds_from_the_plan_or_the_roofline(monkeypatch):
     assert kernels.merge_seconds(SimpleNamespace(term=None)) is None
     monkeypatch.setattr(roofline, "merge_cost", lambda term, device: Cost(0.0, 10.0, 3e-6), raising=False)
     assert kernels.merge_seconds(SimpleNamespace(term=None)) == 3e-6
+
+
+def test_missing_ptxas_is_one_line(monkeypatch, capsys):
+    """Without the pip package's ptxas the command stops at once with one line (no system ptxas)."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(ptx.PtxasMissing, match="pip install nvidia-cuda-nvcc-cu12"):
+        ptx.ptxas_path()
+    assert kernels.main(["--component", "text_encoder", "--config", "tiny"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ptxas not found") and "\n" not in error
