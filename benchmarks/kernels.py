@@ -64,7 +64,7 @@ DEVICE = "h100"
 # What each figure is: read from the compiled program, or computed by the cost model.
 LABELS = {
     "grid": "counted", "ctas": "counted", "threads": "counted", "registers": "counted",
-    "spill_bytes": "counted", "shared_bytes": "counted", "ctas_per_sm": "counted",
+    "spill_bytes": "counted", "shared_bytes": "counted", "ctas_per_sm": "counted", "waves": "counted",
     "tensor_core": "counted", "vector_load_fraction": "counted (static PTX instructions)",
     "global_load_bytes": "counted (static PTX instructions)", "wgmma_wait_depth": "counted",
     "modeled_seconds": "modeled (eqsat.cost.roofline)", "merge_seconds": "modeled (eqsat.cost.roofline)",
@@ -368,6 +368,7 @@ def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel, counts: ptx.Pt
     shared = thunk.shared_bytes + (resources.shared_bytes if resources else 0)
     seconds = planned.seconds if planned else None
     merge = planned.merge_seconds if planned else None
+    per_sm = ptx.ctas_per_sm(registers, threads, shared) if registers is not None else None
     return {
         "name": planned.name if planned else triton_name,
         "kind": planned.kind if planned else "extra",
@@ -378,7 +379,8 @@ def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel, counts: ptx.Pt
         "registers": registers,
         "spill_bytes": resources.spill_bytes if resources else None,
         "shared_bytes": shared,
-        "ctas_per_sm": ptx.ctas_per_sm(registers, threads, shared) if registers is not None else None,
+        "ctas_per_sm": per_sm,
+        "waves": ptx.waves(math.prod(thunk.grid), per_sm) if per_sm is not None else None,
         "tensor_core": counts.tensor_core if counts else None,
         "wgmma": counts.wgmma if counts else None,
         "mma_sync": counts.mma_sync if counts else None,
@@ -425,7 +427,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         raise RuntimeError(reason)
     start = time.perf_counter()
     log(f"{workload.name}: optimizing ({workload.description})")
-    fields, fast, lowered = plan_cli.measure_plan(workload, optimize, DEVICE)
+    _, fast, lowered = plan_cli.measure_plan(workload, optimize, DEVICE)
     planned = planned_kernels(lowered)
     log(f"{workload.name}: {len(planned)} per-call kernels planned in {time.perf_counter() - start:.0f} s; "
         "compiling our executable for H100")
@@ -587,7 +589,7 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
             table = Table(title=f"{name}: kernels of our H100 program ({report['config']}, {report['dtype']}, "
                           f"commit {report['commit']})")
             for column, justify in (("kernel", "left"), ("grid", "right"), ("threads", "right"), ("regs", "right"),
-                                    ("spill B", "right"), ("smem KB", "right"), ("CTA/SM", "right"),
+                                    ("spill B", "right"), ("smem KB", "right"), ("CTA/SM", "right"), ("waves", "right"),
                                     ("tensor core", "left"), ("vector ld", "right"), ("wgmma wait", "right"),
                                     ("modeled µs", "right")):
                 table.add_column(column, justify=justify)
@@ -596,7 +598,8 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
                 table.add_row(
                     kernel["name"], "x".join(map(str, kernel["grid"])), _n(kernel["threads"]), _n(kernel["registers"]),
                     f"[red]{spill:,}[/]" if spill else _n(spill), f"{kernel['shared_bytes'] / 1024:.1f}",
-                    _n(kernel["ctas_per_sm"]), kernel["tensor_core"] or "n/a", _share(kernel["vector_load_fraction"]),
+                    _n(kernel["ctas_per_sm"]), "n/a" if kernel["waves"] is None else f"{kernel['waves']:.2f}",
+                    kernel["tensor_core"] or "n/a", _share(kernel["vector_load_fraction"]),
                     _n(kernel["wgmma_wait_depth"]) if kernel["wgmma"] else "-", _us(kernel["modeled_seconds"]))
             console.print(table)
         console.print(kinds_table(name, row, report))

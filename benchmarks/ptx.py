@@ -27,6 +27,7 @@ import subprocess
 from pathlib import Path
 
 # --- H100 SM limits (CUDA C Programming Guide, compute capability 9.0) --------------------------
+SM_COUNT = 132  # H100 SXM5 (core_count of eqsat.xla_target's H100 target config)
 SM_REGISTERS = 65536
 SM_SHARED_BYTES = 228 * 1024
 SM_THREADS = 2048
@@ -255,6 +256,12 @@ def run_ptxas(ptx_path: str | os.PathLike, arch: str = "sm_90a", ptxas: Path | N
 
 
 # --- occupancy ---------------------------------------------------------------------------------
+
+
+def waves(ctas: int, per_sm: int) -> float | None:
+    """Launch waves on an H100: CTAs over the CTAs all SMs hold at once (0.3: most SMs idle; 1.05:
+    a nearly empty second wave). None when one CTA does not fit on an SM."""
+    return ctas / (SM_COUNT * per_sm) if per_sm else None
 
 
 def ctas_per_sm(registers: int, threads: int, shared_bytes: int) -> int:

@@ -171,6 +171,12 @@ def test_ctas_per_sm(registers, threads, shared, expected):
     assert ptx.ctas_per_sm(registers, threads, shared) == expected
 
 
+def test_waves():
+    assert ptx.waves(64, 1) == pytest.approx(64 / 132)
+    assert ptx.waves(2 * 132 * 6 + 1, 6) == pytest.approx(2 + 1 / (132 * 6))
+    assert ptx.waves(10, 0) is None
+
+
 def test_thunk_kernels_and_hlo_flops():
     sequence = (
         "001: kCustomKernel [source       | next=002 (1)] text_model_embeddings_token_embedding_gather grid: "
@@ -257,6 +263,7 @@ def test_tiny_text_encoder_end_to_end(tmp_path, capsys):
     for kernel in row["kernels"]:
         assert isinstance(kernel["registers"], int) and 0 < kernel["registers"] <= 255, kernel
         assert kernel["threads"] % 32 == 0 and kernel["ctas"] >= 1 and kernel["ctas_per_sm"] >= 1, kernel
+        assert kernel["waves"] == pytest.approx(kernel["ctas"] / (132 * kernel["ctas_per_sm"])), kernel
         assert kernel["spill_bytes"] >= 0 and kernel["global_load_bytes"] > 0, kernel
         assert kernel["modeled_seconds"] > 0, kernel
     assert row["wgmma_kernels"] + row["mma_sync_kernels"] >= sum(k["kind"] in ("matmul", "attention")
