@@ -94,16 +94,9 @@ def forced_conv_config(config):
 
 
 def median_seconds(call: Callable[[], Any], iters: int, warmup: int) -> float:
-    import jax
+    from benchmarks.gpu import wall_times
 
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_times(call, iters, warmup))
 
 
 def sweep_shape(name, batch, cin, cout, size, *, configs, iters, warmup, dtype, log) -> dict[str, Any]:

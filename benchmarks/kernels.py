@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from benchmarks import ptx
+from eqsat.xla_target import split_instruction, split_shape
 
 COMPONENTS = ("unet", "vae", "text_encoder")
 # The share of the tensor-core peak at which XLA's library and Triton GEMM kernels are priced.
@@ -122,18 +123,6 @@ def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(dtype, tuple(int(d) for d in dims.split(",")) if dims else ()) for dtype, dims in _HLO_ARRAY.findall(shape)]
 
 
-def _split_shape(rest: str) -> tuple[str, str]:
-    """`"(f16[2]{0}, u8[0]{0}) custom-call(%a), ..."` -> (shape text, text after it)."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                return rest[: i + 1], rest[i + 1 :].lstrip()
-    shape, _, after = rest.partition(" ")
-    return shape, after
-
-
 def read_hlo(text: str) -> tuple[dict[str, HloInstruction], dict[str, list[str]]]:
     """Every instruction of an HLO module's text by name, and each computation's instruction names."""
     instructions: dict[str, HloInstruction] = {}
@@ -147,16 +136,9 @@ def read_hlo(text: str) -> tuple[dict[str, HloInstruction], dict[str, list[str]]
         match = _HLO_INSTRUCTION.match(line)
         if match is None:
             continue
-        shape, after = _split_shape(match["rest"])
-        opcode, _, args = after.partition("(")
-        depth, end = 1, len(args)
-        for i, ch in enumerate(args):
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                end = i
-                break
-        operands = tuple(re.findall(r"%([\w.\-]+)", args[:end]))
-        instructions[match["name"]] = HloInstruction(match["name"], shape, opcode.strip(), operands, args[end:])
+        shape, after = split_shape(match["rest"])
+        opcode, operands, attributes = split_instruction(after)
+        instructions[match["name"]] = HloInstruction(match["name"], shape, opcode, tuple(operands), attributes)
         if current is not None:
             current.append(match["name"])
     return instructions, computations

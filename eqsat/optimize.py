@@ -56,6 +56,8 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
+from eqsat.differentiate import any_tracer, with_original_derivatives
+
 STAGES = ("lift", "build", "saturate", "extract")
 PREPARE_STAGE = "prepare"  # after extract, when parameters are marked
 
@@ -189,6 +191,10 @@ class Optimized:
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
+        if run.backend in ("pallas", "hybrid") and any_tracer((args, kwargs)):
+            # Pallas kernels have no general derivative: differentiated, the call is fn's own JVP.
+            return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
+                                             self.static_argnames)
         return run(*args, **kwargs)
 
     @property

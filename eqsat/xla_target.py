@@ -565,7 +565,7 @@ def _array_bytes(shape_text: str, drop_workspace: bool = False) -> int:
     return int(total)
 
 
-def _split_shape(rest: str) -> tuple[str, str]:
+def split_shape(rest: str) -> tuple[str, str]:
     """`"(f16[2]{0}, u8[0]{0}) custom-call(%a), ..."` -> (shape text, text after it)."""
     if rest.startswith("("):
         depth = 0
@@ -578,6 +578,18 @@ def _split_shape(rest: str) -> tuple[str, str]:
     return shape, after
 
 
+def split_instruction(after_shape: str) -> tuple[str, list[str], str]:
+    """`(opcode, operand names, attributes)` of an HLO instruction's text after its result shape."""
+    opcode, _, args = after_shape.partition("(")
+    depth, end = 1, len(args)
+    for i, ch in enumerate(args):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            end = i
+            break
+    return opcode.strip(), re.findall(r"%([\w.\-]+)", args[:end]), args[end:]
+
+
 def _read_hlo(text: str) -> dict[str, dict[str, Any]]:
     """name -> {bytes (operands + result), opcode, fusion_kind, backend_kind, target, scope,
     reads_only_inputs}."""
@@ -586,18 +598,10 @@ def _read_hlo(text: str) -> dict[str, dict[str, Any]]:
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
-        shape, after = _split_shape(match["rest"])
-        opcode, _, args = after.partition("(")
-        depth, end = 1, len(args)
-        for i, ch in enumerate(args):
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                end = i
-                break
-        operands = re.findall(r"%([\w.\-]+)", args[:end])
-        attributes = args[end:]
+        shape, after = split_shape(match["rest"])
+        opcode, operands, attributes = split_instruction(after)
         shapes[match["name"]] = shape
-        instructions[match["name"]] = (shape, opcode.strip(), operands, attributes)
+        instructions[match["name"]] = (shape, opcode, operands, attributes)
     from_inputs: dict[str, bool] = {}  # instruction -> is an argument seen through views
 
     def is_input(name: str) -> bool:
