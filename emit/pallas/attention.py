@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -94,6 +95,21 @@ class AttentionProblem:
 # --- kernel -------------------------------------------------------------------------------------
 
 
+LOG2_E = math.log2(math.e)
+
+
+def key_loop_trips(kv_len: int, block_k: int) -> int:
+    """Key blocks the kernel's loop runs: the full ones (a partial last block runs once after it)."""
+    return kv_len // block_k
+
+
+def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
+    """Whether scores go straight to base 2 (`s · scale·log2 e`, one FMA with the max) rather than
+    through natural-base scores: without a bias, and when the base-2 scale is at most 1 so that no
+    finite `s · scale` overflows (a bias of -3e38 times log2 e would be -inf: those stay natural)."""
+    return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
+
+
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
@@ -101,39 +117,57 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     ds = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
-    row_ok, d_ok = rows < problem.q_len, ds < problem.head_dim
-    q_mask = row_ok & d_ok
+    row_ok = rows < problem.q_len
+    d_ok = True if problem.head_dim == dp else ds < problem.head_dim
+    q_mask = jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, dp))
     q = problem.q(inputs, (b, h, rows, ds), q_mask)
     q = jnp.where(q_mask, q, jnp.zeros((), q.dtype))
+    base2 = folds_scale_into_exp2(problem)
 
-    def kv_step(t, carry):
-        o, m, l = carry
+    def kv_step(t, carry, *, tail: bool):
+        """One key block; only the `tail` block (past the last full one) masks keys."""
+        o, m, l = carry  # m: the running row max of the scores (base 2 if `base2`), l: the running sum
         cols = t * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        kv_mask = (cols < problem.kv_len) & d_ok
+        kv_mask = ex.both(cols < problem.kv_len, d_ok) if tail else d_ok
         k = problem.k(inputs, (b, h, cols, ds), kv_mask)
-        k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
+        if kv_mask is not True:
+            k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
         dtype = jnp.promote_types(q.dtype, k.dtype)
         s = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * problem.scale
+                            preferred_element_type=jnp.float32)
         score_cols = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        score_mask = row_ok & (score_cols < problem.kv_len)
+        col_ok = score_cols < problem.kv_len
         if problem.bias is not None:
-            s = s + problem.bias(inputs, (b, h, rows, score_cols), score_mask).astype(jnp.float32)
-        s = jnp.where(score_mask, s, -jnp.inf)  # natural base: a score of -3e38 (a finite mask) stays finite
-        m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+            bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, bk)) if tail else True
+            s = s * problem.scale + problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32)
+        elif not base2:
+            s = s * problem.scale
+        if tail:
+            s = jnp.where(col_ok, s, -jnp.inf)
+        block_max = jnp.max(s, axis=1)
+        m_next = jnp.maximum(m, block_max * (problem.scale * LOG2_E) if base2 else block_max)
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
-        correction = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe)
-        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+        if base2:  # s · scale·log2 e - m: one FMA per score
+            p = jnp.exp2(s * (problem.scale * LOG2_E) - m_safe[:, None])
+            correction = jnp.exp2(m - m_safe)
+        else:  # natural scores: the difference first (finite for a bias of -3e38), then to base 2
+            p = jnp.exp2((s - m_safe[:, None]) * LOG2_E)
+            correction = jnp.exp2((m - m_safe) * LOG2_E)
+        l = l * correction + jnp.sum(p, axis=1)
         v = problem.v(inputs, (b, h, cols, ds), kv_mask)
-        v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))
-        o = o * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if kv_mask is not True:
+            v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))
+        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o, m_next, l
 
-    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((bq, 1), jnp.float32))
-    o, _, l = lax.fori_loop(0, pl.cdiv(problem.kv_len, bk), kv_step, init)
-    out = problem.epilogue(inputs, o / l, (b, h, rows, ds), q_mask)
+    carry = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    full_blocks = key_loop_trips(problem.kv_len, bk)
+    if full_blocks:
+        carry = lax.fori_loop(0, full_blocks, functools.partial(kv_step, tail=False), carry)
+    if problem.kv_len % bk:
+        carry = kv_step(full_blocks, carry, tail=True)
+    o, _, l = carry
+    out = problem.epilogue(inputs, o / l[:, None], (b, h, rows, ds), q_mask)
     flat = ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds
     store(out_ref, flat, out, q_mask)
 

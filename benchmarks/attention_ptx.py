@@ -1,0 +1,257 @@
+"""The flash-attention template (`emit/pallas/attention.py`) compiled for an H100 without a GPU, read
+from its PTX: instructions per score, per kind, and `ptxas -arch=sm_90a -v` registers and spills,
+at the SD 1.5 shapes.
+
+    python -m benchmarks.attention_ptx                 # every shape, a table
+    python -m benchmarks.attention_ptx --only unet64   # shapes whose name starts with unet64
+    python -m benchmarks.attention_ptx --json out.json --dump DIR
+
+Each case is the template on contiguous `[batch, heads, seq, head_dim]` fp16 operands (CLIP's causal
+mask as a `[seq, seq]` bias read per score tile, as the plan gives it), with its default tile sizes,
+compiled by `eqsat.xla_target.compile_for_h100` (XLA drives Triton for sm_90a). Counted in the PTX
+of the kernel (`.entry attention`), one statement per instruction:
+
+- `loop`: the instructions of the key loop's body (the region between a label and the branch back to
+  it) and `loop_per_score` = loop instructions x threads / (block_q x block_k): what one score of a
+  full key block costs, summed over the threads that share the block. `loop_kinds_per_score` splits
+  it by opcode (`ex2`, `setp`, `selp`, `cvt`, `ld.global`, `fma`, ...).
+- `per_score`: every instruction a program executes (the code outside the loop once, the loop body
+  `key_loop_trips` times) x threads / (block_q x kv_len): per *real* score, so padded keys and
+  query rows of the last block are charged to the real ones.
+- `registers`, `spill_bytes` (stores + loads) from `ptxas -arch=sm_90a -v` (the `nvidia-cuda-nvcc-cu12`
+  pip package's ptxas, never a system one).
+
+Instructions are static counts per thread; warp-level work is this times the threads / 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from emit.pallas import attention as at
+from emit.pallas.triton import gather_load
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    causal_bias: bool = False
+
+
+# SD 1.5 at 512x512 with classifier-free guidance (batch 2): the UNet's self- and cross-attention at
+# 64², 32², 16², 8² latents (8 heads of 40, 80, 160, 160; 77 context tokens), CLIP's causal
+# self-attention (12 heads of 64) and the VAE's mid-block attention (one head of 512).
+SHAPES = (
+    Shape("unet64.self", 2, 8, 4096, 4096, 40),
+    Shape("unet64.cross", 2, 8, 4096, 77, 40),
+    Shape("unet32.self", 2, 8, 1024, 1024, 80),
+    Shape("unet32.cross", 2, 8, 1024, 77, 80),
+    Shape("unet16.self", 2, 8, 256, 256, 160),
+    Shape("unet16.cross", 2, 8, 256, 77, 160),
+    Shape("unet8.self", 2, 8, 64, 64, 160),
+    Shape("unet8.cross", 2, 8, 64, 77, 160),
+    Shape("clip.causal", 2, 12, 77, 77, 64, causal_bias=True),
+    Shape("vae.mid", 1, 1, 4096, 4096, 512),
+)
+
+
+def attention_fn(shape: Shape):
+    """`fn(q, k, v[, bias])` running the template on contiguous operands, and its abstract arguments."""
+    B, H, Q, K, D = shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.head_dim
+
+    def operand(position, length):
+        def tile(refs, index, mask):
+            b, h, s, d = index
+            return gather_load(refs[position], ((b * H + h) * length + s) * D + d, mask)
+        return tile
+
+    def bias(refs, index, mask):
+        _, _, rows, cols = index
+        return gather_load(refs[3], rows * K + cols, mask)
+
+    problem = at.AttentionProblem(B, H, Q, K, D, operand(0, Q), operand(1, K), operand(2, K),
+                                  bias if shape.causal_bias else None, D**-0.5,
+                                  lambda refs, acc, index, mask: acc, jnp.float16)
+
+    def fn(*inputs):
+        return at.build(problem, list(inputs), interpret=False)
+
+    args = [jax.ShapeDtypeStruct((B, H, Q, D), jnp.float16)] + [jax.ShapeDtypeStruct((B, H, K, D), jnp.float16)] * 2
+    if shape.causal_bias:
+        args.append(jax.ShapeDtypeStruct((Q, K), jnp.float32))
+    return fn, args
+
+
+# --- reading PTX ---------------------------------------------------------------------------------
+
+_LABEL = re.compile(r"^(\$\w+):$")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$\w+)")
+
+
+def entry_body(ptx: str, entry: str) -> str:
+    """The text between the braces of `.entry <entry>(...)`."""
+    start = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(", ptx)
+    if start is None:
+        raise ValueError(f"no .entry {entry} in the PTX")
+    open_brace = ptx.index("{", ptx.index(")", start.end()))
+    depth, i = 0, open_brace
+    while True:
+        depth += {"{": 1, "}": -1}.get(ptx[i], 0)
+        if depth == 0:
+            return ptx[open_brace + 1:i]
+        i += 1
+
+
+def statements(body: str) -> list[str]:
+    """Instructions and labels of a PTX function body, one per entry (inline-asm scopes unwrapped)."""
+    out = []
+    for line in body.splitlines():
+        line = line.split("//", 1)[0].strip()
+        if _LABEL.match(line):
+            out.append(line)
+            continue
+        for part in line.split(";"):
+            part = part.strip().lstrip("{}").strip()
+            if part and not part.startswith(".") and part != "}":
+                out.append(part)
+    return out
+
+
+def opcode(statement: str) -> str:
+    words = statement.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+def kind(op: str) -> str:
+    """A short instruction class: `ex2`, `setp`, `selp`, `cvt`, `ld.global`, `ld.shared`, `st.shared`,
+    `wgmma`, `mma`, else the opcode's first word (`fma`, `add`, `mul`, `max`, `mov`, ...)."""
+    parts = op.split(".")
+    if parts[0] in ("ld", "st") and len(parts) > 1:
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+@dataclasses.dataclass
+class KernelPtx:
+    threads: int
+    instructions: int
+    loop_instructions: int  # 0 when the key loop was unrolled away
+    loop_kinds: dict[str, int]
+    kinds: dict[str, int]
+
+
+def read_kernel(ptx: str, entry: str = "attention") -> KernelPtx:
+    body = entry_body(ptx, entry)
+    threads_match = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx[ptx.index(".entry " + entry):])
+    threads = int(threads_match.group(1)) if threads_match else 0
+    items = statements(body)
+    labels = {m.group(1): i for i, s in enumerate(items) if (m := _LABEL.match(s))}
+    loops = []  # (start, end) index ranges of backward branches
+    for i, s in enumerate(items):
+        m = _BRANCH.search(s)
+        if m and labels.get(m.group(1), i + 1) < i:
+            loops.append((labels[m.group(1)], i))
+    instructions = [s for s in items if not _LABEL.match(s)]
+    if len(loops) > 1:
+        raise ValueError(f"expected at most one loop in the attention kernel, found {len(loops)}")
+    loop = [s for s in items[loops[0][0]:loops[0][1] + 1] if not _LABEL.match(s)] if loops else []
+    return KernelPtx(threads, len(instructions), len(loop),
+                     dict(collections.Counter(kind(opcode(s)) for s in loop)),
+                     dict(collections.Counter(kind(opcode(s)) for s in instructions)))
+
+
+def ptxas_path() -> str:
+    import nvidia.cuda_nvcc
+
+    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+
+
+def ptxas_usage(ptx_path: str) -> dict[str, int]:
+    """Registers and spill bytes of every kernel in `ptx_path`, from `ptxas -arch=sm_90a -v`."""
+    done = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                          capture_output=True, text=True, check=True)
+    text = done.stderr + done.stdout
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(registers.group(1)) if registers else -1,
+            "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else -1}
+
+
+# --- one case ----------------------------------------------------------------------------------------
+
+
+def measure(shape: Shape, dump: Path) -> dict:
+    from eqsat.xla_target import compile_for_h100
+
+    fn, args = attention_fn(shape)
+    report = compile_for_h100(fn, *args, keep_dump=dump)
+    if report is None:
+        raise SystemExit("the H100 compile target is not installed (pip install -e '.[cuda-target]')")
+    blocks = at.AttentionBlocks.get_default(shape.q_len, shape.kv_len, shape.head_dim)
+    (ptx_path,) = [p for p in glob.glob(str(dump / "*.ptx")) if ".entry attention" in Path(p).read_text()]
+    kernel = read_kernel(Path(ptx_path).read_text())
+    trips = at.key_loop_trips(shape.kv_len, blocks.block_k) if kernel.loop_instructions else 0
+    executed = kernel.instructions + kernel.loop_instructions * (trips - 1) if trips else kernel.instructions
+    tile_scores = blocks.block_q * blocks.block_k
+    row = {
+        "shape": dataclasses.asdict(shape),
+        "blocks": dataclasses.asdict(blocks),
+        "threads": kernel.threads,
+        "instructions": kernel.instructions,
+        "loop_instructions": kernel.loop_instructions,
+        "loop_trips": trips,
+        "loop_per_score": kernel.loop_instructions * kernel.threads / tile_scores,
+        "loop_kinds_per_score": {k: v * kernel.threads / tile_scores for k, v in sorted(kernel.loop_kinds.items())},
+        "per_score": executed * kernel.threads / (blocks.block_q * shape.kv_len),
+        "kinds": kernel.kinds,
+        **ptxas_usage(ptx_path),
+    }
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", default=None, help="shape name prefixes")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--dump", default=None, help="keep each compile's XLA dump (PTX) under DIR/<shape>")
+    options = parser.parse_args(argv)
+    shapes = [s for s in SHAPES if options.only is None or any(s.name.startswith(p) for p in options.only)]
+    rows = []
+    root = Path(options.dump) if options.dump else Path(tempfile.mkdtemp(prefix="attention_ptx_"))
+    print(f"{'shape':14} {'q x kv x d':>18} {'bq x bk':>8} {'thr':>4} {'loop/score':>10} {'ex2':>5} {'setp':>5} "
+          f"{'selp':>5} {'cvt':>5} {'ld.g':>5} {'all/score':>9} {'regs':>4} {'spill':>5}")
+    for shape in shapes:
+        row = measure(shape, root / shape.name)
+        rows.append(row)
+        kinds = row["loop_kinds_per_score"]
+        b = row["blocks"]
+        print(f"{shape.name:14} {f'{shape.q_len}x{shape.kv_len}x{shape.head_dim}':>18} "
+              f"{'%dx%d' % (b['block_q'], b['block_k']):>8} {row['threads']:4d} {row['loop_per_score']:10.1f} "
+              + " ".join(f"{kinds.get(k, 0):5.2f}" for k in ("ex2", "setp", "selp", "cvt", "ld.global"))
+              + f" {row['per_score']:9.1f} {row['registers']:4d} {row['spill_bytes']:5d}", flush=True)
+    if options.json:
+        Path(options.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
