@@ -15,9 +15,9 @@ of the kernel (`.entry attention`), one statement per instruction:
   it) and `loop_per_score` = loop instructions x threads / (block_q x block_k): what one score of a
   full key block costs, summed over the threads that share the block. `loop_kinds_per_score` splits
   it by opcode (`ex2`, `setp`, `selp`, `cvt`, `ld.global`, `fma`, ...).
-- `per_score`: every instruction a program executes (the code outside the loop once, the loop body
-  `key_loop_trips` times) x threads / (block_q x kv_len): per *real* score, so padded keys and
-  query rows of the last block are charged to the real ones.
+- `per_score`: every instruction the programs of one (batch, head) execute (per program the code
+  outside the loop once, the loop body `key_loop_trips` times) x threads / (q_len x kv_len): per
+  *real* score, so padded keys and query rows are charged to the real ones.
 - `registers`, `spill_bytes` (stores + loads) from `ptxas -arch=sm_90a -v` (the `nvidia-cuda-nvcc-cu12`
   pip package's ptxas, never a system one).
 
@@ -74,7 +74,7 @@ SHAPES = (
 )
 
 
-def attention_fn(shape: Shape):
+def attention_fn(shape: Shape, blocks: at.AttentionBlocks | None = None):
     """`fn(q, k, v[, bias])` running the template on contiguous operands, and its abstract arguments."""
     B, H, Q, K, D = shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.head_dim
 
@@ -93,7 +93,7 @@ def attention_fn(shape: Shape):
                                   lambda refs, acc, index, mask: acc, jnp.float16)
 
     def fn(*inputs):
-        return at.build(problem, list(inputs), interpret=False)
+        return at.build(problem, list(inputs), blocks=blocks, interpret=False)
 
     args = [jax.ShapeDtypeStruct((B, H, Q, D), jnp.float16)] + [jax.ShapeDtypeStruct((B, H, K, D), jnp.float16)] * 2
     if shape.causal_bias:
@@ -199,18 +199,20 @@ def ptxas_usage(ptx_path: str) -> dict[str, int]:
 # --- one case ----------------------------------------------------------------------------------------
 
 
-def measure(shape: Shape, dump: Path) -> dict:
+def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None) -> dict:
+    """Compile `shape` (with `blocks`, else the template's default tiles) and read its PTX."""
     from eqsat.xla_target import compile_for_h100
 
-    fn, args = attention_fn(shape)
+    blocks = blocks or at.AttentionBlocks.get_default(shape.q_len, shape.kv_len, shape.head_dim)
+    fn, args = attention_fn(shape, blocks)
     report = compile_for_h100(fn, *args, keep_dump=dump)
     if report is None:
         raise SystemExit("the H100 compile target is not installed (pip install -e '.[cuda-target]')")
-    blocks = at.AttentionBlocks.get_default(shape.q_len, shape.kv_len, shape.head_dim)
     (ptx_path,) = [p for p in glob.glob(str(dump / "*.ptx")) if ".entry attention" in Path(p).read_text()]
     kernel = read_kernel(Path(ptx_path).read_text())
     trips = at.key_loop_trips(shape.kv_len, blocks.block_k) if kernel.loop_instructions else 0
     executed = kernel.instructions + kernel.loop_instructions * (trips - 1) if trips else kernel.instructions
+    query_blocks = -(-shape.q_len // blocks.block_q)
     tile_scores = blocks.block_q * blocks.block_k
     row = {
         "shape": dataclasses.asdict(shape),
@@ -221,7 +223,7 @@ def measure(shape: Shape, dump: Path) -> dict:
         "loop_trips": trips,
         "loop_per_score": kernel.loop_instructions * kernel.threads / tile_scores,
         "loop_kinds_per_score": {k: v * kernel.threads / tile_scores for k, v in sorted(kernel.loop_kinds.items())},
-        "per_score": executed * kernel.threads / (blocks.block_q * shape.kv_len),
+        "per_score": executed * kernel.threads * query_blocks / (shape.q_len * shape.kv_len),
         "kinds": kernel.kinds,
         **ptxas_usage(ptx_path),
     }
@@ -232,15 +234,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, help="shape name prefixes")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--blocks", default=None, metavar="BQxBKxWARPS",
+                        help="tile sizes and warps for every shape instead of the template's defaults")
     parser.add_argument("--dump", default=None, help="keep each compile's XLA dump (PTX) under DIR/<shape>")
     options = parser.parse_args(argv)
     shapes = [s for s in SHAPES if options.only is None or any(s.name.startswith(p) for p in options.only)]
+    blocks = None
+    if options.blocks:
+        block_q, block_k, warps = (int(x) for x in options.blocks.split("x"))
+        blocks = at.AttentionBlocks(block_q, block_k, num_warps=warps)
     rows = []
     root = Path(options.dump) if options.dump else Path(tempfile.mkdtemp(prefix="attention_ptx_"))
     print(f"{'shape':14} {'q x kv x d':>18} {'bq x bk':>8} {'thr':>4} {'loop/score':>10} {'ex2':>5} {'setp':>5} "
           f"{'selp':>5} {'cvt':>5} {'ld.g':>5} {'all/score':>9} {'regs':>4} {'spill':>5}")
     for shape in shapes:
-        row = measure(shape, root / shape.name)
+        row = measure(shape, root / shape.name, blocks)
         rows.append(row)
         kinds = row["loop_kinds_per_score"]
         b = row["blocks"]

@@ -56,11 +56,14 @@ class AttentionBlocks:
 
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """64x64 tiles (32 keys for head dims above 128), shrunk to short sequences."""
-        padded = tr.next_pow2(head_dim)
-        block_q = min(64, max(MIN_DOT_BLOCK, tr.next_pow2(q_len)))
-        block_k = min(32 if padded > 128 else 64, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len)))
-        return cls(block_q, block_k, num_warps=4 if padded <= 64 else 8)
+        """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys;
+        128 queries on 8 warps (a warpgroup per 64 rows) from 1024 queries on, where the k/v loads
+        per score halve and the grid still fills the GPU, else 64 queries on 4 warps; heads wider
+        than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short sequences."""
+        width = sum(w for _, w in head_pieces(head_dim))
+        block_q, block_k, warps = (64, 32, 8) if width > 256 else (128, 64, 8) if q_len >= 1024 else (64, 64, 4)
+        return cls(min(block_q, max(MIN_DOT_BLOCK, tr.next_pow2(q_len))),
+                   min(block_k, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len))), num_warps=warps)
 
     def validate(self) -> None:
         for name in ("block_q", "block_k"):
@@ -110,36 +113,59 @@ def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
     return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
 
 
+def tail_width(kv_len: int, block_k: int) -> int:
+    """Key slots of the partial last block: the leftover keys rounded up to a power of two >= 16
+    (77 keys in blocks of 64: one block of 64 and a tail of 16 slots, not 128)."""
+    return max(MIN_DOT_BLOCK, tr.next_pow2(kv_len % block_k))
+
+
+def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """`(offset, width)` pieces of the head dim, powers of two >= 16 covering it (rounded up to 16):
+    40 -> 32+16, 80 -> 64+16, 160 -> 128+32, 64 -> 64. The dots and the accumulator run per piece,
+    so a head of 160 multiplies and holds 160 lanes, not 256."""
+    total = -(-head_dim // MIN_DOT_BLOCK) * MIN_DOT_BLOCK
+    pieces, offset = [], 0
+    for width in sorted((1 << bit for bit in range(total.bit_length()) if total >> bit & 1), reverse=True):
+        pieces.append((offset, width))
+        offset += width
+    return tuple(pieces)
+
+
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
-    dp = max(MIN_DOT_BLOCK, tr.next_pow2(problem.head_dim))
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    ds = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
     row_ok = rows < problem.q_len
-    d_ok = True if problem.head_dim == dp else ds < problem.head_dim
-    q_mask = jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, dp))
-    q = problem.q(inputs, (b, h, rows, ds), q_mask)
-    q = jnp.where(q_mask, q, jnp.zeros((), q.dtype))
+    # Per head-dim piece: its lanes, and which are inside the head (True: all of them).
+    pieces = [(ds := offset + lax.broadcasted_iota(jnp.int32, (1, width), 1),
+               True if offset + width <= problem.head_dim else ds < problem.head_dim)
+              for offset, width in head_pieces(problem.head_dim)]
+    q_masks = [jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, ds.shape[1])) for ds, d_ok in pieces]
+    qs = [jnp.where(mask, problem.q(inputs, (b, h, rows, ds), mask), 0)
+          for (ds, _), mask in zip(pieces, q_masks)]
     base2 = folds_scale_into_exp2(problem)
 
-    def kv_step(t, carry, *, tail: bool):
-        """One key block; only the `tail` block (past the last full one) masks keys."""
-        o, m, l = carry  # m: the running row max of the scores (base 2 if `base2`), l: the running sum
-        cols = t * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        kv_mask = ex.both(cols < problem.kv_len, d_ok) if tail else d_ok
-        k = problem.k(inputs, (b, h, cols, ds), kv_mask)
-        if kv_mask is not True:
-            k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
-        dtype = jnp.promote_types(q.dtype, k.dtype)
-        s = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        score_cols = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    def kv_step(start, carry, *, width: int, tail: bool):
+        """Keys `start ..< start + width`; only the `tail` block (past the last full one) masks keys."""
+        os, m, l = carry  # m: the running row max of the scores (base 2 if `base2`), l: the running sum
+        cols = start + lax.broadcasted_iota(jnp.int32, (width, 1), 0)
+        key_ok = cols < problem.kv_len if tail else True
+        s = None
+        for q, (ds, d_ok) in zip(qs, pieces):
+            kv_mask = ex.both(key_ok, d_ok)
+            k = problem.k(inputs, (b, h, cols, ds), kv_mask)
+            if kv_mask is not True:  # masked lanes of a prologue may be inf; 0 * inf in the dot is NaN
+                k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
+            dtype = jnp.promote_types(q.dtype, k.dtype)
+            part = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        score_cols = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
         col_ok = score_cols < problem.kv_len
         if problem.bias is not None:
-            bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, bk)) if tail else True
-            s = s * problem.scale + problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32)
+            bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, width)) if tail else True
+            s = tr.fma(s, problem.scale, problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32))
         elif not base2:
             s = s * problem.scale
         if tail:
@@ -147,29 +173,33 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         block_max = jnp.max(s, axis=1)
         m_next = jnp.maximum(m, block_max * (problem.scale * LOG2_E) if base2 else block_max)
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
-        if base2:  # s · scale·log2 e - m: one FMA per score
-            p = jnp.exp2(s * (problem.scale * LOG2_E) - m_safe[:, None])
+        if base2:  # s · scale·log2 e - m, one FMA
+            p = jnp.exp2(tr.fma(s, problem.scale * LOG2_E, -m_safe[:, None]))
             correction = jnp.exp2(m - m_safe)
         else:  # natural scores: the difference first (finite for a bias of -3e38), then to base 2
             p = jnp.exp2((s - m_safe[:, None]) * LOG2_E)
             correction = jnp.exp2((m - m_safe) * LOG2_E)
         l = l * correction + jnp.sum(p, axis=1)
-        v = problem.v(inputs, (b, h, cols, ds), kv_mask)
-        if kv_mask is not True:
-            v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))
-        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_next, l
+        new_os = []
+        for o, (ds, d_ok) in zip(os, pieces):
+            v = problem.v(inputs, (b, h, cols, ds), ex.both(key_ok, d_ok))
+            if key_ok is not True:  # p is 0 at padded keys, but 0 * inf is NaN; padded lanes only reach
+                v = jnp.where(key_ok, v, jnp.zeros((), v.dtype))  # padded (never stored) output lanes
+            new_os.append(o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+        return new_os, m_next, l
 
-    carry = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    carry = ([jnp.zeros((bq, ds.shape[1]), jnp.float32) for ds, _ in pieces],
+             jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
     full_blocks = key_loop_trips(problem.kv_len, bk)
     if full_blocks:
-        carry = lax.fori_loop(0, full_blocks, functools.partial(kv_step, tail=False), carry)
+        step = functools.partial(kv_step, width=bk, tail=False)
+        carry = lax.fori_loop(0, full_blocks, lambda t, carry: step(t * bk, carry), carry)
     if problem.kv_len % bk:
-        carry = kv_step(full_blocks, carry, tail=True)
-    o, _, l = carry
-    out = problem.epilogue(inputs, o / l[:, None], (b, h, rows, ds), q_mask)
-    flat = ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds
-    store(out_ref, flat, out, q_mask)
+        carry = kv_step(full_blocks * bk, carry, width=tail_width(problem.kv_len, bk), tail=True)
+    os, _, l = carry
+    for o, (ds, _), mask in zip(os, pieces, q_masks):
+        out = problem.epilogue(inputs, o / l[:, None], (b, h, rows, ds), mask)
+        store(out_ref, ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds, out, mask)
 
 
 # --- build --------------------------------------------------------------------------------------
