@@ -197,8 +197,9 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
     if problem.kv_len % bk:
         carry = kv_step(full_blocks * bk, carry, width=tail_width(problem.kv_len, bk), tail=True)
     os, _, l = carry
+    inverse = (1.0 / l)[:, None]  # one division per row, not per output lane (0 * inf: NaN, as 0 / 0)
     for o, (ds, _), mask in zip(os, pieces, q_masks):
-        out = problem.epilogue(inputs, o / l[:, None], (b, h, rows, ds), mask)
+        out = problem.epilogue(inputs, o * inverse, (b, h, rows, ds), mask)
         store(out_ref, ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds, out, mask)
 
 
