@@ -18,6 +18,8 @@ of the kernel (`.entry attention`), one statement per instruction:
 - `per_score`: every instruction the programs of one (batch, head) execute (per program the code
   outside the loop once, the loop body `key_loop_trips` times) x threads / (q_len x kv_len): per
   *real* score, so padded keys and query rows are charged to the real ones.
+- `step_instructions`: what all the kernels of this shape execute in one SD 1.5 step (thread
+  instructions; the UNet, CLIP and VAE totals are printed last).
 - `registers`, `spill_bytes` (stores + loads) from `ptxas -arch=sm_90a -v` (the `nvidia-cuda-nvcc-cu12`
   pip package's ptxas, never a system one).
 
@@ -54,23 +56,29 @@ class Shape:
     q_len: int
     kv_len: int
     head_dim: int
+    kernels: int  # how many attention kernels of this shape one SD 1.5 step runs
     causal_bias: bool = False
+
+    @property
+    def component(self) -> str:
+        return self.name.split(".")[0].rstrip("0123456789")
 
 
 # SD 1.5 at 512x512 with classifier-free guidance (batch 2): the UNet's self- and cross-attention at
-# 64², 32², 16², 8² latents (8 heads of 40, 80, 160, 160; 77 context tokens), CLIP's causal
-# self-attention (12 heads of 64) and the VAE's mid-block attention (one head of 512).
+# 64², 32², 16², 8² latents (8 heads of 40, 80, 160, 160; 77 context tokens; 5, 5, 5 and 1
+# transformer blocks), CLIP's causal self-attention (12 layers of 12 heads of 64) and the VAE's
+# mid-block attention (one head of 512).
 SHAPES = (
-    Shape("unet64.self", 2, 8, 4096, 4096, 40),
-    Shape("unet64.cross", 2, 8, 4096, 77, 40),
-    Shape("unet32.self", 2, 8, 1024, 1024, 80),
-    Shape("unet32.cross", 2, 8, 1024, 77, 80),
-    Shape("unet16.self", 2, 8, 256, 256, 160),
-    Shape("unet16.cross", 2, 8, 256, 77, 160),
-    Shape("unet8.self", 2, 8, 64, 64, 160),
-    Shape("unet8.cross", 2, 8, 64, 77, 160),
-    Shape("clip.causal", 2, 12, 77, 77, 64, causal_bias=True),
-    Shape("vae.mid", 1, 1, 4096, 4096, 512),
+    Shape("unet64.self", 2, 8, 4096, 4096, 40, 5),
+    Shape("unet64.cross", 2, 8, 4096, 77, 40, 5),
+    Shape("unet32.self", 2, 8, 1024, 1024, 80, 5),
+    Shape("unet32.cross", 2, 8, 1024, 77, 80, 5),
+    Shape("unet16.self", 2, 8, 256, 256, 160, 5),
+    Shape("unet16.cross", 2, 8, 256, 77, 160, 5),
+    Shape("unet8.self", 2, 8, 64, 64, 160, 1),
+    Shape("unet8.cross", 2, 8, 64, 77, 160, 1),
+    Shape("clip.causal", 2, 12, 77, 77, 64, 12, causal_bias=True),
+    Shape("vae.mid", 1, 1, 4096, 4096, 512, 1),
 )
 
 
@@ -224,6 +232,8 @@ def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None) 
         "loop_per_score": kernel.loop_instructions * kernel.threads / tile_scores,
         "loop_kinds_per_score": {k: v * kernel.threads / tile_scores for k, v in sorted(kernel.loop_kinds.items())},
         "per_score": executed * kernel.threads * query_blocks / (shape.q_len * shape.kv_len),
+        # every program of every kernel of this shape in one SD 1.5 step, thread instructions
+        "step_instructions": executed * kernel.threads * query_blocks * shape.batch * shape.heads * shape.kernels,
         "kinds": kernel.kinds,
         **ptxas_usage(ptx_path),
     }
@@ -256,6 +266,11 @@ def main(argv=None) -> int:
               f"{'%dx%d' % (b['block_q'], b['block_k']):>8} {row['threads']:4d} {row['loop_per_score']:10.1f} "
               + " ".join(f"{kinds.get(k, 0):5.2f}" for k in ("ex2", "setp", "selp", "cvt", "ld.global"))
               + f" {row['per_score']:9.1f} {row['registers']:4d} {row['spill_bytes']:5d}", flush=True)
+    totals = collections.Counter()
+    for row in rows:
+        totals[Shape(**row["shape"]).component] += row["step_instructions"]
+    print("per SD 1.5 step, thread instructions in attention kernels: "
+          + ", ".join(f"{component} {total / 1e9:.2f} G" for component, total in totals.items()))
     if options.json:
         Path(options.json).write_text(json.dumps(rows, indent=1))
     return 0

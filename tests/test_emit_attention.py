@@ -343,7 +343,7 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
 
     if xla_target.unavailable_reason() is not None:
         pytest.skip(str(xla_target.unavailable_reason()))
-    row = attention_ptx.measure(attention_ptx.Shape("sm90", 1, 2, 256, 3 * 64 + 13, 40), tmp_path)
+    row = attention_ptx.measure(attention_ptx.Shape("sm90", 1, 2, 256, 3 * 64 + 13, 40, 1), tmp_path)
     kinds = row["loop_kinds_per_score"]
     assert row["loop_trips"] == 3 and row["blocks"]["block_k"] == 64, row
     assert 1.0 <= kinds["ex2"] <= 1.1 and kinds["fma"] >= 1.0, kinds

@@ -3,24 +3,41 @@ operands as one Pallas Triton kernel; the scores never reach memory.
 
     kernel     one (batch, head, query block) program: the online-softmax loop over key blocks
                (FlashAttention-2, Dao 2023, §3.1: running max m, running sum l, unnormalized
-               output o rescaled by exp(m_old - m_new); one division at the end)
+               output o rescaled by 2^(m_old - m_new); one reciprocal per row at the end)
     build      grid, validation, tile sizes, the `pallas_call`
     reference  the same computation in plain `jax.numpy`
 
 The operands are closures over the kernel's input refs and an index tile (so q, k and v can be
 slices of a fused QKV output read through views, in place):
 
-    q(refs, (b, h, rows, ds), mask)       -> [block_q, head_dim_padded]    rows [bq, 1], ds [1, dp]
-    k(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]    cols [bk, 1]
-    v(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]
-    bias(refs, (b, h, rows, cols), mask)  -> [block_q, block_k]            cols [1, bk]; None: no bias
-    epilogue(refs, acc, (b, h, rows, ds), mask) -> [block_q, head_dim_padded]
+    q(refs, (b, h, rows, ds), mask)       -> [block_q, width]    rows [bq, 1], ds [1, width]
+    k(refs, (b, h, cols, ds), mask)       -> [keys, width]       cols [keys, 1]
+    v(refs, (b, h, cols, ds), mask)       -> [keys, width]
+    bias(refs, (b, h, rows, cols), mask)  -> [block_q, keys]     cols [1, keys]; None: no bias
+    epilogue(refs, acc, (b, h, rows, ds), mask) -> [block_q, width]
 
-`b` and `h` are program ids (scalars). Sequence lengths and head dims need not be powers of two
-(77 tokens; heads of 40, 80, 160): the head dim is padded to the next power of two and the padded
-lanes read as zero, padded keys get a score of -inf, padded query rows are not stored. The softmax
-statistics are float32; `p` is cast to v's dtype for the second dot, as FlashAttention does. A
-row whose scores are all -inf yields NaN, as `jax.nn.softmax` does.
+called once per head-dim piece (`ds` its lanes) and key block. `b` and `h` are program ids
+(scalars). What the kernel does per score, read from its sm_90a PTX (`benchmarks/attention_ptx.py`):
+
+- Base 2: without a bias, the scores go straight to base 2, `p = 2^(s · scale·log2 e - m)` with
+  the running max m kept in base 2: one `fma` and one `ex2.approx` per score (the natural `exp`
+  was libdevice's range-reduced expf, ~10 instructions). With a bias (or a scale above ln 2) the
+  scores stay natural and only their difference to the max goes to base 2, so a bias of -3e38
+  (finfo.min) stays finite as in `jax.nn.softmax`.
+- Masks only where a block crosses an edge: the loop runs the full key blocks unmasked; the keys
+  past the last full block run once after it in a tail block of their own power-of-two width
+  (>= 16: 77 keys in blocks of 64 are 64 + 16 slots, not 128), the only one that masks keys.
+- Head dims need not be powers of two (heads of 40, 80, 160): the head dim is split into
+  power-of-two pieces >= 16 (`head_pieces`: 40 = 32+16, 80 = 64+16, 160 = 128+32), each with its
+  own dot and accumulator, so only the last piece has padded lanes (read as zero for k; v's
+  padded lanes reach only padded output lanes, which are not stored). Padded query rows are not
+  stored.
+- The row statistics are `[block_q]` vectors, so each thread holds one per row it owns rather
+  than one per score.
+
+The softmax statistics are float32; `p` is cast to v's dtype for the second dot, as FlashAttention
+does. A row whose scores are all -inf yields NaN, as `jax.nn.softmax` does. The template has no
+causal mode: CLIP's causal mask is the plan's bias, read per score in every block.
 """
 
 from __future__ import annotations
