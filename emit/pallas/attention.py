@@ -73,12 +73,16 @@ class AttentionBlocks:
 
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys;
-        128 queries on 8 warps (a warpgroup per 64 rows) from 1024 queries on, where the k/v loads
-        per score halve and the grid still fills the GPU, else 64 queries on 4 warps; heads wider
-        than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short sequences."""
+        """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys
+        and a warpgroup (4 warps) per 64 query rows: 256 rows from 4096 queries (heads up to 128
+        lanes: at 16 warps ptxas has 128 registers, and a 160-lane accumulator spills), 128 from
+        1024 (the k/v loads per score shrink with the rows while the grid still fills the GPU),
+        else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
+        sequences."""
         width = sum(w for _, w in head_pieces(head_dim))
-        block_q, block_k, warps = (64, 32, 8) if width > 256 else (128, 64, 8) if q_len >= 1024 else (64, 64, 4)
+        block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
+        block_k, warps = (32, 8) if width > 256 else (64, block_q // 16)
+        block_q = 64 if width > 256 else block_q
         return cls(min(block_q, max(MIN_DOT_BLOCK, tr.next_pow2(q_len))),
                    min(block_k, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len))), num_warps=warps)
 
