@@ -5,11 +5,14 @@ at the SD 1.5 shapes.
     python -m benchmarks.attention_ptx                 # every shape, a table
     python -m benchmarks.attention_ptx --only unet64   # shapes whose name starts with unet64
     python -m benchmarks.attention_ptx --json out.json --dump DIR
+    python -m benchmarks.attention_ptx --plan          # the kernel as a plan emits it (views)
 
 Each case is the template on contiguous `[batch, heads, seq, head_dim]` fp16 operands (CLIP's causal
 mask as a `[seq, seq]` bias read per score tile, as the plan gives it), with its default tile sizes,
-compiled by `eqsat.xla_target.compile_for_h100` (XLA drives Triton for sm_90a). Counted in the PTX
-of the kernel (`.entry attention`), one statement per instruction:
+compiled by `eqsat.xla_target.compile_for_h100` (XLA drives Triton for sm_90a). With `--plan`, the
+kernel as the emitter makes it from the plan of `sd15.layers.attention` on `[batch, seq, heads x
+head_dim]` operands (q, k and v read per head through reshape views; CLIP's bias a constant).
+Counted in the PTX of the kernel (`.entry attention`), one statement per instruction:
 
 - `loop`: the instructions of the key loop's body (the region between a label and the branch back to
   it) and `loop_per_score` = loop instructions x threads / (block_q x block_k): what one score of a
@@ -193,11 +196,12 @@ def ptxas_path() -> str:
     return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
 
 
-def ptxas_usage(ptx_path: str) -> dict[str, int]:
-    """Registers and spill bytes of every kernel in `ptx_path`, from `ptxas -arch=sm_90a -v`."""
+def ptxas_usage(ptx_path: str, entry: str = "attention") -> dict[str, int]:
+    """Registers and spill bytes of kernel `entry` in `ptx_path`, from `ptxas -arch=sm_90a -v`."""
     done = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
                           capture_output=True, text=True, check=True)
-    text = done.stderr + done.stdout
+    text = (done.stderr + done.stdout).split(f"Compiling entry function '{entry}'", 1)[1]
+    text = text.split("Compiling entry function", 1)[0]
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return {"registers": int(registers.group(1)) if registers else -1,
@@ -207,12 +211,30 @@ def ptxas_usage(ptx_path: str) -> dict[str, int]:
 # --- one case ----------------------------------------------------------------------------------------
 
 
-def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None) -> dict:
-    """Compile `shape` (with `blocks`, else the template's default tiles) and read its PTX."""
+def plan_fn(shape: Shape):
+    """The emitted plan of `sd15.layers.attention` at `shape` (fp16 [batch, seq, heads x head_dim])."""
+    import emit
+    import eqsat
+    from sd15.clip import causal_bias
+    from sd15.layers import attention
+
+    bias = causal_bias(shape.q_len) if shape.causal_bias else None
+    width = shape.heads * shape.head_dim
+    args = [jax.ShapeDtypeStruct((shape.batch, length, width), jnp.float16)
+            for length in (shape.q_len, shape.kv_len, shape.kv_len)]
+    plan = eqsat.optimize(lambda q, k, v: attention(q, k, v, shape.heads, bias=bias), progress=False).lower(*args).plan
+    return emit.emit(plan, "pallas", interpret=False), args
+
+
+def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None, *, plan: bool = False) -> dict:
+    """Compile `shape` (with `blocks`, else the template's default tiles; `plan`: as the plan of
+    `sd15.layers.attention` is emitted, with the default tiles) and read its PTX."""
     from eqsat.xla_target import compile_for_h100
 
+    if plan and blocks is not None:
+        raise ValueError("the emitted plan uses the template's default tiles")
     blocks = blocks or at.AttentionBlocks.get_default(shape.q_len, shape.kv_len, shape.head_dim)
-    fn, args = attention_fn(shape, blocks)
+    fn, args = plan_fn(shape) if plan else attention_fn(shape, blocks)
     report = compile_for_h100(fn, *args, keep_dump=dump)
     if report is None:
         raise SystemExit("the H100 compile target is not installed (pip install -e '.[cuda-target]')")
@@ -246,6 +268,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--blocks", default=None, metavar="BQxBKxWARPS",
                         help="tile sizes and warps for every shape instead of the template's defaults")
+    parser.add_argument("--plan", action="store_true",
+                        help="measure the kernel the emitter makes from the plan of sd15.layers.attention")
     parser.add_argument("--dump", default=None, help="keep each compile's XLA dump (PTX) under DIR/<shape>")
     options = parser.parse_args(argv)
     shapes = [s for s in SHAPES if options.only is None or any(s.name.startswith(p) for p in options.only)]
@@ -258,7 +282,7 @@ def main(argv=None) -> int:
     print(f"{'shape':14} {'q x kv x d':>18} {'bq x bk':>8} {'thr':>4} {'loop/score':>10} {'ex2':>5} {'setp':>5} "
           f"{'selp':>5} {'cvt':>5} {'ld.g':>5} {'all/score':>9} {'regs':>4} {'spill':>5}")
     for shape in shapes:
-        row = measure(shape, root / shape.name, blocks)
+        row = measure(shape, root / shape.name, blocks, plan=options.plan)
         rows.append(row)
         kinds = row["loop_kinds_per_score"]
         b = row["blocks"]
