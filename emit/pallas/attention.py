@@ -80,9 +80,11 @@ class AttentionBlocks:
         else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
         sequences."""
         width = sum(w for _, w in head_pieces(head_dim))
-        block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
-        block_k, warps = (32, 8) if width > 256 else (64, block_q // 16)
-        block_q = 64 if width > 256 else block_q
+        if width > 256:
+            block_q, block_k, warps = 64, 32, 8
+        else:
+            block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
+            block_k, warps = 64, block_q // 16
         return cls(min(block_q, max(MIN_DOT_BLOCK, tr.next_pow2(q_len))),
                    min(block_k, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len))), num_warps=warps)
 
