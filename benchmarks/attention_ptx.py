@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import glob
 import json
-import math
 import os
 import re
 import subprocess

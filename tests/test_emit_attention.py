@@ -364,3 +364,32 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
     assert kinds.get("setp", 0) <= 0.1 and kinds.get("selp", 0) <= 0.35, kinds
     assert row["loop_per_score"] < 20, row["loop_per_score"]
     assert row["spill_bytes"] == 0, row
+
+
+def test_ptx_reader_counts_the_loop_body_one_statement_per_instruction():
+    """`benchmarks.attention_ptx.read_kernel` on a hand-written kernel: inline-asm lines hold several
+    statements, predicated ones count under their opcode, the loop is the label to the branch back."""
+    from benchmarks.attention_ptx import kind, opcode, read_kernel, statements
+
+    ptx = """
+.visible .entry attention(
+	.param .u64 .ptr .align 16 attention_param_0
+)
+.reqntid 128, 1, 1
+{
+	.reg .pred 	%p<3>;
+	ld.param.b64 	%rd1, [attention_param_0];   // a comment; with a semicolon
+$L__BB0_1:
+	// begin inline asm
+	mov.u16 %rs1, 0x0; @%p1 ld.global.b16 { %rs1 }, [ %rd1 + 0 ];
+	// end inline asm
+	ex2.approx.ftz.f32 	%r2, %r1;
+	setp.lt.s32 	%p2, %r3, 4;
+	@%p2 bra 	$L__BB0_1;
+	ret;
+}
+"""
+    kernel = read_kernel(ptx)
+    assert (kernel.threads, kernel.instructions, kernel.loop_instructions) == (128, 7, 5)
+    assert kernel.loop_kinds == {"mov": 1, "ld.global": 1, "ex2": 1, "setp": 1, "bra": 1}
+    assert [kind(opcode(s)) for s in statements("@!%p1 st.shared.b16 [%r1], %rs1;")] == ["st.shared"]
