@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import emit
 import eqsat
@@ -38,7 +40,7 @@ def assert_close(actual, expected, dtype):
 PROLOGUES = {"q": lambda x: jnp.log(x * x), "k": lambda x: 1 / x, "v": lambda x: 1 / x}
 
 
-def run_template(q, k, v, bias, blocks=None, scale=None):
+def run_template(q, k, v, bias, blocks=None, scale=None, prologues=PROLOGUES):
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
@@ -47,7 +49,7 @@ def run_template(q, k, v, bias, blocks=None, scale=None):
         def tile(refs, index, mask):
             b, h, s, d = index
             x = gather_load(refs[position], ((b * heads + h) * length + s) * head_dim + d, mask)
-            return PROLOGUES[name](x).astype(x.dtype)
+            return prologues[name](x).astype(x.dtype)
         return tile
 
     def bias_tile(refs, index, mask):
@@ -117,7 +119,128 @@ def test_blocks_are_validated():
     with pytest.raises(ValueError, match="block_q=48 must be a power of two >= 16"):
         at.AttentionBlocks(48, 64).validate()
     assert at.AttentionBlocks.get_default(77, 77, 40) == at.AttentionBlocks(64, 64, num_warps=4)
-    assert at.AttentionBlocks.get_default(4096, 4096, 160).block_k == 32
+    assert at.AttentionBlocks.get_default(10, 10, 40) == at.AttentionBlocks(16, 16, num_warps=4)
+    assert at.AttentionBlocks.get_default(4096, 77, 40) == at.AttentionBlocks(256, 64, num_warps=16)
+    assert at.AttentionBlocks.get_default(1024, 1024, 80) == at.AttentionBlocks(128, 64, num_warps=8)
+    assert at.AttentionBlocks.get_default(4096, 4096, 160) == at.AttentionBlocks(128, 64, num_warps=8)
+    assert at.AttentionBlocks.get_default(256, 256, 160) == at.AttentionBlocks(64, 64, num_warps=4)
+    assert at.AttentionBlocks.get_default(4096, 4096, 512) == at.AttentionBlocks(64, 32, num_warps=8)
+
+
+@pytest.mark.parametrize("head_dim,pieces", [
+    (40, ((0, 32), (32, 16))), (80, ((0, 64), (64, 16))), (160, ((0, 128), (128, 32))), (64, ((0, 64),)),
+    (8, ((0, 16),)), (77, ((0, 64), (64, 16))), (112, ((0, 64), (64, 32), (96, 16))), (512, ((0, 512),)),
+])
+def test_head_pieces_are_powers_of_two_covering_the_head(head_dim, pieces):
+    assert at.head_pieces(head_dim) == pieces
+    assert head_dim <= sum(w for _, w in pieces) < head_dim + at.MIN_DOT_BLOCK
+
+
+def test_key_blocks_full_then_one_narrow_tail():
+    assert (at.key_loop_trips(77, 64), at.tail_width(77, 64)) == (1, 16)  # 80 key slots for 77 keys
+    assert (at.key_loop_trips(4096, 64), 4096 % 64) == (64, 0)
+    assert (at.key_loop_trips(10, 16), at.tail_width(10, 16)) == (0, 16)
+    assert (at.key_loop_trips(133, 64), at.tail_width(133, 64)) == (2, 16)
+    assert (at.key_loop_trips(100, 64), at.tail_width(100, 64)) == (1, 64)
+
+
+# --- adversarial scores: base-2 softmax, unmasked full key blocks, a narrow masked tail ----------
+
+IDENTITY = {name: (lambda x: x) for name in "qkv"}
+
+
+def float64_attention(q, k, v, bias, scale, prologues):
+    """softmax(q kᵀ scale + bias) v in float64 from the prologues' values (in the operands' dtype),
+    and the largest |q kᵀ scale|; a row with no finite score is NaN, as `jax.nn.softmax` gives."""
+    q, k, v = (np.asarray(prologues[n](jnp.asarray(x)).astype(x.dtype), np.float64) for n, x in zip("qkv", (q, k, v)))
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    logits = scores if bias is None else scores + np.asarray(bias, np.float64)
+    peak = logits.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(logits - peak)
+        weights = weights / weights.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bhkd->bhqd", weights, v), float(np.abs(scores).max())
+
+
+def adversarial_bias(rng, kind, q_len, kv_len):
+    """None, or a float32 [q_len, kv_len] bias: causal with -inf or finfo.min, or random finite with
+    rows of -inf (NaN out), rows of finfo.min (uniform weights), rows finite only at the last key
+    (in the tail block) and rows finite only at the first key."""
+    if kind == "none":
+        return None
+    if kind == "causal_inf":
+        return causal(q_len, kv_len, -np.inf)
+    if kind == "causal_min":
+        return causal(q_len, kv_len)
+    bias = rng.normal(size=(q_len, kv_len)).astype(np.float32) * 3
+    for row, fill in zip(range(0, q_len, 4), [-np.inf, np.finfo(np.float32).min, "last", "first"] * q_len):
+        if fill == "last":
+            bias[row, :-1] = -np.inf
+        elif fill == "first":
+            bias[row, 1:] = -np.inf
+        else:
+            bias[row] = fill
+    return bias
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_adversarial_scores_match_a_float64_softmax(data):
+    """Logits of ~1e4 (base-2 path: identity prologues on values ~100; natural path: a scale of 3e3),
+    all-equal scores, -inf / finfo.min masked rows and columns, key lengths with no tail (64), only a
+    tail (10), one or two full blocks and a tail (77, 133), heads of 24/40/64/80, fp16 and fp32,
+    against float64: the error is the rounding of the logits (|logit| eps) on O(1) outputs."""
+    check_adversarial(
+        dtype=data.draw(st.sampled_from([np.float32, np.float16]), "dtype"),
+        q_len=data.draw(st.sampled_from([1, 20, 77]), "q_len"),
+        kv_len=data.draw(st.sampled_from([10, 64, 77, 133]), "kv_len"),
+        head_dim=data.draw(st.sampled_from([24, 40, 64, 80]), "head_dim"),
+        values=data.draw(st.sampled_from(["normal", "huge", "huge_natural", "equal"]), "values"),
+        bias_kind=data.draw(st.sampled_from(["none", "causal_inf", "causal_min", "rows"]), "bias"),
+        blocks=data.draw(st.sampled_from([None, at.AttentionBlocks(16, 16), at.AttentionBlocks(32, 64)]), "blocks"),
+        seed=data.draw(st.integers(0, 2**16), "seed"))
+
+
+@pytest.mark.parametrize("values,bias_kind", [("huge", "none"), ("huge_natural", "rows")])
+def test_adversarial_scores_in_256_row_tiles(values, bias_kind):
+    """The UNet 64² tiles (256 query rows, 16 warps) on 300 queries (the second block mostly
+    padding) and 77 keys, fp16."""
+    check_adversarial(np.float16, 300, 77, 40, values, bias_kind, at.AttentionBlocks(256, 64, num_warps=16), 11)
+
+
+def check_adversarial(dtype, q_len, kv_len, head_dim, values, bias_kind, blocks, seed):
+    rng = np.random.default_rng(seed)
+    shape_q, shape_kv = (1, 2, q_len, head_dim), (1, 2, kv_len, head_dim)
+    scale, prologues = head_dim**-0.5, PROLOGUES
+    if values == "huge":  # scale·log2 e <= 1: scores go straight to base 2
+        prologues = IDENTITY
+        q, k = normal(rng, shape_q, dtype, 100.0), normal(rng, shape_kv, dtype, 100.0)
+    else:
+        q, k = away_from_zero(rng, shape_q, dtype), away_from_zero(rng, shape_kv, dtype)
+        if values == "huge_natural":
+            scale = 3e3  # scale·log2 e > 1: natural scores, differences to base 2
+        if values == "equal":
+            k = np.broadcast_to(k[:, :, :1], shape_kv).copy()
+    v = away_from_zero(rng, shape_kv, dtype)
+    bias = adversarial_bias(rng, bias_kind, q_len, kv_len)
+    out = np.asarray(run_template(q, k, v, bias, blocks, scale=scale, prologues=prologues), np.float64)
+    expected, max_logit = float64_attention(q, k, v, bias, scale, prologues)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    v_max = float(np.abs(np.asarray(prologues["v"](jnp.asarray(v)), np.float64)).max())
+    atol = (2e-2 if dtype == np.float16 else 1e-5) + 16 * np.finfo(np.float32).eps * max_logit * v_max
+    np.testing.assert_allclose(out, expected, rtol=2e-2 if dtype == np.float16 else 1e-5, atol=atol, equal_nan=True)
+
+
+def test_all_equal_scores_average_the_real_keys_only():
+    """Constant scores over 77 keys (one full block of 64 and a 16-slot tail of 13): uniform weights
+    over exactly the 77 keys, whatever the padded slots of k and v hold (their prologues are inf)."""
+    rng = np.random.default_rng(7)
+    q = away_from_zero(rng, (1, 1, 77, 40), np.float32)
+    k = np.broadcast_to(away_from_zero(rng, (1, 1, 1, 40), np.float32), (1, 1, 77, 40)).copy()
+    v = away_from_zero(rng, (1, 1, 77, 40), np.float32)
+    out = run_template(q, k, v, None, at.AttentionBlocks(64, 64))
+    expected = np.broadcast_to((1 / v).mean(axis=2, keepdims=True), out.shape)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
 # --- plans of JAX functions -----------------------------------------------------------------------
@@ -144,6 +267,27 @@ def test_plan_attention_77_tokens_head_dim_40(dtype):
     assert [k.term.op for k in plan.kernels] == ["Attention"]
     assert_close(pallas, xla, dtype)
     assert_close(pallas, jit, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("values", ["huge", "equal"])
+def test_plan_attention_adversarial_scores(dtype, values):
+    """77 tokens, head dim 40: logits ~1e4 (q, k ~ 100) or all-equal scores (k's rows equal)."""
+    rng = np.random.default_rng(6)
+    if values == "huge":
+        args = (normal(rng, (1, 2, 77, 40), dtype, 100.0), normal(rng, (1, 2, 77, 40), dtype, 100.0),
+                normal(rng, (1, 2, 77, 40), dtype))
+    else:
+        k = np.broadcast_to(normal(rng, (1, 2, 1, 40), dtype), (1, 2, 77, 40)).copy()
+        args = (normal(rng, (1, 2, 77, 40), dtype), k, normal(rng, (1, 2, 77, 40), dtype))
+    pallas, xla, jit, plan = emitted(sdpa, args)
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    q, k, v = (np.asarray(x, np.float64) for x in args)
+    max_logit = float(np.abs(np.einsum("bhqd,bhkd->bhqk", q, k)).max()) * 40**-0.5
+    atol = TOLERANCE[dtype][1] + 16 * np.finfo(np.float32).eps * max_logit * float(np.abs(v).max())
+    for other in (xla, jit):
+        np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(other, np.float32),
+                                   rtol=TOLERANCE[dtype][0], atol=atol)
 
 
 def test_plan_clip_causal_attention_reads_heads_through_views():
@@ -200,3 +344,52 @@ def test_compiles_for_sm90_with_tensor_cores(tmp_path):
     assert report.kernels == 1 and set(report.by_category) == {"Pallas (Triton)"}, report.by_category
     ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
     assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"
+
+
+def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
+    """The template alone (heads of 40, 205 keys: three full blocks of 64 in the loop and a 16-slot
+    tail, fp16) compiled for sm_90a, its PTX read by `benchmarks.attention_ptx`: per score of a full
+    key block one `ex2.approx` and one FMA (s · scale·log2 e - m), no key mask (setp/selp only per
+    row and on the padded lanes of the 16-lane head piece), under 20 instructions (50 before, with
+    accurate exp and masks on every block), and no spills."""
+    from benchmarks import attention_ptx
+    from eqsat import xla_target
+
+    if xla_target.unavailable_reason() is not None:
+        pytest.skip(str(xla_target.unavailable_reason()))
+    row = attention_ptx.measure(attention_ptx.Shape("sm90", 1, 2, 256, 3 * 64 + 13, 40, 1), tmp_path)
+    kinds = row["loop_kinds_per_score"]
+    assert row["loop_trips"] == 3 and row["blocks"]["block_k"] == 64, row
+    assert 1.0 <= kinds["ex2"] <= 1.1 and kinds["fma"] >= 1.0, kinds
+    assert kinds.get("setp", 0) <= 0.1 and kinds.get("selp", 0) <= 0.35, kinds
+    assert row["loop_per_score"] < 20, row["loop_per_score"]
+    assert row["spill_bytes"] == 0, row
+
+
+def test_ptx_reader_counts_the_loop_body_one_statement_per_instruction():
+    """`benchmarks.attention_ptx.read_kernel` on a hand-written kernel: inline-asm lines hold several
+    statements, predicated ones count under their opcode, the loop is the label to the branch back."""
+    from benchmarks.attention_ptx import kind, opcode, read_kernel, statements
+
+    ptx = """
+.visible .entry attention(
+	.param .u64 .ptr .align 16 attention_param_0
+)
+.reqntid 128, 1, 1
+{
+	.reg .pred 	%p<3>;
+	ld.param.b64 	%rd1, [attention_param_0];   // a comment; with a semicolon
+$L__BB0_1:
+	// begin inline asm
+	mov.u16 %rs1, 0x0; @%p1 ld.global.b16 { %rs1 }, [ %rd1 + 0 ];
+	// end inline asm
+	ex2.approx.ftz.f32 	%r2, %r1;
+	setp.lt.s32 	%p2, %r3, 4;
+	@%p2 bra 	$L__BB0_1;
+	ret;
+}
+"""
+    kernel = read_kernel(ptx)
+    assert (kernel.threads, kernel.instructions, kernel.loop_instructions) == (128, 7, 5)
+    assert kernel.loop_kinds == {"mov": 1, "ld.global": 1, "ex2": 1, "setp": 1, "bra": 1}
+    assert [kind(opcode(s)) for s in statements("@!%p1 st.shared.b16 [%r1], %rs1;")] == ["st.shared"]

@@ -3,30 +3,48 @@ operands as one Pallas Triton kernel; the scores never reach memory.
 
     kernel     one (batch, head, query block) program: the online-softmax loop over key blocks
                (FlashAttention-2, Dao 2023, §3.1: running max m, running sum l, unnormalized
-               output o rescaled by exp(m_old - m_new); one division at the end)
+               output o rescaled by 2^(m_old - m_new); one reciprocal per row at the end)
     build      grid, validation, tile sizes, the `pallas_call`
     reference  the same computation in plain `jax.numpy`
 
 The operands are closures over the kernel's input refs and an index tile (so q, k and v can be
 slices of a fused QKV output read through views, in place):
 
-    q(refs, (b, h, rows, ds), mask)       -> [block_q, head_dim_padded]    rows [bq, 1], ds [1, dp]
-    k(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]    cols [bk, 1]
-    v(refs, (b, h, cols, ds), mask)       -> [block_k, head_dim_padded]
-    bias(refs, (b, h, rows, cols), mask)  -> [block_q, block_k]            cols [1, bk]; None: no bias
-    epilogue(refs, acc, (b, h, rows, ds), mask) -> [block_q, head_dim_padded]
+    q(refs, (b, h, rows, ds), mask)       -> [block_q, width]    rows [bq, 1], ds [1, width]
+    k(refs, (b, h, cols, ds), mask)       -> [keys, width]       cols [keys, 1]
+    v(refs, (b, h, cols, ds), mask)       -> [keys, width]
+    bias(refs, (b, h, rows, cols), mask)  -> [block_q, keys]     cols [1, keys]; None: no bias
+    epilogue(refs, acc, (b, h, rows, ds), mask) -> [block_q, width]
 
-`b` and `h` are program ids (scalars). Sequence lengths and head dims need not be powers of two
-(77 tokens; heads of 40, 80, 160): the head dim is padded to the next power of two and the padded
-lanes read as zero, padded keys get a score of -inf, padded query rows are not stored. The softmax
-statistics are float32; `p` is cast to v's dtype for the second dot, as FlashAttention does. A
-row whose scores are all -inf yields NaN, as `jax.nn.softmax` does.
+called once per head-dim piece (`ds` its lanes) and key block. `b` and `h` are program ids
+(scalars). What the kernel does per score, read from its sm_90a PTX (`benchmarks/attention_ptx.py`):
+
+- Base 2: without a bias, the scores go straight to base 2, `p = 2^(s · scale·log2 e - m)` with
+  the running max m kept in base 2: one `fma` and one `ex2.approx` per score (the natural `exp`
+  was libdevice's range-reduced expf, ~10 instructions). With a bias (or a scale above ln 2) the
+  scores stay natural and only their difference to the max goes to base 2, so a bias of -3e38
+  (finfo.min) stays finite as in `jax.nn.softmax`.
+- Masks only where a block crosses an edge: the loop runs the full key blocks unmasked; the keys
+  past the last full block run once after it in a tail block of their own power-of-two width
+  (>= 16: 77 keys in blocks of 64 are 64 + 16 slots, not 128), the only one that masks keys.
+- Head dims need not be powers of two (heads of 40, 80, 160): the head dim is split into
+  power-of-two pieces >= 16 (`head_pieces`: 40 = 32+16, 80 = 64+16, 160 = 128+32), each with its
+  own dot and accumulator, so only the last piece has padded lanes (read as zero for k; v's
+  padded lanes reach only padded output lanes, which are not stored). Padded query rows are not
+  stored.
+- The row statistics are `[block_q]` vectors, so each thread holds one per row it owns rather
+  than one per score.
+
+The softmax statistics are float32; `p` is cast to v's dtype for the second dot, as FlashAttention
+does. A row whose scores are all -inf yields NaN, as `jax.nn.softmax` does. The template has no
+causal mode: CLIP's causal mask is the plan's bias, read per score in every block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -55,11 +73,20 @@ class AttentionBlocks:
 
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """64x64 tiles (32 keys for head dims above 128), shrunk to short sequences."""
-        padded = tr.next_pow2(head_dim)
-        block_q = min(64, max(MIN_DOT_BLOCK, tr.next_pow2(q_len)))
-        block_k = min(32 if padded > 128 else 64, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len)))
-        return cls(block_q, block_k, num_warps=4 if padded <= 64 else 8)
+        """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys
+        and a warpgroup (4 warps) per 64 query rows: 256 rows from 4096 queries (heads up to 128
+        lanes: at 16 warps ptxas has 128 registers, and a 160-lane accumulator spills), 128 from
+        1024 (the k/v loads per score shrink with the rows while the grid still fills the GPU),
+        else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
+        sequences."""
+        width = sum(w for _, w in head_pieces(head_dim))
+        if width > 256:
+            block_q, block_k, warps = 64, 32, 8
+        else:
+            block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
+            block_k, warps = 64, block_q // 16
+        return cls(min(block_q, max(MIN_DOT_BLOCK, tr.next_pow2(q_len))),
+                   min(block_k, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len))), num_warps=warps)
 
     def validate(self) -> None:
         for name in ("block_q", "block_k"):
@@ -94,48 +121,109 @@ class AttentionProblem:
 # --- kernel -------------------------------------------------------------------------------------
 
 
+LOG2_E = math.log2(math.e)
+
+
+def key_loop_trips(kv_len: int, block_k: int) -> int:
+    """Key blocks the kernel's loop runs: the full ones (a partial last block runs once after it)."""
+    return kv_len // block_k
+
+
+def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
+    """Whether scores go straight to base 2 (`s · scale·log2 e`, one FMA with the max) rather than
+    through natural-base scores: without a bias, and when the base-2 scale is at most 1 so that no
+    finite `s · scale` overflows (a bias of -3e38 times log2 e would be -inf: those stay natural)."""
+    return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
+
+
+def tail_width(kv_len: int, block_k: int) -> int:
+    """Key slots of the partial last block: the leftover keys rounded up to a power of two >= 16
+    (77 keys in blocks of 64: one block of 64 and a tail of 16 slots, not 128)."""
+    return max(MIN_DOT_BLOCK, tr.next_pow2(kv_len % block_k))
+
+
+def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """`(offset, width)` pieces of the head dim, powers of two >= 16 covering it (rounded up to 16):
+    40 -> 32+16, 80 -> 64+16, 160 -> 128+32, 64 -> 64. The dots and the accumulator run per piece,
+    so a head of 160 multiplies and holds 160 lanes, not 256."""
+    total = -(-head_dim // MIN_DOT_BLOCK) * MIN_DOT_BLOCK
+    pieces, offset = [], 0
+    for width in sorted((1 << bit for bit in range(total.bit_length()) if total >> bit & 1), reverse=True):
+        pieces.append((offset, width))
+        offset += width
+    return tuple(pieces)
+
+
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
-    dp = max(MIN_DOT_BLOCK, tr.next_pow2(problem.head_dim))
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    ds = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
-    row_ok, d_ok = rows < problem.q_len, ds < problem.head_dim
-    q_mask = row_ok & d_ok
-    q = problem.q(inputs, (b, h, rows, ds), q_mask)
-    q = jnp.where(q_mask, q, jnp.zeros((), q.dtype))
+    row_ok = rows < problem.q_len
+    # Per head-dim piece: its lanes, and which are inside the head (True: all of them).
+    pieces = [(ds := offset + lax.broadcasted_iota(jnp.int32, (1, width), 1),
+               True if offset + width <= problem.head_dim else ds < problem.head_dim)
+              for offset, width in head_pieces(problem.head_dim)]
+    q_masks = [jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, ds.shape[1])) for ds, d_ok in pieces]
+    qs = [jnp.where(mask, problem.q(inputs, (b, h, rows, ds), mask), 0)
+          for (ds, _), mask in zip(pieces, q_masks)]
+    base2 = folds_scale_into_exp2(problem)
 
-    def kv_step(t, carry):
-        o, m, l = carry
-        cols = t * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        kv_mask = (cols < problem.kv_len) & d_ok
-        k = problem.k(inputs, (b, h, cols, ds), kv_mask)
-        k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
-        dtype = jnp.promote_types(q.dtype, k.dtype)
-        s = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * problem.scale
-        score_cols = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        score_mask = row_ok & (score_cols < problem.kv_len)
+    def kv_step(start, carry, *, width: int, tail: bool):
+        """Keys `start ..< start + width`; only the `tail` block (past the last full one) masks keys."""
+        os, m, l = carry  # m: the running row max of the scores (base 2 if `base2`), l: the running sum
+        cols = start + lax.broadcasted_iota(jnp.int32, (width, 1), 0)
+        key_ok = cols < problem.kv_len if tail else True
+        s = None
+        for q, (ds, d_ok) in zip(qs, pieces):
+            kv_mask = ex.both(key_ok, d_ok)
+            k = problem.k(inputs, (b, h, cols, ds), kv_mask)
+            if kv_mask is not True:  # masked lanes of a prologue may be inf; 0 * inf in the dot is NaN
+                k = jnp.where(kv_mask, k, jnp.zeros((), k.dtype))
+            dtype = jnp.promote_types(q.dtype, k.dtype)
+            part = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        score_cols = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        col_ok = score_cols < problem.kv_len
         if problem.bias is not None:
-            s = s + problem.bias(inputs, (b, h, rows, score_cols), score_mask).astype(jnp.float32)
-        s = jnp.where(score_mask, s, -jnp.inf)  # natural base: a score of -3e38 (a finite mask) stays finite
-        m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+            bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, width)) if tail else True
+            s = tr.fma(s, problem.scale, problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32))
+        elif not base2:
+            s = s * problem.scale
+        if tail:
+            s = jnp.where(col_ok, s, -jnp.inf)
+        block_max = jnp.max(s, axis=1)
+        m_next = jnp.maximum(m, block_max * (problem.scale * LOG2_E) if base2 else block_max)
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
-        correction = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe)
-        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
-        v = problem.v(inputs, (b, h, cols, ds), kv_mask)
-        v = jnp.where(kv_mask, v, jnp.zeros((), v.dtype))
-        o = o * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_next, l
+        if base2:  # s · scale·log2 e - m, one FMA
+            p = jnp.exp2(tr.fma(s, problem.scale * LOG2_E, -m_safe[:, None]))
+            correction = jnp.exp2(m - m_safe)
+        else:  # natural scores: the difference first (finite for a bias of -3e38), then to base 2
+            p = jnp.exp2((s - m_safe[:, None]) * LOG2_E)
+            correction = jnp.exp2((m - m_safe) * LOG2_E)
+        l = l * correction + jnp.sum(p, axis=1)
+        new_os = []
+        for o, (ds, d_ok) in zip(os, pieces):
+            v = problem.v(inputs, (b, h, cols, ds), ex.both(key_ok, d_ok))
+            if key_ok is not True:  # p is 0 at padded keys, but 0 * inf is NaN; padded lanes only reach
+                v = jnp.where(key_ok, v, jnp.zeros((), v.dtype))  # padded (never stored) output lanes
+            new_os.append(o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+        return new_os, m_next, l
 
-    init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((bq, 1), jnp.float32))
-    o, _, l = lax.fori_loop(0, pl.cdiv(problem.kv_len, bk), kv_step, init)
-    out = problem.epilogue(inputs, o / l, (b, h, rows, ds), q_mask)
-    flat = ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds
-    store(out_ref, flat, out, q_mask)
+    carry = ([jnp.zeros((bq, ds.shape[1]), jnp.float32) for ds, _ in pieces],
+             jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    full_blocks = key_loop_trips(problem.kv_len, bk)
+    if full_blocks:
+        step = functools.partial(kv_step, width=bk, tail=False)
+        carry = lax.fori_loop(0, full_blocks, lambda t, carry: step(t * bk, carry), carry)
+    if problem.kv_len % bk:
+        carry = kv_step(full_blocks * bk, carry, width=tail_width(problem.kv_len, bk), tail=True)
+    os, _, l = carry
+    inverse = (1.0 / l)[:, None]  # one division per row, not per output lane (0 * inf: NaN, as 0 / 0)
+    for o, (ds, _), mask in zip(os, pieces, q_masks):
+        out = problem.epilogue(inputs, o * inverse, (b, h, rows, ds), mask)
+        store(out_ref, ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds, out, mask)
 
 
 # --- build --------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ jax 0.10.2 facts this module encodes (`jax/_src/pallas/triton/lowering.py`):
 - `concatenate` only lowers on `[..., 1]` blocks: templates split K ranges instead.
 - Outputs start uninitialised in interpret mode, and masked atomics do not run there: a template
   writes every element of its outputs and uses no atomics (statistics go to per-tile partials).
+- The LLVM that XLA runs for Triton does not contract `a * b + c` (PTX `mul.rn` then `add.rn`):
+  `fma` is one `fma.rn.f32` (`math.fma`; `a * b + c` where the kernel is interpreted).
 
 Index arithmetic is int32: tensors must have fewer than 2**31 elements (checked).
 
@@ -42,7 +44,7 @@ from eqsat.term import Term
 from eqsat.types import parse_type
 
 __all__ = [
-    "CompilerParams", "RefMemory", "compiler_params", "erf", "flat", "gather_load", "next_pow2",
+    "CompilerParams", "RefMemory", "compiler_params", "erf", "flat", "fma", "gather_load", "next_pow2",
     "pallas_call", "store", "MAX_ELEMENTS",
 ]
 
@@ -110,6 +112,46 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
     else:
         results = call(interpret)(*flats)
     return [jnp.reshape(result, shape.shape) for result, shape in zip(results, out_shapes)]
+
+
+def _fma_abstract_eval(a, b, c):
+    if not (a.shape == b.shape == c.shape and a.dtype == b.dtype == c.dtype):
+        raise ValueError(f"fma of {a.str_short()}, {b.str_short()}, {c.str_short()}: one shape and dtype")
+    return a
+
+
+def _fma_triton_lowering(ctx, a, b, c):
+    from jax._src.lib.mlir.dialects import math as math_dialect
+
+    return math_dialect.fma(a, b, c)
+
+
+def _register_fma():
+    from jax._src import core as jax_core
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    primitive = jax_core.Primitive("eqsat_fma")
+
+    def unfused(a, b, c):
+        return a * b + c
+
+    primitive.def_impl(unfused)
+    primitive.def_abstract_eval(_fma_abstract_eval)
+    mlir.register_lowering(primitive, mlir.lower_fun(unfused, multiple_results=False))
+    triton_lowering.register_lowering(primitive)(_fma_triton_lowering)
+    return primitive
+
+
+_fma_p = _register_fma()
+
+
+def fma(a, b, c) -> jax.Array:
+    """`a * b + c` rounded once (one `fma.rn`), broadcast to one shape in the widest operand's float dtype."""
+    a, b, c = (jnp.asarray(x) for x in (a, b, c))
+    dtype = jnp.result_type(a, b, c)
+    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
+    return _fma_p.bind(*(jnp.broadcast_to(x.astype(dtype), shape) for x in (a, b, c)))
 
 
 def gather_load(ref, offsets, mask: Mask = True, *, size: int | None = None) -> jax.Array:
