@@ -90,21 +90,39 @@ def host_tiles(host, statistic) -> int:
     from eqsat.cost import roofline
 
     if host.op == "Conv":
-        from eqsat.conv_params import ConvParams
-
-        lhs, rhs, params, _epilogue, ty = host.args
-        p = ConvParams.parse(params)
-        out = parse_type(ty).shape
-        cout = out[p.out_spec[1]]
-        n_tiles = roofline.conv_output_tiles(cout)
-        pixels = math.prod(out) // max(cout, 1)
-        if statistic_slots(statistic) == pixels:
-            return n_tiles
-        programs = roofline.ConvPrograms.of(lhs.ty, params, ty, cout)
-        return out[p.out_spec[0]] * programs.tiles * n_tiles
+        lhs, _rhs, params, _epilogue, ty = host.args
+        return conv_host_tiles(lhs.ty, params, ty, statistic_slots(statistic))
     if host.op == "Matmul":
         return matmul_shape(host).n_tiles
     return roofline.partial_tiles(statistic.args[2].ty)
+
+
+def conv_host_tiles(lhs_ty: str, params: str, out_ty: str, slots: int) -> int:
+    """The partial rows a conv host writes for a statistic of `slots` outputs (`host_tiles`)."""
+    from eqsat.conv_params import ConvParams
+    from eqsat.cost import roofline
+
+    p = ConvParams.parse(params)
+    out = parse_type(out_ty).shape
+    cout = out[p.out_spec[1]]
+    n_tiles = roofline.conv_output_tiles(cout)
+    if slots == math.prod(out) // max(cout, 1):  # every pixel its own slot
+        return n_tiles
+    return out[p.out_spec[0]] * roofline.ConvPrograms.of(lhs_ty, params, out_ty, cout).tiles * n_tiles
+
+
+def finalize_seconds(op: str, statistic_ty: str, tiles: int, device="h100") -> float:
+    """`finalize_cost(...).seconds` from types: a statistic of type `statistic_ty` with `tiles` rows."""
+    from eqsat.cost.devices import get_device
+
+    device = get_device(device)
+    shape = parse_type(statistic_ty).shape
+    slots = max(1, math.prod(shape[1:] if op == "moments" else shape))
+    from eqsat.cost.roofline import PARTIAL_FIELDS
+
+    nbytes = tiles * PARTIAL_FIELDS.get(op, 1) * slots * 4 + math.prod(shape) * 4
+    flops = slots * merge_flops_per_lane(op, tiles)
+    return device.launch_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32
 
 
 def statistic_tiles(statistic) -> int:
