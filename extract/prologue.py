@@ -17,8 +17,9 @@ charges instead inside a conv, the same way in every extractor:
   feature axis into K-range parts, each node of a part is charged per point of the part and per
   evaluation (`roofline.prologue_node_flops`), a node that does not vary over the pixels once per
   program and channel chunk (`roofline.ConvPrograms`), a `Load` stays one read per kernel, plus,
-  for a hosted statistic, the merge of its partials once per program and chunk
-  (`roofline.statistic_merge_flops`). This is `roofline.conv_prologue_flops` on the built term.
+  for a hosted statistic, the merge of its partials once per program and chunk or, where that
+  costs more, one finalize (`eqsat.cost.merges`; the plan's choice for a statistic with one
+  reader). This is `roofline.conv_prologue_flops` and `roofline.merge_cost` on the built term.
 
 A plain list of costs (no `prologues`) charges every node once, as before.
 """

@@ -17,13 +17,13 @@ after the last host, with no XLA concatenate between them.
     return {term: out, reduction: Partials(buffer)}
 
 Cost: a reader merges at every point it reads, so each read costs `fields` x tiles loads (memoized
-per point within one expression evaluation; the matmul's pre-pass hoists it per row block). It
-merges TB tiles per step (`emit.expr.merge_partials_at`: a block of TB tiles loaded at once and
-reduced with vector reductions, TB a power of two with TB x the point's lanes <= 4096 elements),
-so its serial chain is ceil(tiles / TB) steps, not tiles. Row statistics have few tiles (the
-host's N tiles); GroupNorm statistics of big convs have many (every M x N tile: 192 at SD 1.5's
-64x64 latents, 4096 at the VAE's 512x512 output), merged in ceil(192 / TB) or ceil(4096 / TB)
-steps (one step for 192 tiles at a point of up to 16 lanes).
+per point within one expression evaluation; the matmul's pre-pass hoists it per row block, the
+conv template per program and channel chunk). It merges TB tiles per step
+(`emit.expr.merge_partials_at`: a block of TB tiles loaded at once and reduced with vector
+reductions, TB a power of two with TB x the point's lanes <= 4096 elements), so its serial chain
+is ceil(tiles / TB) steps, not tiles. Where the merges of a statistic's readers would cost more
+than finishing it once (a pointwise reader merges at every element: with hundreds of tiles that
+is 100x the reader's own work), the plan finishes it once instead (`eqsat.cost.merges`):
 
 `finalize(statistic, buffer, name=, interpret=)` is the finished statistic as one small Pallas
 kernel (a plan kernel of kind `finalize`, where the cost model prefers finishing a statistic once to

@@ -10,7 +10,9 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | kernel | flops |
 |---|---|
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
-| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile, its per-(batch, channel) nodes and a hosted statistic's merge once per program and channel chunk (`conv_prologue_flops`, `ConvPrograms`; extraction charges the same: `extract.prologue`) |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile, its per-(batch, channel) nodes once per program and channel chunk (`conv_prologue_flops`, `ConvPrograms`; extraction charges the same: `extract.prologue`) |
+| `Matmul` prologues | the A expression once per N tile, the B expression once per M tile (`matmul_prologue_flops`) |
+| a hosted statistic's merge | at each reader, as its template runs it: `lanes × tiles × MERGE_INSTRUCTIONS × 2` (`merge_cost`, `eqsat.cost.merges`), or nothing for a statistic the plan finishes once (a `finalize` kernel: `merges.finalize_cost`) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
@@ -22,18 +24,23 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 
 `RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
 matmul's lhs prologue): its body's loads are the kernel's own reads (shared `Load` e-nodes), so
-it owns only its flops, counted once. The real kernel recomputes them per output-column tile
-(N / block_n times); that recompute is not modeled (for LayerNorm stats it is a few flops per
-lhs element against 2·N per element of the matmul itself).
+it owns only its flops (`node_cost`). A `Matmul` kernel's A prologue (a LayerNorm apply and its
+row statistics, GEGLU's `value * gelu(gate)`) is charged once per N tile, as each (batch, M tile,
+N tile) program computes it (`matmul_prologue_flops`; N tiles of the template's own
+`emit.pallas.matmul.MatmulBlocks`), its B prologue once per M tile. Extraction still charges a
+matmul's prologue once (`extract.prologue` models the conv's recompute only).
 
 `EpilogueReduce` is a reduction computed by the kernels that write its body (`eqsat.cost.hosting`):
 each of their output tiles writes its own partial (a sum, or count/mean/M2 for `moments`) into a
-slot of an fp32 partials buffer, and every kernel reading the statistic merges the slots in tile
-order. Nothing is zeroed (no memset) and nothing is added atomically. The statistic is never
-stored merged, so its bytes are the partials' (`partials_bytes`: one slot per output per
-`PARTIAL_TILE` elements it reduces, `PARTIAL_FIELDS` floats each): written once by the hosts and
-read by each reader (`kernel_reads`). One that cannot be hosted runs as its own reduction kernel
-writing the same partials.
+slot of an fp32 partials buffer, and the slots are merged in tile order, either by every kernel
+reading the statistic or once by a `finalize` kernel the plan adds after the last host
+(`eqsat.cost.merges`: whichever prices lower). Nothing is zeroed (no memset) and nothing is added
+atomically. Its bytes are the partials' (`merges.partials_bytes`: every partial row its hosts'
+templates write, `merges.statistic_tiles`, times its slots and `PARTIAL_FIELDS` floats; per node,
+without the hosts, estimated as one row per `PARTIAL_TILE` reduced elements: `partials_bytes`),
+written once by the hosts and read by each reader (`kernel_reads`), or by the finalize, whose
+readers then read the finished statistic. One that cannot be hosted runs as its own reduction
+kernel.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
@@ -47,9 +54,11 @@ Two views of the same model:
   read of its tensor; an Expr op owns its flops; a `TCons` owns the read of its head (operands of
   `Opaque`/`Loop`). Summed over the distinct nodes of an extraction, a tensor read by several
   kernels through the same `Load` e-node is paid once (shared), like the tensor itself.
-- `kernel_cost(term, device)`: the cost of one kernel `Term` of a chosen DAG, as the plan reports
-  it: each distinct tensor it reads is paid once per kernel, each distinct Expr node's flops once.
-  `dag_cost(roots)` sums it over the distinct kernels reachable from `roots`.
+- `kernel_cost(term, device, finished)`: the cost of one kernel `Term` of a chosen DAG, as the plan
+  reports it: each distinct tensor it reads is paid once per kernel, each distinct Expr node's flops
+  as often as its template computes it, the merges of the hosted statistics it reads unfinished
+  (`merge_cost`; `merge_fraction` is their share). `dag_cost(roots)` sums it over the distinct
+  kernels reachable from `roots`, with the finalize kernels the plan adds.
 """
 
 from __future__ import annotations
@@ -438,11 +447,6 @@ def conv_output_tiles(out_features: int) -> int:
     return -(-out_features // block)
 
 
-# Flops per tile of merging a hosted statistic's partials at one lane (`emit.expr.merge_partials_at`):
-# a sum adds; moments weigh the tile's mean, then add its M2 and its spread about the merged mean.
-PARTIAL_MERGE_FLOPS = {"sum": 1, "moments": 8}
-
-
 def partial_tiles(body_ty: str) -> int:
     """Tiles of the hosts that write a hosted statistic's partials: one per `PARTIAL_TILE`
     elements of its body (every host tile writes a row, whatever slots it touches)."""
@@ -509,11 +513,6 @@ class ConvPrograms:
         """Evaluations per input element of a node of this type: `per_pixel` (the K range's
         `conv_prologue_evaluations`), or `hoisted` for a per-(batch, channel) node."""
         return per_pixel if self.per_pixel(node_ty) else self.hoisted
-
-
-def statistic_merge_flops(op: str, body_ty: str) -> float:
-    """Flops of merging a hosted statistic's partials at one lane."""
-    return float(PARTIAL_MERGE_FLOPS.get(op, 1) * partial_tiles(body_ty))
 
 
 def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
