@@ -73,7 +73,7 @@ import numpy as np
 from eqsat.cost.roofline import HOSTED_OPS
 from eqsat.lang import KERNEL_OPS
 from eqsat.types import parse_type
-from extract.prologue import ConvPrologue, prologue_charge
+from extract.prologue import prologue_charge
 from extract.serialized import (
     EPSILON,
     GLOBAL,
@@ -173,7 +173,7 @@ class _Problem:
         # nodes of each class (what such a conv may read instead of computing the class).
         self.prologue_costs = costs if getattr(costs, "prologues", None) else None
         self.prologues = {n: p for n, p in (getattr(costs, "prologues", None) or {}).items()
-                          if graph.node_class[n] in self.parents and isinstance(p, ConvPrologue)}
+                          if graph.node_class[n] in self.parents}
         self.loads_of: dict[int, list[int]] = {}
         for cls in classes:
             for node in graph.class_nodes[cls]:

@@ -49,7 +49,6 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from extract.prologue import ConvPrologue
 from extract.serialized import EPSILON, GLOBAL, EGraphData, Selection, reachable_classes
 
 _LEAF_OPS = frozenset({"Input", "Constant", "LoopArg"})
@@ -138,7 +137,7 @@ def extract_ilp(graph: EGraphData, roots, costs, *, region=None, incumbent: Sele
     var_node: list[int] = []     # or ("input", conv node, tensor class) for a conv's input expression
     var_cost: dict[int, float] = {}  # objective terms other than the node's own cost
     slot_vars: dict[tuple, list[int]] = {}
-    prologues = {n: p for n, p in (getattr(costs, "prologues", None) or {}).items() if isinstance(p, ConvPrologue)}
+    prologues = getattr(costs, "prologues", None) or {}
 
     def new_var(cls: int, context, node: int) -> int:
         index = len(var_node)

@@ -21,13 +21,6 @@ charges instead inside a conv, the same way in every extractor:
   costs more, one finalize (`eqsat.cost.merges`; the plan's choice for a statistic with one
   reader). This is `roofline.conv_prologue_flops` and `roofline.merge_cost` on the built term.
 
-The matmul template computes its A expression (a LayerNorm apply, GEGLU's `value * gelu(gate)`)
-once per N tile and its B expression once per M tile (`roofline.matmul_prologue_flops`): per
-`Matmul` node, `MatmulPrologue` (its operand classes and tile counts), charged by
-`prologue_charge` as each node's own points times its repeats. Only the final cost (`Selection`
-and the greedy extractor's polish) sees it: the greedy pass's input choice and the ILP model the
-conv's prologue only.
-
 A plain list of costs (no `prologues`) charges every node once, as before.
 """
 
@@ -67,17 +60,6 @@ class ConvPrologue:
             if overlap > 0:
                 total += overlap * (evaluations if ty is None else self.programs.evaluations(ty, evaluations))
         return total / max(hi - lo, 1)
-
-
-@dataclass(frozen=True)
-class MatmulPrologue:
-    """A `Matmul` node's operand expressions as the template evaluates them: the A expression
-    (class `lhs`) once per N tile, the B expression (class `rhs`) once per M tile."""
-
-    lhs: int
-    rhs: int
-    n_tiles: int
-    m_tiles: int
 
 
 class NodeCosts(list):
@@ -128,13 +110,6 @@ def node_costs(graph, device="h100") -> NodeCosts:
             evaluation_seconds.append(reduction_flops(graph.node_literals[node][0], reduced) * vector)
         else:
             evaluation_seconds.append(0.0)
-        if op == "Matmul":
-            lhs, rhs = graph.node_children[node][0], graph.node_children[node][1]
-            key = ("Matmul", lhs, rhs, graph.node_literals[node][2])
-            if key not in prologue_cache:
-                prologue_cache[key] = matmul_prologue(graph, lhs, rhs, graph.node_literals[node][2])
-            if prologue_cache[key] is not None:
-                prologues[node] = prologue_cache[key]
         if op == "Conv":
             lhs, rhs = graph.node_children[node][0], graph.node_children[node][1]
             key = (lhs, rhs, graph.node_literals[node][2], graph.node_literals[node][4])
@@ -143,20 +118,6 @@ def node_costs(graph, device="h100") -> NodeCosts:
             if prologue_cache[key] is not None:
                 prologues[node] = prologue_cache[key]
     return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector, device)
-
-
-def matmul_prologue(graph, lhs: int, rhs: int, dims: str) -> MatmulPrologue | None:
-    """The `MatmulPrologue` of a matmul with operand classes `lhs` and `rhs` (None when it computes
-    each operand once: one tile each way)."""
-    from eqsat.cost.merges import MatmulShape
-
-    lhs_ty, rhs_ty = graph.class_type[lhs], graph.class_type[rhs]
-    if not lhs_ty or not rhs_ty:
-        return None
-    shape = MatmulShape(lhs_ty=lhs_ty, rhs_ty=rhs_ty, dims=dims)
-    if shape.n_tiles == 1 and shape.m_tiles == 1:
-        return None
-    return MatmulPrologue(lhs, rhs, shape.n_tiles, shape.m_tiles)
 
 
 def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPrologue | None:
@@ -212,13 +173,10 @@ def weight_ranges(graph, rhs: int, rhs_spec, rhs_shape, depth: int = 4) -> list[
     return best(rhs, depth)[1]
 
 
-def prologue_charge(graph, costs: NodeCosts, prologue: "ConvPrologue | MatmulPrologue",
+def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
                     resolve: Callable[[int], int | None]) -> tuple[float, set[int]]:
-    """The seconds a conv spends on its input expression (a matmul on its operand expressions)
-    when each class `c` of it is computed by node `resolve(c)`, and the classes charged (see the
-    module docstring); `inf` if one has no node."""
-    if isinstance(prologue, MatmulPrologue):
-        return _matmul_prologue_charge(graph, costs, prologue, resolve)
+    """The seconds a conv spends on its input expression when each class `c` of it is computed by
+    node `resolve(c)`, and the classes charged (see the module docstring); `inf` if one has no node."""
     node_op, node_children, node_literals = graph.node_op, graph.node_children, graph.node_literals
     total = 0.0
     covered: set[int] = set()
@@ -275,28 +233,3 @@ def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: flo
         tiles = partial_tiles(graph.class_type[children[2]])
     merge = lanes * merge_flops_per_lane(op, tiles) * costs.flop_seconds
     return min(merge, finalize_seconds(op, ty, tiles, costs.device))
-
-
-def _matmul_prologue_charge(graph, costs: NodeCosts, prologue: MatmulPrologue,
-                            resolve: Callable[[int], int | None]) -> tuple[float, set[int]]:
-    """`prologue_charge` of a matmul: each node of the A expression at its own points once per N
-    tile, of the B expression once per M tile (`roofline.matmul_prologue_flops`); loads are read
-    once per kernel (the caller's)."""
-    node_op, node_children = graph.node_op, graph.node_children
-    total, covered = 0.0, set()
-    for root, repeats in ((prologue.lhs, prologue.n_tiles), (prologue.rhs, prologue.m_tiles)):
-        stack = [root]
-        while stack:
-            cls = stack.pop()
-            if cls in covered:
-                continue
-            node = resolve(cls)
-            if node is None:
-                return math.inf, covered
-            covered.add(cls)
-            if node_op[node] == "Load":
-                continue
-            charge = costs.in_prologue(node, _size(graph.class_type[cls]), repeats)
-            total += costs[node] if charge is None else charge
-            stack.extend(c for c in node_children[node] if c >= 0)
-    return total, covered
