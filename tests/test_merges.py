@@ -250,3 +250,30 @@ def test_sd15_tiny_plans_merge_as_the_templates_do(component):
 
     workload = workloads(batch=2, dtype="float16", config="tiny", components=(component,))[component]
     check_plan_merges(eqsat.optimize(workload.fn, **PLANNING).lower(*workload.args).plan)
+
+
+def test_a_plan_with_a_finalize_kernel_compiles_for_an_h100_to_its_kernels_only(monkeypatch):
+    """fp16 GroupNorm + SiLU (32 groups of 3 channels on 8x8 images) read by a pointwise kernel and
+    a conv, every statistic finished once: the executable compiled for an H100 (Triton, deviceless)
+    launches exactly the plan's kernels, the finalize among them, every one a Pallas kernel."""
+    import extract.plan
+    from eqsat.xla_target import compile_for_h100
+
+    monkeypatch.setattr(extract.plan, "finished_statistics",
+                        lambda *args: merges.finished_statistics(*args, share_limit=0.0))
+    shapes, dt = jax.ShapeDtypeStruct, jnp.float16
+
+    def fn(x, w0, w1):
+        y = lax.conv_general_dilated(x, w0, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        z = _group_norm_silu(y, 32).astype(dt)
+        return z, lax.conv_general_dilated(z, w1, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    args = (shapes((2, 8, 8, 16), dt), shapes((3, 3, 16, 96), dt), shapes((3, 3, 96, 32), dt))
+    plan = eqsat.optimize(fn, **PLANNING).lower(*args).plan
+    assert plan.kinds().get("finalize") == 1, plan.kinds()
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args)
+    if report is None:
+        pytest.skip("no H100 compile target here (the CUDA plugin is missing)")
+    names = [launch.name for launch in report.launches if launch.counted != "none"]
+    assert report.by_category == {"Pallas (Triton)": len(plan.kernels)}, names
+    assert report.kernels == len(plan.kernels) and report.copies == 0 and report.memsets == 0, names

@@ -5,9 +5,11 @@ Every elementwise op, permute and concat of the UNet is fused into a matmul/conv
 kernel, except where the cost model says storing it is cheaper: the conv template computes its
 input expression once per window tap and output-channel tile (27x to 90x for the 3x3 ResNet
 convs), so a ResNet conv whose GroupNorm + SiLU input costs more to recompute than to write once
-and read reads it from a pointwise kernel (33 of them: `extract.prologue`); every normalization's
-statistics come from the kernel that writes the normalized tensor (GroupNorm: `epilogue_stats`)
-or the matmul that reads it (LayerNorm: `row_stats`), so no statistics kernel is left; the 1x1
+and read reads it from a pointwise kernel (`extract.prologue`), as does a matmul whose A prologue
+(recomputed per N tile) costs more than storing it; every normalization's statistics come from
+the kernel that writes the normalized tensor (GroupNorm: `epilogue_stats`) or the matmul that reads
+it (LayerNorm: `row_stats`), so no statistics kernel is left, only small `finalize` kernels where
+finishing a statistic once costs less than merging it in its readers (`eqsat.cost.merges`); the 1x1
 shortcut convs are K ranges of conv2; and the plan's activations stay far below XLA's 1.07 GB of
 temporaries.
 """
@@ -62,17 +64,19 @@ def test_unet_step_stores_only_conv_inputs_cheaper_stored(unet_step):
     stored = [kernel for kernel in pointwise if kernel.component]
     assert 0 < len(stored) <= 40, len(stored)
     for kernel in stored:
-        # Read by convs only, as their input, and the conv computing it instead would cost more
-        # (its template evaluates the input per tap and output-channel tile) than storing it.
+        # Read by convs or matmuls only, as their input (A operand), and the kernel computing it
+        # instead would cost more (a conv's template evaluates its input per tap and output-channel
+        # tile, a matmul's per N tile) than storing it.
         tensor = kernel.term
         readers = [k for k in kernels if tensor in kernel_reads(k.term)]
-        assert readers and all(k.kind == "conv" for k in readers), (kernel.component, [k.kind for k in readers])
+        assert readers and all(k.kind in ("conv", "matmul") for k in readers), \
+            (kernel.component, [k.kind for k in readers])
         # The statistics the stored kernel reads are finished once (`finalize` kernels); inlined, the
         # convs would read them finished or merge them in place, whichever is cheaper.
         finalizes = [k for k in kernels if k.kind == "finalize" and k.term in kernel_reads(kernel.term)]
         finished = frozenset(k.term for k in finalizes)
         stored_cost = kernel.seconds + sum(k.seconds for k in readers) + sum(k.seconds for k in finalizes)
-        inlined = [Term("Conv", _inlined(k.term.args[0], tensor), *k.term.args[1:]) for k in readers]
+        inlined = [Term(k.term.op, _inlined(k.term.args[0], tensor), *k.term.args[1:]) for k in readers]
         inlined_cost = min(sum(kernel_cost(term, finished=finished).seconds for term in inlined)
                            + sum(k.seconds for k in finalizes), sum(kernel_cost(term).seconds for term in inlined))
         # Extraction does not charge the finalize a stored pointwise reader of a statistic makes the
