@@ -47,7 +47,9 @@ memoizes the merge by the kept index, so a reader's sum and M2 at one point merg
 elements) and reduces them with vector reductions (sums added; moments two-pass over the block's
 tiles in a frame shifted by a tile's mean), then merges the ceil(tiles / TB) blocks in order
 (sums added, moments by Chan's formula): a serial chain of blocks, not of tiles, in a fixed order.
-`partials_layout` tells the two bindings apart by the buffer's size.
+`partials_layout` tells the two bindings apart by the buffer's size: a statistic the plan finishes
+once (`emit.pallas.partials.finalize`, where `eqsat.cost.merges` prices that lower than its
+readers' merges) is bound to its finished value and read like any tensor.
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ import json
 from dataclasses import dataclass, field
 
 from eqsat.cost import Cost, get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
+from eqsat.cost.merges import finalize_cost, finished_statistics, partials_bytes
+from eqsat.cost.roofline import merge_cost
 
-KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque")
+KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque", "finalize")
 _KIND = {
     "Pointwise": "pointwise", "Reduce": "reduce", "Matmul": "matmul", "Conv": "conv", "Attention": "attention",
     "Gather": "gather", "AssignStatic": "pointwise", "AssignDynamic": "pointwise", "AssignScatter": "gather",
@@ -89,6 +91,7 @@ class Kernel:
     seconds: float
     eclass: int | None = None
     body: list = field(default_factory=list)  # a loop's body: its kernels (Kernel), producers first
+    merge_seconds: float = 0.0   # of `seconds`: merging hosted statistics' partials where it reads them
 
     @property
     def op(self) -> str:
@@ -147,6 +150,8 @@ class Plan:
         if _outside:
             order = [term for term in order if term not in _outside]
         order, loop_outputs = _one_kernel_per_loop(order)
+        finished = finished_statistics(order, hosting, device, outputs)
+        order, finalizes = _with_finalizes(order, hosting, finished)
         index_of = {term: i for i, term in enumerate(order)}
         for term, others in loop_outputs.items():
             index_of.update((other, index_of[term]) for other in others)
@@ -166,7 +171,7 @@ class Plan:
                 component = class_components.get(class_of[term])
             components.append(module_path(component) if component is not None else None)
 
-        reads = [kernel_reads(term) for term in order]
+        reads = [{term: partials_bytes(term)} if i in finalizes else kernel_reads(term) for i, term in enumerate(order)]
         readers: dict[int, list[int]] = {}
         for i, tensors in enumerate(reads):
             for tensor in tensors:
@@ -189,7 +194,13 @@ class Plan:
         kernels = []
         outside = (_outside or frozenset()) | set(order) | set(share)
         for i, term in enumerate(order):
-            cost = kernel_cost(term, device)
+            if i in finalizes:  # the statistic finished once: a small merge kernel after its last host
+                cost = finalize_cost(term, device)
+                kernels.append(Kernel(i, term, "finalize", components[i] or "", list(reads[i]), [term], cost.bytes,
+                                      cost.flops, cost.seconds, class_of.get(term)))
+                continue
+            cost = kernel_cost(term, device, finished)
+            merge = merge_cost(term, device, finished).seconds
             body: list = []
             if term.op == "Loop":
                 body = cls.build(list_items(term.args[2]), program=program, class_of=class_of,
@@ -205,7 +216,7 @@ class Plan:
             component = components[i] or ""
             kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]),
                                   [term, *loop_outputs.get(term, ()), *hosted.get(i, ())], cost.bytes,
-                                  cost.flops, cost.seconds, class_of.get(term), body))
+                                  cost.flops, cost.seconds, class_of.get(term), body, merge))
 
         buffers = _buffers([k.outputs for k in kernels], reads, outputs)
         plan = cls(kernels, buffers, list(outputs), device.name, extractor, program)
@@ -450,6 +461,25 @@ def _nbytes(term) -> int:
     if term.op in HOSTED_OPS:
         return int(partials_bytes(term.args[1], term.args[2].ty, term.ty))
     return parse_type(term.ty).nbytes
+
+
+def _with_finalizes(order: list, hosting: dict, finished: frozenset) -> tuple[list, set[int]]:
+    """`order` with each statistic of `finished` right after its last host, and their positions."""
+    after: dict[int, list] = {}
+    position = {term: i for i, term in enumerate(order)}
+    for statistic in hosting:  # in a fixed order
+        if statistic not in finished:
+            continue
+        hosts = [position[h] for h in hosting.get(statistic) or () if h in position]
+        if hosts:
+            after.setdefault(max(hosts), []).append(statistic)
+    result, finalizes = [], set()
+    for i, term in enumerate(order):
+        result.append(term)
+        for statistic in after.get(i, ()):
+            finalizes.add(len(result))
+            result.append(statistic)
+    return result, finalizes
 
 
 def _buffers(written, reads, outputs) -> list[Buffer]:

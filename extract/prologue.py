@@ -17,8 +17,9 @@ charges instead inside a conv, the same way in every extractor:
   feature axis into K-range parts, each node of a part is charged per point of the part and per
   evaluation (`roofline.prologue_node_flops`), a node that does not vary over the pixels once per
   program and channel chunk (`roofline.ConvPrograms`), a `Load` stays one read per kernel, plus,
-  for a hosted statistic, the merge of its partials once per program and chunk
-  (`roofline.statistic_merge_flops`). This is `roofline.conv_prologue_flops` on the built term.
+  for a hosted statistic, the merge of its partials once per program and chunk or, where that
+  costs more, one finalize (`eqsat.cost.merges`; the plan's choice for a statistic with one
+  reader). This is `roofline.conv_prologue_flops` and `roofline.merge_cost` on the built term.
 
 A plain list of costs (no `prologues`) charges every node once, as before.
 """
@@ -30,8 +31,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from eqsat.cost import get_device
-from eqsat.cost.roofline import (ConvPrograms, conv_prologue_evaluations, prologue_node_flops, reduction_flops,
-                                 statistic_merge_flops, zero_pad_taps)
+from eqsat.cost.merges import conv_host_tiles, finalize_seconds, merge_flops_per_lane
+from eqsat.cost.roofline import (ConvPrograms, conv_prologue_evaluations, partial_tiles, prologue_node_flops,
+                                 reduction_flops, zero_pad_taps)
 from eqsat.types import parse_type
 
 
@@ -65,12 +67,13 @@ class NodeCosts(list):
     template repeats (see the module docstring)."""
 
     def __init__(self, seconds, prologues: dict[int, ConvPrologue], point_seconds: list[float],
-                 evaluation_seconds: list[float], flop_seconds: float = 0.0):
+                 evaluation_seconds: list[float], flop_seconds: float = 0.0, device="h100"):
         super().__init__(seconds)
         self.prologues = prologues
         self.point_seconds = point_seconds
         self.evaluation_seconds = evaluation_seconds
         self.flop_seconds = flop_seconds  # seconds of one vector flop
+        self.device = device
 
     def in_prologue(self, node: int, points: float, evaluations: float) -> float | None:
         """The seconds of `node` inside a conv's input expression (`points` per evaluation, each
@@ -114,7 +117,7 @@ def node_costs(graph, device="h100") -> NodeCosts:
                 prologue_cache[key] = conv_prologue(graph, *key)
             if prologue_cache[key] is not None:
                 prologues[node] = prologue_cache[key]
-    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector)
+    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector, device)
 
 
 def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPrologue | None:
@@ -204,12 +207,29 @@ def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
             if node_op[node] == "Load":  # a read: charged once per kernel by the caller
                 tensor = resolve(node_children[node][0])
                 if tensor is not None and node_op[tensor] == "EpilogueReduce":  # merged per program and chunk
-                    body_ty = graph.class_type[node_children[tensor][2]]
-                    total += (statistic_merge_flops(node_literals[tensor][1], body_ty) * points
-                              * prologue.evaluations(lo, hi, graph.class_type[node_children[node][0]])
-                              * costs.flop_seconds)
+                    total += _statistic_merge_seconds(graph, costs, tensor, points * prologue.evaluations(
+                        lo, hi, graph.class_type[node_children[node][0]]), resolve)
                 continue
             charge = costs.in_prologue(node, points, prologue.evaluations(lo, hi, graph.class_type[part_cls]))
             total += costs[node] if charge is None else charge
             stack.extend(c for c in node_children[node] if c >= 0)
     return total, covered
+
+
+def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: float, resolve) -> float:
+    """What a conv reading the hosted statistic e-node `statistic` at `lanes` merge lanes pays for
+    it: the merge in place, or at most finishing it once (the plan finishes it when that prices
+    lower: `eqsat.cost.merges.finished_statistics`; exact for a statistic with one reader). Its
+    tiles are those of its producer when that is a conv (`merges.conv_host_tiles`)."""
+    children, literals = graph.node_children[statistic], graph.node_literals[statistic]
+    op, ty = literals[1], literals[4]
+    shape = parse_type(ty).shape
+    slots = max(1, math.prod(shape[1:] if op == "moments" else shape))
+    producer = resolve(children[0])
+    if producer is not None and graph.node_op[producer] == "Conv":
+        tiles = conv_host_tiles(graph.class_type[graph.node_children[producer][0]], graph.node_literals[producer][2],
+                                graph.node_literals[producer][4], slots)
+    else:
+        tiles = partial_tiles(graph.class_type[children[2]])
+    merge = lanes * merge_flops_per_lane(op, tiles) * costs.flop_seconds
+    return min(merge, finalize_seconds(op, ty, tiles, costs.device))

@@ -245,10 +245,11 @@ def test_sd15_resnet_block_plan_cost_matches_its_extraction():
     lowered = eqsat.optimize(lambda p, x, t: layers.resnet_block(p, "r", x, t, 32, 1e-5), progress=False,
                              extractor="greedy", extract_time_limit=120).lower(*args)
     extraction = lowered.extraction
-    # Per node, a hosted statistic's cost is approximated (its partials' reads and its body's ops:
-    # 0.02 us of 34 here); a prologue charged once instead of per tap and tile would be 8 us off.
-    assert extraction.cost == pytest.approx(dag_cost(extraction.terms).seconds, rel=1e-3)
-    assert extraction.cost == pytest.approx(sum(k.seconds for k in lowered.plan.kernels), rel=1e-3)
+    # Per node, a hosted statistic's cost is approximated (its partials' size from `PARTIAL_TILE`
+    # where the plan has its hosts' real tiles, its merges at a conv reader as min(merge, finalize):
+    # 0.04 us of 30 here); a prologue charged once instead of per tap and tile would be 8 us off.
+    assert extraction.cost == pytest.approx(dag_cost(extraction.terms).seconds, rel=2e-3)
+    assert extraction.cost == pytest.approx(sum(k.seconds for k in lowered.plan.kernels), rel=2e-3)
     convs = [k for k in lowered.plan.kernels if k.kind == "conv"]
     assert len(convs) == 2 and all(roofline.conv_prologue_flops(k.term)[0] > 0 for k in convs)
 

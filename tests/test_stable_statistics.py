@@ -295,11 +295,17 @@ def test_hosted_statistics_cost_partials_and_no_memset():
     producer = Term("Input", "h", x_ty)
     conv = Term("Pointwise", Term("Load", producer, x_ty), x_ty)
     stats = Term("EpilogueReduce", conv, "moments", Term("Load", conv, x_ty), "1,3", stats_ty)
-    assert hosted_cost(stats, H100).bytes == partials_bytes("moments", x_ty, stats_ty)
+    # what the hosts write: every host tile (one per PARTIAL_TILE elements here) a row of all 64 slots
+    from eqsat.cost.merges import partials_bytes as buffer_bytes, statistic_tiles
+
+    assert statistic_tiles(stats) == 2 * 4096 * 320 // PARTIAL_TILE
+    assert hosted_cost(stats, H100).bytes == buffer_bytes(stats) == statistic_tiles(stats) * 3 * 64 * 4
     reader = Term("Pointwise", Term("Reshape", Term("Slice", Term("Load", stats, stats_ty), 0, 0, 1, 1, "f32[1,2,32]"),
                                     "f32[2,32]"), "f32[2,32]")
     # the reader reads the whole partials buffer (and merges it), even for one row of the statistic
-    assert kernel_cost(reader, H100).bytes == partials_bytes("moments", x_ty, stats_ty) + 2 * 32 * 4
+    assert kernel_cost(reader, H100).bytes == buffer_bytes(stats) + 2 * 32 * 4
+    # ... unless the plan finishes it once: then the reader reads the finished statistic
+    assert kernel_cost(reader, H100, frozenset({stats})).bytes == 2 * 2 * 32 * 4 + 2 * 32 * 4
 
 
 # --- the soundness checker draws adversarial values ---------------------------------------------------

@@ -17,13 +17,20 @@ after the last host, with no XLA concatenate between them.
     return {term: out, reduction: Partials(buffer)}
 
 Cost: a reader merges at every point it reads, so each read costs `fields` x tiles loads (memoized
-per point within one expression evaluation; the matmul's pre-pass hoists it per row block). It
-merges TB tiles per step (`emit.expr.merge_partials_at`: a block of TB tiles loaded at once and
-reduced with vector reductions, TB a power of two with TB x the point's lanes <= 4096 elements),
-so its serial chain is ceil(tiles / TB) steps, not tiles. Row statistics have few tiles (the
-host's N tiles); GroupNorm statistics of big convs have many (every M x N tile: 192 at SD 1.5's
-64x64 latents, 4096 at the VAE's 512x512 output), merged in ceil(192 / TB) or ceil(4096 / TB)
-steps (one step for 192 tiles at a point of up to 16 lanes).
+per point within one expression evaluation; the matmul's pre-pass hoists it per row block, the
+conv template per program and channel chunk). It merges TB tiles per step
+(`emit.expr.merge_partials_at`: a block of TB tiles loaded at once and reduced with vector
+reductions, TB a power of two with TB x the point's lanes <= 4096 elements), so its serial chain
+is ceil(tiles / TB) steps, not tiles. Where the merges of a statistic's readers would cost more
+than finishing it once (a pointwise reader merges at every element: with hundreds of tiles that
+is 100x the reader's own work), the plan finishes it once instead (`eqsat.cost.merges`):
+
+`finalize(statistic, buffer, name=, interpret=)` is the finished statistic as one small Pallas
+kernel (a plan kernel of kind `finalize`, where the cost model prefers finishing a statistic once to
+merging it in its readers: `eqsat.cost.merges`): each program merges `FINALIZE_SLOTS` slots over
+every tile with the readers' own blocked merge (`emit.expr.merge_partials_at`, the slots as lanes:
+the same result to the bit) and writes the finished statistic; readers then load it like any
+tensor (`emit.expr.partials_layout` tells it from partials by its size).
 
 `merged(statistic, buffer)` is the finished statistic in plain jax (the same merge as the readers'):
 for what reads a statistic outside a Pallas template (an XLA fallback kernel, an opaque primitive,
@@ -37,12 +44,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from emit.expr import evaluate_whole
+from emit.expr import evaluate_whole, merge_partials_at, partials_layout
 from emit.pallas import triton
 from eqsat.term import Term
+from eqsat.types import parse_type
 
 COPY_BLOCK = 1024  # elements a program copies per step of `copy_prefix`
+FINALIZE_SLOTS = 32  # slots one program of `finalize` merges (lanes of its merge)
 
 
 @dataclass(frozen=True)
@@ -79,3 +89,31 @@ def copy_prefix(src_ref, dst_ref, size: int, program, programs: int) -> None:
 def merged(statistic: Term, buffer: jax.Array) -> jax.Array:
     """The finished statistic from its partials, in plain jax (the readers' merge, the same order)."""
     return evaluate_whole(Term("Load", statistic, statistic.ty), {statistic: buffer})
+
+
+def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool | None) -> jax.Array:
+    """The finished `statistic` (its type: `[2, *kept]` sum and M2 for moments, else `[*kept]`) from
+    its hosts' per-tile partials `buffer`, as one Pallas kernel: program `i` merges slots
+    `[i * FINALIZE_SLOTS, (i + 1) * FINALIZE_SLOTS)` over every tile (`merge_partials_at`)."""
+    op = statistic.args[1]
+    shape = parse_type(statistic.ty).shape
+    layout = partials_layout(statistic, buffer.size)
+    if layout is None:  # one tile's partials are the statistic itself
+        return jnp.reshape(buffer, shape).astype(jnp.float32)
+    tiles, _fields, slots = layout
+    block = min(triton.next_pow2(slots), FINALIZE_SLOTS)
+    rows = 2 if op == "moments" else 1
+
+    def kernel(partials_ref, out_ref):
+        slot = jax.lax.broadcasted_iota(jnp.int32, (block,), 0) + pl.program_id(0) * block
+        ok = slot < slots
+        load = lambda offsets: triton.gather_load(partials_ref, offsets)  # noqa: E731
+        merged = merge_partials_at(op, load, tiles, slots, jnp.minimum(slot, slots - 1))
+        for row, value in enumerate(merged if op == "moments" else (merged,)):
+            where = jnp.where(ok, row * slots + slot, rows * slots)  # masked lanes address nothing
+            triton.store(out_ref, where, value.astype(jnp.float32), ok)
+
+    out = jax.ShapeDtypeStruct((rows * slots,), jnp.float32)
+    flat = triton.pallas_call(kernel, [jnp.reshape(buffer, (-1,))], [out], grid=(-(-slots // block),), name=name,
+                              interpret=interpret, num_warps=1)[0]
+    return jnp.reshape(flat, shape)

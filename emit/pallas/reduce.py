@@ -9,6 +9,9 @@ argmax/argmin (one axis; first index wins, NaN is largest, as `lax.argmax`), and
 (`f32[2, *kept]`: the sum and M2 = sum((x - mean)²), per-chunk count/mean/M2 merged with Chan's
 formula: no cancellation, deterministic).
 
+An `EpilogueReduce` its hosts computed as partials (in `ctx.partials`) is finished from them
+instead (`emit.pallas.partials.finalize`: a plan kernel of kind `finalize`).
+
 The epilogue is evaluated at the output index with `Acc` bound to the reduction there. When the
 output has the accumulator's shape (the usual case) each block computes the reduction once for its
 kept indices and writes every output row (both rows of `moments`); an epilogue that views `Acc`
@@ -156,6 +159,10 @@ def reference(op: str, body: jax.Array, axes, acc_type, epilogue: Callable = lam
 
 def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     term = kernel.term
+    if term.op == "EpilogueReduce" and term in ctx.partials:  # hosted: finished once from its partials
+        from emit.pallas.partials import finalize
+
+        return {term: finalize(term, ctx.partials[term], name=kernel.name, interpret=ctx.interpret)}
     if term.op == "EpilogueReduce":
         _producer, op, body, axes, ty = term.args
         epilogue = Term("Acc", ty)

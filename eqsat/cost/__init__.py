@@ -17,6 +17,8 @@ from eqsat.cost.roofline import (
     kernel_cost,
     kernel_reads,
     kernels,
+    merge_cost,
+    merge_fraction,
     node_cost,
     own_flops,
 )
@@ -25,5 +27,5 @@ __all__ = [
     "A100", "CPU", "DEVICES", "H100", "H200", "Device", "get_device",
     "COMPUTE_OPS", "DENSE_OPS", "VIEW_OPS", "Cost", "count_kernels", "dag_cost", "hosted_cost",
     "hosted_reductions", "hosts_of", "kernel_cost",
-    "kernel_reads", "kernels", "node_cost", "own_flops",
+    "kernel_reads", "kernels", "merge_cost", "merge_fraction", "node_cost", "own_flops",
 ]

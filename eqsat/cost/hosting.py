@@ -24,6 +24,9 @@ side values (what they read besides):
     anything else (Broadcast, Lit, Iota, a Load of an input   side value; must not read a host
       or of another kernel, ...)
 
+Where its partials are merged (in each reader, or once by a `finalize` kernel) is
+`eqsat.cost.merges`' choice.
+
 Legal when the body is a spine, `op` is `sum` or `moments` (partials that merge), and no side
 input depends on a host (it must exist when the host runs). Otherwise the reduction is its own `Reduce` kernel
 (`eqsat.cost.kernels` lists it, `kernel_cost` prices it as one): a plan never counts a fusion it

@@ -10,7 +10,9 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | kernel | flops |
 |---|---|
 | `Matmul` | 2·M·N·K = 2 · size(out) · prod(lhs contracting dims) |
-| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile, its per-(batch, channel) nodes and a hosted statistic's merge once per program and channel chunk (`conv_prologue_flops`, `ConvPrograms`; extraction charges the same: `extract.prologue`) |
+| `Conv` | 2 · size(out) · K·kh·kw·Cin/groups = 2 · size(out) · size(weight) / Cout (zero-padded taps of a merged weight excluded); its input expression once per tap and output-channel tile, its per-(batch, channel) nodes once per program and channel chunk (`conv_prologue_flops`, `ConvPrograms`; extraction charges the same: `extract.prologue`) |
+| `Matmul` prologues | the A expression once per N tile, the B expression once per M tile (`matmul_prologue_flops`) |
+| a hosted statistic's merge | at each reader, as its template runs it: `lanes × tiles × MERGE_INSTRUCTIONS × 2` (`merge_cost`, `eqsat.cost.merges`), or nothing for a statistic the plan finishes once (a `finalize` kernel: `merges.finalize_cost`) |
 | `Attention` | 4·B·H·S·Sk·D = 4 · size(q) · Sk |
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
@@ -22,18 +24,23 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 
 `RowReduce` is a reduction recomputed inside the kernel that reads it (row statistics in a
 matmul's lhs prologue): its body's loads are the kernel's own reads (shared `Load` e-nodes), so
-it owns only its flops, counted once. The real kernel recomputes them per output-column tile
-(N / block_n times); that recompute is not modeled (for LayerNorm stats it is a few flops per
-lhs element against 2·N per element of the matmul itself).
+it owns only its flops (`node_cost`). A `Matmul` kernel's A prologue (a LayerNorm apply and its
+row statistics, GEGLU's `value * gelu(gate)`) is charged once per N tile, as each (batch, M tile,
+N tile) program computes it (`matmul_prologue_flops`; N tiles of the template's own
+`emit.pallas.matmul.MatmulBlocks`), its B prologue once per M tile. Extraction still charges a
+matmul's prologue once (`extract.prologue` models the conv's recompute only).
 
 `EpilogueReduce` is a reduction computed by the kernels that write its body (`eqsat.cost.hosting`):
 each of their output tiles writes its own partial (a sum, or count/mean/M2 for `moments`) into a
-slot of an fp32 partials buffer, and every kernel reading the statistic merges the slots in tile
-order. Nothing is zeroed (no memset) and nothing is added atomically. The statistic is never
-stored merged, so its bytes are the partials' (`partials_bytes`: one slot per output per
-`PARTIAL_TILE` elements it reduces, `PARTIAL_FIELDS` floats each): written once by the hosts and
-read by each reader (`kernel_reads`). One that cannot be hosted runs as its own reduction kernel
-writing the same partials.
+slot of an fp32 partials buffer, and the slots are merged in tile order, either by every kernel
+reading the statistic or once by a `finalize` kernel the plan adds after the last host
+(`eqsat.cost.merges`: whichever prices lower). Nothing is zeroed (no memset) and nothing is added
+atomically. Its bytes are the partials' (`merges.partials_bytes`: every partial row its hosts'
+templates write, `merges.statistic_tiles`, times its slots and `PARTIAL_FIELDS` floats; per node,
+without the hosts, estimated as one row per `PARTIAL_TILE` reduced elements: `partials_bytes`),
+written once by the hosts and read by each reader (`kernel_reads`), or by the finalize, whose
+readers then read the finished statistic. One that cannot be hosted runs as its own reduction
+kernel.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
@@ -47,9 +54,11 @@ Two views of the same model:
   read of its tensor; an Expr op owns its flops; a `TCons` owns the read of its head (operands of
   `Opaque`/`Loop`). Summed over the distinct nodes of an extraction, a tensor read by several
   kernels through the same `Load` e-node is paid once (shared), like the tensor itself.
-- `kernel_cost(term, device)`: the cost of one kernel `Term` of a chosen DAG, as the plan reports
-  it: each distinct tensor it reads is paid once per kernel, each distinct Expr node's flops once.
-  `dag_cost(roots)` sums it over the distinct kernels reachable from `roots`.
+- `kernel_cost(term, device, finished)`: the cost of one kernel `Term` of a chosen DAG, as the plan
+  reports it: each distinct tensor it reads is paid once per kernel, each distinct Expr node's flops
+  as often as its template computes it, the merges of the hosted statistics it reads unfinished
+  (`merge_cost`; `merge_fraction` is their share). `dag_cost(roots)` sums it over the distinct
+  kernels reachable from `roots`, with the finalize kernels the plan adds.
 """
 
 from __future__ import annotations
@@ -310,6 +319,11 @@ def kernel_reads(kernel: Term) -> dict[Term, float]:
 def _stored_bytes(tensor: Term) -> float:
     """Bytes of `tensor` in memory: its type's, or its partials' for an `EpilogueReduce`."""
     if tensor.op in HOSTED_OPS:
+        from eqsat.cost.hosting import hosts_of
+        from eqsat.cost.merges import partials_bytes as hosted_partials_bytes
+
+        if hosts_of(tensor) is not None:
+            return hosted_partials_bytes(tensor)
         return _own_bytes(tensor.op, _args_of(tensor))
     return float(_nbytes(tensor.ty))
 
@@ -340,8 +354,14 @@ def _kernel_body(kernel: Term) -> Iterator[tuple[Term, Term | None]]:
             stack.append((child, node))
 
 
-def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
+def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> Cost:
     """The roofline cost of one kernel term as planned: launch + reads + write + flops.
+
+    Operand expressions are charged as often as the template computes them (a conv's input per
+    tap and output-channel tile, `conv_prologue_flops`; a matmul's A prologue per N tile,
+    `matmul_prologue_flops`), and each hosted statistic it reads either merged where it reads it
+    (`merge_cost`) or, for a statistic in `finished` (the plan finishes it once:
+    `eqsat.cost.merges.finished_statistics`), read as the finished statistic.
 
     An `EpilogueReduce` passed here is priced as its own Reduce kernel (what it is when it cannot
     be hosted); `hosted_cost` prices it inside its host.
@@ -350,6 +370,9 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     if kernel.op not in KERNEL_OPS and kernel.op not in HOSTED_OPS:
         return ZERO
     reads = kernel_reads(kernel)
+    for tensor in reads:
+        if tensor in finished:
+            reads[tensor] = float(_nbytes(tensor.ty))
     nbytes = sum(reads.values()) + _own_bytes(kernel.op, _args_of(kernel))
     weights = nonzero_weight_elements(kernel.args[1]) if kernel.op == "Conv" else None
     dense_flops = own_flops(kernel.op, _args_of(kernel), weights)
@@ -357,6 +380,9 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     seen: set[int] = set()
     if kernel.op == "Conv":  # its input prologue, as often as the conv template computes it
         vector_flops, covered = conv_prologue_flops(kernel)
+        seen |= covered
+    elif kernel.op == "Matmul":  # its operand prologues, once per N (A) or M (B) tile
+        vector_flops, covered = matmul_prologue_flops(kernel)
         seen |= covered
     for node, _ in _kernel_body(kernel):
         if id(node) in seen or node is kernel:
@@ -374,7 +400,30 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100") -> Cost:
     if kernel.op == "Loop":
         # The body's kernels, once per launch of the loop (trip counts live in the payload).
         body = dag_cost(_list_items(kernel.args[2]), device)
-    return Cost(nbytes, dense_flops + vector_flops, seconds) + body
+    return Cost(nbytes, dense_flops + vector_flops, seconds) + body + merge_cost(kernel, device, finished)
+
+
+def merge_cost(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> Cost:
+    """The work `kernel` spends merging the partials of the hosted statistics it reads unfinished
+    (not in `finished`), as its template does (`eqsat.cost.merges.reader_merge_flops`)."""
+    from eqsat.cost.hosting import hosts_of
+    from eqsat.cost.merges import reader_merge_flops, statistics_read
+
+    device = get_device(device)
+    if kernel.op not in KERNEL_OPS:
+        return ZERO
+    flops = 0.0
+    for statistic in statistics_read(kernel):
+        if statistic in finished or hosts_of(statistic) is None:
+            continue
+        flops += reader_merge_flops(kernel, statistic) or 0.0
+    return Cost(0.0, flops, flops / device.peak_fp32) if flops else ZERO
+
+
+def merge_fraction(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> float:
+    """The share of `kernel`'s modeled time spent merging hosted statistics' partials."""
+    total = kernel_cost(kernel, device, finished).seconds
+    return merge_cost(kernel, device, finished).seconds / total if total else 0.0
 
 
 # --- a conv's input prologue -------------------------------------------------------------------
@@ -396,11 +445,6 @@ def conv_output_tiles(out_features: int) -> int:
     """Output-channel tiles of the conv template's default config for `out_features` channels."""
     block = min(CONV_BLOCK_N, max(_MIN_DOT_BLOCK, 1 << max(out_features - 1, 0).bit_length()))
     return -(-out_features // block)
-
-
-# Flops per tile of merging a hosted statistic's partials at one lane (`emit.expr.merge_partials_at`):
-# a sum adds; moments weigh the tile's mean, then add its M2 and its spread about the merged mean.
-PARTIAL_MERGE_FLOPS = {"sum": 1, "moments": 8}
 
 
 def partial_tiles(body_ty: str) -> int:
@@ -469,11 +513,6 @@ class ConvPrograms:
         """Evaluations per input element of a node of this type: `per_pixel` (the K range's
         `conv_prologue_evaluations`), or `hoisted` for a per-(batch, channel) node."""
         return per_pixel if self.per_pixel(node_ty) else self.hoisted
-
-
-def statistic_merge_flops(op: str, body_ty: str) -> float:
-    """Flops of merging a hosted statistic's partials at one lane."""
-    return float(PARTIAL_MERGE_FLOPS.get(op, 1) * partial_tiles(body_ty))
 
 
 def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
@@ -564,14 +603,23 @@ def prologue_node_flops(op: str, points: float, evaluations: float, reduced: int
 
 def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
     """The flops a `Conv` kernel spends on its input expression as the template runs it, and the
-    ids of the expression nodes they cover: each node `prologue_node_flops` per K range it is in."""
+    ids of the expression nodes they cover: each node `prologue_node_flops` per K range it is in.
+    A hosted statistic's merge is not included (`conv_prologue_work`, `eqsat.cost.merges`)."""
+    flops, covered, _lanes = conv_prologue_work(conv)
+    return flops, covered
+
+
+def conv_prologue_work(conv: Term) -> tuple[float, set[int], dict]:
+    """`conv_prologue_flops`, and per hosted statistic the input expression loads, the lanes that
+    merge its partials when it is read unfinished: once per program and channel chunk (the
+    template hoists what does not vary over the pixels), at every evaluation where it does."""
     from eqsat.conv_params import ConvParams
 
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
     programs = ConvPrograms.of(lhs.ty, params, ty, parse_type(rhs.ty).shape[p.rhs_spec[0]])
-    flops, covered = 0.0, set()
+    flops, covered, lanes = 0.0, set(), {}
     for part, taps, fraction in _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
         per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
         points = _size(part.ty) * fraction
@@ -584,15 +632,51 @@ def conv_prologue_flops(conv: Term) -> tuple[float, set[int]]:
             evaluations = programs.evaluations(node.ty, per_point)
             if node.op == "RowReduce":
                 flops += prologue_node_flops(node.op, points, evaluations, _size(node.args[1].ty), node.args[0])
-            elif node.op == "Load" and node.args[0].op in HOSTED_OPS:  # merged where read, per program and chunk
+            elif node.op == "Load" and node.args[0].op in HOSTED_OPS:
                 statistic = node.args[0]
-                merge = statistic_merge_flops(statistic.args[1], statistic.args[2].ty)
-                flops += merge * points * programs.evaluations(statistic.ty, per_point)
+                lanes[statistic] = lanes.get(statistic, 0.0) + points * programs.evaluations(statistic.ty, per_point)
             else:
                 flops += prologue_node_flops(node.op, points, evaluations)
             covered.add(id(node))
             stack.extend(node.children)
+    return flops, covered, lanes
+
+
+def matmul_prologue_flops(matmul: Term) -> tuple[float, set[int]]:
+    """The flops a `Matmul` kernel spends on its operand expressions as the template runs them,
+    and the ids of the nodes they cover: each program (batch, M tile, N tile) computes its A tile's
+    expression (a LayerNorm apply, GEGLU's `value * gelu(gate)`) and its pre-pass row statistics
+    over its rows, so the A prologue runs once per N tile (`n_tiles = N / block_n`, the template's
+    `MatmulBlocks`), the B prologue once per M tile; the epilogue once per output element."""
+    from eqsat.cost.merges import matmul_shape
+
+    lhs, rhs, _dims, _epilogue, _ty = matmul.args
+    shape = matmul_shape(matmul)
+    flops, covered = 0.0, set()
+    for operand, repeats in ((lhs, shape.n_tiles), (rhs, shape.m_tiles)):
+        for node in _expr_nodes(operand):
+            if id(node) in covered:
+                continue
+            covered.add(id(node))
+            if node.op in COMPUTE_OPS:
+                flops += _size(node.ty) * repeats
+            elif node.op == "RowReduce":
+                flops += reduction_flops(node.args[0], _size(node.args[1].ty)) * repeats
     return flops, covered
+
+
+def _expr_nodes(expr: Term) -> Iterator[Term]:
+    """The distinct Expr nodes of `expr`, not entering the tensors it loads."""
+    seen: set[int] = set()
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.sort != "Expr":
+            continue
+        seen.add(id(node))
+        yield node
+        if node.op != "Load":
+            stack.extend(node.children)
 
 
 def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
@@ -605,7 +689,7 @@ def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
     device = get_device(device)
     hosts = {id(h) for h in hosts_of(reduction) or (reduction.args[0],)}
     reads = {t: b for t, b in kernel_reads(reduction).items() if id(t) not in hosts}
-    nbytes = sum(reads.values()) + _own_bytes(reduction.op, _args_of(reduction))
+    nbytes = sum(reads.values()) + _stored_bytes(reduction)
     flops = own_flops(reduction.op, _args_of(reduction))
     seen: set[int] = set()
     for node, _ in _kernel_body(reduction):
@@ -665,21 +749,34 @@ def kernels(roots: Iterable[Term], hosting: dict | None = None) -> list[Term]:
     return order
 
 
-def count_kernels(roots: Iterable[Term]) -> int:
-    """How many kernels launch to compute `roots`."""
-    return len(kernels(roots))
-
-
-def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
-    """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once)."""
+def count_kernels(roots: Iterable[Term], device: "str | Device" = "h100") -> int:
+    """How many kernels launch to compute `roots`: the kernels, and a finalize per statistic the
+    plan finishes once (`eqsat.cost.merges.finished_statistics`)."""
     from eqsat.cost.hosting import hosted_reductions
+    from eqsat.cost.merges import finished_statistics
 
     roots = list(roots)
     hosting = hosted_reductions(roots)
+    order = kernels(roots, hosting)
+    return len(order) + len(finished_statistics(order, hosting, device, roots))
+
+
+def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
+    """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once),
+    hosted statistics in their hosts, and the finalize of each statistic the plan finishes once."""
+    from eqsat.cost.hosting import hosted_reductions
+    from eqsat.cost.merges import finalize_cost, finished_statistics
+
+    roots = list(roots)
+    hosting = hosted_reductions(roots)
+    order = kernels(roots, hosting)
+    finished = finished_statistics(order, hosting, device, roots)
     total = Cost()
-    for kernel in kernels(roots, hosting):
-        total = total + kernel_cost(kernel, device)
+    for kernel in order:
+        total = total + kernel_cost(kernel, device, finished)
     for reduction, hosts in hosting.items():
         if hosts is not None:
             total = total + hosted_cost(reduction, device)
+    for statistic in finished:
+        total = total + finalize_cost(statistic, device)
     return total

@@ -1,0 +1,381 @@
+"""Where a hosted statistic's partials are merged, and what that costs.
+
+A statistic computed in its producers' epilogues (`EpilogueReduce`, `eqsat.cost.hosting`) exists
+as per-tile partials, an fp32 buffer `[tiles, fields, slots]`: `tiles` the partial rows its hosts
+write (`statistic_tiles`: every program of a conv host for a GroupNorm statistic, the N tiles of
+the host for a row statistic), `fields` 1 (sum) or 3 (count, mean, M2), `slots` its outputs (one
+per (batch, group) of a GroupNorm). Its readers need the merged value. It is merged one of two
+ways, and the model charges each exactly as the templates execute it:
+
+- **In the reader** (`emit.expr.read_partials`): every lane of a point where the reader's template
+  reads the statistic merges all `tiles` rows of its slot, `MERGE_INSTRUCTIONS[op]` instructions
+  per (lane, tile) (27 for moments: measured in the PTX of the compiled UNet, three loads, the
+  two-pass block reduction and Chan's step). How many lanes merge is the template's
+  (`merge_lanes`):
+
+  | reader | lanes that merge |
+  |---|---|
+  | `Pointwise`, `AssignStatic`/`AssignDynamic`, `Reduce` | every point the expression is evaluated at: per element (a `RowReduce` body: per reduced element) |
+  | `Matmul` A prologue, index not moving with K (a row statistic) | the pre-pass: once per program row, `batch · M rounded up to block_m · N tiles` |
+  | `Matmul` A prologue, index moving with K (a GroupNorm over K) | every A element per N tile |
+  | `Matmul` B prologue / epilogue | every B element per M tile / every output element |
+  | `Conv` input | once per program and channel chunk (`ConvPrograms.hoisted`), or per evaluation where it varies over the pixels |
+  | `Attention` | q per element, k and v per element per query block, bias per score |
+  | `Gather`, `Opaque`, `Loop`, `AssignScatter`, a plan output | none: they read the finished value |
+
+- **Finished once** (`finalize_cost`): a small kernel (`emit.pallas.partials.finalize`, a plan
+  kernel of kind `finalize` right after the last host) merges each slot once (`slots` lanes ×
+  `tiles`, the same blocked Chan merge, so the same bits as a reader's merge) and writes the
+  statistic (`slots × 2` or `slots` floats); readers then load it like any small tensor: one
+  value per (batch, group), no merge. It costs a launch, the partials' read and `slots · tiles`
+  merges: independent of how many elements read the statistic.
+
+Why not only the first: a per-element merge is `tiles × MERGE_INSTRUCTIONS` instructions per
+element, against the ~20 of a GroupNorm + SiLU apply; at the UNet's T = 40..512 or the VAE's
+512..4096 it costs 100× to 1000× the reader. Even merged once per program and channel chunk (the
+conv template's hoist), a GroupNorm statistic costs its conv reader 5-30 % of the conv. Why not
+only the second: a launch (4 µs on an H100) is more than merging a row statistic of a few N tiles
+in a matmul's pre-pass (0.1 µs) or a GroupNorm statistic in a small conv's hoist (1-3 µs). So the
+model chooses per statistic (`finished_statistics`): it is finished once when that costs less
+than its readers' merges, or when a reader cannot merge (it reads finished values, or the
+statistic is a plan output). At full size a pointwise or attention reader's merge always prices
+above a finalize. With `share_limit=MERGE_SHARE_GOAL` it is also finished when a reader would spend
+more than 2 % of its modeled time merging it (the issue's bound on merge work; measured on the
+SD 1.5 UNet: 285 kernels and 4.426 ms modeled against 259 and 4.384 ms by price alone, whose
+largest merge share is a conv's 29 %). Extraction charges a conv reader's merge as min(merge in
+place, one finalize) (`extract.prologue`), the plan's choice for a statistic with one reader.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from eqsat.types import ints, parse_type
+
+# Instructions per (lane, tile) of a reader's merge (`emit.expr.merge_partials_at`): moments load
+# three fields and run the shifted two-pass block reduction and Chan's step (27 in the PTX of the
+# compiled UNet); a sum loads one field and adds it.
+MERGE_INSTRUCTIONS = {"sum": 4, "moments": 27}
+# Flops one instruction costs at the fp32 vector peak (which counts an FMA as two flops).
+INSTRUCTION_FLOPS = 2
+# The issue's bound on merge work: 2 % of a reader's modeled time. `finished_statistics` enforces it
+# when asked (`share_limit`); by default the model finishes a statistic only where that prices lower.
+MERGE_SHARE_GOAL = 0.02
+# The attention template's query block (`emit.pallas.attention.AttentionBlocks`): k and v are
+# evaluated once per query block.
+ATTENTION_BLOCK_Q = 64
+# Readers that read a statistic's finished value (plain jax: `emit.pallas.EmitContext.value`).
+FINISHED_READERS = frozenset({"Gather", "Opaque", "Loop", "AssignScatter", "EpilogueReduce"})
+
+
+def _size(ty) -> int:
+    return parse_type(ty).size if ty else 0
+
+
+def statistic_slots(statistic) -> int:
+    """Outputs (slots) of an `EpilogueReduce`: its kept elements (`moments`: per row pair)."""
+    shape = parse_type(statistic.ty).shape
+    return max(1, math.prod(shape[1:] if statistic.args[1] == "moments" else shape))
+
+
+def fields(statistic) -> int:
+    from eqsat.cost.roofline import PARTIAL_FIELDS
+
+    return PARTIAL_FIELDS.get(statistic.args[1], 1)
+
+
+def host_tiles(host, statistic) -> int:
+    """The partial rows `host` writes for `statistic`, as its template tiles it: a conv writes one
+    row per program (batch · spatial tiles · output-channel tiles), or per output-channel tile when
+    every pixel is its own slot (a row statistic: `emit.pallas.conv._Layout.per_row`); a matmul one
+    per N tile (`emit.pallas.matmul.MatmulBlocks`); other hosts one per `PARTIAL_TILE` elements."""
+    from eqsat.cost import roofline
+
+    if host.op == "Conv":
+        lhs, _rhs, params, _epilogue, ty = host.args
+        return conv_host_tiles(lhs.ty, params, ty, statistic_slots(statistic))
+    if host.op == "Matmul":
+        return matmul_shape(host).n_tiles
+    return roofline.partial_tiles(statistic.args[2].ty)
+
+
+def conv_host_tiles(lhs_ty: str, params: str, out_ty: str, slots: int) -> int:
+    """The partial rows a conv host writes for a statistic of `slots` outputs (`host_tiles`)."""
+    from eqsat.conv_params import ConvParams
+    from eqsat.cost import roofline
+
+    p = ConvParams.parse(params)
+    out = parse_type(out_ty).shape
+    cout = out[p.out_spec[1]]
+    n_tiles = roofline.conv_output_tiles(cout)
+    if slots == math.prod(out) // max(cout, 1):  # every pixel its own slot
+        return n_tiles
+    return out[p.out_spec[0]] * roofline.ConvPrograms.of(lhs_ty, params, out_ty, cout).tiles * n_tiles
+
+
+def finalize_seconds(op: str, statistic_ty: str, tiles: int, device="h100") -> float:
+    """`finalize_cost(...).seconds` from types: a statistic of type `statistic_ty` with `tiles` rows."""
+    from eqsat.cost.devices import get_device
+
+    device = get_device(device)
+    shape = parse_type(statistic_ty).shape
+    slots = max(1, math.prod(shape[1:] if op == "moments" else shape))
+    from eqsat.cost.roofline import PARTIAL_FIELDS
+
+    nbytes = tiles * PARTIAL_FIELDS.get(op, 1) * slots * 4 + math.prod(shape) * 4
+    flops = slots * merge_flops_per_lane(op, tiles)
+    return device.launch_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32
+
+
+def statistic_tiles(statistic) -> int:
+    """`tiles` of a statistic's partials: the rows all its hosts write (`host_tiles`), or the
+    `PARTIAL_TILE` estimate when it is not hosted."""
+    from eqsat.cost.hosting import hosts_of
+
+    hosts = hosts_of(statistic)
+    if not hosts:
+        from eqsat.cost.roofline import partial_tiles
+
+        return partial_tiles(statistic.args[2].ty)
+    return max(1, sum(host_tiles(h, statistic) for h in hosts))
+
+
+def partials_bytes(statistic) -> float:
+    """Bytes of the partials buffer its hosts write: `tiles × fields × slots × 4`."""
+    return float(statistic_tiles(statistic) * fields(statistic) * statistic_slots(statistic) * 4)
+
+
+def merge_flops_per_lane(op: str, tiles: int) -> float:
+    """Flops of one lane merging `tiles` partial rows."""
+    return float(MERGE_INSTRUCTIONS.get(op, MERGE_INSTRUCTIONS["sum"]) * INSTRUCTION_FLOPS * tiles)
+
+
+# --- how many lanes a reader's template merges ---------------------------------------------------
+
+
+class MatmulShape:
+    """batch, M, N, K of a `Matmul` term and the template's tiles (`emit.pallas.matmul.MatmulBlocks`)."""
+
+    def __init__(self, term):
+        lhs, rhs, dims, _epilogue, _ty = term.args
+        lhs_shape, rhs_shape = parse_type(lhs.ty).shape, parse_type(rhs.ty).shape
+        lhs_contract, _rhs_contract, lhs_batch, _rhs_batch = (
+            ints(part) if part else () for part in (dims.split(";") + ["", "", "", ""])[:4])
+        self.lhs_contract = lhs_contract
+        self.batch = math.prod(lhs_shape[a] for a in lhs_batch)
+        self.k = math.prod(lhs_shape[a] for a in lhs_contract)
+        self.m = math.prod(lhs_shape) // max(self.batch * self.k, 1)
+        self.n = math.prod(rhs_shape) // max(self.batch * self.k, 1)
+        from emit.pallas.matmul import MatmulBlocks  # the template's own choice of tiles
+
+        blocks = MatmulBlocks.get_default(max(self.m, 1), max(self.n, 1), max(self.k, 1))
+        self.block_m, self.block_n = blocks.block_m, blocks.block_n
+        self.m_tiles = -(-self.m // self.block_m)
+        self.n_tiles = -(-self.n // self.block_n)
+
+
+_MATMUL_SHAPES: dict[int, tuple] = {}
+
+
+def matmul_shape(term) -> MatmulShape:
+    cached = _MATMUL_SHAPES.get(id(term))
+    if cached is None or cached[0] is not term:
+        cached = _MATMUL_SHAPES[id(term)] = (term, MatmulShape(term))
+    return cached[1]
+
+
+def _points(expr, statistic, points: float, found: dict) -> None:
+    """The lanes each `Load(statistic)` of `expr` is read at when `expr` is evaluated at `points`
+    lanes (max over its loads in `found['lanes']`: a moments reader's sum and M2 at one point merge
+    once, `emit.expr.read_partials`' memo). A `RowReduce` body runs at every reduced element."""
+    stack = [(expr, points)]
+    seen: set[tuple[int, float]] = set()
+    while stack:
+        node, lanes = stack.pop()
+        if (id(node), lanes) in seen or node.sort != "Expr":
+            continue
+        seen.add((id(node), lanes))
+        if node.op == "Load":
+            if node.args[0] is statistic:
+                found["lanes"] = max(found.get("lanes", 0.0), lanes)
+            continue
+        if node.op == "RowReduce":
+            _op, body, axis, epilogue, _ty = node.args
+            stack.append((body, lanes * parse_type(body.ty).shape[axis]))
+            stack.append((epilogue, lanes))
+            continue
+        stack.extend((child, lanes) for child in node.children)
+
+
+def _expr_lanes(expr, statistic, points: float) -> float:
+    found: dict = {}
+    _points(expr, statistic, points, found)
+    return found.get("lanes", 0.0)
+
+
+def _moves_with(expr, statistic, axes: frozenset) -> bool:
+    """Whether a `Load(statistic)` in `expr` is read at an index that depends on `expr`'s axes
+    `axes` (a matmul's K axes: then the template merges it inline, per A element). Index
+    dependencies follow the views; a `RowReduce` body depends on everything (conservative)."""
+    rank = len(parse_type(expr.ty).shape)
+    stack = [(expr, tuple(frozenset({a}) for a in range(rank)))]
+    seen: set = set()
+    while stack:
+        node, deps = stack.pop()
+        if (id(node), deps) in seen or node.sort != "Expr":
+            continue
+        seen.add((id(node), deps))
+        op = node.op
+        if op == "Load":
+            if node.args[0] is statistic:
+                kept = deps[1:] if statistic.args[1] == "moments" else deps
+                if any(d & axes for d in kept):
+                    return True
+            continue
+        if op == "Broadcast":
+            x, dims, ty = node.args
+            in_shape, out_shape = parse_type(x.ty).shape, parse_type(ty).shape
+            stack.append((x, tuple(deps[d] if in_shape[j] == out_shape[d] else frozenset()
+                                   for j, d in enumerate(ints(dims)))))
+        elif op == "Transpose":
+            x, permutation, _ty = node.args
+            inner = [frozenset()] * len(deps)
+            for out_axis, in_axis in enumerate(ints(permutation)):
+                inner[in_axis] = deps[out_axis]
+            stack.append((x, tuple(inner)))
+        elif op == "Reshape":
+            from emit.expr import _reshape_groups
+
+            x, ty = node.args
+            in_shape = parse_type(x.ty).shape
+            inner = [frozenset()] * len(in_shape)
+            for out_axes, in_axes in _reshape_groups(tuple(parse_type(ty).shape), tuple(in_shape)):
+                union = frozenset().union(*(deps[a] for a in out_axes))
+                for a in in_axes:
+                    inner[a] = union
+            stack.append((x, tuple(inner)))
+        elif op == "RowReduce":
+            every = frozenset().union(*deps) if deps else frozenset()
+            _op, body, _axis, epilogue, _ty = node.args
+            stack.append((body, tuple(every for _ in parse_type(body.ty).shape)))
+            stack.append((epilogue, deps))
+        elif op in ("DynamicSlice", "Pad"):
+            stack.append((node.args[0], deps))
+            stack.extend((c, tuple(frozenset() for _ in parse_type(c.ty).shape)) for c in node.children[1:])
+        else:
+            stack.extend((c, deps) for c in node.children
+                         if c.sort == "Expr" and len(parse_type(c.ty).shape) == len(deps))
+            stack.extend((c, tuple(frozenset() for _ in parse_type(c.ty).shape)) for c in node.children
+                         if c.sort == "Expr" and len(parse_type(c.ty).shape) != len(deps))
+    return False
+
+
+def merge_lanes(reader, statistic) -> float | None:
+    """Lanes the template of kernel `reader` merges `statistic`'s partials at (each merging all
+    its tiles; see the module docstring), or None when it reads the finished value."""
+    from eqsat.cost import roofline
+
+    op = reader.op
+    if op in FINISHED_READERS:
+        return None
+    if op == "Pointwise":
+        return _expr_lanes(reader.args[0], statistic, _size(reader.ty))
+    if op in ("AssignStatic", "AssignDynamic"):
+        value = reader.args[2]
+        return _expr_lanes(value, statistic, _size(value.ty))
+    if op == "Reduce":
+        _op, body, _axes, epilogue, ty = reader.args
+        return _expr_lanes(body, statistic, _size(body.ty)) + _expr_lanes(epilogue, statistic, _size(ty))
+    if op == "Matmul":
+        lhs, rhs, _dims, epilogue, ty = reader.args
+        shape = matmul_shape(reader)
+        lanes = _expr_lanes(rhs, statistic, _size(rhs.ty) * shape.m_tiles)
+        lanes += _expr_lanes(epilogue, statistic, _size(ty))
+        if _expr_lanes(lhs, statistic, 1.0):
+            if _moves_with(lhs, statistic, frozenset(shape.lhs_contract)):
+                lanes += _expr_lanes(lhs, statistic, _size(lhs.ty) * shape.n_tiles)
+            else:  # merged in the pre-pass, once per program row
+                lanes += shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles
+        return lanes
+    if op == "Conv":
+        return roofline.conv_prologue_work(reader)[2].get(statistic, 0.0) + \
+            _expr_lanes(reader.args[3], statistic, _size(reader.ty))
+    if op == "Attention":
+        q, k, v, bias, _scale, epilogue, ty = reader.args
+        q_len = parse_type(q.ty).shape[-2] if len(parse_type(q.ty).shape) >= 2 else 1
+        q_blocks = -(-q_len // ATTENTION_BLOCK_Q)
+        return (_expr_lanes(q, statistic, _size(q.ty)) + _expr_lanes(k, statistic, _size(k.ty) * q_blocks)
+                + _expr_lanes(v, statistic, _size(v.ty) * q_blocks) + _expr_lanes(bias, statistic, _size(bias.ty))
+                + _expr_lanes(epilogue, statistic, _size(ty)))
+    return None
+
+
+def reader_merge_flops(reader, statistic) -> float | None:
+    """Flops `reader` spends merging `statistic` in place (None: it reads the finished value)."""
+    lanes = merge_lanes(reader, statistic)
+    if lanes is None:
+        return None
+    return lanes * merge_flops_per_lane(statistic.args[1], statistic_tiles(statistic))
+
+
+def finalize_cost(statistic, device="h100"):
+    """The cost of finishing `statistic` once (`emit.pallas.partials.finalize`): a launch, the
+    partials' read, one merge per slot, the finished statistic's write."""
+    from eqsat.cost.devices import get_device
+    from eqsat.cost.roofline import Cost, _nbytes
+
+    device = get_device(device)
+    nbytes = partials_bytes(statistic) + _nbytes(statistic.ty)
+    flops = statistic_slots(statistic) * merge_flops_per_lane(statistic.args[1], statistic_tiles(statistic))
+    return Cost(nbytes, flops, device.launch_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32)
+
+
+def statistics_read(kernel) -> list:
+    """The hosted-statistic candidates (`EpilogueReduce` terms) `kernel`'s expressions load."""
+    from eqsat.cost.roofline import _kernel_body
+
+    found = {}
+    for node, _parent in _kernel_body(kernel):
+        if node.op == "Load" and node.args[0].op == "EpilogueReduce":
+            found[id(node.args[0])] = node.args[0]
+    return list(found.values())
+
+
+def finished_statistics(kernels: Sequence, hosting: dict, device="h100", outputs: Iterable = (),
+                        share_limit: float | None = None) -> frozenset:
+    """The hosted statistics (of `hosting`: statistic -> hosts or None) the plan finishes once,
+    `kernels` being the plan's kernel terms: those read by a kernel that cannot merge or by the
+    plan's outputs, and those whose finalize costs less than their readers' merges; with a
+    `share_limit` (e.g. `MERGE_SHARE_GOAL`), also those a reader would spend more than that share
+    of its modeled time merging."""
+    from eqsat.cost.devices import get_device
+    from eqsat.cost.roofline import kernel_cost
+
+    device = get_device(device)
+    readers: dict = {}
+    for kernel in kernels:
+        for statistic in statistics_read(kernel):
+            readers.setdefault(statistic, []).append(kernel)
+    outputs = set(outputs)
+    finished = set()
+    for statistic, hosts in hosting.items():
+        if hosts is None:
+            continue
+        if statistic in outputs:
+            finished.add(statistic)
+            continue
+        merges, over_limit = 0.0, False
+        for reader in readers.get(statistic, ()):
+            flops = reader_merge_flops(reader, statistic)
+            if flops is None:
+                over_limit = True
+                break
+            seconds = flops / device.peak_fp32
+            merges += seconds
+            if share_limit is not None and seconds > share_limit * kernel_cost(reader, device).seconds:
+                over_limit = True
+                break
+        if over_limit or finalize_cost(statistic, device).seconds < merges:
+            finished.add(statistic)
+    return frozenset(finished)
