@@ -350,7 +350,7 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
     """The template alone (heads of 40, 205 keys: three full blocks of 64 in the loop and a 16-slot
     tail, fp16) compiled for sm_90a, its PTX read by `benchmarks.attention_ptx`: per score of a full
     key block one `ex2.approx` and one FMA (s · scale·log2 e - m), no key mask (setp/selp only per
-    row and on the padded lanes of the 16-lane head piece), under 20 instructions (50 before, with
+    row, on the padded lanes of the 16-lane head piece and as the k/v loads' predicates), under 20 instructions (50 before, with
     accurate exp and masks on every block), and no spills."""
     from benchmarks import attention_ptx
     from eqsat import xla_target
@@ -361,7 +361,8 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
     kinds = row["loop_kinds_per_score"]
     assert row["loop_trips"] == 3 and row["blocks"]["block_k"] == 64, row
     assert 1.0 <= kinds["ex2"] <= 1.1 and kinds["fma"] >= 1.0, kinds
-    assert kinds.get("setp", 0) <= 0.1 and kinds.get("selp", 0) <= 0.35, kinds
+    # setp: the per-row guards and the predicates of the (unclamped, vectorized) k/v tile loads.
+    assert kinds.get("setp", 0) <= 0.25 and kinds.get("selp", 0) <= 0.35, kinds
     assert row["loop_per_score"] < 20, row["loop_per_score"]
     assert row["spill_bytes"] == 0, row
 
