@@ -361,8 +361,9 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
     kinds = row["loop_kinds_per_score"]
     assert row["loop_trips"] == 3 and row["blocks"]["block_k"] == 64, row
     assert 1.0 <= kinds["ex2"] <= 1.1 and kinds["fma"] >= 1.0, kinds
-    # setp: the per-row guards and the predicates of the (unclamped, vectorized) k/v tile loads.
-    assert kinds.get("setp", 0) <= 0.25 and kinds.get("selp", 0) <= 0.35, kinds
+    # setp/selp: the per-row guards, and the predicates and zero fills of the (unclamped, vectorized)
+    # k/v tile loads: 15.7 instructions per score with them against 17.8 with clamped scalar loads.
+    assert kinds.get("setp", 0) <= 0.25 and kinds.get("selp", 0) <= 0.5, kinds
     assert row["loop_per_score"] < 20, row["loop_per_score"]
     assert row["spill_bytes"] == 0, row
 
