@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import jax
 
 from eqsat.term import Term, postorder
-from eqsat.types import parse_type, with_shape
+from eqsat.types import ints_key, parse_type, with_shape
 
 # Expression nodes that only read: an operand made of these alone is not worth a prepared kernel.
 READING_OPS = frozenset({"Load", "Lit", "Iota", "Reshape", "Slice", "Broadcast"})
@@ -195,6 +195,8 @@ def _hoist(plan, parameters: frozenset):
         if i in prepared or kernel.op in NOT_HOISTED_FROM:
             continue
         hoisted = _hoistable(kernel.term, available)
+        if kernel.op == "Matmul":
+            hoisted = _mma_layouts(kernel.term, available, hoisted)
         if hoisted:
             targets[kernel.term] = hoisted
     if not targets:
@@ -253,6 +255,58 @@ def _hoistable(kernel: Term, available) -> dict[Term, Term]:
                 continue
         stack.extend(c for c in node.children if c.sort == "Expr")
     return found
+
+
+def _mma_layouts(kernel: Term, available, hoisted: dict[Term, Term]) -> dict[Term, Term]:
+    """`hoisted` (a Matmul's operand expressions -> their replacements) with each operand that reads
+    only parameters stored the way the tensor cores read it: the weight `[batch, K, N]` row-major
+    (a B tile's rows are unit-stride runs along N), the left operand `[batch, M, K]`. An operand
+    laid out otherwise (a torch `nn.Linear` weight `[N, K]`, contracted on its last axis) is
+    prepared transposed, and the kernel reads it through a `Transpose` view (index arithmetic)."""
+    from emit.pallas.matmul import DotAxes
+
+    lhs, rhs, dims, _epilogue, _ty = kernel.args
+    axes = DotAxes.of(dims, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape)
+    wanted = ((lhs, axes.lhs_batch + axes.lhs_free + axes.lhs_contract),
+              (rhs, axes.rhs_batch + axes.rhs_contract + axes.rhs_free))
+    out = dict(hoisted)
+    for operand, order in wanted:
+        shape = parse_type(operand.ty).shape
+        if _in_order(order, shape):
+            continue
+        replaced = hoisted.get(operand)
+        if replaced is not None and replaced.op != "Load":
+            continue  # an elementwise sum of broadcast parameters: prepared unbroadcast, read as a broadcast
+        if replaced is None and not _reads_parameters_only(operand, available):
+            continue
+        relaid = Term("Transpose", operand, ints_key(order), with_shape(operand.ty, [shape[a] for a in order]))
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        inside = {id(node) for node in _expr_postorder([operand])}
+        out = {node: value for node, value in out.items() if id(node) not in inside}
+        out[operand] = Term("Transpose", Term("Load", Term("Pointwise", relaid, relaid.ty), relaid.ty),
+                            ints_key(inverse), operand.ty)
+    return out
+
+
+def _in_order(order, shape) -> bool:
+    """Whether axes `order` of a row-major tensor of `shape` are stored in that order (size-1 axes
+    aside): a tile along the last of them reads unit-stride runs."""
+    kept = [axis for axis in order if shape[axis] != 1]
+    return kept == sorted(kept)
+
+
+def _reads_parameters_only(expr: Term, available) -> bool:
+    """It loads something, only available tensors (parameters, constants, prepared), no `Acc`, and
+    stores no more bytes than it reads (a weight, a slice or reshape of one; not a broadcast)."""
+    loads: dict[int, Term] = {}
+    for node in _expr_postorder([expr]):
+        if node.op == "Acc":
+            return False
+        if node.op == "Load":
+            if not available(node.args[0]):
+                return False
+            loads[id(node.args[0])] = node.args[0]
+    return bool(loads) and _nbytes(expr) <= sum(_nbytes(t) for t in loads.values())
 
 
 def _worth_preparing(expr: Term) -> bool:
