@@ -197,6 +197,8 @@ def _hoist(plan, parameters: frozenset):
         hoisted = _hoistable(kernel.term, available)
         if kernel.op == "Matmul":
             hoisted = _mma_layouts(kernel.term, available, hoisted)
+        elif kernel.op == "Conv":
+            hoisted = _conv_weight_layouts(kernel.term, available, hoisted)
         if hoisted:
             targets[kernel.term] = hoisted
     if not targets:
@@ -279,13 +281,44 @@ def _mma_layouts(kernel: Term, available, hoisted: dict[Term, Term]) -> dict[Ter
             continue  # an elementwise sum of broadcast parameters: prepared unbroadcast, read as a broadcast
         if replaced is None and not _reads_parameters_only(operand, available):
             continue
-        relaid = Term("Transpose", operand, ints_key(order), with_shape(operand.ty, [shape[a] for a in order]))
-        inverse = sorted(range(len(order)), key=order.__getitem__)
         inside = {id(node) for node in _expr_postorder([operand])}
         out = {node: value for node, value in out.items() if id(node) not in inside}
-        out[operand] = Term("Transpose", Term("Load", Term("Pointwise", relaid, relaid.ty), relaid.ty),
-                            ints_key(inverse), operand.ty)
+        out[operand] = _relaid(operand, order)
     return out
+
+
+def _conv_weight_layouts(kernel: Term, available, hoisted: dict[Term, Term]) -> dict[Term, Term]:
+    """`hoisted` with each weight a Conv reads (its rhs, and the parts of the rhs under concats
+    along in-features and zero pads of the window: a merged shortcut's K ranges) stored
+    `[window..., in, out]` row-major (OIHW prepared as HWIO): a weight tile `[in chunk, out
+    chunk]` of one tap reads unit-stride runs along the output channels."""
+    from eqsat.conv_params import ConvParams
+
+    rhs, params = kernel.args[1], ConvParams.parse(kernel.args[2])
+    order = (*params.rhs_spec[2:], params.rhs_spec[1], params.rhs_spec[0])
+    out = dict(hoisted)
+    stack = [rhs]
+    while stack:
+        node = stack.pop()
+        replaced = out.get(node)
+        if replaced is None and node.op in ("Concat", "Pad"):  # same axes as the weight: K ranges, zero taps
+            stack.extend(node.args[:2] if node.op == "Concat" else node.args[:1])
+            continue
+        if _in_order(order, parse_type(node.ty).shape):
+            continue
+        if replaced is not None and replaced.op == "Load" or \
+                replaced is None and node.op == "Load" and _reads_parameters_only(node, available):
+            out[node] = _relaid(node, order)
+    return out
+
+
+def _relaid(operand: Term, order) -> Term:
+    """`operand` read through a `Transpose` view of a prepared copy stored with axes `order`."""
+    shape = parse_type(operand.ty).shape
+    stored = Term("Transpose", operand, ints_key(order), with_shape(operand.ty, [shape[a] for a in order]))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return Term("Transpose", Term("Load", Term("Pointwise", stored, stored.ty), stored.ty), ints_key(inverse),
+                operand.ty)
 
 
 def _in_order(order, shape) -> bool:

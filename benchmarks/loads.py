@@ -1,20 +1,23 @@
-"""How the matmul template's kernels load, read from their sm_90 PTX (no GPU): SD 1.5 shapes through
-`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the per-call stage compiled for an H100
-(`eqsat.xla_target`, as `sd15 plan` does), and for each matmul kernel:
+"""How the matmul and conv templates' kernels load, read from their sm_90 PTX (no GPU): SD 1.5
+shapes through `eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the per-call stage
+compiled for an H100 (`eqsat.xla_target`, as `sd15 plan` does; the prepared weights are inputs),
+and for each matmul and conv kernel:
 
 - global loads by width (static PTX instructions): `ld.global` scalar (b16/b32/...) and vector
   (v2/v4, >= 64 bit), `cp.async` by its byte count; `vector_fraction`: the share of loaded bytes
-  (instruction width x count) moved by >= 64-bit loads or `cp.async` of >= 8 bytes;
-- MMA: `wgmma.mma_async` / `mma.sync`, and the largest `wgmma.wait_group N` (N >= 1: loads and
-  MMA overlap);
+  (instruction width x count, static) moved by >= 64-bit loads or `cp.async` of >= 8 bytes;
+- MMA: `wgmma.mma_async` / `mma.sync`, and the largest `wgmma.wait_group N` (N >= 1: an MMA is
+  still in flight while the next tiles load);
 - `ptxas -arch=sm_90a -v` (the pip package `nvidia-cuda-nvcc-cu12`): registers, spill bytes.
 
-    python -m benchmarks.matmul_loads                   # both cases
-    python -m benchmarks.matmul_loads --only clip_layer --json out.json --dump DIR
+    python -m benchmarks.loads                                  # every case
+    python -m benchmarks.loads --only clip_layer --json out.json --dump DIR
 
 Cases: `transformer_block_320`, the SD 1.5 down_blocks.0 transformer block (4,096 tokens x 320,
 8 heads of 40, 77 x 768 context, fp16: LayerNorm prologues, fused QKV, GEGLU, residual epilogues);
-`clip_layer`, one CLIP encoder layer (2 x 77 tokens x 768, 12 heads, MLP 3,072, fp16).
+`clip_layer`, one CLIP encoder layer (2 x 77 tokens x 768, 12 heads, MLP 3,072, fp16);
+`resnet_block_320`, the down_blocks.0 ResNet block (2 x 64 x 64 x 320, GroupNorm + SiLU prologues,
+3 x 3 convs, time embedding, fp16).
 """
 
 from __future__ import annotations
@@ -171,7 +174,25 @@ def _clip_layer(config, params, x):
     return clip.encoder_layer(params, config, "l", x)
 
 
-CASES = {"transformer_block_320": transformer_block_case, "clip_layer": clip_layer_case}
+def resnet_block_case():
+    from sd15.layers import resnet_block
+
+    fan, temb = 320, 1280
+    shapes = {"norm1.weight": (fan,), "norm1.bias": (fan,), "conv1.weight": (fan, fan, 3, 3), "conv1.bias": (fan,),
+              "time_emb_proj.weight": (fan, temb), "time_emb_proj.bias": (fan,), "norm2.weight": (fan,),
+              "norm2.bias": (fan,), "conv2.weight": (fan, fan, 3, 3), "conv2.bias": (fan,)}
+    params = {f"r.{k}": _f16(*s) for k, s in shapes.items()}
+    fn = functools.partial(_resnet, resnet_block)
+    return fn, (params, _f16(2, 64, 64, fan), _f16(2, temb))
+
+
+def _resnet(resnet_block, params, x, temb):
+    return resnet_block(params, "r", x, temb, groups=32, eps=1e-5)
+
+
+CASES = {"transformer_block_320": transformer_block_case, "clip_layer": clip_layer_case,
+         "resnet_block_320": resnet_block_case}
+KINDS = ("matmul", "conv")
 
 
 def run_case(name: str, dump: Path | None = None) -> list[dict]:
@@ -185,13 +206,13 @@ def run_case(name: str, dump: Path | None = None) -> list[dict]:
         fast = eqsat.optimize(fn, backend="pallas", params_argnums=0, progress=False)
         lowered = fast.lower(*args)
     prepared = lowered.split.prepared_specs()
-    matmuls = {re.sub(r"[^A-Za-z0-9_]", "_", n) for n in planned_kernel_names(lowered) if n.endswith("matmul")}
-    with tempfile.TemporaryDirectory(prefix="matmul_loads_") as scratch:
+    kernels = {re.sub(r"[^A-Za-z0-9_]", "_", n) for n in planned_kernel_names(lowered) if n.endswith(KINDS)}
+    with tempfile.TemporaryDirectory(prefix="loads_") as scratch:
         where = dump / name if dump is not None else Path(scratch) / "dump"
         xla_target.compile_for_h100(functools.partial(emitted_per_call, fast), prepared, *args, keep_dump=where)
         modules = kernel_ptx(where)
         rows = [measure(ptx, entry, Path(scratch)) for entry, ptx in sorted(modules.items())
-                if re.sub(r"__\d+$", "", entry) in matmuls]
+                if re.sub(r"__\d+$", "", entry) in kernels]
     return rows
 
 
