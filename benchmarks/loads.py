@@ -6,6 +6,7 @@ and for each matmul and conv kernel:
 - global loads by width (static PTX instructions): `ld.global` scalar (b16/b32/...) and vector
   (v2/v4, >= 64 bit), `cp.async` by its byte count; `vector_fraction`: the share of loaded bytes
   (instruction width x count, static) moved by >= 64-bit loads or `cp.async` of >= 8 bytes;
+  `st.global` stores by width beside them;
 - MMA: `wgmma.mma_async` / `mma.sync`, and the largest `wgmma.wait_group N` (N >= 1: an MMA is
   still in flight while the next tiles load);
 - `ptxas -arch=sm_90a -v` (the pip package `nvidia-cuda-nvcc-cu12`): registers, spill bytes.
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 LOAD = re.compile(r"\bld\.global((?:\.[\w:]+)*)\s")
+STORE = re.compile(r"\bst\.global((?:\.[\w:]+)*)\s")
 CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 WAIT_GROUP = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
 ENTRY = re.compile(r"^\.visible \.entry (\S+)\(", re.MULTILINE)
@@ -49,16 +51,17 @@ def ptxas_path() -> str:
     return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
 
 
-def load_widths(ptx: str) -> dict[str, int]:
-    """Static global-load instructions by width: `"b16"`, `"v4.b32"`, `"cp.async.16"` -> count."""
+def load_widths(ptx: str, pattern: re.Pattern = LOAD) -> dict[str, int]:
+    """Static global-load instructions by width: `"b16"`, `"v4.b32"`, `"cp.async.16"` -> count
+    (with `pattern=STORE`, the `st.global` stores)."""
     counts: dict[str, int] = {}
-    for suffixes in LOAD.findall(ptx):
+    for suffixes in pattern.findall(ptx):
         parts = [p for p in suffixes.split(".") if p]
         vector = next((p for p in parts if p in ("v2", "v4", "v8")), None)
         width = next(p for p in reversed(parts) if p in BITS)
         key = f"{vector}.{width}" if vector else width
         counts[key] = counts.get(key, 0) + 1
-    for size in CP_ASYNC.findall(ptx):
+    for size in CP_ASYNC.findall(ptx) if pattern is LOAD else ():
         key = f"cp.async.{int(size, 0)}"
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -113,6 +116,7 @@ def measure(ptx: str, entry: str, scratch: Path) -> dict:
         "kernel": entry,
         "loads": dict(sorted(widths.items())),
         "vector_fraction": round(vector_fraction(widths), 4),
+        "stores": dict(sorted(load_widths(ptx, STORE).items())),
         "mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
         "max_wait_group": max(waits) if waits else None,
         **ptxas_stats(ptx, entry, scratch),
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
         for row in rows:
             loads = " ".join(f"{k}:{v}" for k, v in row["loads"].items())
             print(f"  {row['kernel'][:60]:60s} vec {row['vector_fraction']:.2f} {row['mma']:8s} "
-                  f"wait {row['max_wait_group']} regs {row['registers']} spill {row['spill_bytes']}  {loads}")
+                  f"wait {row['max_wait_group']} regs {row['registers']} spill {row['spill_bytes']}  {loads}  "
+                  f"stores {' '.join(f'{k}:{v}' for k, v in row['stores'].items())}")
         print(f"  total: {json.dumps(results[name]['summary'])}")
     if options.json:
         Path(options.json).write_text(json.dumps(results, indent=1))

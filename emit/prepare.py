@@ -20,6 +20,13 @@ What is prepared:
   reads. So a bias broadcast to the output stays a broadcast row in the epilogue, and the
   zero-padded 1x1 weight of a merged shortcut stays a K range of its conv (materialized, its zero
   taps would be multiplied): what a template reads in place at no extra cost is left in place.
+- weights in the layout the tensor cores read: a per-call matmul's parameter-only operand stored
+  `[batch, K, N]` row-major (`[batch, M, K]` on the left; a torch `nn.Linear` weight is `[N, K]`),
+  a conv's weight `[window..., in, out]` (OIHW becomes HWIO; each weight under the concats and
+  zero pads of a merged shortcut separately, so its K ranges stay). The prepared copy (as many
+  bytes as the weight) is read through a `Transpose` view, so a tile of `[K chunk, N chunk]` is
+  unit-stride along N: 16-byte loads a warp coalesces, not one 2-byte load per element `K`
+  elements apart.
 
 The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
 program output the prepare stage computes) as inputs.

@@ -88,6 +88,26 @@ def test_contiguous_loads_read_what_clamped_gathers_read(case):
         assert not np.any(got[outside]), "a masked lane of a view of loads is not zero"
 
 
+@pytest.mark.parametrize("bound", [77 * 3 + 16, 2**31 - 16])  # headroom for the masked lanes' shift, or none
+def test_masked_store_writes_live_lanes_only(bound):
+    """A [16 columns, 128 rows] tile stored into a 77 x 3 output: a masked column lane's offset is
+    a live lane's of the next row (and comes after it in the tile); only the live lanes land (the
+    select fallback without headroom)."""
+    from emit.pallas.contiguous import masked_store
+
+    rows, cols = jnp.arange(128)[:, None], jnp.arange(16)[None, :]
+
+    def kernel(out_ref):
+        tr.store(out_ref, pl.ds(0, 77 * 3), jnp.full((77 * 3,), -1.0, jnp.float32))
+        c = jax.lax.broadcasted_iota(jnp.int32, (16, 1), 0)
+        r = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+        masked_store(out_ref, r * 3 + c, (r * 100 + c).astype(jnp.float32), (r < 77) & (c < 3), bound=bound)
+
+    [out] = tr.pallas_call(kernel, [], [jax.ShapeDtypeStruct((77, 3), jnp.float32)], grid=(1,), name="store",
+                           interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray((rows * 100 + cols)[:77, :3], np.float32))
+
+
 def test_the_inner_axis_is_the_last_longer_than_one():
     assert inner_axis((4, 40)) == 1 and inner_axis((4, 40, 1)) == 1 and inner_axis((1, 1)) is None
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 from emit.expr import Index, Mask, both, clip, is_static, linearize, read_partials, shape_of
-from emit.pallas.triton import RefMemory, gather_load
+from emit.pallas.triton import RefMemory, gather_load, store
 from eqsat.term import Term
 from eqsat.types import parse_type
 
@@ -47,6 +47,21 @@ def masked_load(ref, offsets, mask: Mask) -> jax.Array:
     shape = jnp.broadcast_shapes(jnp.shape(offsets), mask.shape)
     offsets = jnp.broadcast_to(jnp.asarray(offsets, jnp.int32), shape)
     return pltriton.load(ref.at[offsets], mask=jnp.broadcast_to(mask, shape), other=jnp.zeros((), ref.dtype))
+
+
+def masked_store(ref, offsets, value, mask: Mask, *, bound: int) -> None:
+    """Write `value` into flat `ref` at `offsets` (live lanes distinct and in range, every lane's
+    offset in `[0, bound)`) where `mask` holds. Masked lanes are moved past the end by adding the
+    ref's size (interpret mode writes every lane back, so a masked lane must not share an offset
+    with a live one, and drops lanes past the end) rather than by a select, which would hide a
+    unit-stride run from Triton."""
+    size = ref.shape[0]
+    if isinstance(mask, bool) or bound + size > 2**31 - 1:  # no int32 headroom: the select
+        return store(ref, offsets, value, mask)
+    shape = jnp.broadcast_shapes(jnp.shape(offsets), jnp.shape(value), mask.shape)
+    mask = jnp.broadcast_to(mask, shape)
+    offsets = jnp.broadcast_to(offsets, shape) + jnp.where(mask, 0, size)
+    pltriton.store(ref.at[offsets], jnp.broadcast_to(value, shape).astype(ref.dtype), mask=mask)
 
 
 class ContiguousMemory(RefMemory):

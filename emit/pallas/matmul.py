@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
-from emit.pallas.contiguous import ContiguousMemory
+from emit.pallas.contiguous import ContiguousMemory, masked_store
 from emit.pallas.partials import Partials, copy_prefix
 from eqsat.lift import CONVERT
 from eqsat.term import Term, postorder
@@ -208,7 +208,9 @@ def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_input
     acc = lax.fori_loop(0, pl.cdiv(problem.k, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
     mask = row_ok & col_ok
     out = jnp.broadcast_to(problem.epilogue(inputs, acc, (b, rows, cols), mask), (bm, bn)).astype(problem.out_dtype)
-    store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask)
+    # Offsets of the padded tile's lanes stay below the last tile's end: (batch·M + M tiles·bm)·N + N tiles·bn.
+    bound = (problem.batch * problem.m + pl.cdiv(problem.m, bm) * bm) * problem.n + pl.cdiv(problem.n, bn) * bn
+    masked_store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask, bound=bound)
     program = (b * pl.num_programs(1) + i) * pl.num_programs(2) + j
     programs = problem.batch * pl.cdiv(problem.m, bm) * pl.cdiv(problem.n, bn)
     for statistic, partial_ref, prefix_size in zip(problem.statistics, partial_refs,
