@@ -145,6 +145,27 @@ def batched_weights(params, x):
     return jnp.einsum("bsk,bnk->bsn", x, params["w"]) + params["b"][:, None, :]
 
 
+def transformer_block(params, x, context):
+    """SD 1.5's BasicTransformerBlock (torch-layout weights): Q/K/V of attn1 and K/V of attn2 fuse
+    into wide matmuls over weight concatenations, which the prepare stage stores as [K, 3N]."""
+    from sd15.unet import transformer_block as block
+
+    return block(params, "b", x, context, 2)
+
+
+def _block_params(width=40, context_width=24):
+    shapes = {}
+    for k in (1, 2, 3):
+        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
+    for attn, source in (("attn1", width), ("attn2", context_width)):
+        shapes[f"b.{attn}.to_q.weight"] = (width, width)
+        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
+        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
+    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
+    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    return shapes
+
+
 M, K, N = 77, 40, 3
 MODELS = {
     "fused_qkv": (fused_qkv, {"g": (K,), "beta": (K,), "wq": (N, K), "bq": (N,), "wk": (N, K), "wv": (N, K)},
@@ -185,6 +206,39 @@ def _expr_nodes(expr):
     from emit.expr import expr_nodes
 
     return list(expr_nodes(expr))
+
+
+@functools.cache
+def lowered_block(dtype: str):
+    params = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in _block_params().items()}
+    args = (params, jax.ShapeDtypeStruct((2, M, 40), dtype), jax.ShapeDtypeStruct((2, 10, 24), dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return eqsat.optimize(transformer_block, params_argnums=0, progress=False).lower(*args)
+
+
+@settings(max_examples=3, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(["float32", "float16"]), seed=st.integers(0, 2**31 - 1),
+       offset=st.sampled_from([0.0, 300.0]))
+def test_fused_qkv_of_a_transformer_block_is_prepared_as_k_by_3n(dtype, seed, offset):
+    """The fused Q/K/V weight concatenation is one prepared [K, 3N] tensor the wide matmul reads
+    through a Transpose view; the block (77 tokens, heads of 20, LayerNorm rows at an offset) through
+    the Pallas templates equals the XLA emitter and jax.jit."""
+    low = lowered_block(dtype)
+    split = low.split
+    stored = [shape for _, _, shape in _matmul_weights(split)]
+    assert (40, 3 * 40) in stored and (24, 2 * 40) in stored, stored  # attn1's Q/K/V, attn2's K/V
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.standard_normal(s) * (0.2 if k.endswith("weight") and "norm" not in k else 1.0),
+                             dtype) for k, s in _block_params().items()}
+    offset = offset if dtype == "float32" else 0.0  # fp16 at 300 keeps a quarter of a unit: no spread left
+    x = jnp.asarray(offset + rng.standard_normal((2, M, 40)), dtype)
+    context = jnp.asarray(rng.standard_normal((2, 10, 24)), dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XlaFallbackWarning)
+        pallas = low.executable("pallas", interpret=True)(params, x, context)
+    _close(pallas - x, low.executable("xla")(params, x, context) - x, dtype)  # the block's part, not the residual
+    _close(pallas - x, jax.jit(transformer_block)(params, x, context) - x, dtype)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
