@@ -20,6 +20,13 @@ What is prepared:
   reads. So a bias broadcast to the output stays a broadcast row in the epilogue, and the
   zero-padded 1x1 weight of a merged shortcut stays a K range of its conv (materialized, its zero
   taps would be multiplied): what a template reads in place at no extra cost is left in place.
+- weights in the layout the tensor cores read: a per-call matmul's parameter-only operand stored
+  `[batch, K, N]` row-major (`[batch, M, K]` on the left; a torch `nn.Linear` weight is `[N, K]`),
+  a conv's weight `[window..., in, out]` (OIHW becomes HWIO; each weight under the concats and
+  zero pads of a merged shortcut separately, so its K ranges stay). The prepared copy (as many
+  bytes as the weight) is read through a `Transpose` view, so a tile of `[K chunk, N chunk]` is
+  unit-stride along N: 16-byte loads a warp coalesces, not one 2-byte load per element `K`
+  elements apart.
 
 The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
 program output the prepare stage computes) as inputs.
@@ -43,7 +50,7 @@ from dataclasses import dataclass
 import jax
 
 from eqsat.term import Term, postorder
-from eqsat.types import parse_type, with_shape
+from eqsat.types import ints_key, parse_type, with_shape
 
 # Expression nodes that only read: an operand made of these alone is not worth a prepared kernel.
 READING_OPS = frozenset({"Load", "Lit", "Iota", "Reshape", "Slice", "Broadcast"})
@@ -195,6 +202,10 @@ def _hoist(plan, parameters: frozenset):
         if i in prepared or kernel.op in NOT_HOISTED_FROM:
             continue
         hoisted = _hoistable(kernel.term, available)
+        if kernel.op == "Matmul":
+            hoisted = _mma_layouts(kernel.term, available, hoisted)
+        elif kernel.op == "Conv":
+            hoisted = _conv_weight_layouts(kernel.term, available, hoisted)
         if hoisted:
             targets[kernel.term] = hoisted
     if not targets:
@@ -253,6 +264,89 @@ def _hoistable(kernel: Term, available) -> dict[Term, Term]:
                 continue
         stack.extend(c for c in node.children if c.sort == "Expr")
     return found
+
+
+def _mma_layouts(kernel: Term, available, hoisted: dict[Term, Term]) -> dict[Term, Term]:
+    """`hoisted` (a Matmul's operand expressions -> their replacements) with each operand that reads
+    only parameters stored the way the tensor cores read it: the weight `[batch, K, N]` row-major
+    (a B tile's rows are unit-stride runs along N), the left operand `[batch, M, K]`. An operand
+    laid out otherwise (a torch `nn.Linear` weight `[N, K]`, contracted on its last axis) is
+    prepared transposed, and the kernel reads it through a `Transpose` view (index arithmetic)."""
+    from emit.pallas.matmul import DotAxes
+
+    lhs, rhs, dims, _epilogue, _ty = kernel.args
+    axes = DotAxes.of(dims, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape)
+    wanted = ((lhs, axes.lhs_batch + axes.lhs_free + axes.lhs_contract),
+              (rhs, axes.rhs_batch + axes.rhs_contract + axes.rhs_free))
+    out = dict(hoisted)
+    for operand, order in wanted:
+        shape = parse_type(operand.ty).shape
+        if _in_order(order, shape):
+            continue
+        replaced = hoisted.get(operand)
+        if replaced is not None and replaced.op != "Load":
+            continue  # an elementwise sum of broadcast parameters: prepared unbroadcast, read as a broadcast
+        if replaced is None and not _reads_parameters_only(operand, available):
+            continue
+        inside = {id(node) for node in _expr_postorder([operand])}
+        out = {node: value for node, value in out.items() if id(node) not in inside}
+        out[operand] = _relaid(operand, order)
+    return out
+
+
+def _conv_weight_layouts(kernel: Term, available, hoisted: dict[Term, Term]) -> dict[Term, Term]:
+    """`hoisted` with each weight a Conv reads (its rhs, and the parts of the rhs under concats
+    along in-features and zero pads of the window: a merged shortcut's K ranges) stored
+    `[window..., in, out]` row-major (OIHW prepared as HWIO): a weight tile `[in chunk, out
+    chunk]` of one tap reads unit-stride runs along the output channels."""
+    from eqsat.conv_params import ConvParams
+
+    rhs, params = kernel.args[1], ConvParams.parse(kernel.args[2])
+    order = (*params.rhs_spec[2:], params.rhs_spec[1], params.rhs_spec[0])
+    out = dict(hoisted)
+    stack = [rhs]
+    while stack:
+        node = stack.pop()
+        replaced = out.get(node)
+        if replaced is None and node.op in ("Concat", "Pad"):  # same axes as the weight: K ranges, zero taps
+            stack.extend(node.args[:2] if node.op == "Concat" else node.args[:1])
+            continue
+        if _in_order(order, parse_type(node.ty).shape):
+            continue
+        if replaced is not None and replaced.op == "Load" or \
+                replaced is None and node.op == "Load" and _reads_parameters_only(node, available):
+            out[node] = _relaid(node, order)
+    return out
+
+
+def _relaid(operand: Term, order) -> Term:
+    """`operand` read through a `Transpose` view of a prepared copy stored with axes `order`."""
+    shape = parse_type(operand.ty).shape
+    stored = Term("Transpose", operand, ints_key(order), with_shape(operand.ty, [shape[a] for a in order]))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return Term("Transpose", Term("Load", Term("Pointwise", stored, stored.ty), stored.ty), ints_key(inverse),
+                operand.ty)
+
+
+def _in_order(order, shape) -> bool:
+    """Whether axes `order` of a row-major tensor of `shape` are stored in that order (size-1 axes
+    aside): a tile along the last of them reads unit-stride runs."""
+    kept = [axis for axis in order if shape[axis] != 1]
+    return kept == sorted(kept)
+
+
+def _reads_parameters_only(expr: Term, available) -> bool:
+    """It loads something, only available tensors (parameters, constants, prepared), no `Acc`, and
+    stores no more bytes than it reads (a weight, a slice or reshape of one; not a broadcast)."""
+    loads: dict[int, Term] = {}
+    for node in _expr_postorder([expr]):
+        if node.op == "Acc":
+            return False
+        if node.op == "Load":
+            if not available(node.args[0]):
+                return False
+            loads[id(node.args[0])] = node.args[0]
+    return bool(loads) and _nbytes(expr) <= sum(_nbytes(t) for t in loads.values())
 
 
 def _worth_preparing(expr: Term) -> bool:

@@ -76,6 +76,7 @@ from jax.experimental import pallas as pl
 
 from emit.expr import chan_merge, compile_expr, expr_nodes, linearize, reshape_index
 from emit.pallas import loaded_tensors, triton
+from emit.pallas.contiguous import ContiguousMemory
 from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
@@ -778,12 +779,15 @@ def _shifted(index: tuple, axis: int, offset: int) -> tuple:
     return tuple(index)
 
 
-def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int) -> OperandFn:
-    """A K-range closure: `expr` compiled, read at the range's local feature index + `offset`."""
+def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int,
+             memory: type[RefMemory] = RefMemory) -> OperandFn:
+    """A K-range closure: `expr` compiled, read at the range's local feature index + `offset`
+    (from a `memory` over the kernel's refs: the weight's `ContiguousMemory` loads unit-stride
+    runs along the output channels of a prepared HWIO copy as vectors)."""
     compiled = compile_expr(expr)
 
     def evaluate(refs, index, mask, hoisted=None):
-        return compiled(RefMemory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask,
+        return compiled(memory(dict(zip(tensors, refs))), _shifted(index, feature_axis, offset), mask,
                         hoisted=hoisted)
 
     return evaluate
@@ -984,7 +988,7 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
     tensors = [t for t in tensors if t is not term]  # the statistics read the output from registers
     # Index tiles are [pixels, channels]: a node whose index has length 1 on axis 0 is per (batch, channel).
     ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
-                     _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset), part.taps,
+                     _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset, ContiguousMemory), part.taps,
                      _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0))
               for part in k_ranges(term)]
     config = config or ConvConfig.get_default(geometry, ranges)

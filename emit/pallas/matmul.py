@@ -54,7 +54,9 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
+from emit.pallas.contiguous import ContiguousMemory, masked_store
 from emit.pallas.partials import Partials, copy_prefix
+from eqsat.lift import CONVERT
 from eqsat.term import Term, postorder
 from eqsat.types import ints, parse_type
 
@@ -135,6 +137,8 @@ class MatmulProblem:
     out_dtype: Any
     prepass: PrepassFn | None = None
     statistics: tuple["RowStatistic", ...] = ()
+    lhs_zero_masked: bool = False  # `lhs` is 0 wherever its mask is False (a view of a masked load)
+    rhs_zero_masked: bool = False
 
     def validate(self) -> None:
         for name in ("batch", "m", "n", "k"):
@@ -195,14 +199,18 @@ def matmul_kernel(*refs, problem: MatmulProblem, blocks: MatmulBlocks, num_input
         a = jnp.broadcast_to(problem.lhs(inputs, (b, rows, ks_a), mask_a, stats), (bm, bk))
         w = jnp.broadcast_to(problem.rhs(inputs, (b, ks_b, cols), mask_b), (bk, bn))
         dtype = jnp.promote_types(a.dtype, w.dtype)
-        a = jnp.where(mask_a, a.astype(dtype), jnp.zeros((), dtype))
-        w = jnp.where(mask_b, w.astype(dtype), jnp.zeros((), dtype))
+        # A tile read straight from memory is zero where masked already: selecting again would keep
+        # it in registers, where the MMA cannot read it from the pipelined shared-memory buffer.
+        a = a.astype(dtype) if problem.lhs_zero_masked else jnp.where(mask_a, a.astype(dtype), jnp.zeros((), dtype))
+        w = w.astype(dtype) if problem.rhs_zero_masked else jnp.where(mask_b, w.astype(dtype), jnp.zeros((), dtype))
         return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, pl.cdiv(problem.k, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
     mask = row_ok & col_ok
     out = jnp.broadcast_to(problem.epilogue(inputs, acc, (b, rows, cols), mask), (bm, bn)).astype(problem.out_dtype)
-    store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask)
+    # Offsets of the padded tile's lanes stay below the last tile's end: (batch·M + M tiles·bm)·N + N tiles·bn.
+    bound = (problem.batch * problem.m + pl.cdiv(problem.m, bm) * bm) * problem.n + pl.cdiv(problem.n, bn) * bn
+    masked_store(out_ref, (b * problem.m + rows) * problem.n + cols, out, mask, bound=bound)
     program = (b * pl.num_programs(1) + i) * pl.num_programs(2) + j
     programs = problem.batch * pl.cdiv(problem.m, bm) * pl.cdiv(problem.n, bn)
     for statistic, partial_ref, prefix_size in zip(problem.statistics, partial_refs,
@@ -300,18 +308,32 @@ class DotAxes:
         return tuple(index)
 
     def lhs_index(self, rank: int, b, rows, ks) -> tuple:
-        return self.place(rank, [(self.lhs_batch, ex.unravel(b, self.batch_shape)),
-                                 (self.lhs_free, ex.unravel(rows, self.m_shape)),
-                                 (self.lhs_contract, ex.unravel(ks, self.k_shape))])
+        return self.place(rank, [(self.lhs_batch, unravel_tile(b, self.batch_shape)),
+                                 (self.lhs_free, unravel_tile(rows, self.m_shape)),
+                                 (self.lhs_contract, unravel_tile(ks, self.k_shape))])
 
     def rhs_index(self, rank: int, b, ks, cols) -> tuple:
-        return self.place(rank, [(self.rhs_batch, ex.unravel(b, self.batch_shape)),
-                                 (self.rhs_free, ex.unravel(cols, self.n_shape)),
-                                 (self.rhs_contract, ex.unravel(ks, self.k_shape))])
+        return self.place(rank, [(self.rhs_batch, unravel_tile(b, self.batch_shape)),
+                                 (self.rhs_free, unravel_tile(cols, self.n_shape)),
+                                 (self.rhs_contract, unravel_tile(ks, self.k_shape))])
 
     def out_index(self, b, rows, cols) -> tuple:
         """`dot_general`'s output axes: batch, lhs free, rhs free."""
-        return (*ex.unravel(b, self.batch_shape), *ex.unravel(rows, self.m_shape), *ex.unravel(cols, self.n_shape))
+        return (*unravel_tile(b, self.batch_shape), *unravel_tile(rows, self.m_shape),
+                *unravel_tile(cols, self.n_shape))
+
+
+def unravel_tile(flat, shape: Sequence[int]) -> tuple:
+    """`emit.expr.unravel` of a tile's rows, columns or K lanes into `shape`, without the wrap of the
+    outermost axis: a lane past the end (masked) gets an index past its axis, which loads clamp or
+    mask, and a single axis is the lanes themselves (`ks`, not `ks % K`: Triton sees a unit-stride
+    run)."""
+    inner = ex.unravel(flat, shape)
+    first = next((axis for axis, size in enumerate(shape) if size != 1), None)
+    if first is None:
+        return inner
+    stride = math.prod(shape[first + 1:])
+    return tuple(ex.div(flat, stride) if axis == first else entry for axis, entry in enumerate(inner))
 
 
 def _outer_row_reduces(term: Term) -> list[Term]:
@@ -454,6 +476,22 @@ def _hoist_row_statistics(lhs: Term) -> tuple[Term, dict[Term, Term]]:
     return _substitute(lhs, {r: Term("Load", p, r.ty) for p, r in placeholders.items()}), placeholders
 
 
+VIEW_OPS = frozenset({"Reshape", "Transpose", "Broadcast", "Slice", "DynamicSlice", "Concat"})
+
+
+def zero_where_masked(operand: Term) -> bool:
+    """Whether `operand` evaluates to 0 wherever its mask is False: views (index arithmetic that
+    narrows the mask, never widens it) and float conversions of masked loads, which read 0 there."""
+    if operand.op == "Load":
+        return operand.args[0].op != "EpilogueReduce"  # a statistic is merged from partials, not loaded
+    if operand.op == "Unary" and operand.args[0] == CONVERT:
+        return parse_type(operand.ty).dtype != "bool" and zero_where_masked(operand.args[1])
+    if operand.op in VIEW_OPS:
+        inputs = operand.args[:2] if operand.op == "Concat" else operand.args[:1]
+        return all(zero_where_masked(x) for x in inputs)
+    return False
+
+
 DOT_DTYPES = ("float16", "bfloat16", "float32")  # the template accumulates in fp32 on tensor cores
 
 
@@ -499,7 +537,7 @@ def _row_statistic(reduction: Term, term: Term, axes: DotAxes, tensors: Sequence
 
     def value(refs, out_tile, index, mask):
         body_index, body_ok = _body_index(path, axes.out_index(*index))
-        memory = _TileMemory(tr.RefMemory(dict(zip(tensors, refs))), term, out_tile)
+        memory = _TileMemory(ContiguousMemory(dict(zip(tensors, refs))), term, out_tile)
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok
 
@@ -562,7 +600,7 @@ def emit(kernel, ctx) -> dict:
     lhs_rank, rhs_rank = len(lhs_shape), len(rhs_shape)
 
     def memory(refs):
-        return tr.RefMemory(dict(zip(tensors, refs)))
+        return ContiguousMemory(dict(zip(tensors, refs)))
 
     def prepass(refs, b, rows, row_ok):
         """Each hoisted statistic at the index the prologue reads it (found by a probe at K strip 0)."""
@@ -618,7 +656,8 @@ def emit(kernel, ctx) -> dict:
             continue
         computed.append(reduction)
     problem = MatmulProblem(batch, m, n, k, lhs_tile, rhs_tile, epilogue_tile, jnp.dtype(out_type.dtype),
-                            prepass=prepass if placeholders else None, statistics=tuple(statistics))
+                            prepass=prepass if placeholders else None, statistics=tuple(statistics),
+                            lhs_zero_masked=zero_where_masked(lhs), rhs_zero_masked=zero_where_masked(rhs))
     result = build(problem, [ctx.operand(t) for t in tensors], blocks=blocks, interpret=ctx.interpret,
                    name=kernel.name, prefixes=[ctx.pending.get(r) for r in computed])
     out, partials = result if statistics else (result, [])
