@@ -43,7 +43,7 @@ def masked_load(ref, offsets, mask: Mask) -> jax.Array:
     """`ref`'s elements at flat `offsets`, 0 where `mask` is False; offsets where it holds are in
     range (not clamped: a unit-stride run stays visible to Triton)."""
     if isinstance(mask, bool):
-        return gather_load(ref, offsets, mask)  # clamps: no lane is masked off to guard the range
+        return gather_load(ref, offsets, mask)  # no mask array to guard the range: the clamped gather
     shape = jnp.broadcast_shapes(jnp.shape(offsets), mask.shape)
     offsets = jnp.broadcast_to(jnp.asarray(offsets, jnp.int32), shape)
     return pltriton.load(ref.at[offsets], mask=jnp.broadcast_to(mask, shape), other=jnp.zeros((), ref.dtype))
@@ -74,7 +74,7 @@ class ContiguousMemory(RefMemory):
             return read_partials(tensor, index, *found)
         shape = parse_type(tensor.ty).shape
         inner = inner_axis(shape)
-        if inner is None or is_static(index[inner]):
+        if inner is None or is_static(index[inner]) or math.prod(shape) == 0:
             return super().load(tensor, index, mask)
         entry = index[inner]
         in_range = (entry >= 0) & (entry < shape[inner])
@@ -83,6 +83,4 @@ class ContiguousMemory(RefMemory):
         mask = both(mask, in_range)
         if tuple(shape_of((offsets, mask))) != tuple(jnp.shape(offsets)):
             offsets = jnp.broadcast_to(offsets, shape_of((offsets, mask)))
-        if math.prod(shape) == 0:
-            return jnp.zeros(jnp.shape(offsets), ref.dtype)
         return masked_load(ref, offsets, mask)
