@@ -119,17 +119,28 @@ def mul(a: IndexEntry, k: int) -> IndexEntry:
 
 
 def div(a: IndexEntry, k: int) -> IndexEntry:
-    """`a // k` for a >= 0."""
+    """`a // k` for a >= 0: truncating division, which equals floor division there and lowers to
+    one `div` (jnp's floor division adds a sign fix-up that hides unit-stride runs from Triton's
+    contiguity analysis, so the loads of a reshaped or transposed view stayed scalar). Lanes where
+    a < 0 are masked lanes: their value is never used."""
     if is_static(a):
         return int(a) // k
-    return a if k == 1 else a // k
+    if k == 1:
+        return a
+    if isinstance(a, np.ndarray):  # host-side index tables
+        return a // k
+    return lax.div(a, jnp.asarray(k, a.dtype))
 
 
 def mod(a: IndexEntry, k: int) -> IndexEntry:
-    """`a % k` for a >= 0."""
+    """`a % k` for a >= 0 (truncating remainder, as `div`)."""
     if is_static(a):
         return int(a) % k
-    return 0 if k == 1 else a % k
+    if k == 1:
+        return 0
+    if isinstance(a, np.ndarray):
+        return a % k
+    return lax.rem(a, jnp.asarray(k, a.dtype))
 
 
 def clip(a: IndexEntry, lo: int, hi: int) -> IndexEntry:
