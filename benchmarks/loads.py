@@ -36,6 +36,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from sd15.params import transformer_block_shapes
+
 LOAD = re.compile(r"\bld\.global((?:\.[\w:]+)*)\s")
 STORE = re.compile(r"\bst\.global((?:\.[\w:]+)*)\s")
 CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
@@ -134,15 +136,7 @@ def transformer_block_case():
     from sd15.unet import transformer_block
 
     width, context_width, tokens, heads = 320, 768, 4096, 8
-    shapes = {}
-    for k in (1, 2, 3):
-        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
-    for attn, source in (("attn1", width), ("attn2", context_width)):
-        shapes[f"b.{attn}.to_q.weight"] = (width, width)
-        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
-        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
-    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
-    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    shapes = dict(transformer_block_shapes("b", width, context_width))
     params = {k: _f16(*s) for k, s in shapes.items()}
     fn = functools.partial(_block, transformer_block, heads)
     return fn, (params, _f16(2, tokens, width), _f16(2, 77, context_width))

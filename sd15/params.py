@@ -59,7 +59,10 @@ class _ShapeTable:
         self.norm(f"{path}.norm", channels)
         projection = self.linear if linear_projection else lambda p, i, o: self.conv(p, i, o, 1)
         projection(f"{path}.proj_in", channels, channels)
-        block = f"{path}.transformer_blocks.0"
+        self.transformer_block(f"{path}.transformer_blocks.0", channels, context)
+        projection(f"{path}.proj_out", channels, channels)
+
+    def transformer_block(self, block: str, channels: int, context: int):
         for attn, kv in (("attn1", channels), ("attn2", context)):
             self.linear(f"{block}.{attn}.to_q", channels, channels, bias=False)
             self.linear(f"{block}.{attn}.to_k", kv, channels, bias=False)
@@ -69,7 +72,6 @@ class _ShapeTable:
             self.norm(f"{block}.{norm}", channels)
         self.linear(f"{block}.ff.net.0.proj", channels, 8 * channels)
         self.linear(f"{block}.ff.net.2", 4 * channels, channels)
-        projection(f"{path}.proj_out", channels, channels)
 
 
 def _unet(c: UNetConfig) -> Shapes:
@@ -168,6 +170,14 @@ def param_shapes(component: Component, config: UNetConfig | VAEConfig | CLIPConf
     if not isinstance(config, DEFAULT_CONFIGS[component]):
         raise TypeError(f"{component} needs a {DEFAULT_CONFIGS[component].__name__}, got {type(config).__name__}")
     return _SHAPES[component](config)
+
+
+def transformer_block_shapes(block: str, channels: int, context: int) -> Shapes:
+    """The parameter shapes of one BasicTransformerBlock (`sd15.unet.transformer_block`) under the key
+    prefix `block`: self- and cross-attention (keys and values of width `context`), three norms, GEGLU."""
+    table = _ShapeTable()
+    table.transformer_block(block, channels, context)
+    return table.shapes
 
 
 def abstract_params(

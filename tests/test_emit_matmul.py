@@ -22,6 +22,7 @@ from emit.pallas import XlaFallbackWarning
 from emit.pallas import matmul as mm
 from emit.pallas.triton import gather_load
 from eqsat.term import postorder
+from sd15.params import transformer_block_shapes
 
 TOLERANCE = {np.float32: 2e-5, np.float16: 2e-2, jnp.bfloat16: 6e-2}  # relative to |lhs| @ |rhs|
 
@@ -377,15 +378,7 @@ def _pallas(plan):
 
 
 def transformer_block_args(width, context_width, heads, tokens, context_tokens, dtype, abstract):
-    shapes = {}
-    for k in (1, 2, 3):
-        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
-    for attn, source in (("attn1", width), ("attn2", context_width)):
-        shapes[f"b.{attn}.to_q.weight"] = (width, width)
-        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
-        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
-    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
-    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    shapes = dict(transformer_block_shapes("b", width, context_width))
     shapes["x"], shapes["context"] = (2, tokens, width), (2, context_tokens, context_width)
     if abstract:
         values = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}

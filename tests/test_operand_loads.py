@@ -28,6 +28,7 @@ from emit.pallas.contiguous import ContiguousMemory, inner_axis
 from emit.pallas.matmul import zero_where_masked
 from eqsat import xla_target
 from eqsat.types import parse_type
+from sd15.params import transformer_block_shapes
 from test_emit_expr import view_chains
 
 needs_h100_target = pytest.mark.skipif(xla_target.unavailable_reason() is not None,
@@ -154,15 +155,7 @@ def transformer_block(params, x, context):
 
 
 def _block_params(width=40, context_width=24):
-    shapes = {}
-    for k in (1, 2, 3):
-        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
-    for attn, source in (("attn1", width), ("attn2", context_width)):
-        shapes[f"b.{attn}.to_q.weight"] = (width, width)
-        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
-        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
-    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
-    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    shapes = dict(transformer_block_shapes("b", width, context_width))
     return shapes
 
 

@@ -777,6 +777,7 @@ def test_carried_work_is_not_hoisted():
 # --- the shared checker on every family's EXAMPLES ------------------------------------------------
 
 from eqsat.rules import check  # noqa: E402
+from sd15.params import transformer_block_shapes  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["horizontal", "norm_split", "attention", "hoist"])
@@ -852,15 +853,7 @@ def test_sd15_transformer_block_attention_and_qkv_at_tiny_size():
     from sd15.unet import transformer_block
 
     width, context_width, heads = 8, 6, 2
-    shapes = {}
-    for k in (1, 2, 3):
-        shapes[f"b.norm{k}.weight"] = shapes[f"b.norm{k}.bias"] = (width,)
-    for attn, source in (("attn1", width), ("attn2", context_width)):
-        shapes[f"b.{attn}.to_q.weight"] = (width, width)
-        shapes[f"b.{attn}.to_k.weight"] = shapes[f"b.{attn}.to_v.weight"] = (width, source)
-        shapes[f"b.{attn}.to_out.0.weight"], shapes[f"b.{attn}.to_out.0.bias"] = (width, width), (width,)
-    shapes["b.ff.net.0.proj.weight"], shapes["b.ff.net.0.proj.bias"] = (8 * width, width), (8 * width,)
-    shapes["b.ff.net.2.weight"], shapes["b.ff.net.2.bias"] = (width, 4 * width), (width,)
+    shapes = dict(transformer_block_shapes("b", width, context_width))
     rng = np.random.default_rng(0)
     params = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     x = rng.standard_normal((1, 5, width)).astype(np.float32)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from emit.expr import Index, Mask, both, clip, is_static, linearize, read_partials, shape_of
+from emit.expr import Index, Mask, both, clip, is_static, linearize, shape_of
 from emit.pallas.triton import RefMemory, gather_load, store
 from eqsat.term import Term
 from eqsat.types import parse_type
@@ -69,9 +69,9 @@ class ContiguousMemory(RefMemory):
 
     def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
         ref = self._ref(tensor)
-        found = self.partials_source(tensor) if tensor.op == "EpilogueReduce" else None
-        if found is not None:
-            return read_partials(tensor, index, *found)
+        merged = self.merged_statistic(tensor, index)
+        if merged is not None:
+            return merged
         shape = parse_type(tensor.ty).shape
         inner = inner_axis(shape)
         if inner is None or is_static(index[inner]) or math.prod(shape) == 0:

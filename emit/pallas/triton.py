@@ -220,11 +220,16 @@ class RefMemory:
         layout = partials_layout(statistic, ref.shape[0])
         return None if layout is None else (layout, lambda offsets: gather_load(ref, offsets))
 
+    def merged_statistic(self, tensor: Term, index: Index) -> jax.Array | None:
+        """A statistic bound to its hosts' partials, merged at `index`; None for any other tensor."""
+        found = self.partials_source(tensor) if tensor.op == "EpilogueReduce" else None
+        return None if found is None else read_partials(tensor, index, *found)
+
     def load(self, tensor: Term, index: Index, mask: Mask) -> jax.Array:
         ref = self._ref(tensor)
-        found = self.partials_source(tensor) if tensor.op == "EpilogueReduce" else None
-        if found is not None:
-            return read_partials(tensor, index, *found)
+        merged = self.merged_statistic(tensor, index)
+        if merged is not None:
+            return merged
         shape = parse_type(tensor.ty).shape
         if isinstance(mask, bool):
             index = tuple(clip(entry, 0, size - 1) for entry, size in zip(index, shape))
