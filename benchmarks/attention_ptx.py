@@ -236,7 +236,7 @@ def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None, 
     fn, args = plan_fn(shape) if plan else attention_fn(shape, blocks)
     report = compile_for_h100(fn, *args, keep_dump=dump)
     if report is None:
-        raise SystemExit("the H100 compile target is not installed (pip install -e '.[cuda-target]')")
+        raise SystemExit("the H100 compile target is unavailable (see the XlaTargetWarning above; python -m eqsat.cuda_target info)")
     (ptx_path,) = [p for p in glob.glob(str(dump / "*.ptx")) if ".entry attention" in Path(p).read_text()]
     kernel = read_kernel(Path(ptx_path).read_text())
     trips = at.key_loop_trips(shape.kv_len, blocks.block_k) if kernel.loop_instructions else 0

@@ -20,7 +20,6 @@ extras), never from a system path, so every machine reads the same ptxas version
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 import subprocess
@@ -53,17 +52,24 @@ class PtxasMissing(RuntimeError):
 
 
 def ptxas_path() -> Path:
-    """`ptxas` of the pip package nvidia-cuda-nvcc-cu12 (`nvidia/cuda_nvcc/bin/ptxas`); raises
-    `PtxasMissing` with a one-line message when it is not installed. No system path is looked at."""
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(root) / "bin" / "ptxas"
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-    raise PtxasMissing(f"ptxas not found: pip install {PTXAS_PACKAGE} (or the '.[cuda-target]' extra)")
+    """`ptxas` of the pip package nvidia-cuda-nvcc-cu12 (`nvidia/cuda_nvcc/bin/ptxas`), in this
+    environment or in eqsat's CUDA target dir (installed on first use, see `eqsat.cuda_target`);
+    raises `PtxasMissing` with a one-line message when neither has it. No system path is looked at."""
+    from eqsat import cuda_target
+
+    def found():
+        return next((p for p in cuda_target.ptxas_candidates() if p.is_file() and os.access(p, os.X_OK)), None)
+
+    path = found()
+    if path is None:
+        try:
+            cuda_target.ensure_installed()
+        except cuda_target.TargetInstallError as error:
+            raise PtxasMissing(f"ptxas not found and the CUDA target could not be installed: {error}") from None
+        path = found()
+    if path is None:
+        raise PtxasMissing(f"ptxas not found: run `python -m eqsat.cuda_target install` (or pip install {PTXAS_PACKAGE})")
+    return path
 
 
 # --- the PTX text ------------------------------------------------------------------------------

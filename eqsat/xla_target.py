@@ -4,7 +4,7 @@
     report.kernels, report.temp_bytes, report.by_category, report.compile_seconds
 
 XLA compiles for a GPU it does not have through a compile-only topology: `jax-cuda12-plugin` and
-`jax-cuda12-pjrt` (the `cuda-target` extra) plus a device description
+`jax-cuda12-pjrt` (installed outside the environment by `eqsat.cuda_target`) plus a device description
 (`h100_target_config.txtpb`, shipped below as `H100_TARGET_CONFIG`). Arguments are lowered as
 `ShapeDtypeStruct`s carrying a `NamedSharding` on that topology's one device, and the compile is
 dumped with `XLA_FLAGS=--xla_dump_to=DIR`. XLA reads `XLA_FLAGS` once, when its backends start, so
@@ -67,6 +67,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from eqsat import cuda_target
+
 # A copy of ../shared/h100_target_config.txtpb, so an installed package compiles without the repo.
 H100_TARGET_CONFIG = """\
 gpu_device_info {
@@ -98,10 +100,10 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 # The repository's copy, preferred when present: <repo>/../shared/h100_target_config.txtpb.
 SHARED_TARGET_CONFIG = Path(__file__).resolve().parent.parent.parent / "shared" / "h100_target_config.txtpb"
 
-# Python modules the deviceless CUDA compile needs: the PJRT plugin and the jax CUDA plugin.
-PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_cuda12_plugin")
-PLUGIN_DISTRIBUTIONS = ("jax-cuda12-pjrt", "jax-cuda12-plugin")
-INSTALL_HINT = "pip install 'eqsat[cuda-target]' (jax-cuda12-plugin and jax-cuda12-pjrt matching jax)"
+# The deviceless CUDA compile needs the PJRT plugin and the jax CUDA plugin; eqsat.cuda_target keeps
+# them outside the user's environment.
+PLUGIN_DISTRIBUTIONS = cuda_target.PLUGIN_DISTRIBUTIONS
+INSTALL_HINT = "run `python -m eqsat.cuda_target install` (jax-cuda12-plugin and jax-cuda12-pjrt matching jax)"
 
 COPY_KINDS = frozenset({"kCopy"})
 MEMSET_KINDS = frozenset({"kMemset32BitValue", "kMemzero"})
@@ -222,14 +224,10 @@ def target_config_text() -> str:
 
 
 def unavailable_reason() -> str | None:
-    """Why the H100 target cannot be used here, or None when its plugin is installed (cheap: no import)."""
-    for module in PLUGIN_MODULES:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"the CUDA compile target is not installed (no module {module!r}); {INSTALL_HINT}"
+    """Why the H100 target cannot be used here without installing it, or None (cheap: no import)."""
+    reason = cuda_target.unavailable_reason()
+    if reason is not None or not cuda_target.plugin_in_environment():
+        return reason
     jax_version = importlib.metadata.version("jax")
     for dist in PLUGIN_DISTRIBUTIONS:
         try:
@@ -237,8 +235,17 @@ def unavailable_reason() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue  # importable without metadata (a source tree): let the subprocess decide
         if version != jax_version:
-            return f"{dist} {version} does not match jax {jax_version}; {INSTALL_HINT}"
+            return f"{dist} {version} in this environment does not match jax {jax_version}; {INSTALL_HINT}"
     return None
+
+
+def prepare_target() -> str | None:
+    """Install the target on first use (see `eqsat.cuda_target`); why it is unusable, or None."""
+    try:
+        cuda_target.ensure_installed()
+    except cuda_target.TargetInstallError as error:
+        return str(error)
+    return unavailable_reason()
 
 
 def h100_topology():
@@ -275,7 +282,7 @@ def compile_for_h100(
     or the H100 topology cannot be built; raises `RuntimeError` with the subprocess's traceback when
     `fn` itself fails to trace or compile. `keep_dump` keeps XLA's dump in that directory.
     """
-    reason = unavailable_reason()
+    reason = prepare_target()  # installs the target once per machine, announced on stderr
     if reason is not None:
         return _unavailable(reason)
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
@@ -343,7 +350,7 @@ def _child_env(dump: Path) -> dict[str, str]:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_dump_to")]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_dump_to={dump}"])
     package_root = str(Path(__file__).resolve().parent.parent)
-    paths = [package_root, *(os.path.abspath(p or os.curdir) for p in sys.path)]
+    paths = [package_root, *cuda_target.search_paths(), *(os.path.abspath(p or os.curdir) for p in sys.path)]
     paths = [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])

@@ -438,7 +438,7 @@ def run_plan(
         report["notes"].append(f"fused/naive columns are empty: {optimize_reason}")
     from eqsat import xla_target
 
-    target_reason = xla_target.unavailable_reason()
+    target_reason = xla_target.prepare_target() if (xla or emit) else xla_target.unavailable_reason()
     xla_reason = "XLA skipped (--no-xla)" if not xla else target_reason
     if xla_reason:
         report["notes"].append(f"XLA columns are empty: {xla_reason}")

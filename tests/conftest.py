@@ -167,3 +167,16 @@ def tiny_sd15(tmp_path_factory) -> TinySD15:
 def tiny_sd15_dir(tiny_sd15) -> Path:
     """Just the folder of `tiny_sd15`."""
     return tiny_sd15.root
+
+
+@pytest.fixture
+def no_cuda_target(monkeypatch, tmp_path):
+    """No CUDA plugin in the environment, an empty target dir, and no package index to install it from."""
+    from eqsat import cuda_target
+
+    def offline(quiet=False):
+        raise cuda_target.TargetInstallError("pip could not install jax-cuda12-plugin: no index reachable")
+
+    monkeypatch.setenv("EQSAT_TARGET_DIR", str(tmp_path / "cuda-target"))
+    monkeypatch.setattr(cuda_target, "plugin_in_environment", lambda: False)
+    monkeypatch.setattr(cuda_target, "install", offline)

@@ -4,6 +4,7 @@ the tiny text encoder end to end (compiled for an H100, read back kernel by kern
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -292,12 +293,13 @@ def test_merge_seconds_from_the_plan_or_the_roofline(monkeypatch):
     assert kernels.merge_seconds(SimpleNamespace(term=None)) == 3e-6
 
 
-def test_missing_ptxas_is_one_line(monkeypatch, capsys):
-    """Without the pip package's ptxas the command stops at once with one line (no system ptxas)."""
-    import importlib.util
+def test_missing_ptxas_is_one_line(no_cuda_target, monkeypatch, capsys):
+    """Without the pip package's ptxas (and no index to install the CUDA target from) the command stops
+    at once with one line (no system ptxas)."""
+    from eqsat import cuda_target
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    with pytest.raises(ptx.PtxasMissing, match="pip install nvidia-cuda-nvcc-cu12"):
+    monkeypatch.setattr(cuda_target, "ptxas_candidates", lambda: [Path("/nonexistent/ptxas")])
+    with pytest.raises(ptx.PtxasMissing, match="could not be installed: pip could not install"):
         ptx.ptxas_path()
     assert kernels.main(["--component", "text_encoder", "--config", "tiny"]) == 2
     error = capsys.readouterr().err.strip()

@@ -1,32 +1,61 @@
-"""On a machine without a GPU, an installed CUDA plugin stays quiet: no "Unable to load CUDA"
-traceback, no absl `cudart_stub` lines, from `import eqsat`, `import sd15`, the `sd15` commands and
-the tests; a machine with a GPU keeps using it (see `eqsat.quiet_cuda`)."""
+"""On a machine without a GPU, installing eqsat changes nothing a JAX program prints: the CUDA plugin
+of the H100 compile target lives outside the environment (`eqsat.cuda_target`), so a plain
+`import jax` script stays quiet. And where a CUDA plugin is on the path anyway (installed by hand,
+or the `cuda-target` extra), it stays quiet too: no "Unable to load CUDA" traceback, no absl
+`cudart_stub` lines, from `import eqsat`, `import sd15`, the `sd15` commands and the tests; a machine
+with a GPU keeps using it (see `eqsat.quiet_cuda`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from eqsat import quiet_cuda
+from eqsat import cuda_target, quiet_cuda
 
 NOISE = ("Unable to load CUDA", "cudart_stub", "Could not find cuda drivers", "absl::InitializeLog",
          "Jax plugin configuration error", "CUDA backend failed")
 
-needs_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None,
-                                  reason="no JAX plugin installed: nothing could be noisy")
+PLUGIN_PATHS = [] if cuda_target.plugin_in_environment() else cuda_target.search_paths()
+needs_plugin = pytest.mark.skipif(not (cuda_target.plugin_in_environment() or PLUGIN_PATHS),
+                                  reason="no CUDA plugin installed (neither here nor in eqsat's target dir): "
+                                         "nothing could be noisy")
 needs_cpu_only = pytest.mark.skipif(quiet_cuda.gpu_present(), reason="this machine has a GPU")
 
 
-def user_environment() -> dict[str, str]:
-    """The environment a user's shell has: none of the test session's JAX settings."""
+def user_environment(plugin_on_path: bool = True) -> dict[str, str]:
+    """The environment a user's shell has: none of the test session's JAX settings. With
+    `plugin_on_path`, the CUDA plugin is importable as if installed into the environment (eqsat's
+    target dir on PYTHONPATH when that is where it lives)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_", "XLA_", "TF_CPP", "EQSAT_"))}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    extra = PLUGIN_PATHS if plugin_on_path else []
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *extra, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+@needs_cpu_only
+@pytest.mark.skipif(cuda_target.plugin_in_environment(),
+                    reason="jax-cuda12-plugin is installed in this Python environment itself (by hand or the "
+                           "`cuda-target` extra), not in eqsat's target dir: plain JAX loads it here")
+def test_a_plain_jax_program_is_quiet_after_installing_eqsat():
+    """The user's own JAX script, eqsat not imported: exactly what it printed before eqsat was installed."""
+    code = "import jax, jax.numpy as jnp; print(jax.devices()[0].platform, jnp.ones(3).sum())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=user_environment(plugin_on_path=False), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "cpu 3.0" and done.stderr == "", done.stderr[-3000:]
+
+
+def test_installing_eqsat_with_its_tests_puts_no_cuda_plugin_in_the_environment():
+    """Only the opt-in `cuda-target` extra names the plugin; the target is installed beside, not in, the env."""
+    import importlib.metadata
+
+    requirements = importlib.metadata.requires("eqsat") or []
+    pulled = [r for r in requirements if "cuda" in r.lower() and "cuda-target" not in r]
+    assert pulled == [], pulled
 
 
 def run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -88,10 +88,10 @@ def test_a_failing_function_raises_with_the_subprocess_traceback():
         compile_for_h100(broken, jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
-def test_missing_plugin_returns_none_and_says_so(monkeypatch):
-    monkeypatch.setattr(xla_target, "PLUGIN_MODULES", ("jax_plugins.no_such_cuda_plugin",))
+def test_missing_plugin_returns_none_and_says_so(no_cuda_target):
     assert "not installed" in xla_target.unavailable_reason()
-    with pytest.warns(XlaTargetWarning, match="cuda-target"):
+    assert "eqsat.cuda_target install" in xla_target.unavailable_reason()
+    with pytest.warns(XlaTargetWarning, match="no index reachable"):
         report = compile_for_h100(matmul_bias_relu, jax.ShapeDtypeStruct((8, 8), F16))
     assert report is None
 
