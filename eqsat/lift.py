@@ -79,9 +79,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import sys
 import warnings
+import weakref
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -306,6 +309,7 @@ class _Lifter:
         self.payloads: dict[str, object] = {}
         self.components: dict[Term, str] = {}
         self.warnings: list[str] = []
+        self.unfused: dict[str, list[str]] = {}  # why -> primitives, for the one OpaqueWarning of a lift
         self._constant_keys: dict[int, str] = {}
         self._constant_arrays: list[object] = []  # keeps ids stable
         self._warned: set[str] = set()
@@ -993,7 +997,7 @@ class _Lifter:
             message = (f"eqsat.lift: {name!r} has side effects ({kinds}); it runs as the original primitive, "
                        f"in program order as under jax.jit, and nothing fuses with it")
             self.warnings.append(message)
-            warnings.warn(message, OpaqueWarning, stacklevel=_caller_stacklevel())
+            self.unfused.setdefault("side effects (run in program order)", []).append(name)
         self._start_world()
         key = self.fresh_key(f"{name}#")
         self.payloads[key] = (EffectCall(eqn.primitive), dict(eqn.params))
@@ -1014,7 +1018,8 @@ class _Lifter:
             message = (f"eqsat.lift: no term for primitive {name!r} on complex values; it stays an opaque XLA op"
                        if complex_values else f"eqsat.lift: no term for primitive {name!r}; it stays an opaque XLA op")
             self.warnings.append(message)
-            warnings.warn(message, OpaqueWarning, stacklevel=_caller_stacklevel())
+            reason = "no term on complex values" if complex_values else "no term"
+            self.unfused.setdefault(reason, []).append(name)
         key = self.fresh_key(f"{name}#")
         self.payloads[key] = (eqn.primitive, dict(eqn.params))
         operands = tensor_list([self.tensor(atom) for atom in eqn.invars])
@@ -1043,12 +1048,42 @@ def _is_complex(dtype) -> bool:
     return not is_key(dtype_name(dtype)) and np.issubdtype(dtype, np.complexfloating)
 
 
-def _caller_stacklevel() -> int:
-    """The `stacklevel` that points a warning at the first frame outside this module."""
+# Frames a warning never points at: eqsat's own packages and JAX's (a call under `jax.jit`).
+_OWN_PACKAGES = tuple(str(Path(module.__file__).resolve().parent) + os.sep for module in (jax,)) + tuple(
+    str(Path(__file__).resolve().parent.parent / package) + os.sep for package in ("eqsat", "extract", "emit"))
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the user's line: the first frame, walking out of
+    the caller of this function, outside eqsat's packages and JAX's."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(_OWN_PACKAGES)
+                                 or frame.f_code.co_filename.startswith("<frozen ")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _warn_unfused(unfused: dict[str, list[str]], fn=None) -> None:
+    """One `OpaqueWarning` per lift (and per function, across its lowerings) listing every primitive
+    that stays opaque, pointed at the user's line."""
+    if not unfused:
+        return
+    parts = [f"{why}: {', '.join(repr(name) for name in names)}" for why, names in unfused.items()]
+    where = f" in {getattr(fn, '__name__', None) or type(fn).__name__}()" if fn is not None else ""
+    message = (f"eqsat.lift: {sum(map(len, unfused.values()))} primitive(s){where} stay opaque XLA ops, "
+               f"nothing fuses with them ({'; '.join(parts)})")
+    if fn is not None:
+        try:
+            seen = _WARNED.setdefault(fn, set())
+        except TypeError:  # not weakly referenceable: warn each time
+            seen = set()
+        if message in seen:
+            return
+        seen.add(message)
+    warnings.warn(message, OpaqueWarning, stacklevel=user_stacklevel())
+
+
+_WARNED: "weakref.WeakKeyDictionary[Callable, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def _open(jaxpr) -> tuple[core.Jaxpr, list]:
@@ -1088,8 +1123,9 @@ def _slice_axis(x: Term, shape: list[int], dtype, axis: int, start: int, stop: i
     return Term("Slice", x, axis, start, stop, stride, _ty_of(dtype, shape)), shape
 
 
-def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
-    """The naive program of `closed_jaxpr` (inputs `arg0..`, outputs in order)."""
+def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr, _lifting_function=None) -> Program:
+    """The naive program of `closed_jaxpr` (inputs `arg0..`, outputs in order). Primitives that stay
+    opaque are named in one `OpaqueWarning` (once per `_lifting_function`, the user's function)."""
     jaxpr, consts = _open(closed_jaxpr)
     lifter = _Lifter()
     inputs = []
@@ -1098,6 +1134,7 @@ def lift_jaxpr(closed_jaxpr: core.ClosedJaxpr) -> Program:
             raise LiftError("a jaxpr taking a ref as an argument")
         inputs.append(Term("Input", f"arg{index}", _ty(var.aval)))
     outputs = lifter.run(jaxpr, consts, inputs, ())
+    _warn_unfused(lifter.unfused, _lifting_function)
     for output in outputs:
         if isinstance(output, _RefCell):
             raise LiftError("a jaxpr returning a ref")
@@ -1141,7 +1178,7 @@ def lift(fn, *args, static_argnums=(), static_argnames=(), kwargs=None) -> Progr
         return fn(*positional, **static_kwargs, **keyword_args)
 
     closed, out_shape = jax.make_jaxpr(with_statics, return_shape=True)(dynamic, dynamic_kwargs)
-    program = lift_jaxpr(closed)
+    program = lift_jaxpr(closed, _lifting_function=fn)
     program.in_tree = jax.tree_util.tree_structure((dynamic, dynamic_kwargs))
     program.out_tree = jax.tree_util.tree_structure(out_shape)
     program.static_argnums = static_argnums

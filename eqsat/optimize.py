@@ -309,7 +309,7 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     across calls, whose derived tensors are prepared once per set of them ("Parameters" there). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
-    or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
+    or "ilp" (`extract.extract`); `progress` shows a progress bar (None: on a terminal, once a lowering takes over 5 s).
     `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring).
     """
@@ -348,8 +348,8 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
     seconds: dict[str, float] = {}
     stages = STAGES + ((PREPARE_STAGE,) if params_argnums or params_argnames else ())
     label = f"eqsat {progress}" if isinstance(progress, str) else "eqsat"
-    bar = tqdm(total=len(stages), desc=label, unit="stage", delay=0.0 if progress else 2.0,
-               disable=progress is False, leave=False)
+    bar = tqdm(total=len(stages), desc=label, unit="stage", delay=0.0 if progress else 5.0,
+               disable=progress is False or (progress is None and not _on_a_terminal()), leave=False)
     split = None
     caught: list = []
 
@@ -472,6 +472,14 @@ def _params_argnums(fn, params_argnums, params_argnames) -> tuple[tuple[int, ...
     api_util._validate_argnums(signature, nums, "params_argnums")
     api_util._validate_argnames(signature, names, "params_argnames")
     return nums, names
+
+
+def _on_a_terminal() -> bool:
+    """Progress by default only where someone watches: stderr is a terminal (not a log, not a pipe)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class _Timer:

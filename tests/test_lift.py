@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import eqsat
 from eqsat.interpret import evaluate_program
 from eqsat.lift import BINARY_OPS, UNARY_OPS, OpaqueWarning, lift, lift_jaxpr
 from eqsat.program import module_path
@@ -328,14 +329,16 @@ def test_fancy_ref_indexing_falls_back_to_discharge():
 # --- opaque ------------------------------------------------------------------------------------
 
 
-def test_unsupported_primitives_become_opaque_with_one_warning_each():
+def test_unsupported_primitives_become_opaque_with_one_warning_at_the_users_line():
     def f(x):
         return jnp.cumsum(x, 1), jnp.cumsum(x, 0), jnp.sort(x, 1), lax.top_k(x, 2), jnp.flip(x, 0)
     with pytest.warns(OpaqueWarning) as record:
         program = roundtrip(f, X)
-    messages = [str(w.message) for w in record if issubclass(w.category, OpaqueWarning)]
+    (warning,) = [w for w in record if issubclass(w.category, OpaqueWarning)]
     for name in ("cumsum", "sort", "top_k", "rev"):
-        assert sum(f"'{name}'" in m for m in messages) == 1
+        assert str(warning.message).count(f"'{name}'") == 1, warning.message
+    assert "4 primitive(s) in f() stay opaque" in str(warning.message)
+    assert warning.filename == __file__, warning.filename  # roundtrip's lift call, not eqsat's code
     assert len(program.warnings) == 4
     opaque = [k for k in program.kernel_terms() if k.op == "Opaque"]
     assert len(opaque) == 6  # cumsum twice, sort, top_k's two outputs, rev
@@ -500,6 +503,24 @@ def test_complex_values_and_ffts_are_opaque_with_a_warning_and_correct():
         if kernel.ty.startswith("c64") and kernel.op != "Opaque":
             raise AssertionError(f"{kernel.op} of type {kernel.ty} is not opaque")
     assert any(k.op == "Pointwise" and k.ty.startswith("f32") for k in kernels)  # real parts stay terms
+
+
+def test_an_optimized_function_warns_once_at_the_call_site():
+    def sampler(key, x):
+        noise = jax.random.normal(key, x.shape)
+        return jnp.cumsum(x + noise, 0)
+
+    fast = eqsat.optimize(sampler, backend="xla")
+    key = jax.random.key(0)
+    with pytest.warns(OpaqueWarning) as record:
+        fast(key, X)  # the user's line
+    warned = [w for w in record if issubclass(w.category, OpaqueWarning)]
+    assert len(warned) == 1 and warned[0].filename == __file__, [(w.filename, str(w.message)) for w in warned]
+    assert "'cumsum'" in str(warned[0].message) and "in sampler()" in str(warned[0].message)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        fast(key, np.ones((5, 3), np.float32))  # a new signature: lowered again, not warned again
+    assert not [w for w in again if issubclass(w.category, OpaqueWarning)]
 
 
 def test_complex_values_through_optimize_and_loops():

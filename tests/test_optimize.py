@@ -131,6 +131,18 @@ def test_the_progress_bar_can_be_forced_or_silenced(capsys):
     assert "eqsat" in capsys.readouterr().err
 
 
+def test_no_progress_bar_by_default_when_nobody_watches(monkeypatch, capsys):
+    """stderr a log or a pipe (not a terminal): the default shows nothing, however long the lowering."""
+    from eqsat import optimize as optimize_module
+
+    monkeypatch.setattr(optimize_module, "_on_a_terminal", lambda: False)
+    slow = 6.0  # past the bar's delay
+    clock = iter(range(0, 10_000, int(slow)))
+    monkeypatch.setattr("tqdm.std.time", lambda: float(next(clock)))
+    eqsat.optimize(jnp.tan).lower(np.zeros(4, np.float32))
+    assert "eqsat" not in capsys.readouterr().err
+
+
 # --- loops stay loops ---------------------------------------------------------------------------
 
 def rnn(h, xs, w, u, b):
