@@ -182,12 +182,39 @@ class Optimized:
         self.backend = backend
         self.interpret = interpret
         self._cache: dict = {}
+        self._jitted = None  # the jax.jit every call goes through (see _dispatches_through_jit)
         self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if self._dispatches_through_jit():
+            return self._dispatcher()(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _dispatches_through_jit(self) -> bool:
+        """Calls go through one `jax.jit` of the whole call (its C++ fast path checks the signature,
+        as for a jitted function; a new signature traces, which plans and emits): every backend but
+        the op-by-op interpreter, and without a prepare stage (which keeps concrete weights)."""
+        import emit
+
+        return emit.resolve_backend(self.backend) != "interpret" and not (self.params_argnums or self.params_argnames)
+
+    def _dispatcher(self):
+        if self._jitted is None:
+            import jax
+
+            @functools.wraps(self.fn)
+            def call(*args, **kwargs):
+                return self._call(*args, **kwargs)
+
+            self._jitted = jax.jit(call, static_argnums=self.static_argnums, static_argnames=self.static_argnames,
+                                   donate_argnums=self.donate_argnums, donate_argnames=self.donate_argnames)
+        return self._jitted
+
+    def _call(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)
-        donate = self._donated_inputs(lowered.program, args, kwargs)
+        # Traced (under this object's own jit or the user's), donation is that jit's to do.
+        donate = () if any_tracer((args, kwargs)) else self._donated_inputs(lowered.program, args, kwargs)
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
@@ -206,6 +233,7 @@ class Optimized:
         """Pickled without its lowerings (e-graphs and opaque primitives do not pickle): it re-plans."""
         state = dict(self.__dict__)
         state["_cache"] = {}
+        state["_jitted"] = None
         return state
 
     def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:

@@ -178,3 +178,21 @@ def test_a_wrapped_jit_keeps_its_static_and_donated_arguments():
     static = eqsat.optimize(jax.jit(power, static_argnums=1), backend="xla")
     assert static.static_argnums == (1,)
     close(static(x, 2), power(x, 2))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_known_signature_is_dispatched_by_jit_without_python_planning(backend, monkeypatch):
+    """Like a jitted function, a call with a signature seen before goes straight to the compiled
+    executable (jax.jit's C++ dispatch): no signature hashing, lowering or emission in Python."""
+    fast = eqsat.optimize(affine, backend=backend)
+    x, w = np.ones((4, 3), np.float32), np.full((3, 2), 0.5, np.float32)
+    entered = []
+    original = type(fast)._call
+    monkeypatch.setattr(type(fast), "_call", lambda self, *a, **k: entered.append(1) or original(self, *a, **k))
+    first = fast(x, w)
+    again = fast(x + 1, w)
+    np.testing.assert_allclose(again, jax.jit(affine)(x + 1, w), rtol=1e-6)
+    np.testing.assert_allclose(first, jax.jit(affine)(x, w), rtol=1e-6)
+    assert len(entered) == 1 and len(fast.lowerings) == 1
+    fast(np.ones((5, 3), np.float32), w)  # a new shape: traced, planned again
+    assert len(entered) == 2 and len(fast.lowerings) == 2
