@@ -5,6 +5,7 @@ where it multiplies; and `backend="xla"` on this CPU against `jax.jit`, steady s
     python -m benchmarks.emit --only matmul gather  # some cases
     python -m benchmarks.emit --no-compile         # CPU timings only (no CUDA plugin needed)
     python -m benchmarks.emit --clip               # also the full-size CLIP text encoder for an H100
+    python -m benchmarks.emit --models --no-compile  # also SD 1.5's tiny networks on this CPU vs jax.jit
     python -m benchmarks.emit --json out.json
 
 Compile: `eqsat.xla_target.compile_for_h100(eqsat.optimize(fn, backend="pallas"), *args)` with the
@@ -96,6 +97,34 @@ def scan(x, w):
     return lax.scan(step, x[0], x)
 
 
+def _sd15_tiny():
+    """SD 1.5's three networks at their test configs (`*.tiny()`), at sizes where compute, not
+    dispatch, dominates on a CPU: a CFG-batch UNet step on 32x32 latents, a VAE decode to 128x128,
+    the text encoder on 2x77 tokens."""
+    from sd15 import clip, unet, vae
+    from sd15.config import CLIPConfig, UNetConfig, VAEConfig
+    from sd15.params import abstract_params
+
+    u, v, c = UNetConfig.tiny(), VAEConfig.tiny(), CLIPConfig.tiny()
+
+    def unet_step(params, latents, t, context):
+        return unet.apply(params, u, latents, t, context)
+
+    def vae_decode(params, latents):
+        return vae.decode(params, v, latents)
+
+    def text_encoder(params, ids):
+        return clip.apply(params, c, ids)
+
+    return [
+        Case("unet_tiny", unet_step, (abstract_params("unet", u), _f32(2, u.in_channels, 32, 32), _f32(),
+                                      _f32(2, 77, u.cross_attention_dim)), True),
+        Case("vae_tiny", vae_decode, (abstract_params("vae", v), _f32(1, v.latent_channels, 32, 32)), True),
+        Case("clip_tiny", text_encoder, (abstract_params("text_encoder", c),
+                                         jax.ShapeDtypeStruct((2, 77), jnp.int32)), True),
+    ]
+
+
 CASES: list[Case] = [
     Case("pointwise", pointwise, (_f16(77, 8, 40), _f16(8, 77, 40)), False),
     Case("reduce", reduce, (_f16(154, 768),), False),
@@ -106,6 +135,7 @@ CASES: list[Case] = [
     Case("conv", conv, (_f16(2, 32, 32, 64), _f16(3, 3, 64, 64), _f16(64)), True),
     Case("scan", scan, (_f32(8, 64), _f32(64, 64)), True),
 ]
+MODEL_CASES = ("unet_tiny", "vae_tiny", "clip_tiny")  # built on demand (--models): they import sd15
 
 TENSOR_CORE = re.compile(r"\b(wgmma\.mma_async|mma\.sync|wmma\.mma)")
 _ENTRY = re.compile(r"^\.visible \.entry (\S+)\(", re.MULTILINE)
@@ -180,13 +210,13 @@ def _concrete(args, seed=0):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    out = []
-    for a in args:
+
+    def leaf(a):
         if jnp.issubdtype(a.dtype, jnp.integer):
-            out.append(jnp.asarray(rng.integers(0, 77, a.shape), a.dtype))
-        else:
-            out.append(jnp.asarray(rng.normal(size=a.shape) * 0.5, a.dtype))
-    return out
+            return jnp.asarray(rng.integers(0, 77, a.shape), a.dtype)
+        return jnp.asarray(rng.normal(size=a.shape) * 0.5, a.dtype)
+
+    return [jax.tree_util.tree_map(leaf, a) for a in args]
 
 
 def _per_call(fn, args, seconds: float) -> float:
@@ -217,16 +247,17 @@ def time_case(case: Case, seconds: float) -> dict:
     per-call Python overhead the `eqsat.optimize` wrapper adds on top (signature lookup, donation)."""
     import eqsat
 
-    args = [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in _concrete(case.args)]
+    args = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                                  _concrete(case.args))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fast = eqsat.optimize(case.fn, backend="xla", static_argnums=case.static_argnums, progress=False)
         emitted = fast.lower(*args).executable("xla")
     jitted = jax.jit(case.fn, static_argnums=case.static_argnums)
     ours, theirs = steady_pair(emitted, jitted, args, seconds)
-    wrapped, _ = steady_pair(fast, jitted, args, seconds / 2, rounds=3)
-    return {"xla_seconds": ours, "jit_seconds": theirs, "ratio": ours / theirs,
-            "optimize_call_overhead_seconds": max(0.0, wrapped - ours)}
+    wrapped, bare = steady_pair(fast, emitted, args, seconds / 2, rounds=3)
+    return {"xla_seconds": ours, "jit_seconds": theirs, "ratio": ours / theirs, "optimized_call_seconds": wrapped,
+            "optimize_call_overhead_seconds": max(0.0, wrapped - bare)}
 
 
 def clip_case() -> dict:
@@ -256,14 +287,18 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the sm_90 compiles")
     parser.add_argument("--no-timing", action="store_true", help="skip the CPU timings")
     parser.add_argument("--clip", action="store_true", help="also compile the full-size CLIP text encoder")
+    parser.add_argument("--models", action="store_true",
+                        help="also SD 1.5's tiny UNet step, VAE decode and text encoder (CPU timing only)")
     parser.add_argument("--seconds", type=float, default=2.0, help="timing budget per function")
     parser.add_argument("--json", help="write the results to this file")
     options = parser.parse_args(argv)
     cases = [c for c in CASES if not options.only or c.name in options.only]
+    if options.models:
+        cases += [c for c in _sd15_tiny() if not options.only or c.name in options.only]
     results: dict = {}
     for case in cases:
         row: dict = {}
-        if not options.no_compile:
+        if not options.no_compile and case.name not in MODEL_CASES:
             row["sm_90"] = compile_case(case)
         if not options.no_timing:
             row["cpu"] = time_case(case, options.seconds)

@@ -7,11 +7,94 @@ second copy of them. Each kernel is traced under `jax.named_scope(kernel.name)`,
 profile and HLO metadata read like the plan; XLA is then free to fuse across kernels.
 
     values = emit_kernel(KernelCall(term, "mid_block.resnets.0:pointwise", hosted), ctx)
+
+One form is rewritten on the way, because XLA cannot undo it: a conv of `concat(h, x)` along input
+channels with `concat(w, pad(w1x1))` weights (a ResNet shortcut fused into the 3x3 conv's K range,
+how the Pallas template reads it) becomes one conv per part, each with its own unpadded weights
+(`conv(h, w) + conv(x, w1x1)`): a 1x1 shortcut zero-padded to 3x3 would otherwise cost 9x its
+multiplies and a concatenated copy of input and weights.
 """
 
 from __future__ import annotations
 
-from eqsat.interpret import _Evaluator
+import numpy as np
+from jax import lax
+
+from eqsat.conv_params import ConvParams
+from eqsat.interpret import _Evaluator, _pad_config
+
+
+class _XlaEvaluator(_Evaluator):
+    def _op_Conv(self, node, get, acc):
+        lhs, rhs, params, epilogue, ty = node.args
+        conv = ConvParams.parse(params)
+        parts = _channel_parts(lhs, rhs, conv)
+        if parts is None:
+            return super()._op_Conv(node, get, acc)
+        dtype = self._acc_dtype(epilogue, ty)
+        core = None
+        for x, w in parts:
+            weights, padding = _unpadded(w, conv, self.constants)
+            kwargs = {**conv.lax_kwargs(), "padding": padding}
+            value = lax.conv_general_dilated(get(x), get(weights), **kwargs, preferred_element_type=dtype)
+            core = value if core is None else core + value
+        return self._epilogue(epilogue, core)
+
+
+def _concat_parts(term, axis: int) -> list:
+    """The operands of a (nested) `Concat` along `axis`, in order; `[term]` when it is none."""
+    if term.op != "Concat" or int(term.args[2]) != axis:
+        return [term]
+    return _concat_parts(term.args[0], axis) + _concat_parts(term.args[1], axis)
+
+
+def _extent(term, axis: int) -> int:
+    from eqsat.types import parse_type
+
+    return parse_type(term.ty).shape[axis]
+
+
+def _channel_parts(lhs, rhs, conv: ConvParams):
+    """`[(x_i, w_i)]` when input and weights are concatenations along input channels with the same
+    boundaries (an ungrouped conv), else None."""
+    if conv.feature_groups != 1 or conv.batch_groups != 1:
+        return None
+    xs, ws = _concat_parts(lhs, conv.lhs_spec[1]), _concat_parts(rhs, conv.rhs_spec[1])
+    if len(xs) < 2 or len(xs) != len(ws):
+        return None
+    if [_extent(x, conv.lhs_spec[1]) for x in xs] != [_extent(w, conv.rhs_spec[1]) for w in ws]:
+        return None
+    return list(zip(xs, ws))
+
+
+def _is_zero(term, constants) -> bool:
+    """A scalar the term says is 0: a literal, a constant, either converted or loaded."""
+    if term.op == "Lit":
+        return float(term.args[0]) == 0.0
+    if term.op in ("Load", "Pointwise") or (term.op == "Unary" and term.args[0] == "convert"):
+        return _is_zero(term.args[1] if term.op == "Unary" else term.args[0], constants)
+    if term.op == "Constant":
+        value = constants.get(term.args[0])
+        return value is not None and np.size(value) == 1 and float(np.asarray(value).reshape(())) == 0.0
+    return False
+
+
+def _unpadded(weights, conv: ConvParams, constants):
+    """Weights zero-padded on their spatial dimensions only, with no rhs dilation: the unpadded
+    weights and the conv padding that gives the same output; otherwise the weights as they are."""
+    padding = list(conv.padding)
+    if weights.op != "Pad" or not _is_zero(weights.args[1], constants):
+        return weights, padding
+    config = _pad_config(weights.args[2])
+    spatial = conv.rhs_spec[2:]
+    if any(config[d] != (0, 0, 0) for d in conv.rhs_spec[:2]) or any(config[d][2] != 0 for d in spatial):
+        return weights, padding
+    if any(dilation != 1 for dilation in conv.rhs_dilation):
+        return weights, padding
+    unpadded = [(lo - config[d][0], hi - config[d][1]) for (lo, hi), d in zip(padding, spatial)]
+    if any(lo < 0 or hi < 0 for lo, hi in unpadded):
+        return weights, padding
+    return weights.args[0], unpadded
 
 
 def emit_kernel(kernel, ctx) -> dict:
@@ -20,9 +103,9 @@ def emit_kernel(kernel, ctx) -> dict:
     Hosted statistics (`EpilogueReduce`) are plain reductions here: the interpreter's value of
     `Reduce(op, body, axes)`.
     """
-    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known = _XlaEvaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values  # read-only parent: the kernel's operands (and loop args) by term
-    evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
+    evaluator = _XlaEvaluator({}, ctx.constants, ctx.payloads, parent=known)
     # Every output of a multi-output Opaque/Loop is its own kernel term: run the primitive once.
     evaluator.multi = ctx.shared.setdefault("interpreter multi-output results", {})
     terms = [kernel.term, *kernel.hosted]

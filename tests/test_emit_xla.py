@@ -112,3 +112,64 @@ def test_the_emitted_function_runs_inside_an_outer_jit_and_grad():
     grad = jax.grad(loss)(args[0])
     np.testing.assert_allclose(grad, jax.grad(lambda x: _block(x, *args[1:])[0].sum())(args[0]), rtol=1e-4,
                                atol=1e-5)
+
+
+# --- a shortcut fused into a conv's K range is one conv per part on XLA --------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _shortcut_conv(stride, padding, tap):
+    """conv(concat(h, x), concat(w, pad(w_tap))): the form the Pallas conv template reads (a 1x1 or
+    small shortcut zero-padded to the main kernel's size), written out by hand."""
+    kh = 3
+
+    def fn(h, x, w, w_tap):
+        lo = (kh - tap) // 2
+        padded = jnp.pad(w_tap, ((0, 0), (0, 0), (lo, kh - tap - lo), (lo, kh - tap - lo)))
+        return lax.conv_general_dilated(jnp.concatenate([h, x], 1), jnp.concatenate([w, padded], 1),
+                                        (stride, stride), [(padding, padding)] * 2)
+    return fn
+
+
+@settings(max_examples=12, deadline=None)
+@given(stride=st.sampled_from([1, 2]), padding=st.sampled_from([0, 1, 2]), tap=st.sampled_from([1, 3]),
+       c_h=st.sampled_from([1, 3, 5]), c_x=st.sampled_from([2, 3]), size=st.sampled_from([5, 7, 8]),
+       scale=st.sampled_from([1.0, 1e-4, 3e3]), seed=st.integers(0, 2**16))
+def test_a_concatenated_conv_splits_into_one_conv_per_part(stride, padding, tap, c_h, c_x, size, scale, seed):
+    rng = np.random.default_rng(seed)
+    h = (rng.standard_normal((2, c_h, size, size)) * scale + 50 * scale).astype(np.float32)  # offset >> spread
+    x = rng.standard_normal((2, c_x, size, size)).astype(np.float32)
+    x[0] = 0.0
+    w = rng.standard_normal((4, c_h, 3, 3)).astype(np.float32)
+    w_tap = rng.standard_normal((4, c_x, tap, tap)).astype(np.float32)
+    fn = _shortcut_conv(stride, padding, tap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = eqsat.optimize(fn, backend="xla")
+        got = ours(h, x, w, w_tap)
+    want = jax.jit(fn)(h, x, w, w_tap)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.max(np.abs(want))))
+
+
+def test_the_split_costs_what_jit_costs():
+    """A 1x1 shortcut padded to 3x3 is multiplied as a 1x1 (XLA's flop count), with no concatenated copy."""
+    fn = _shortcut_conv(1, 1, 1)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(2, 16, 16, 16), (2, 8, 16, 16), (8, 16, 3, 3), (8, 8, 1, 1)]]
+
+    def two_convs(h, x, w, w_tap):
+        return (lax.conv_general_dilated(h, w, (1, 1), [(1, 1)] * 2)
+                + lax.conv_general_dilated(x, w_tap, (1, 1), [(0, 0)] * 2))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = eqsat.optimize(fn, backend="xla")
+        compiled = ours._dispatcher().lower(*args).compile()
+    reference = jax.jit(two_convs).lower(*args).compile()
+
+    def flops(c):
+        analysis = c.cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+    assert flops(compiled) == pytest.approx(flops(reference), rel=0.02)
+    assert "concatenate(" not in compiled.as_text()
