@@ -3,9 +3,13 @@
     python -m benchmarks.scale                              # 100, 200, 400 layers, float32
     python -m benchmarks.scale --layers 50,100 --out scale.json
     python -m benchmarks.scale --extract-time-limit 1       # see the time limit stop the extraction
+    python -m benchmarks.scale --chain --layers 75,150,300  # issue 18's chain: x = x + silu(layernorm(x @ w + b))
 
 Each layer is pre-LayerNorm -> Linear -> exact GELU -> Linear -> residual add, as plain jnp: 25
-jaxpr equations, about 29 naive kernels. The table gives the optimizer's seconds per stage (lift,
+jaxpr equations, about 29 naive kernels. `--chain` lowers issue 18's deep residual chain instead
+(`residual_chain`: `x = x + silu(layernorm(x @ w + b))`, x [8, 24], no LayerNorm affine, default
+depths 75, 150, 300, 600), whose plan recomputes the residual stream in every layer's matmul
+prologue: the "reads" column (most tensors one kernel reads) shows how big its kernels grow. The table gives the optimizer's seconds per stage (lift,
 build, saturate, extract: `Lowered.stats["seconds"]`), the extraction's own steps (loading the
 serialized e-graph, the greedy rounds, the polish, building terms; the rest of the extract stage is
 egglog's serialization and building the `Plan`), the work the polish did (expression slots its kernel
@@ -31,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_LAYERS = (100, 200, 400)
+CHAIN_LAYERS = (75, 150, 300, 600)
 
 
 def layer_norm(x, scale, bias, eps=1e-5):
@@ -56,6 +61,26 @@ def mlp_arguments(layers: int, *, batch: int = 4, tokens: int = 128, width: int 
                  w1=spec((width, hidden), dtype), b1=spec((hidden,), dtype),
                  w2=spec((hidden, width), dtype), b2=spec((width,), dtype))
     return spec((batch, tokens, width), dtype), [dict(layer) for _ in range(layers)]
+
+
+def plain_layer_norm(x, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = x.var(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps)
+
+
+def residual_chain(x, weights, biases):
+    """Issue 18's deep residual chain: `x = x + silu(layernorm(x @ w + b))` per (w, b)."""
+    for w, b in zip(weights, biases):
+        x = x + jax.nn.silu(plain_layer_norm(x @ w + b))
+    return x
+
+
+def chain_arguments(layers: int, *, rows: int = 8, width: int = 24, dtype=jnp.float32):
+    """Abstract arguments of `residual_chain` with `layers` layers, `width` wide."""
+    spec = jax.ShapeDtypeStruct
+    return (spec((rows, width), dtype), [spec((width, width), dtype) for _ in range(layers)],
+            [spec((width,), dtype) for _ in range(layers)])
 
 
 @contextlib.contextmanager
@@ -86,15 +111,17 @@ def stage_cpu_seconds():
         driver._Timer = timer
 
 
-def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.0, **shape) -> dict:
-    """Lower `residual_mlp` with `layers` layers; the row of the report."""
+def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.0, chain: bool = False,
+            **shape) -> dict:
+    """Lower `residual_mlp` (`residual_chain` with `chain`) with `layers` layers; the row of the report."""
     import eqsat
 
-    optimized = eqsat.optimize(residual_mlp, device=device, progress=False, extract_time_limit=extract_time_limit)
+    function, arguments = (residual_chain, chain_arguments) if chain else (residual_mlp, mlp_arguments)
+    optimized = eqsat.optimize(function, device=device, progress=False, extract_time_limit=extract_time_limit)
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught, stage_cpu_seconds() as cpu:
         warnings.simplefilter("always")
-        lowered = optimized.lower(*mlp_arguments(layers, **shape))
+        lowered = optimized.lower(*arguments(layers, **shape))
     total = time.perf_counter() - started
     stats, extraction = lowered.stats, lowered.extraction
     steps = dict(extraction.details.get("seconds", {}))
@@ -106,6 +133,9 @@ def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.
     return {
         "layers": layers,
         "naive_kernels": stats["naive_kernels"],
+        "most_reads": max((len(kernel.inputs) for kernel in lowered.plan.kernels), default=0),
+        "searched_seconds": steps.get("greedy", 0.0) + steps.get("ilp", 0.0),  # what the time limit bounds
+        "extract_time_limit": extract_time_limit,
         "fused_kernels": stats["fused_kernels"],
         "e_nodes": stats["e_nodes"],
         "seconds": dict(stats["seconds"]),
@@ -125,12 +155,11 @@ def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.
 STAGES = ("lift", "build", "saturate", "extract")
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict], title: str = "residual MLP: LayerNorm, Linear, GELU, Linear, residual") -> str:
     head = (f"{'layers':>6} {'naive':>6} {'fused':>5} | " + " ".join(f"{s:>8}" for s in STAGES)
             + f" {'total':>7} | {'cpu:':>4} " + " ".join(f"{s:>8}" for s in STAGES)
-            + f" | {'load':>5} {'rounds':>6} {'polish':>6} {'slots walked':>12} | limit")
-    lines = ["lowering seconds per stage, wall clock then this process's CPU (residual MLP: LayerNorm, Linear, "
-             "GELU, Linear, residual)", head, "-" * len(head)]
+            + f" | {'load':>5} {'rounds':>6} {'polish':>6} {'slots walked':>12} {'reads':>5} | limit")
+    lines = [f"lowering seconds per stage, wall clock then this process's CPU ({title})", head, "-" * len(head)]
     for row in rows:
         wall, cpu, steps = row["seconds"], row["cpu_seconds"], row["extract_steps"]
         limit = ", ".join(f"{stage} stopped by {why}" for stage, why in
@@ -140,9 +169,10 @@ def render(rows: list[dict]) -> str:
             + " ".join(f"{wall[name]:>8.2f}" for name in STAGES) + f" {row['total_seconds']:>7.2f} | {'':>4} "
             + " ".join(f"{cpu[name]:>8.2f}" if name in cpu else f"{'-':>8}" for name in STAGES)
             + f" | {steps.get('load', 0.0):>5.2f} {steps['rounds']:>6.2f} {steps['polish']:>6.2f}"
-            f" {row['polish'].get('slots_visited', 0):>12,} | {limit or '-'}")
+            f" {row['polish'].get('slots_visited', 0):>12,} {row['most_reads']:>5} | {limit or '-'}"
+            + (f" (searched {row['searched_seconds']:.2f} s, limit {row['extract_time_limit']:g})" if limit else ""))
     lines.append("extract = serializing the e-graph + load (reading it) + greedy rounds + polish + building "
-                 "the terms and the Plan (load, rounds, polish: wall seconds)")
+                 "the terms and the Plan (load, rounds, polish: wall seconds); reads: most tensors one kernel reads")
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         growth = last["layers"] / first["layers"]
@@ -172,30 +202,39 @@ def environment(argv: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)),
-                        help="comma list of depths (default 100,200,400)")
+    parser.add_argument("--layers", help="comma list of depths (default 100,200,400; with --chain 75,150,300,600)")
+    parser.add_argument("--chain", action="store_true",
+                        help="lower issue 18's residual chain x = x + silu(layernorm(x @ w + b)) instead of the MLP")
+    parser.add_argument("--rows", type=int, default=8, help="--chain: rows of x (default 8)")
     parser.add_argument("--out", type=Path, help="also write the rows and the environment as JSON here")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--width", type=int, help="default 256 (--chain: 24)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--device", default="h100")
     parser.add_argument("--extract-time-limit", type=float, default=5.0,
                         help="eqsat.optimize's extract_time_limit in seconds (default 5, as optimize)")
     options = parser.parse_args(argv)
-    depths = [int(n) for n in options.layers.split(",") if n.strip()]
-    shape = dict(batch=options.batch, tokens=options.tokens, width=options.width, hidden=options.hidden,
-                 dtype=jnp.dtype(options.dtype))
-    measure(2, device=options.device, **shape)  # warm-up: imports and first compilations are not the program's
+    layers_option = options.layers or ",".join(map(str, CHAIN_LAYERS if options.chain else DEFAULT_LAYERS))
+    depths = [int(n) for n in layers_option.split(",") if n.strip()]
+    if options.chain:
+        shape = dict(rows=options.rows, width=options.width or 24, dtype=jnp.dtype(options.dtype))
+    else:
+        shape = dict(batch=options.batch, tokens=options.tokens, width=options.width or 256, hidden=options.hidden,
+                     dtype=jnp.dtype(options.dtype))
+    # warm-up: imports and first compilations are not the program's
+    measure(2, device=options.device, chain=options.chain, **shape)
     rows = []
     for layers in depths:
-        rows.append(measure(layers, device=options.device, extract_time_limit=options.extract_time_limit, **shape))
+        rows.append(measure(layers, device=options.device, extract_time_limit=options.extract_time_limit,
+                            chain=options.chain, **shape))
         print(f"{layers} layers: {rows[-1]['total_seconds']:.1f} s", file=sys.stderr, flush=True)
-    print(render(rows))
+    print(render(rows, "residual chain: x = x + silu(layernorm(x @ w + b))") if options.chain else render(rows))
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"rows": rows, "shape": {**shape, "dtype": options.dtype}, "environment": environment(argv)}
+        report = {"program": "residual_chain" if options.chain else "residual_mlp", "rows": rows,
+                  "shape": {**shape, "dtype": options.dtype}, "environment": environment(argv)}
         options.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {options.out}")
     return 0

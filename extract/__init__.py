@@ -21,7 +21,8 @@ branch-and-bound node limit, regions are visited in order under a budget counted
 `time_limit` (seconds) bounds the search, counted once the e-graph is read (reading it and
 building the chosen terms are linear and always done): a greedy round after the first runs only
 if it and the polish look like fitting (the first always runs: there must be a plan), the polish
-stops between two moves, the ILP is not started (or HiGHS stops at the limit), and the regional
+is skipped when no time is left after the rounds and otherwise stops between two moves (or while
+still reading the plan), the ILP is not started (or HiGHS stops at the limit), and the regional
 ILPs stop; the plan is the best found so far and
 `result.limit_reached` says "time_limit" (None when every step ran to its end). Only then does the
 result depend on the machine's speed. `result.details["seconds"]` times each step.

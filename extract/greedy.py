@@ -42,6 +42,13 @@ Rounds (`ROUNDS`), each scored by the caller's `score` (the plan's roofline cost
 - "reuse" / "horizontal+reuse" (not default): what "shared" / "horizontal" materialized counts
   as paid.
 
+Kernel size: a choice computing more than `MAX_KERNEL_TREE` expression nodes in one kernel (as a
+tree) loses to any within it, and such a class may read a tensor computing it instead (the one
+exception to the cycle check above: only the class's own bit comes back through that tensor); the
+polish's contexts stop at as many slots (`MAX_CONTEXT_SLOTS`). A chain whose every step is cheaper
+to recompute than to store is then cut every few hundred nodes instead of growing one kernel per
+layer by a layer each, which made the plan quadratic in the depth.
+
 Polish (`polish`): local moves on the best round's plan, each kept only if the modeled plan cost
 drops, with incremental reference counts: switch a kernel's node (a bias add `Pointwise` over a
 matmul -> the matmul with the add in its epilogue); read a tensor the plan materializes anyway
@@ -55,8 +62,9 @@ retire). Regional ILPs run after the polish find nothing left to gain on the SD 
 Cost of the polish: each move is judged by walking the kernel's expression slots (its context,
 at most `MAX_CONTEXT_SLOTS`); a context depends only on that kernel's own slot choices, so it is
 memoized per kernel until one of them changes, and the work is linear in the plan
-(`PolishReport.slots_visited`). A `deadline` stops the rounds and the polish between two moves,
-keeping the plan so far (`GreedyResult.stopped`).
+(`PolishReport.slots_visited`). A `deadline` stops the rounds, skips the polish when it has passed
+already, and stops the polish between two moves or while it reads the plan, keeping the plan so far
+(`GreedyResult.stopped`); a polish that kept no move is not scored again.
 """
 
 from __future__ import annotations
@@ -84,6 +92,15 @@ from extract.serialized import (
 )
 
 _TOLERANCE = 1e-17
+# Expression nodes one kernel may compute, counted as a tree (what the pass sums `local` over): a
+# choice past it loses to any choice within it, whatever their costs, and an expression class past
+# it may read the tensor whose kernel computes it (`Load(P)`, `P` computing the class's inner
+# choice) although its bit comes back through `P`. Without it a residual stream of tiny tensors
+# (issue 18's chain `x = x + silu(layernorm(x @ w + b))`, 24 wide) is cheaper to recompute than to
+# store at any depth, so layer k's kernel recomputed all k layers and read 2k tensors: the plan,
+# and its extraction, emission and compilation, grew with the square of the depth. The largest SD
+# 1.5 kernel computes 219 (a UNet attention block), the VAE's 74, the text encoder's 46.
+MAX_KERNEL_TREE = 512
 
 
 @dataclass
@@ -203,14 +220,31 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
     a_node: dict[int, int] = {}
     a_local: dict[int, float] = {}
     a_deps: dict[int, int] = {}
+    a_tree: dict[int, int] = {}  # expression nodes the choice computes in its kernel, as a tree
     i_node: dict[int, int] = {}
     i_local: dict[int, float] = {}
     i_deps: dict[int, int] = {}
+    i_tree: dict[int, int] = {}
 
     def better(local, deps, old_local, old_deps) -> bool:
         delta = (local - old_local
                  + weights.total(deps & ~old_deps & unpaid) - weights.total(old_deps & ~deps & unpaid))
         return delta < -_TOLERANCE
+
+    def preferred(local, deps, tree, old_local, old_deps, old_tree) -> bool:
+        """A candidate within `MAX_KERNEL_TREE` beats one past it; otherwise the cheaper (`better`)."""
+        if (tree > MAX_KERNEL_TREE) != (old_tree > MAX_KERNEL_TREE):
+            return tree <= MAX_KERNEL_TREE
+        return better(local, deps, old_local, old_deps)
+
+    def tree_cut(cls: int, node: int) -> bool:
+        """Whether `node` is a `Load` of a tensor whose kernel computes `cls` (through its inner
+        choice, which does not read that tensor) while `cls`'s best choice so far computes more
+        than `MAX_KERNEL_TREE` nodes: reading it there cuts the tree."""
+        if node_op[node] != "Load" or a_tree.get(cls, 0) <= MAX_KERNEL_TREE or cls not in i_node:
+            return False
+        tensor = children[node][0]
+        return tensor in a_node and not i_deps[cls] & mask[tensor]
 
     def evaluate(node: int) -> bool:
         cls = node_class[node]
@@ -218,6 +252,7 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         own = mask.get(cls, 0)
         local = costs[node]
         deps = 0
+        tree = 0 if tensor else 1
         prologue = prologues.get(node)
         for position, child in enumerate(children[node]):
             if child not in a_node:
@@ -229,31 +264,37 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
                 found = input_choice(node, prologue, own)
                 if found is None:
                     return False
-                child_local, child_deps = found[0], found[1]
+                child_local, child_deps, child_tree = found[0], found[1], 1
             else:
-                child_local, child_deps = a_local[child], a_deps[child]
+                child_local, child_deps, child_tree = a_local[child], a_deps[child], a_tree[child]
                 if tensor and child_deps & own:
                     if child not in i_node or i_deps[child] & own:
                         return False
-                    child_local, child_deps = i_local[child], i_deps[child]
+                    child_local, child_deps, child_tree = i_local[child], i_deps[child], i_tree[child]
             local += child_local
             deps |= child_deps | mask.get(child, 0)
+            tree += child_tree
         if deps & own:
-            return False
+            # A `Load(P)` whose kernel `P` computes this class past `MAX_KERNEL_TREE`: `P`'s kernel
+            # computes the class's inner choice, which does not read `P`, so reading `P` here closes
+            # no cycle (only the class's own bit came back through `P`).
+            if not tree_cut(cls, node):
+                return False
+            deps &= ~own
         changed = False
         current = a_node.get(cls)
-        if current is None or (current == node and (local, deps) != (a_local[cls], a_deps[cls])) or (
-                current != node and better(local, deps, a_local[cls], a_deps[cls])):
-            a_node[cls], a_local[cls], a_deps[cls] = node, local, deps
+        if current is None or (current == node and (local, deps, tree) != (a_local[cls], a_deps[cls], a_tree[cls])) or (
+                current != node and preferred(local, deps, tree, a_local[cls], a_deps[cls], a_tree[cls])):
+            a_node[cls], a_local[cls], a_deps[cls], a_tree[cls] = node, local, deps, tree
             if tensor:
                 value = local if math.isfinite(local) else 1e300
                 weights.values[problem.bit_of[cls]] = value / share[cls]
             changed = True
         if not tensor and node_op[node] != "Load":
             current = i_node.get(cls)
-            if current is None or (current == node and (local, deps) != (i_local[cls], i_deps[cls])) or (
-                    current != node and better(local, deps, i_local[cls], i_deps[cls])):
-                i_node[cls], i_local[cls], i_deps[cls] = node, local, deps
+            if current is None or (current == node and (local, deps, tree) != (i_local[cls], i_deps[cls], i_tree[cls])) or (
+                    current != node and preferred(local, deps, tree, i_local[cls], i_deps[cls], i_tree[cls])):
+                i_node[cls], i_local[cls], i_deps[cls], i_tree[cls] = node, local, deps, tree
                 changed = True
         return changed
 
@@ -363,6 +404,8 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         re-ranks its readers' comparisons) the parents of its `Load`s, and the convs whose input
         choice looked at it."""
         found = problem.parents[cls]
+        if a_tree.get(cls, 0) > MAX_KERNEL_TREE:  # its other nodes may now win: compare them again
+            found = found + [n for n in graph.class_nodes[cls] if n not in banned]
         if is_tensor[cls]:
             found = found + [p for load in problem.load_classes.get(cls, ()) for p in problem.parents[load]]
         if cls in watchers:
@@ -526,7 +569,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             best, best_score = selection, value
     assert best is not None
     report = None
-    if polish_passes:
+    if polish_passes and deadline is not None and time.perf_counter() > deadline:
+        stopped = "time_limit"  # no time left for the polish: the best round's plan as it is
+        report = PolishReport(stopped="time_limit")
+    elif polish_passes:
         began = time.perf_counter()
         try:
             polished, report = polish(best, costs, fallback=best.fallback, max_passes=polish_passes,
@@ -534,7 +580,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         except ValueError:  # a move closed a cycle the checks missed: keep the unpolished plan
             polished = best
         stopped = stopped or (report.stopped if report else None)
-        value = score(polished, math.inf)
+        if report is not None and not report.moves:  # nothing changed: nothing to score again
+            value = best_score
+        else:
+            value = score(polished, math.inf)
         history.append(("polish", value))
         if value < best_score * (1 - 1e-12):
             polished.fallback = best.fallback
@@ -545,7 +594,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
 
 # --- polish: local moves on a finished selection ---------------------------------------------------
 
-MAX_CONTEXT_SLOTS = 4096  # expression slots one kernel may compute: more is runaway inlining, not a candidate
+# Expression slots one kernel may compute, counted once each: more is runaway inlining, not a
+# candidate. No more than the greedy pass allows (`MAX_KERNEL_TREE` counts a tree, so at least the
+# slots), or a retirement would undo its cuts and inline a deep residual stream again.
+MAX_CONTEXT_SLOTS = MAX_KERNEL_TREE
 RETIRE_STEPS = 8          # slot switches one kernel may make to stop reading a tensor
 
 
@@ -564,8 +616,16 @@ class PolishReport:
     memo_hits: int = 0         # contexts answered without a walk (the kernel's slots had not changed)
     stopped: str | None = None  # "time_limit" when the deadline cut the polish short
 
+    @property
+    def moves(self) -> int:
+        return self.kernel_switches + self.reuses + self.retirements + self.materializations
+
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+class _OutOfTime(Exception):
+    """The polish's deadline passed while it was still reading the plan."""
 
 
 class _Context(NamedTuple):
@@ -627,6 +687,8 @@ class _Polish:
         self.kernel_reads: dict[int, frozenset] = {}
         self.refcount: dict[int, int] = {cls: 0 for cls in order}
         for cls in order:
+            if self.out_of_time():  # counting the plan's kernels is the polish's first walk of it
+                raise _OutOfTime
             self._count(cls)
         for root in self.roots:
             self.refcount[root] = self.refcount.get(root, 0) + 1
@@ -1090,5 +1152,8 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
     `time.perf_counter()` value) the polish stops between two moves and returns the plan so far,
     with `report.stopped == "time_limit"`.
     """
-    state = _Polish(selection, costs, fallback, deadline)
+    try:
+        state = _Polish(selection, costs, fallback, deadline)
+    except _OutOfTime:  # the deadline came before the first move: the plan as it was
+        return selection, PolishReport(stopped="time_limit")
     return state.run(max_passes), state.report

@@ -1,9 +1,13 @@
 """Extraction that scales: its work grows linearly with the program, and its time limit holds.
 
-The program is the benchmark's residual MLP (`benchmarks.scale`: LayerNorm, Linear, exact GELU,
-Linear, residual add per layer) at small depths and widths. Work is counted, not timed: the
-expression slots the polish's kernel walks visit, and the greedy pass's node evaluations. The time
-limit is tested with a clock that ticks once per reading, so where the polish stops is exact.
+The programs are the benchmark's residual MLP (`benchmarks.scale`: LayerNorm, Linear, exact GELU,
+Linear, residual add per layer) at small depths and widths, and issue 18's residual chain
+(`benchmarks.scale.residual_chain`: `x = x + silu(layernorm(x @ w + b))`, 24 wide), whose tiny
+residual stream is cheaper to recompute than to store at any depth: without the kernel-size bound
+(`extract.greedy.MAX_KERNEL_TREE`) layer k's kernel recomputed all k layers before it. Work is
+counted, not timed: the expression slots the polish's kernel walks visit, the greedy pass's node
+evaluations, the tensors a kernel reads. The time limit is tested with a clock that ticks once per
+reading, so where the polish stops is exact, and on a chain with no time at all.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import pytest
 
 import eqsat
 import extract.greedy as greedy_module
-from benchmarks.scale import mlp_arguments, residual_mlp
+from benchmarks.scale import chain_arguments, mlp_arguments, residual_chain, residual_mlp
+from eqsat.cost.roofline import _kernel_body
 from eqsat.optimize import ExtractionLimitWarning
 from extract import extract, load
-from extract.greedy import extract_greedy, polish
+from extract.greedy import MAX_CONTEXT_SLOTS, MAX_KERNEL_TREE, extract_greedy, polish
 
 SMALL = dict(batch=2, tokens=8, width=16, hidden=32, dtype=jnp.float32)
 
@@ -116,3 +121,80 @@ def test_extract_without_time_skips_the_ilp_and_says_so(depths):
     assert result.limit_reached == "time_limit"
     assert result.details["ilp"]["status"] == "not started: time limit"
     assert set(result.details["seconds"]) >= {"load", "greedy", "ilp", "terms"}
+
+
+# --- issue 18's residual chain ------------------------------------------------------------------
+
+
+def _chain_values(layers: int, seed: int = 0):
+    x_spec, weight_specs, bias_specs = chain_arguments(layers)
+    rng = np.random.default_rng(seed)
+    x = (3.0 + rng.standard_normal(x_spec.shape)).astype(np.float32)  # an offset larger than the spread
+    weights = [(0.3 * rng.standard_normal(s.shape)).astype(np.float32) for s in weight_specs]
+    biases = [(0.3 * rng.standard_normal(s.shape)).astype(np.float32) for s in bias_specs]
+    return x, weights, biases
+
+
+def _expression_nodes(kernel) -> int:
+    """Distinct expression nodes `kernel` computes (the polish's slots, at most `MAX_CONTEXT_SLOTS`)."""
+    return len({id(node) for node, _ in _kernel_body(kernel) if node.sort == "Expr"})
+
+
+@pytest.fixture(scope="module")
+def chains():
+    """The chain at 48 and 96 layers, unhurried; recomputed from the start, the last kernel of 96
+    layers would compute ~2600 expression nodes and read 193 tensors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExtractionLimitWarning)
+        return {layers: eqsat.optimize(residual_chain, progress=False, backend="xla", extract_time_limit=600.0)
+                .lower(*chain_arguments(layers)) for layers in (48, 96)}
+
+
+def test_the_polish_never_inlines_past_the_greedy_bound():
+    assert MAX_CONTEXT_SLOTS <= MAX_KERNEL_TREE
+
+
+def test_a_deep_chain_keeps_its_kernels_bounded_and_its_work_linear(chains):
+    most_reads = {n: max(len(k.inputs) for k in low.plan.kernels) for n, low in chains.items()}
+    largest = {n: max(_expression_nodes(k.term) for k in low.plan.kernels) for n, low in chains.items()}
+    for n, low in chains.items():
+        assert largest[n] <= MAX_CONTEXT_SLOTS, largest
+        assert low.stats["extract_limit_reached"] is None
+    # Twice the layers: kernels no larger, about twice the kernels and the work.
+    assert most_reads[96] <= most_reads[48] + 2, most_reads
+    assert largest[96] <= largest[48] * 1.1 + 80, largest
+    kernels = {n: len(low.plan.kernels) for n, low in chains.items()}
+    assert 1.8 * kernels[48] <= kernels[96] <= 2.2 * kernels[48], kernels
+    polish_work = {n: low.extraction.details["greedy"]["polish"]["slots_visited"] for n, low in chains.items()}
+    assert polish_work[96] <= 2.5 * polish_work[48], polish_work  # measured 2.3 (quadratic: 4)
+    sweeps = {n: low.extraction.details["greedy"]["evaluations_per_node"] for n, low in chains.items()}
+    assert sweeps[96] <= 1.15 * sweeps[48], sweeps
+
+
+@pytest.mark.parametrize("layers", [48, 96])
+def test_a_cut_chain_computes_what_jax_computes(chains, layers):
+    low = chains[layers]
+    args = _chain_values(layers, seed=layers)
+    expected = np.asarray(jax.jit(residual_chain)(*args))
+    np.testing.assert_allclose(np.asarray(low(*args)), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(low.executable("interpret")(*args)), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_chain_with_no_time_does_no_work_past_its_first_round(chains):
+    """`extract_time_limit=0`: the first greedy round runs (there must be a plan), nothing after it:
+    no second round, no polish walk, no ILP; the plan is complete and computes the program."""
+    with pytest.warns(ExtractionLimitWarning, match="extraction stopped by its time limit"):
+        low = eqsat.optimize(residual_chain, progress=False, backend="xla", extract_time_limit=0.0) \
+            .lower(*chain_arguments(96))
+    details = low.extraction.details
+    assert low.stats["extract_limit_reached"] == "time_limit"
+    assert [name for name, _ in details["greedy"]["rounds"]] == ["horizontal"]
+    assert details["greedy"]["polish"]["walks"] == 0 and details["greedy"]["polish"]["stopped"] == "time_limit"
+    assert details["ilp"]["status"] == "not started: time limit"
+    phases = details["greedy"]["phases"]
+    past_the_first_round = details["seconds"]["greedy"] - phases["prepare"] - phases["horizontal"]
+    assert past_the_first_round < 1.0, details["seconds"]  # generous: it is bookkeeping, not search
+    assert low.plan.seconds >= chains[96].plan.seconds * (1 - 1e-9)
+    args = _chain_values(96, seed=1)
+    np.testing.assert_allclose(np.asarray(low(*args)), np.asarray(jax.jit(residual_chain)(*args)),
+                               rtol=1e-4, atol=1e-4)

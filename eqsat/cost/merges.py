@@ -49,6 +49,7 @@ place, one finalize) (`extract.prologue`), the plan's choice for a statistic wit
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Iterable, Sequence
 
 from eqsat.types import ints, parse_type
@@ -185,10 +186,11 @@ def matmul_shape(term) -> MatmulShape:
     return cached[1]
 
 
-def _points(expr, statistic, points: float, found: dict) -> None:
-    """The lanes each `Load(statistic)` of `expr` is read at when `expr` is evaluated at `points`
-    lanes (max over its loads in `found['lanes']`: a moments reader's sum and M2 at one point merge
-    once, `emit.expr.read_partials`' memo). A `RowReduce` body runs at every reduced element."""
+def _loaded_lanes(expr, points: float, found: dict) -> None:
+    """The lanes each `Load(statistic)` of `expr` (a hosted `EpilogueReduce`) is read at when `expr`
+    is evaluated at `points` lanes, into `found` (statistic -> lanes, the max over its loads: a
+    moments reader's sum and M2 at one point merge once, `emit.expr.read_partials`' memo). A
+    `RowReduce` body runs at every reduced element. One walk finds every statistic."""
     stack = [(expr, points)]
     seen: set[tuple[int, float]] = set()
     while stack:
@@ -197,8 +199,9 @@ def _points(expr, statistic, points: float, found: dict) -> None:
             continue
         seen.add((id(node), lanes))
         if node.op == "Load":
-            if node.args[0] is statistic:
-                found["lanes"] = max(found.get("lanes", 0.0), lanes)
+            tensor = node.args[0]
+            if tensor.op == "EpilogueReduce" and lanes > found.get(tensor, 0.0):
+                found[tensor] = lanes
             continue
         if node.op == "RowReduce":
             _op, body, axis, epilogue, _ty = node.args
@@ -208,19 +211,21 @@ def _points(expr, statistic, points: float, found: dict) -> None:
         stack.extend((child, lanes) for child in node.children)
 
 
-def _expr_lanes(expr, statistic, points: float) -> float:
+def _expr_lanes(expr, points: float) -> dict:
+    """statistic -> the lanes `expr` evaluated at `points` lanes merges it at (`_loaded_lanes`)."""
     found: dict = {}
-    _points(expr, statistic, points, found)
-    return found.get("lanes", 0.0)
+    _loaded_lanes(expr, points, found)
+    return found
 
 
-def _moves_with(expr, statistic, axes: frozenset) -> bool:
-    """Whether a `Load(statistic)` in `expr` is read at an index that depends on `expr`'s axes
-    `axes` (a matmul's K axes: then the template merges it inline, per A element). Index
-    dependencies follow the views; a `RowReduce` body depends on everything (conservative)."""
+def _moving_with(expr, axes: frozenset) -> set:
+    """The statistics a `Load` in `expr` reads at an index that depends on `expr`'s axes `axes` (a
+    matmul's K axes: then the template merges it inline, per A element). Index dependencies follow
+    the views; a `RowReduce` body depends on everything (conservative)."""
     rank = len(parse_type(expr.ty).shape)
     stack = [(expr, tuple(frozenset({a}) for a in range(rank)))]
     seen: set = set()
+    moving: set = set()
     while stack:
         node, deps = stack.pop()
         if (id(node), deps) in seen or node.sort != "Expr":
@@ -228,10 +233,11 @@ def _moves_with(expr, statistic, axes: frozenset) -> bool:
         seen.add((id(node), deps))
         op = node.op
         if op == "Load":
-            if node.args[0] is statistic:
+            statistic = node.args[0]
+            if statistic.op == "EpilogueReduce" and statistic not in moving:
                 kept = deps[1:] if statistic.args[1] == "moments" else deps
                 if any(d & axes for d in kept):
-                    return True
+                    moving.add(statistic)
             continue
         if op == "Broadcast":
             x, dims, ty = node.args
@@ -264,51 +270,86 @@ def _moves_with(expr, statistic, axes: frozenset) -> bool:
             stack.append((node.args[0], deps))
             stack.extend((c, tuple(frozenset() for _ in parse_type(c.ty).shape)) for c in node.children[1:])
         else:
-            stack.extend((c, deps) for c in node.children
-                         if c.sort == "Expr" and len(parse_type(c.ty).shape) == len(deps))
-            stack.extend((c, tuple(frozenset() for _ in parse_type(c.ty).shape)) for c in node.children
-                         if c.sort == "Expr" and len(parse_type(c.ty).shape) != len(deps))
-    return False
+            for c in node.children:
+                if c.sort != "Expr":
+                    continue
+                rank = len(parse_type(c.ty).shape)
+                stack.append((c, deps if rank == len(deps) else tuple(frozenset() for _ in range(rank))))
+    return moving
 
 
-def merge_lanes(reader, statistic) -> float | None:
-    """Lanes the template of kernel `reader` merges `statistic`'s partials at (each merging all
-    its tiles; see the module docstring), or None when it reads the finished value."""
+def _add(total: dict, part: dict) -> None:
+    for statistic, lanes in part.items():
+        total[statistic] = total.get(statistic, 0.0) + lanes
+
+
+def _reader_lanes(reader) -> dict | None:
+    """statistic -> lanes for every hosted statistic `reader` loads (see `merge_lanes`), or None
+    when its template reads finished values."""
     from eqsat.cost import roofline
 
     op = reader.op
     if op in FINISHED_READERS:
         return None
     if op == "Pointwise":
-        return _expr_lanes(reader.args[0], statistic, _size(reader.ty))
+        return _expr_lanes(reader.args[0], _size(reader.ty))
     if op in ("AssignStatic", "AssignDynamic"):
         value = reader.args[2]
-        return _expr_lanes(value, statistic, _size(value.ty))
+        return _expr_lanes(value, _size(value.ty))
     if op == "Reduce":
         _op, body, _axes, epilogue, ty = reader.args
-        return _expr_lanes(body, statistic, _size(body.ty)) + _expr_lanes(epilogue, statistic, _size(ty))
+        lanes = _expr_lanes(body, _size(body.ty))
+        _add(lanes, _expr_lanes(epilogue, _size(ty)))
+        return lanes
     if op == "Matmul":
         lhs, rhs, _dims, epilogue, ty = reader.args
         shape = matmul_shape(reader)
-        lanes = _expr_lanes(rhs, statistic, _size(rhs.ty) * shape.m_tiles)
-        lanes += _expr_lanes(epilogue, statistic, _size(ty))
-        if _expr_lanes(lhs, statistic, 1.0):
-            if _moves_with(lhs, statistic, frozenset(shape.lhs_contract)):
-                lanes += _expr_lanes(lhs, statistic, _size(lhs.ty) * shape.n_tiles)
-            else:  # merged in the pre-pass, once per program row
-                lanes += shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles
+        lanes = _expr_lanes(rhs, _size(rhs.ty) * shape.m_tiles)
+        _add(lanes, _expr_lanes(epilogue, _size(ty)))
+        in_lhs = _expr_lanes(lhs, 1.0)
+        if in_lhs:
+            moving = _moving_with(lhs, frozenset(shape.lhs_contract))
+            inline = _expr_lanes(lhs, _size(lhs.ty) * shape.n_tiles) if moving else {}
+            pre_pass = shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles  # once per program row
+            _add(lanes, {s: inline[s] if s in moving else pre_pass for s in in_lhs})
         return lanes
     if op == "Conv":
-        return roofline.conv_prologue_work(reader)[2].get(statistic, 0.0) + \
-            _expr_lanes(reader.args[3], statistic, _size(reader.ty))
+        lanes = dict(roofline.conv_prologue_work(reader)[2])
+        _add(lanes, _expr_lanes(reader.args[3], _size(reader.ty)))
+        return lanes
     if op == "Attention":
         q, k, v, bias, _scale, epilogue, ty = reader.args
         q_len = parse_type(q.ty).shape[-2] if len(parse_type(q.ty).shape) >= 2 else 1
         q_blocks = -(-q_len // ATTENTION_BLOCK_Q)
-        return (_expr_lanes(q, statistic, _size(q.ty)) + _expr_lanes(k, statistic, _size(k.ty) * q_blocks)
-                + _expr_lanes(v, statistic, _size(v.ty) * q_blocks) + _expr_lanes(bias, statistic, _size(bias.ty))
-                + _expr_lanes(epilogue, statistic, _size(ty)))
+        lanes = _expr_lanes(q, _size(q.ty))
+        for part, points in ((k, _size(k.ty) * q_blocks), (v, _size(v.ty) * q_blocks), (bias, _size(bias.ty)),
+                             (epilogue, _size(ty))):
+            _add(lanes, _expr_lanes(part, points))
+        return lanes
     return None
+
+
+# Kernel term -> `_reader_lanes` (terms are interned and immutable: a kernel's lanes never change).
+_READER_LANES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NOT_MERGING = object()
+
+
+def reader_lanes(reader) -> dict | None:
+    """statistic -> lanes of every hosted statistic `reader` merges in place (`merge_lanes`, all at
+    once: one walk of each operand expression, cached per kernel term), None when it reads
+    finished values."""
+    cached = _READER_LANES.get(reader)
+    if cached is None:
+        lanes = _reader_lanes(reader)
+        cached = _READER_LANES[reader] = _NOT_MERGING if lanes is None else lanes
+    return None if cached is _NOT_MERGING else cached
+
+
+def merge_lanes(reader, statistic) -> float | None:
+    """Lanes the template of kernel `reader` merges `statistic`'s partials at (each merging all
+    its tiles; see the module docstring), or None when it reads the finished value."""
+    lanes = reader_lanes(reader)
+    return None if lanes is None else lanes.get(statistic, 0.0)
 
 
 def reader_merge_flops(reader, statistic) -> float | None:
