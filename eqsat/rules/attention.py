@@ -35,9 +35,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, f64, ne, relation, rule, ruleset, union
+import math
 
-from eqsat.lang import Acc, Attention, Binary, Expr, Lit, Load, Matmul, Pointwise, Reduce, Tensor, Transpose, Unary
+import numpy as np
+from egglog import String, eq, f64, ne, relation, rule, ruleset, union
+
+from eqsat.lang import (
+    Acc, Attention, Binary, Broadcast, Constant as ConstantTensor, Expr, Lit, Load, Matmul, Pointwise, Reduce, Reshape, Select, Tensor, Transpose,
+    Unary,
+)
 from eqsat.rules.horizontal import py_string
 from eqsat.rules.norm_split import Scalar, StatView, scalar_rules, stat_view_rules
 from eqsat.types import format_type, ints, parse_type
@@ -51,6 +57,11 @@ Biased = relation("AttentionBiased", Expr, Expr, Expr, Expr, f64, String)
 Shifted = relation("AttentionShifted", Expr, Expr, Expr, Expr, f64, String)
 Exps = relation("AttentionExps", Expr, Expr, Expr, Expr, f64, String)
 Probs = relation("AttentionProbs", Expr, Expr, Expr, Expr, f64, String)
+Constant = relation("AttentionConstant", Expr, f64)
+Narrowed = relation("AttentionNarrowed", Expr, Expr)
+FillValue = relation("AttentionFillValue", Expr, String)
+
+F32_LOWEST = float(np.finfo(np.float32).min)
 
 
 
@@ -117,6 +128,72 @@ def _field(layout, index: int) -> String:
     return py_string(_part, layout, String(str(index)))
 
 
+@lru_cache(maxsize=None)
+def _value_lhs_layout(dims: str, v_ty: str, p_ty: str, out_ty: str) -> str:
+    """"v perm|v type|attention type" for o = dot_general(v, p) (v on the left, the einsum
+    `bhqk,bkhd->bqhd` spelling): o is [B, H, D, Sq], the transpose of Attention's [B, H, Sq, D];
+    "" unless p is [B, H, Sq, Sk] contracted on Sk with batch (0, 1) and v is rank 4."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    if rhs_batch != (0, 1) or rhs_contract != (3,) or len(lhs_batch) != 2 or len(lhs_contract) != 1:
+        return ""
+    if len(parse_type(v_ty).shape) != 4 or len(parse_type(out_ty).shape) != 4:
+        return ""
+    v_free = [a for a in range(4) if a not in lhs_batch + lhs_contract]
+    v_perm = (*lhs_batch, *lhs_contract, *v_free)
+    return "|".join((",".join(map(str, v_perm)), _permuted(v_ty, v_perm), _permuted(out_ty, (0, 1, 3, 2))))
+
+
+def _dtype(ty: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(parse_type(ty).dtype)
+
+
+@lru_cache(maxsize=None)
+def _is_float(ty: str) -> str:
+    import jax.numpy as jnp
+
+    return "1" if jnp.issubdtype(_dtype(ty), jnp.floating) else ""
+
+
+@lru_cache(maxsize=None)
+def _scalar_key_value(key: str) -> str:
+    """The value of a lifted scalar constant `scalar:<dtype>:<repr>` ("" for any other key)."""
+    kind, _, rest = key.partition(":")
+    return rest.partition(":")[2] if kind == "scalar" else ""
+
+
+@lru_cache(maxsize=None)
+def _mask_fill(value: str, ty: str) -> str:
+    """How `where(mask, s, value)` masks scores of type `ty`: "-inf" when `value` is -inf in that
+    dtype, "lowest" when it is finite and at or below the dtype's lowest finite value, else ""."""
+    import jax.numpy as jnp
+
+    if not _is_float(ty):
+        return ""
+    dtype = _dtype(ty)
+    rounded = float(np.asarray(float(value)).astype(dtype))
+    if rounded == -math.inf:
+        return "-inf"
+    return "lowest" if rounded <= float(jnp.finfo(dtype).min) else ""
+
+
+@attention.register
+def _constants(e: Expr, x: Expr, c: f64, ty: String, dims: String):
+    """Constant(e, c): e is c at every index up to the rounding of e's dtype: a Scalar, or a sqrt, rsqrt
+    or float convert of a Constant computed at run time (`/ jnp.sqrt(d).astype(dtype)`), through views
+    and copies. c is the exact (f64) value: a scale rounded to fp16 by the program is applied unrounded,
+    a relative change below 2**-11 of the scores, inside the fp16 tolerance of the checker."""
+    float_ty = ne(py_string(_is_float, ty)).to(String(""))
+    yield rule(Scalar(e, c)).then(Constant(e, c))
+    yield rule(e == Unary("sqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(0.5)))
+    yield rule(e == Unary("rsqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(-0.5)))
+    yield rule(e == Unary("convert", x, ty), Constant(x, c), float_ty).then(Constant(e, c))
+    yield rule(e == Broadcast(x, dims, ty), Constant(x, c)).then(Constant(e, c))
+    yield rule(e == Reshape(x, ty), Constant(x, c)).then(Constant(e, c))
+    yield rule(e == Load(Pointwise(x, ty), ty), Constant(x, c)).then(Constant(e, c))
+
+
 @attention.register
 def _scores(
     e: Expr, x: Expr, k: Expr, m: Tensor, qt: Tensor, kt: Tensor, q: Expr, key: Expr,
@@ -131,11 +208,11 @@ def _scores(
         m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t),
         ne(layout).to(String("")),
     ).then(Scores(e, q_view, k_view, f64(1.0), t))
-    yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+    yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
-    yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+    yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
-    yield rule(e == Binary("div", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c), ne(c).to(f64(0.0))).then(
+    yield rule(e == Binary("div", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c), ne(c).to(f64(0.0))).then(
         Scores(e, q, key, scale / c, ty))
     yield rule(e == Unary("convert", x, ty), Scores(x, q, key, scale, t)).then(Scores(e, q, key, scale, ty))
     yield rule(e == Load(Pointwise(x, ty), ty), Scores(x, q, key, scale, ty)).then(Scores(e, q, key, scale, ty))
@@ -150,9 +227,48 @@ def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: 
 
 
 @attention.register
+def _fill_values(e: Expr, x: Expr, c: f64, key: String, ty: String, dims: String):
+    """FillValue(e, v): e is the scalar written `v` at every index: a Constant, or a lifted scalar
+    constant tensor (a literal passed into a nested jit, as `jnp.where` gets its fill), through
+    views, float converts and copies (whether the rounded value still masks is `_mask_fill`'s call)."""
+    yield rule(Constant(e, c)).then(FillValue(e, c.to_string()))
+    value = py_string(_scalar_key_value, key)
+    yield rule(e == Load(ConstantTensor(key, ty), ty), ne(value).to(String(""))).then(FillValue(e, value))
+    yield rule(e == Unary("convert", x, ty), FillValue(x, key), ne(py_string(_is_float, ty)).to(String(""))).then(
+        FillValue(e, key))
+    yield rule(e == Broadcast(x, dims, ty), FillValue(x, key)).then(FillValue(e, key))
+    yield rule(e == Reshape(x, ty), FillValue(x, key)).then(FillValue(e, key))
+    yield rule(e == Load(Pointwise(x, ty), ty), FillValue(x, key)).then(FillValue(e, key))
+
+
+@attention.register
+def _masked_scores(
+    e: Expr, x: Expr, pred: Expr, fill: Expr, q: Expr, k: Expr, b: Expr, scale: f64, value: String, ty: String,
+):
+    """where(mask, s, c) = s + where(mask, 0, c') as a float32 score bias, for scores s (plain or
+    biased, either select order) and c -inf (c' = -inf) or at or below the lowest finite value of
+    the scores' dtype (c' = float32's lowest: s + c' rounds to c' for |s| < 2**103, so a fully masked
+    row stays uniform, and exp(c - rowmax) is 0 in both forms wherever the row has an unmasked score
+    above c + 104). A bias already added is kept under the mask (float32 scores only)."""
+    fill_kind = py_string(_mask_fill, value, ty)
+    bias_ty = py_string(_as_f32, ty)
+    for kind, bias_value in (("-inf", -math.inf), ("lowest", F32_LOWEST)):
+        masked, open_ = Lit(bias_value, bias_ty), Lit(0.0, bias_ty)
+        is_fill = (FillValue(fill, value), eq(fill_kind).to(String(kind)))
+        yield rule(e == Select(pred, fill, x, ty), Scores(x, q, k, scale, ty), *is_fill).then(
+            Biased(e, q, k, Select(pred, masked, open_, bias_ty), scale, ty))
+        yield rule(e == Select(pred, x, fill, ty), Scores(x, q, k, scale, ty), *is_fill).then(
+            Biased(e, q, k, Select(pred, open_, masked, bias_ty), scale, ty))
+        yield rule(e == Select(pred, fill, x, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
+            Biased(e, q, k, Select(pred, masked, b, ty), scale, ty))
+        yield rule(e == Select(pred, x, fill, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
+            Biased(e, q, k, Select(pred, b, masked, ty), scale, ty))
+
+
+@attention.register
 def _softmax(
     e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, ty: String, tr: String,
-    view: String,
+    view: String, narrow: Expr, wide: Expr, tw: String,
 ):
     """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs."""
     row_ok = ne(py_string(_is_row_view, view, tr)).to(String(""))
@@ -174,6 +290,19 @@ def _softmax(
         row_ok,
     ).then(Probs(e, q, k, b, scale, ty))
     yield rule(e == Unary("convert", x, ty), Probs(x, q, k, b, scale, tr)).then(Probs(e, q, k, b, scale, ty))
+    # jax.nn.softmax on 16-bit scores: exp in 16 bits, the row sum over exp widened to float32 and
+    # narrowed back before the division (exp is exp in any float dtype; the rounding differs)
+    yield rule(e == Unary("convert", x, ty), Exps(x, q, k, b, scale, tr), ne(py_string(_is_float, ty)).to(String(""))).then(
+        Exps(e, q, k, b, scale, ty))
+    yield rule(
+        e == Binary("div", x, narrow, ty),
+        Exps(x, q, k, b, scale, ty),
+        Narrowed(narrow, row),
+        StatView(row, tw, r, f64(1.0), view),
+        r == Reduce("sum", wide, "3", Acc(tr), tr),
+        Exps(wide, q, k, b, scale, tw),
+        ne(py_string(_is_row_view, view, tr)).to(String("")),
+    ).then(Probs(e, q, k, b, scale, ty))
     for relation_ in (Shifted, Exps, Probs):
         yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, b, scale, ty)).then(
             relation_(e, q, k, b, scale, ty))
@@ -192,6 +321,32 @@ def _flash_attention(
         Probs(p, q, k, b, scale, tp),
         ne(layout).to(String("")),
     ).then(union(o).with_(Attention(q, k, v_view, b, scale, Acc(t), t)))
+
+
+@attention.register
+def _narrowed(e: Expr, x: Expr, row: Expr, ty: String):
+    """Narrowed(e, row): e = convert(row) (a row statistic rounded to the scores' dtype), through copies."""
+    yield rule(e == Unary("convert", row, ty)).then(Narrowed(e, row))
+    yield rule(e == Load(Pointwise(x, ty), ty), Narrowed(x, row)).then(Narrowed(e, row))
+
+
+@attention.register
+def _flash_attention_value_lhs(
+    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
+    t: String,
+):
+    """dot(v, softmax(q·kᵀ·scale + b)) over Sk = transpose(Attention(q, k, v, b, scale)): the einsum
+    `bhqk,bkhd->bqhd` puts v on the left, so the matmul writes [B, H, D, Sq]; the transpose is a view
+    its readers fold."""
+    layout = py_string(_value_lhs_layout, dims, tv, tp, t)
+    v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
+    out_ty = _field(layout, 2)
+    attention_ = Attention(q, k, v_view, b, scale, Acc(out_ty), out_ty)
+    yield rule(
+        o == Matmul(Load(vt, tv), p, dims, Acc(t), t),
+        Probs(p, q, k, b, scale, tp),
+        ne(layout).to(String("")),
+    ).then(union(o).with_(Pointwise(Transpose(Load(attention_, out_ty), String("0,1,3,2"), t), t)))
 
 
 # --- soundness examples (eqsat.rules.check) ------------------------------------------------------
