@@ -45,7 +45,7 @@ from eqsat.lang import (
     Unary,
 )
 from eqsat.rules.horizontal import py_string
-from eqsat.rules.norm_split import Scalar, StatView, scalar_rules, stat_view_rules
+from eqsat.rules.norm_split import Scalar, StatView, _map_broadcast, scalar_rules, stat_view_rules
 from eqsat.types import format_type, ints, parse_type
 
 attention = ruleset(name="attention")
@@ -58,7 +58,7 @@ Shifted = relation("AttentionShifted", Expr, Expr, Expr, Expr, f64, String)
 Exps = relation("AttentionExps", Expr, Expr, Expr, Expr, f64, String)
 Probs = relation("AttentionProbs", Expr, Expr, Expr, Expr, f64, String)
 Constant = relation("AttentionConstant", Expr, f64)
-Narrowed = relation("AttentionNarrowed", Expr, Expr)
+RoundedStat = relation("AttentionRoundedStat", Expr, String, Tensor, String)
 FillValue = relation("AttentionFillValue", Expr, String)
 
 F32_LOWEST = float(np.finfo(np.float32).min)
@@ -249,7 +249,9 @@ def _masked_scores(
     biased, either select order) and c -inf (c' = -inf) or at or below the lowest finite value of
     the scores' dtype (c' = float32's lowest: s + c' rounds to c' for |s| < 2**103, so a fully masked
     row stays uniform, and exp(c - rowmax) is 0 in both forms wherever the row has an unmasked score
-    above c + 104). A bias already added is kept under the mask (float32 scores only)."""
+    above c + 104). A bias already added is kept under the mask (float32 scores only). Contract: finite
+    scores; an infinite or NaN score under the mask reaches the softmax through the bias form (the
+    select hid it)."""
     fill_kind = py_string(_mask_fill, value, ty)
     bias_ty = py_string(_as_f32, ty)
     for kind, bias_value in (("-inf", -math.inf), ("lowest", F32_LOWEST)):
@@ -297,8 +299,7 @@ def _softmax(
     yield rule(
         e == Binary("div", x, narrow, ty),
         Exps(x, q, k, b, scale, ty),
-        Narrowed(narrow, row),
-        StatView(row, tw, r, f64(1.0), view),
+        RoundedStat(narrow, ty, r, view),
         r == Reduce("sum", wide, "3", Acc(tr), tr),
         Exps(wide, q, k, b, scale, tw),
         ne(py_string(_is_row_view, view, tr)).to(String("")),
@@ -324,10 +325,16 @@ def _flash_attention(
 
 
 @attention.register
-def _narrowed(e: Expr, x: Expr, row: Expr, ty: String):
-    """Narrowed(e, row): e = convert(row) (a row statistic rounded to the scores' dtype), through copies."""
-    yield rule(e == Unary("convert", row, ty)).then(Narrowed(e, row))
-    yield rule(e == Load(Pointwise(x, ty), ty), Narrowed(x, row)).then(Narrowed(e, row))
+def _rounded_stats(e: Expr, x: Expr, s: Tensor, ty: String, tx: String, dims: String, view: String):
+    """RoundedStat(e, ty, s, map): a StatView of s (n = 1) seen through float converts too: e[i] =
+    round(s[i[map]]) in e's dtype (the 16-bit softmax's row sum narrowed back before its division)."""
+    yield rule(StatView(e, ty, s, f64(1.0), view)).then(RoundedStat(e, ty, s, view))
+    yield rule(e == Unary("convert", x, ty), RoundedStat(x, tx, s, view), ne(py_string(_is_float, ty)).to(String(""))).then(
+        RoundedStat(e, ty, s, view))
+    broadcast = py_string(_map_broadcast, view, tx, dims, ty)
+    yield rule(e == Broadcast(x, dims, ty), RoundedStat(x, tx, s, view), ne(broadcast).to(String(""))).then(
+        RoundedStat(e, ty, s, broadcast))
+    yield rule(e == Load(Pointwise(x, ty), ty), RoundedStat(x, ty, s, view)).then(RoundedStat(e, ty, s, view))
 
 
 @attention.register
@@ -441,9 +448,84 @@ def _square_args(draw):
     return tensor(draw, shape), tensor(draw, shape), tensor(draw, shape)
 
 
+def _runtime_sqrt_scale(q, k, v):
+    """flax's scale: q / jnp.sqrt(d).astype(dtype) (a sqrt computed at run time), and rsqrt on the scores."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * lax.rsqrt(jnp.float32(3.0))
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_lowest(q, k, v, mask):
+    """flax's mask: where(mask, s, finfo.min); `mask` random, so whole rows are masked too."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_inf_biased(q, k, v, mask):
+    """where(~mask, -inf, s + bias): the other select order, over biased scores (the bias a mask too)."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5 + jnp.where(mask[..., ::-1], 0.0, -1e4)
+    scores = jnp.where(~mask, -jnp.inf, scores)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_not_low_enough(q, k, v, mask):
+    """where(mask, s, -1e4): a fill above float32's lowest finite value is a score the row may reach
+    (nothing bounds s), not a mask; must not match."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.where(mask, jnp.einsum("bhqd,bhkd->bhqk", q, k), -1e4)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _bhsd_mask_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, heads, q_len, head_dim)), tensor(draw, (batch, heads, kv_len, head_dim)),
+            tensor(draw, (batch, heads, kv_len, head_dim)), tensor(draw, (1, 1, q_len, kv_len), dtype="bool"))
+
+
+def _half_softmax_attention(q, k, v):
+    """jax.nn.softmax on float16 scores (exp in fp16, the row sum widened to fp32 and narrowed back), q
+    scaled before the matmul, the probabilities' einsum written with v on the left ([B, T, H, D] out)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q * q.shape[-1] ** -0.5, k)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).astype(jnp.float32)
+
+
+def _bshd_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, q_len, heads, head_dim)), tensor(draw, (batch, kv_len, heads, head_dim)),
+            tensor(draw, (batch, kv_len, heads, head_dim)))
+
+
+def _half_tolerance(leaves):
+    """fp16 attention: the kernel's float32 softmax against jax's fp16 one, a few fp16 ulps of |v|."""
+    return 1e-2 * max(1.0, max(float(np.max(np.abs(leaf))) for leaf in leaves if leaf.size))
+
+
 def _examples():
     from eqsat.rules import Example
+    from eqsat.rules.checker import VALUE_REGIMES
 
+    finite = tuple(regime for regime in VALUE_REGIMES if regime != "nonfinite")  # masked_scores' contract
     return [
         Example(_sd15_attention, _sd15_attention_args, ("scores", "softmax", "flash_attention")),
         Example(_softmax_attention, _bhsd_args, ("flash_attention",)),
@@ -451,6 +533,15 @@ def _examples():
         Example(_causal_attention, _causal_args, ("scores", "biased_scores", "softmax", "flash_attention")),
         Example(_biased_attention, _bhsd_bias_args, ("biased_scores", "flash_attention")),
         Example(_bias_before_scale, _bhsd_bias_args, ("flash_attention",), fires=False),
+        Example(_runtime_sqrt_scale, _bhsd_args, ("constants", "scores", "flash_attention")),
+        Example(_where_lowest, _bhsd_mask_args, ("fill_values", "masked_scores", "flash_attention"), regimes=finite),
+        Example(_where_inf_biased, _bhsd_mask_args, ("fill_values", "masked_scores", "flash_attention"),
+                regimes=finite),
+        Example(_where_not_low_enough, _bhsd_mask_args, ("masked_scores",), fires=False),
+        # values of 1e3 (offset, constant rows, huge) overflow the function's fp16 scores (inf - inf: NaN)
+        # where the kernel's float32 scores stay finite: held to uniform draws, zeros and tiny values
+        Example(_half_softmax_attention, _bshd_args, ("softmax", "rounded_stats", "flash_attention_value_lhs"),
+                tolerance=_half_tolerance, regimes=("zeros", "tiny")),
     ]
 
 
