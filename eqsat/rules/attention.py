@@ -24,6 +24,14 @@ and the absorbed form both match (StatView and Scalar are shared with `norm_spli
     Shifted / Exps / Probs             s - rowmax(s), exp of that, exp / rowsum(exp), over scores s
                                        that are Scores (bias `Lit(0.0, f32[B,H,Sq,Sk])`) or Biased
 
+Spellings (benchmarks/spellings.py): a scale is any `Constant` (a Scalar, or a `sqrt`/`rsqrt`/float
+convert of one computed at run time: `/ jnp.sqrt(d).astype(dtype)`); `where(mask, s, c)` with c -inf
+or at or below the scores' dtype's lowest finite value is `s + where(mask, 0, c')` with a float32
+bias (`masked_scores`; c is found by `FillValue`, which also reads the scalar constant tensors a
+nested jit's literal becomes); jax.nn.softmax on 16-bit scores (exp in fp16, its row sum widened to
+fp32 and narrowed back: `RoundedStat`) is Probs; and the `bhqk,bkhd->bqhd` einsum, which puts v on
+the left of the PV matmul, is Attention's output transposed (`flash_attention_value_lhs`).
+
 Masked attention (flash attention with an additive score bias: CLIP's causal mask, ALiBi, ...)
 adds `bias` to the scaled scores before the softmax; `bias` is any Expr of the scores' shape
 (a `Binary` add's operands have the output's shape: a [1, 1, S, S] mask arrives as its
