@@ -1,6 +1,6 @@
 """Attention and normalization written the ways real code writes them, and whether each fuses.
 
-    python -m benchmarks.spellings            # the table: spelling, kernels by kind, fused or not
+    python -m benchmarks.spellings            # the table: spelling, kernels by kind, fused or not, explain()
 
 Each spelling is a plain-JAX function of small arguments (`SPELLINGS`: name -> `Spelling`). Fused
 means: an attention spelling plans exactly one `attention` kernel and no `matmul`; a normalization
@@ -280,15 +280,17 @@ def measure(names=None, seed: int = 0) -> list[dict]:
         args = spelling.args(np.random.default_rng(seed))
         lowered = eqsat.optimize(spelling.fn, progress=False, backend="xla").lower(*args)
         rows.append({"spelling": name, "kinds": kernel_counts(lowered), "fused": is_fused(spelling, lowered),
-                     "statistics_passes": statistics_passes(lowered)})
+                     "statistics_passes": statistics_passes(lowered),
+                     "not_fused_because": [m.found for m in lowered.explain()]})
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| spelling | kernels | fused |", "|---|---|---|"]
+    lines = ["| spelling | kernels | fused | explain() |", "|---|---|---|---|"]
     for row in rows:
         kinds = ", ".join(f"{n} {kind}" for kind, n in row["kinds"].items())
-        lines.append(f"| {row['spelling']} | {kinds} | {'yes' if row['fused'] else 'NO'} |")
+        why = "; ".join(row["not_fused_because"])
+        lines.append(f"| {row['spelling']} | {kinds} | {'yes' if row['fused'] else 'NO'} | {why} |")
     return "\n".join(lines)
 
 
