@@ -13,9 +13,15 @@ does not accept is the blocker: the pattern it needed and the term it found inst
     # kernel 3 (matmul bhqk,...): attention: softmax input is select(mask, s, -10000.0): the attention
     #   rule wants a fill of -inf or at or below float32's lowest finite value (-3.40e+38), or an additive bias
 
-A matmul that is no softmax's QK (a projection, an MLP) gets no entry, nor does attention the plan
-already runs as one `attention` kernel (its matmuls are gone from the plan). Conv and attention
-kernels have no family that would fuse them further into a bigger kernel, so they get no entry.
+A matmul that is no softmax's QK (a projection, an MLP) gets no attention entry, nor does attention
+the plan already runs as one `attention` kernel (its matmuls are gone from the plan).
+
+Around every heavy kernel (matmul, conv, attention), each elementwise kernel of the plan that
+reads its output is an epilogue the `absorb` family did not make; the entry says what in the plan
+stood in the way: the reader reads the output through a permute or a real broadcast (an epilogue
+runs at the kernel's own output index), the output has other readers or is a program output (it
+is written anyway; fused, the heavy op would run twice), the reader writes another shape, or
+nothing (the e-graph had the fused form and the cost model kept the kernels apart).
 """
 
 from __future__ import annotations
@@ -61,13 +67,87 @@ def explain(lowered) -> list[Missed]:
         if blocker is not None:
             found, needed = blocker
             missed.append(Missed(index, kernel.kind, kernel.component, "attention", needed, found))
+    return missed + _epilogue_misses(plan)
+
+
+# --- the absorb family's view: elementwise readers left outside a heavy kernel's epilogue ----------------
+
+
+def _epilogue_misses(plan) -> list[Missed]:
+    """For each elementwise kernel of the plan that reads a heavy kernel's output, why absorb's
+    epilogue rules did not move it into that kernel (the first blocker found in the plan)."""
+    plan_readers: dict[int, list] = {}
+    for kernel in plan.kernels:
+        for tensor in kernel.inputs:
+            plan_readers.setdefault(id(tensor), []).append(kernel)
+    outputs = {id(term) for term in plan.outputs}
+    missed = []
+    for kernel in plan.kernels:
+        if kernel.kind not in HEAVY:
+            continue
+        for reader in plan_readers.get(id(kernel.term), []):
+            if reader.op != "Pointwise":
+                continue
+            found, needed = _epilogue_blocker(kernel, reader, plan_readers.get(id(kernel.term), []),
+                                              id(kernel.term) in outputs)
+            missed.append(Missed(kernel.index, kernel.kind, kernel.component, "absorb", needed, found))
     return missed
 
 
-def format_explanation(missed: list[Missed]) -> str:
+def _epilogue_blocker(kernel, reader, readers: list, is_output: bool) -> tuple[str, str]:
+    view = _reading_view(reader.term.args[0], kernel.term)
+    if view is not None:
+        return (f"kernel {reader.index} (pointwise) reads its output through {view}",
+                "absorb moves elementwise work into an epilogue, which runs at the kernel's own output index "
+                "(a reshape or unit-axis broadcast in between is fine, a permute or a real broadcast is not)")
+    others = [r.index for r in readers if r is not reader]
+    if others or is_output:
+        also = (f"kernels {', '.join(map(str, others))}" if others else "") + \
+            (" and " if others and is_output else "") + ("the program's outputs" if is_output else "")
+        return (f"kernel {reader.index} (pointwise) reads its output, which {also} also read",
+                "absorb fuses an epilogue where the output has no other reader; here the output is written "
+                "anyway, and the fused kernel would compute the heavy op a second time")
+    if _shape(reader.term.ty) != _shape(kernel.term.ty):
+        return (f"kernel {reader.index} (pointwise) writes {reader.term.ty} from the {kernel.term.ty} output",
+                "an epilogue writes the kernel's output shape")
+    return (f"kernel {reader.index} (pointwise) reads its output as is",
+            "no blocker in the plan: absorb's epilogue form was there, and the extraction kept the kernels "
+            "apart (cheaper by the cost model)")
+
+
+def _reading_view(body: Term, tensor: Term) -> str | None:
+    """The first view on a path from `body` to `Load(tensor)` that an epilogue cannot take: a permute,
+    a broadcast that adds real extent, a slice, pad or concat ("" none: a Load as is or reshaped)."""
+    from eqsat.rules.absorb import _expand_only
+
+    stack = [(body, None)]
+    while stack:
+        node, view = stack.pop()
+        if node.op == "Load" and node.args[0] is tensor:
+            if view is not None:
+                return view
+            continue
+        if node.sort == "Tensor":
+            continue
+        blocking = view
+        if blocking is None:
+            if node.op == "Transpose" and node.args[1] != ",".join(map(str, range(len(_shape(node.ty))))):
+                blocking = f"transpose({node.args[1]}) to {node.ty}"
+            elif node.op == "Broadcast" and _expand_only(node.args[1], node.args[0].ty, node.ty) != "1":
+                blocking = f"broadcast {node.args[0].ty} -> {node.ty}"
+            elif node.op in ("Slice", "DynamicSlice", "Pad", "Concat"):
+                blocking = f"{node.op.lower()} to {node.ty}"
+        stack.extend((child, blocking) for child in node.children)
+    return None
+
+
+def format_explanation(missed: list[Missed], limit: int | None = None) -> str:
+    """One line per entry (the first `limit` of them, then how many more)."""
     if not missed:
         return "every heavy kernel is fused as far as the rule families reach"
-    return "\n".join(str(m) for m in missed)
+    shown = missed if limit is None else missed[:limit]
+    more = len(missed) - len(shown)
+    return "\n".join([str(m) for m in shown] + ([f"... and {more} more (lowered.explain())"] if more else []))
 
 
 # --- the lifted program's data flow ------------------------------------------------------------------

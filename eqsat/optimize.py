@@ -144,7 +144,7 @@ class Lowered:
         ]
         from eqsat.explain import format_explanation
 
-        lines.append("not fused: " + format_explanation(self.explain()).replace("\n", "\n  "))
+        lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
         if self.split is None:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "
