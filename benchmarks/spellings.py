@@ -143,6 +143,28 @@ def attention_flax_causal(q, k, v):
     return flax_dot_product_attention(q, k, v, mask)
 
 
+def attention_equinox(q, k, v):
+    """equinox.nn.MultiheadAttention's core on [T, H, D] (no batch axis): heads by `vmap`, the
+    logits masked with finfo.min and soft-maxed in float32, then cast back."""
+    mask = _causal(q.shape[0])
+
+    def head(q, k, v):
+        q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        logits = jnp.einsum("sd,Sd->sS", q, k)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        dtype = jnp.result_type(logits.dtype, jnp.float32)
+        weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+
+    return jax.vmap(head, in_axes=1, out_axes=1)(q, k, v)
+
+
+def _thd(dtype=np.float32):
+    def draw(rng):
+        return tuple(rng.standard_normal((TOKENS, HEADS, HEAD_DIM)).astype(dtype) for _ in range(3))
+    return draw
+
+
 # --- normalization -----------------------------------------------------------------------------------
 
 
@@ -240,6 +262,7 @@ SPELLINGS: dict[str, Spelling] = {
     "attention: flax dot_product_attention": Spelling(attention_flax, _bthd(), "attention"),
     "attention: flax dot_product_attention causal": Spelling(attention_flax_causal, _bthd(), "attention"),
     "attention: flax causal, fp16": Spelling(attention_flax_causal, _bthd(np.float16), "attention"),
+    "attention: equinox MultiheadAttention (no batch axis)": Spelling(attention_equinox, _thd(), "attention"),
     "layernorm: two-pass (sd15)": Spelling(layer_norm_two_pass, _rows(), "norm"),
     "layernorm: flax (E[x²]-E[x]²)": Spelling(layer_norm_flax, _rows(), "norm"),
     "layernorm: equinox (vmapped jnp.var)": Spelling(layer_norm_equinox, _rows(), "norm"),
