@@ -20,8 +20,9 @@ Around every heavy kernel (matmul, conv, attention), each elementwise kernel of 
 reads its output is an epilogue the `absorb` family did not make; the entry says what in the plan
 stood in the way: the reader reads the output through a permute or a real broadcast (an epilogue
 runs at the kernel's own output index), the output has other readers or is a program output (it
-is written anyway; fused, the heavy op would run twice), the reader writes another shape, or
-nothing (the e-graph had the fused form and the cost model kept the kernels apart).
+is written anyway; fused, the heavy op would run twice), the reader also reads a statistic of the
+output (a norm's moments: complete only once every tile is written), the reader writes another
+shape, or nothing found in the plan (the cost model's choice, or an op absorb does not move).
 """
 
 from __future__ import annotations
@@ -107,12 +108,28 @@ def _epilogue_blocker(kernel, reader, readers: list, is_output: bool) -> tuple[s
         return (f"kernel {reader.index} (pointwise) reads its output, which {also} also read",
                 "absorb fuses an epilogue where the output has no other reader; here the output is written "
                 "anyway, and the fused kernel would compute the heavy op a second time")
+    statistic = _statistic_of(reader.term, kernel.term)
+    if statistic is not None:
+        return (f"kernel {reader.index} (pointwise) reads its output and {statistic}",
+                "an epilogue sees one output tile; a statistic over the output (a norm's mean and variance) "
+                "is complete only once every tile is written, so its reader stays a kernel of its own")
     if _shape(reader.term.ty) != _shape(kernel.term.ty):
         return (f"kernel {reader.index} (pointwise) writes {reader.term.ty} from the {kernel.term.ty} output",
                 "an epilogue writes the kernel's output shape")
     return (f"kernel {reader.index} (pointwise) reads its output as is",
-            "no blocker in the plan: absorb's epilogue form was there, and the extraction kept the kernels "
-            "apart (cheaper by the cost model)")
+            "no blocker found in the plan: the extraction kept the kernels apart (the cost model's choice, "
+            "or an op absorb does not move)")
+
+
+def _statistic_of(reader: Term, tensor: Term) -> str | None:
+    """A reduction over `tensor` that `reader` also reads: an `EpilogueReduce` hosted by it, or a
+    `Reduce` whose body reads it."""
+    for read in _loads(reader):
+        if read.op == "EpilogueReduce" and read.args[0] is tensor:
+            return f"a {read.args[1]} of it ({read.ty}, hosted in its epilogue)"
+        if read.op == "Reduce" and _reads(read.args[1], tensor):
+            return f"a {read.args[0]} of it ({read.ty})"
+    return None
 
 
 def _reading_view(body: Term, tensor: Term) -> str | None:
@@ -212,8 +229,11 @@ def _attention_blocker(qk: Term, readers, program) -> tuple[str, str] | None:
     or None when qk is no softmax's QK (or every step is accepted)."""
     from eqsat.rules.attention import _score_layout
 
-    after = _downstream(qk, readers)
-    if not any(_is_softmax_max(k) for k in after) or not any(_is_exp(k) for k in after):
+    softmax_max = _softmax_reading(qk, readers)
+    if softmax_max is None:
+        return None
+    after = _downstream(softmax_max, readers)
+    if not any(_is_exp(k) for k in after):
         return None
     pv = next((k for k in after if k.op == "Matmul"), None)
     if pv is None:
@@ -232,6 +252,23 @@ def _attention_blocker(qk: Term, readers, program) -> tuple[str, str] | None:
         return (f"softmax over axes ({row_max.args[2]}) of {scores.ty}",
                 f"the attention rule wants the softmax over the key axis ({last})")
     return _value_blocker(pv)
+
+
+def _softmax_reading(qk: Term, readers) -> Term | None:
+    """The row max of a softmax that reads qk's output through elementwise kernels only (no other
+    matmul, conv or reduction in between), or None: then qk is no softmax's QK."""
+    frontier, seen = [qk], {id(qk)}
+    for _ in range(_SEARCH_DEPTH):
+        following = []
+        for node in frontier:
+            for reader in readers.get(id(node), []):
+                if _is_softmax_max(reader):
+                    return reader
+                if reader.op == "Pointwise" and id(reader) not in seen:
+                    seen.add(id(reader))
+                    following.append(reader)
+        frontier = following
+    return None
 
 
 def _matmul_operand(matmul: Term, side: int) -> Term | None:

@@ -133,3 +133,16 @@ def test_bthd_attention_output_permute_is_the_only_entry():
     (missed,) = lowered.explain()
     assert (missed.family, missed.kind) == ("absorb", "attention")
     assert "transpose(0,2,1,3)" in missed.found, missed
+
+
+def test_explain_names_a_norm_statistic_as_the_epilogue_blocker():
+    def f(x, w):
+        h = x @ w
+        mean = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean((h - mean) ** 2, axis=-1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5)
+
+    lowered = eqsat.optimize(f, progress=False, backend="xla").lower(*_matmul_args())
+    absorb = [m for m in lowered.explain() if m.family == "absorb"]
+    assert absorb and all(m.kind == "matmul" for m in absorb), lowered.explain()
+    assert any("a moments of it (f32[2,4], hosted in its epilogue)" in m.found and "complete only once every tile" in m.needed for m in absorb), absorb
