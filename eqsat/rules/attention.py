@@ -165,6 +165,15 @@ def _is_float(ty: str) -> str:
 
 
 @lru_cache(maxsize=None)
+def _fits(value: str, ty: str) -> str:
+    """"1" if `value` converted to `ty`'s float dtype does not overflow to an infinity it was not."""
+    import jax.numpy as jnp
+
+    number = float(value)
+    return "1" if not math.isfinite(number) or abs(number) <= float(jnp.finfo(_dtype(ty)).max) else ""
+
+
+@lru_cache(maxsize=None)
 def _scalar_key_value(key: str) -> str:
     """The value of a lifted scalar constant `scalar:<dtype>:<repr>` ("" for any other key)."""
     kind, _, rest = key.partition(":")
@@ -196,7 +205,8 @@ def _constants(e: Expr, x: Expr, c: f64, ty: String, dims: String):
     yield rule(Scalar(e, c)).then(Constant(e, c))
     yield rule(e == Unary("sqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(0.5)))
     yield rule(e == Unary("rsqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(-0.5)))
-    yield rule(e == Unary("convert", x, ty), Constant(x, c), float_ty).then(Constant(e, c))
+    fits = ne(py_string(_fits, c.to_string(), ty)).to(String(""))
+    yield rule(e == Unary("convert", x, ty), Constant(x, c), float_ty, fits).then(Constant(e, c))
     yield rule(e == Broadcast(x, dims, ty), Constant(x, c)).then(Constant(e, c))
     yield rule(e == Reshape(x, ty), Constant(x, c)).then(Constant(e, c))
     yield rule(e == Load(Pointwise(x, ty), ty), Constant(x, c)).then(Constant(e, c))
