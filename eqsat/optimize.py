@@ -122,6 +122,12 @@ class Lowered:
 
         return viz.plan_drawing(self.plan)._repr_svg_()
 
+    def explain(self) -> list:
+        """The fusions that did not happen around the heavy kernels, and why (`eqsat.explain`)."""
+        from eqsat.explain import explain
+
+        return explain(self)
+
     def report(self, depth: int = 1) -> str:
         """The stats and the per-component table of the plan."""
         s = self.stats
@@ -136,6 +142,9 @@ class Lowered:
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]
+        from eqsat.explain import format_explanation
+
+        lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
         if self.split is None:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "

@@ -418,11 +418,13 @@ kernel, with any additive `bias` (a causal mask, ALiBi). A mask is often written
 scores = jnp.where(mask, scores, -jnp.inf)
 ```
 
-That is a `Select`, not an addition, so the family does not see attention there and the scores
-matrix is materialized between two matmuls. The law that fixes it is one line:
-`where(m, s, -inf) = s + where(m, 0, -inf)` for every finite `s` (both are `s` where `m` holds
-and `-inf` elsewhere). This notebook writes it as a ruleset outside the package, checks it, shows
-the check catching a wrong variant, and runs it with the shipped families.
+That is a `Select`, not an addition: a family that knows only additive biases does not see
+attention there, and the scores matrix is materialized between two matmuls. The law that fixes it
+is one line: `where(m, s, -inf) = s + where(m, 0, -inf)` for every finite `s` (both are `s` where
+`m` holds and `-inf` elsewhere). This notebook writes it as a ruleset outside the package, checks
+it, shows the check catching a wrong variant, and runs it with the shipped families. (The shipped
+family has since learned this spelling itself, as its `masked_scores` rule; the notebook stays the
+worked example of writing one, so the shipped plan below already has its attention kernel.)
 '''),
     SETUP,
     code('''
@@ -555,11 +557,13 @@ except RuleCheckError as error:
     print("\\n".join(str(error).splitlines()[:14]))
 '''),
     md('''
-## The kernel count moves
+## Running it with the shipped families
 
 `eqsat.schedule.default_schedule(extra=[mask_bias])` runs the shipped families and then the new
 ruleset, repeating the list until nothing changes, so the `attention` family sees the additive bias
-the new rule adds. `eqsat.optimize(fn, rulesets=...)` takes that schedule.
+the new rule adds. `eqsat.optimize(fn, rulesets=...)` takes that schedule. Before the shipped
+family knew masks, this is where the kernel count moved from two matmuls to one attention kernel;
+now both plans have the attention kernel, and the values agree.
 '''),
     code('''
 from eqsat.schedule import default_schedule
@@ -600,10 +604,13 @@ for name, rulesets in (("shipped families", None), ("with mask_bias", default_sc
           f"{plan.seconds * 1e6:.1f} µs modeled")
 '''),
     md('''
-What the rule does not cover: a finite fill such as `-1e9` or `jnp.finfo(x.dtype).min` is not an
-additive bias (the masked scores become `s - 1e9`, equal after the softmax only while `|s|` stays
-far below the fill's rounding step): the check above is exactly what would catch a rule claiming it.
-Write `-jnp.inf`, or add the mask as a bias.
+What this rule does not cover: a finite fill such as `-1e9` is not an additive bias of the same
+value (the masked scores become `s - 1e9`, equal after the softmax only while `|s|` stays far below
+the fill's rounding step): the check above is exactly what would catch a rule claiming it. The
+shipped `masked_scores` covers a finite fill at or below the dtype's lowest finite value (flax's
+`jnp.finfo(dtype).min`) another way: its bias is float32's lowest, to which `s + bias` rounds for
+any `|s| < 2**103`, so a fully masked row stays uniform as jax computes it. A fill above that, such
+as `-1e4`, stays two matmuls, and `lowered.explain()` says why.
 
 To ship a rule like this one, put it in `eqsat/rules/<name>.py` with `EXAMPLES`, list it in
 `eqsat.rules.FAMILIES` and `eqsat.schedule.DEFAULT_ORDER`, and the soundness suite runs it.

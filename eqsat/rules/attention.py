@@ -24,6 +24,14 @@ and the absorbed form both match (StatView and Scalar are shared with `norm_spli
     Shifted / Exps / Probs             s - rowmax(s), exp of that, exp / rowsum(exp), over scores s
                                        that are Scores (bias `Lit(0.0, f32[B,H,Sq,Sk])`) or Biased
 
+Spellings (benchmarks/spellings.py): a scale is any `Constant` (a Scalar, or a `sqrt`/`rsqrt`/float
+convert of one computed at run time: `/ jnp.sqrt(d).astype(dtype)`); `where(mask, s, c)` with c -inf
+or at or below the scores' dtype's lowest finite value is `s + where(mask, 0, c')` with a float32
+bias (`masked_scores`; c is found by `FillValue`, which also reads the scalar constant tensors a
+nested jit's literal becomes); jax.nn.softmax on 16-bit scores (exp in fp16, its row sum widened to
+fp32 and narrowed back: `RoundedStat`) is Probs; and the `bhqk,bkhd->bqhd` einsum, which puts v on
+the left of the PV matmul, is Attention's output transposed (`flash_attention_value_lhs`).
+
 Masked attention (flash attention with an additive score bias: CLIP's causal mask, ALiBi, ...)
 adds `bias` to the scaled scores before the softmax; `bias` is any Expr of the scores' shape
 (a `Binary` add's operands have the output's shape: a [1, 1, S, S] mask arrives as its
@@ -35,11 +43,17 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, f64, ne, relation, rule, ruleset, union
+import math
 
-from eqsat.lang import Acc, Attention, Binary, Expr, Lit, Load, Matmul, Pointwise, Reduce, Tensor, Transpose, Unary
+import numpy as np
+from egglog import String, eq, f64, ne, relation, rule, ruleset, union
+
+from eqsat.lang import (
+    Acc, Attention, Binary, Broadcast, Constant as ConstantTensor, Expr, Lit, Load, Matmul, Pointwise, Reduce, Reshape, Select, Tensor, Transpose,
+    Unary,
+)
 from eqsat.rules.horizontal import py_string
-from eqsat.rules.norm_split import Scalar, StatView, scalar_rules, stat_view_rules
+from eqsat.rules.norm_split import Scalar, StatView, _map_broadcast, scalar_rules, stat_view_rules
 from eqsat.types import format_type, ints, parse_type
 
 attention = ruleset(name="attention")
@@ -51,6 +65,11 @@ Biased = relation("AttentionBiased", Expr, Expr, Expr, Expr, f64, String)
 Shifted = relation("AttentionShifted", Expr, Expr, Expr, Expr, f64, String)
 Exps = relation("AttentionExps", Expr, Expr, Expr, Expr, f64, String)
 Probs = relation("AttentionProbs", Expr, Expr, Expr, Expr, f64, String)
+Constant = relation("AttentionConstant", Expr, f64)
+RoundedStat = relation("AttentionRoundedStat", Expr, String, Tensor, String)
+FillValue = relation("AttentionFillValue", Expr, String)
+
+F32_LOWEST = float(np.finfo(np.float32).min)
 
 
 
@@ -117,6 +136,82 @@ def _field(layout, index: int) -> String:
     return py_string(_part, layout, String(str(index)))
 
 
+@lru_cache(maxsize=None)
+def _value_lhs_layout(dims: str, v_ty: str, p_ty: str, out_ty: str) -> str:
+    """"v perm|v type|attention type" for o = dot_general(v, p) (v on the left, the einsum
+    `bhqk,bkhd->bqhd` spelling): o is [B, H, D, Sq], the transpose of Attention's [B, H, Sq, D];
+    "" unless p is [B, H, Sq, Sk] contracted on Sk with batch (0, 1) and v is rank 4."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    if rhs_batch != (0, 1) or rhs_contract != (3,) or len(lhs_batch) != 2 or len(lhs_contract) != 1:
+        return ""
+    if len(parse_type(v_ty).shape) != 4 or len(parse_type(out_ty).shape) != 4:
+        return ""
+    v_free = [a for a in range(4) if a not in lhs_batch + lhs_contract]
+    v_perm = (*lhs_batch, *lhs_contract, *v_free)
+    return "|".join((",".join(map(str, v_perm)), _permuted(v_ty, v_perm), _permuted(out_ty, (0, 1, 3, 2))))
+
+
+def _dtype(ty: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(parse_type(ty).dtype)
+
+
+@lru_cache(maxsize=None)
+def _is_float(ty: str) -> str:
+    import jax.numpy as jnp
+
+    return "1" if jnp.issubdtype(_dtype(ty), jnp.floating) else ""
+
+
+@lru_cache(maxsize=None)
+def _fits(value: str, ty: str) -> str:
+    """"1" if `value` converted to `ty`'s float dtype does not overflow to an infinity it was not."""
+    import jax.numpy as jnp
+
+    number = float(value)
+    return "1" if not math.isfinite(number) or abs(number) <= float(jnp.finfo(_dtype(ty)).max) else ""
+
+
+@lru_cache(maxsize=None)
+def _scalar_key_value(key: str) -> str:
+    """The value of a lifted scalar constant `scalar:<dtype>:<repr>` ("" for any other key)."""
+    kind, _, rest = key.partition(":")
+    return rest.partition(":")[2] if kind == "scalar" else ""
+
+
+@lru_cache(maxsize=None)
+def _mask_fill(value: str, ty: str) -> str:
+    """How `where(mask, s, value)` masks scores of type `ty`: "-inf" when `value` is -inf in that
+    dtype, "lowest" when it is finite and at or below the dtype's lowest finite value, else ""."""
+    import jax.numpy as jnp
+
+    if not _is_float(ty):
+        return ""
+    dtype = _dtype(ty)
+    rounded = float(np.asarray(float(value)).astype(dtype))
+    if rounded == -math.inf:
+        return "-inf"
+    return "lowest" if rounded <= float(jnp.finfo(dtype).min) else ""
+
+
+@attention.register
+def _constants(e: Expr, x: Expr, c: f64, ty: String, dims: String):
+    """Constant(e, c): e is c at every index up to the rounding of e's dtype: a Scalar, or a sqrt, rsqrt
+    or float convert of a Constant computed at run time (`/ jnp.sqrt(d).astype(dtype)`), through views
+    and copies. c is the exact (f64) value: a scale rounded to fp16 by the program is applied unrounded,
+    a relative change below 2**-11 of the scores, inside the fp16 tolerance of the checker."""
+    float_ty = ne(py_string(_is_float, ty)).to(String(""))
+    yield rule(Scalar(e, c)).then(Constant(e, c))
+    yield rule(e == Unary("sqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(0.5)))
+    yield rule(e == Unary("rsqrt", x, ty), Constant(x, c)).then(Constant(e, c ** f64(-0.5)))
+    fits = ne(py_string(_fits, c.to_string(), ty)).to(String(""))
+    yield rule(e == Unary("convert", x, ty), Constant(x, c), float_ty, fits).then(Constant(e, c))
+    yield rule(e == Broadcast(x, dims, ty), Constant(x, c)).then(Constant(e, c))
+    yield rule(e == Reshape(x, ty), Constant(x, c)).then(Constant(e, c))
+    yield rule(e == Load(Pointwise(x, ty), ty), Constant(x, c)).then(Constant(e, c))
+
+
 @attention.register
 def _scores(
     e: Expr, x: Expr, k: Expr, m: Tensor, qt: Tensor, kt: Tensor, q: Expr, key: Expr,
@@ -131,11 +226,11 @@ def _scores(
         m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t),
         ne(layout).to(String("")),
     ).then(Scores(e, q_view, k_view, f64(1.0), t))
-    yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+    yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
-    yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Scalar(k, c)).then(
+    yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
-    yield rule(e == Binary("div", x, k, ty), Scores(x, q, key, scale, ty), Scalar(k, c), ne(c).to(f64(0.0))).then(
+    yield rule(e == Binary("div", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c), ne(c).to(f64(0.0))).then(
         Scores(e, q, key, scale / c, ty))
     yield rule(e == Unary("convert", x, ty), Scores(x, q, key, scale, t)).then(Scores(e, q, key, scale, ty))
     yield rule(e == Load(Pointwise(x, ty), ty), Scores(x, q, key, scale, ty)).then(Scores(e, q, key, scale, ty))
@@ -150,9 +245,50 @@ def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: 
 
 
 @attention.register
+def _fill_values(e: Expr, x: Expr, c: f64, key: String, ty: String, dims: String):
+    """FillValue(e, v): e is the scalar written `v` at every index: a Constant, or a lifted scalar
+    constant tensor (a literal passed into a nested jit, as `jnp.where` gets its fill), through
+    views, float converts and copies (whether the rounded value still masks is `_mask_fill`'s call)."""
+    yield rule(Constant(e, c)).then(FillValue(e, c.to_string()))
+    value = py_string(_scalar_key_value, key)
+    yield rule(e == Load(ConstantTensor(key, ty), ty), ne(value).to(String(""))).then(FillValue(e, value))
+    yield rule(e == Unary("convert", x, ty), FillValue(x, key), ne(py_string(_is_float, ty)).to(String(""))).then(
+        FillValue(e, key))
+    yield rule(e == Broadcast(x, dims, ty), FillValue(x, key)).then(FillValue(e, key))
+    yield rule(e == Reshape(x, ty), FillValue(x, key)).then(FillValue(e, key))
+    yield rule(e == Load(Pointwise(x, ty), ty), FillValue(x, key)).then(FillValue(e, key))
+
+
+@attention.register
+def _masked_scores(
+    e: Expr, x: Expr, pred: Expr, fill: Expr, q: Expr, k: Expr, b: Expr, scale: f64, value: String, ty: String,
+):
+    """where(mask, s, c) = s + where(mask, 0, c') as a float32 score bias, for scores s (plain or
+    biased, either select order) and c -inf (c' = -inf) or at or below the lowest finite value of
+    the scores' dtype (c' = float32's lowest: s + c' rounds to c' for |s| < 2**103, so a fully masked
+    row stays uniform, and exp(c - rowmax) is 0 in both forms wherever the row has an unmasked score
+    above c + 104). A bias already added is kept under the mask (float32 scores only). Contract: finite
+    scores; an infinite or NaN score under the mask reaches the softmax through the bias form (the
+    select hid it)."""
+    fill_kind = py_string(_mask_fill, value, ty)
+    bias_ty = py_string(_as_f32, ty)
+    for kind, bias_value in (("-inf", -math.inf), ("lowest", F32_LOWEST)):
+        masked, open_ = Lit(bias_value, bias_ty), Lit(0.0, bias_ty)
+        is_fill = (FillValue(fill, value), eq(fill_kind).to(String(kind)))
+        yield rule(e == Select(pred, fill, x, ty), Scores(x, q, k, scale, ty), *is_fill).then(
+            Biased(e, q, k, Select(pred, masked, open_, bias_ty), scale, ty))
+        yield rule(e == Select(pred, x, fill, ty), Scores(x, q, k, scale, ty), *is_fill).then(
+            Biased(e, q, k, Select(pred, open_, masked, bias_ty), scale, ty))
+        yield rule(e == Select(pred, fill, x, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
+            Biased(e, q, k, Select(pred, masked, b, ty), scale, ty))
+        yield rule(e == Select(pred, x, fill, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
+            Biased(e, q, k, Select(pred, b, masked, ty), scale, ty))
+
+
+@attention.register
 def _softmax(
     e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, ty: String, tr: String,
-    view: String,
+    view: String, narrow: Expr, wide: Expr, tw: String,
 ):
     """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs."""
     row_ok = ne(py_string(_is_row_view, view, tr)).to(String(""))
@@ -174,6 +310,18 @@ def _softmax(
         row_ok,
     ).then(Probs(e, q, k, b, scale, ty))
     yield rule(e == Unary("convert", x, ty), Probs(x, q, k, b, scale, tr)).then(Probs(e, q, k, b, scale, ty))
+    # jax.nn.softmax on 16-bit scores: exp in 16 bits, the row sum over exp widened to float32 and
+    # narrowed back before the division (exp is exp in any float dtype; the rounding differs)
+    yield rule(e == Unary("convert", x, ty), Exps(x, q, k, b, scale, tr), ne(py_string(_is_float, ty)).to(String(""))).then(
+        Exps(e, q, k, b, scale, ty))
+    yield rule(
+        e == Binary("div", x, narrow, ty),
+        Exps(x, q, k, b, scale, ty),
+        RoundedStat(narrow, ty, r, view),
+        r == Reduce("sum", wide, "3", Acc(tr), tr),
+        Exps(wide, q, k, b, scale, tw),
+        ne(py_string(_is_row_view, view, tr)).to(String("")),
+    ).then(Probs(e, q, k, b, scale, ty))
     for relation_ in (Shifted, Exps, Probs):
         yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, b, scale, ty)).then(
             relation_(e, q, k, b, scale, ty))
@@ -192,6 +340,38 @@ def _flash_attention(
         Probs(p, q, k, b, scale, tp),
         ne(layout).to(String("")),
     ).then(union(o).with_(Attention(q, k, v_view, b, scale, Acc(t), t)))
+
+
+@attention.register
+def _rounded_stats(e: Expr, x: Expr, s: Tensor, ty: String, tx: String, dims: String, view: String):
+    """RoundedStat(e, ty, s, map): a StatView of s (n = 1) seen through float converts too: e[i] =
+    round(s[i[map]]) in e's dtype (the 16-bit softmax's row sum narrowed back before its division)."""
+    yield rule(StatView(e, ty, s, f64(1.0), view)).then(RoundedStat(e, ty, s, view))
+    yield rule(e == Unary("convert", x, ty), RoundedStat(x, tx, s, view), ne(py_string(_is_float, ty)).to(String(""))).then(
+        RoundedStat(e, ty, s, view))
+    broadcast = py_string(_map_broadcast, view, tx, dims, ty)
+    yield rule(e == Broadcast(x, dims, ty), RoundedStat(x, tx, s, view), ne(broadcast).to(String(""))).then(
+        RoundedStat(e, ty, s, broadcast))
+    yield rule(e == Load(Pointwise(x, ty), ty), RoundedStat(x, ty, s, view)).then(RoundedStat(e, ty, s, view))
+
+
+@attention.register
+def _flash_attention_value_lhs(
+    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
+    t: String,
+):
+    """dot(v, softmax(q·kᵀ·scale + b)) over Sk = transpose(Attention(q, k, v, b, scale)): the einsum
+    `bhqk,bkhd->bqhd` puts v on the left, so the matmul writes [B, H, D, Sq]; the transpose is a view
+    its readers fold."""
+    layout = py_string(_value_lhs_layout, dims, tv, tp, t)
+    v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
+    out_ty = _field(layout, 2)
+    attention_ = Attention(q, k, v_view, b, scale, Acc(out_ty), out_ty)
+    yield rule(
+        o == Matmul(Load(vt, tv), p, dims, Acc(t), t),
+        Probs(p, q, k, b, scale, tp),
+        ne(layout).to(String("")),
+    ).then(union(o).with_(Pointwise(Transpose(Load(attention_, out_ty), String("0,1,3,2"), t), t)))
 
 
 # --- soundness examples (eqsat.rules.check) ------------------------------------------------------
@@ -286,9 +466,84 @@ def _square_args(draw):
     return tensor(draw, shape), tensor(draw, shape), tensor(draw, shape)
 
 
+def _runtime_sqrt_scale(q, k, v):
+    """flax's scale: q / jnp.sqrt(d).astype(dtype) (a sqrt computed at run time), and rsqrt on the scores."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * lax.rsqrt(jnp.float32(3.0))
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_lowest(q, k, v, mask):
+    """flax's mask: where(mask, s, finfo.min); `mask` random, so whole rows are masked too."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_inf_biased(q, k, v, mask):
+    """where(~mask, -inf, s + bias): the other select order, over biased scores (the bias a mask too)."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5 + jnp.where(mask[..., ::-1], 0.0, -1e4)
+    scores = jnp.where(~mask, -jnp.inf, scores)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _where_not_low_enough(q, k, v, mask):
+    """where(mask, s, -1e4): a fill above float32's lowest finite value is a score the row may reach
+    (nothing bounds s), not a mask; must not match."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.where(mask, jnp.einsum("bhqd,bhkd->bhqk", q, k), -1e4)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _bhsd_mask_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, heads, q_len, head_dim)), tensor(draw, (batch, heads, kv_len, head_dim)),
+            tensor(draw, (batch, heads, kv_len, head_dim)), tensor(draw, (1, 1, q_len, kv_len), dtype="bool"))
+
+
+def _half_softmax_attention(q, k, v):
+    """jax.nn.softmax on float16 scores (exp in fp16, the row sum widened to fp32 and narrowed back), q
+    scaled before the matmul, the probabilities' einsum written with v on the left ([B, T, H, D] out)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q * q.shape[-1] ** -0.5, k)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).astype(jnp.float32)
+
+
+def _bshd_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = (dim(draw, 1, 2), dim(draw, 1, 2), dim(draw), dim(draw), dim(draw))
+    return (tensor(draw, (batch, q_len, heads, head_dim)), tensor(draw, (batch, kv_len, heads, head_dim)),
+            tensor(draw, (batch, kv_len, heads, head_dim)))
+
+
+def _half_tolerance(leaves):
+    """fp16 attention: the kernel's float32 softmax against jax's fp16 one, a few fp16 ulps of |v|."""
+    return 1e-2 * max(1.0, max(float(np.max(np.abs(leaf))) for leaf in leaves if leaf.size))
+
+
 def _examples():
     from eqsat.rules import Example
+    from eqsat.rules.checker import VALUE_REGIMES
 
+    finite = tuple(regime for regime in VALUE_REGIMES if regime != "nonfinite")  # masked_scores' contract
     return [
         Example(_sd15_attention, _sd15_attention_args, ("scores", "softmax", "flash_attention")),
         Example(_softmax_attention, _bhsd_args, ("flash_attention",)),
@@ -296,6 +551,15 @@ def _examples():
         Example(_causal_attention, _causal_args, ("scores", "biased_scores", "softmax", "flash_attention")),
         Example(_biased_attention, _bhsd_bias_args, ("biased_scores", "flash_attention")),
         Example(_bias_before_scale, _bhsd_bias_args, ("flash_attention",), fires=False),
+        Example(_runtime_sqrt_scale, _bhsd_args, ("constants", "scores", "flash_attention")),
+        Example(_where_lowest, _bhsd_mask_args, ("fill_values", "masked_scores", "flash_attention"), regimes=finite),
+        Example(_where_inf_biased, _bhsd_mask_args, ("fill_values", "masked_scores", "flash_attention"),
+                regimes=finite),
+        Example(_where_not_low_enough, _bhsd_mask_args, ("masked_scores",), fires=False),
+        # values of 1e3 (offset, constant rows, huge) overflow the function's fp16 scores (inf - inf: NaN)
+        # where the kernel's float32 scores stay finite: held to uniform draws, zeros and tiny values
+        Example(_half_softmax_attention, _bshd_args, ("softmax", "rounded_stats", "flash_attention_value_lhs"),
+                tolerance=_half_tolerance, regimes=("zeros", "tiny")),
     ]
 
 
