@@ -346,7 +346,8 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     across calls, whose derived tensors are prepared once per set of them ("Parameters" there). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
-    or "ilp" (`extract.extract`); `progress` shows a progress bar (None: on a terminal, once a lowering takes over 5 s).
+    or "ilp" (`extract.extract`), `extract_time_limit` bounds it in CPU seconds (a plan does not depend
+    on the machine's load); `progress` shows a progress bar (None: on a terminal, once a lowering takes over 5 s).
     `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring).
     """

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from eqsat.cost import get_device, kernel_cost, kernels
-from extract.greedy import GreedyResult, extract_greedy
+from extract.greedy import GreedyResult, cpu_clock, extract_greedy
 from extract.ilp import IlpResult, extract_ilp
 from extract.serialized import EGraphData, Selection, load, reachable_classes
 
@@ -92,7 +92,7 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     device = get_device(device)
     costs = graph.node_costs(device)
     seconds["load"] = time.perf_counter() - started
-    deadline = time.perf_counter() + time_limit
+    deadline = cpu_clock() + time_limit  # CPU seconds: plans do not depend on the machine's load
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:
         return selection.cost(costs, cutoff)
@@ -110,7 +110,7 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
                          "polish": greedy.polish.as_dict() if greedy.polish else None, "stopped": greedy.stopped}
     if method in ("auto", "ilp"):
         began = time.perf_counter()
-        remaining = deadline - began
+        remaining = deadline - cpu_clock()
         if remaining <= 0:
             details["ilp"] = {"status": "not started: time limit", "objective": math.nan, "variables": 0,
                               "constraints": 0, "seconds": 0.0, "stopped": "time_limit"}
@@ -187,7 +187,7 @@ def _regional(graph, roots, costs, best, best_cost, score, deadline, per_region,
     for region in regions:
         if spent >= budget:
             break
-        remaining = deadline - time.perf_counter()
+        remaining = deadline - cpu_clock()
         if remaining <= 0.05:
             stopped = "time_limit"
             break

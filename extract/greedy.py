@@ -91,6 +91,10 @@ from extract.serialized import (
     strongly_connected,
 )
 
+# The clock `extract_time_limit` is counted on: this process's CPU seconds, so that a busy machine
+# (a shared CI runner, a compile beside it) gets the same plan an idle one does, not a cut-short one.
+cpu_clock = time.process_time
+
 _TOLERANCE = 1e-17
 # Expression nodes one kernel may compute, counted as a tree (what the pass sums `local` over): a
 # choice past it loses to any choice within it, whatever their costs, and an expression class past
@@ -517,7 +521,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     modeled seconds); it may return `inf` once past `cutoff`. The best-scoring round wins (the
     first on ties) and is then improved by `polish` (`polish_passes=0` skips that). Deterministic:
     the same graph, roots and costs give the same selection, unless `deadline` (a
-    `time.perf_counter()` value) comes first: a round after the first runs only if it and the polish
+    `cpu_clock()` value) comes first: a round after the first runs only if it and the polish
     (each timed like the last round) fit before it, the polish stops between two moves at it, and
     `stopped` says "time_limit" when either happened.
     """
@@ -552,10 +556,10 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             paid = materialized["horizontal"]
         else:
             raise ValueError(f"unknown greedy round {name!r}; known: plain, {', '.join(ROUNDS)}")
-        if best is not None and deadline is not None and time.perf_counter() + 2 * last_round > deadline:
+        if best is not None and deadline is not None and cpu_clock() + 2 * last_round > deadline:
             stopped = "time_limit"  # another round and the polish would not fit: polish what we have
             break
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), cpu_clock()
         selection, sweeps = _acyclic_pass(problem, set(banned), paid, shared, max_evaluations_per_node)
         total_sweeps += sweeps
         materialized[name] = frozenset(
@@ -564,12 +568,13 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         value = seen[key] if key in seen else score(selection, best_score)
         seen[key] = value
         history.append((name, value))
-        seconds[name] = last_round = time.perf_counter() - began
+        seconds[name] = time.perf_counter() - began
+        last_round = cpu_clock() - began_cpu
         if best is None or value < best_score * (1 - 1e-12):  # a later round must be strictly better
             best, best_score = selection, value
     assert best is not None
     report = None
-    if polish_passes and deadline is not None and time.perf_counter() > deadline:
+    if polish_passes and deadline is not None and cpu_clock() > deadline:
         stopped = "time_limit"  # no time left for the polish: the best round's plan as it is
         report = PolishReport(stopped="time_limit")
     elif polish_passes:
@@ -910,7 +915,7 @@ class _Polish:
         self.kernel_cost[owner], kernel_reads[owner] = found.cost, found.reads
 
     def out_of_time(self) -> bool:
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        if self.deadline is not None and cpu_clock() > self.deadline:
             self.report.stopped = "time_limit"
             return True
         return False
@@ -1149,7 +1154,7 @@ def polish(selection: Selection, costs, *, fallback: dict | None = None, max_pas
     stays acyclic; tensors no kernel reads any more after the move are dropped, and their cost with
     them. `fallback` (slot -> node, e.g. a greedy pass's choice for every class) supplies nodes
     for expression classes the selection does not reach yet. Past `deadline` (a
-    `time.perf_counter()` value) the polish stops between two moves and returns the plan so far,
+    `cpu_clock()` value) the polish stops between two moves and returns the plan so far,
     with `report.stopped == "time_limit"`.
     """
     try:
