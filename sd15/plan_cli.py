@@ -557,21 +557,83 @@ def _emitted_cell(row: dict[str, Any]) -> str:
 
 
 def _verdict(winner, ours, theirs, fmt) -> str:
-    """Who does better, plainly; XLA's wins are marked in bold red."""
+    """Who does better, plainly, with both sides' factor; XLA's wins are marked in bold red."""
     if winner is None:
         return "n/a"
     if winner == "tie":
         return "tie"
     difference = fmt(abs(ours - theirs))
     if winner == "xla":
-        return f"[bold red]XLA better by {difference}[/]"
+        ratio = f" ({ours / theirs:.1f}x)" if theirs else ""
+        return f"[bold red]XLA better by {difference}{ratio}[/]"
     ratio = f" ({theirs / ours:.1f}x)" if ours else ""
     return f"[green]eqsat better by {difference}{ratio}[/]"
 
 
+COMPONENT_TITLES = {"unet": "UNet CFG step", "vae": "VAE decode", "text_encoder": "text encoder"}
+# What kind of figure each row is: counted (from the plan or the compiled program), modeled (the
+# roofline cost model, eqsat.cost), measured (a clock on this machine).
+COUNTED, MODELED, MEASURED, COMPARED = "counted", "modeled", "measured", ""
+FOOTNOTES = (
+    "prepared: kernels that read only the weights (and operands hoisted out of per-call kernels), run once "
+    "per set of weights by the prepare stage (`optimize(..., params_argnums=0)`), not on every call.",
+    "statistics in epilogues: normalization statistics (GroupNorm/LayerNorm sums) computed in the epilogue of "
+    "the kernel that writes the normalized tensor, as per-tile partials its readers merge: no kernel of their "
+    "own, no memset.",
+    "compile: wall seconds of the deviceless H100 compile in a subprocess (its CPU seconds in parentheses); "
+    "optimize: wall seconds of lift, e-graph build, saturation, extraction and the prepare split.",
+)
+
+
+def _rows(rows: dict[str, Any]):
+    """(label, kind, cell) per table row."""
+    compile_winner = lambda r: _winner(r.get("emit_compile_seconds"), r.get("xla_compile_seconds"))  # noqa: E731
+    return [
+        ("naive kernels (1 per primitive)", COUNTED, lambda r: _count(r["naive_kernels"])),
+        ("eqsat planned kernels: per call / prepared", COUNTED,
+         lambda r: f"{_count(r.get('planned_kernels'))} / {_count(r.get('prepared_kernels'))}"),
+        ("eqsat emitted kernels (H100 executable)", COUNTED, _emitted_cell),
+        ("  of which Pallas kernels", COUNTED, lambda r: _count(r.get("emitted_pallas_kernels"))),
+        ("XLA kernels (jax.jit, H100)", COUNTED, lambda r: _count(r["xla_kernels"])),
+        ("  of which read only weights/inputs", COUNTED, lambda r: _count(r.get("xla_input_only_kernels"))),
+        ("memsets (not kernels): eqsat / XLA", COUNTED, lambda r: _pair(r.get("emitted_memsets"), r.get("xla_memsets"))),
+        ("copies (not kernels): eqsat / XLA", COUNTED, lambda r: _pair(r.get("emitted_copies"), r.get("xla_copies"))),
+        ("eqsat statistics in epilogues", COUNTED, lambda r: _count(r.get("plan_hosted_statistics"))),
+        ("kernels", COMPARED, lambda r: _verdict(r["winner_kernels"], our_kernels(r), r["xla_kernels"], _count)),
+        ("eqsat HBM bytes", MODELED, lambda r: _size(r["plan_bytes"])),
+        ("XLA HBM bytes", MODELED, lambda r: _size(r["xla_bytes"])),
+        ("HBM traffic", COMPARED, lambda r: _verdict(r["winner_bytes"], r["plan_bytes"], r["xla_bytes"], _size)),
+        ("eqsat step time (roofline, H100)", MODELED, lambda r: _microseconds(r.get("plan_modeled_seconds"))),
+        ("eqsat peak activations (plan)", MODELED, lambda r: _size(r["plan_peak_bytes"])),
+        ("eqsat temporary memory (H100 executable)", COUNTED, lambda r: _size(r.get("emitted_temp_bytes"))),
+        ("XLA temporary memory (H100 executable)", COUNTED, lambda r: _size(r["xla_temp_bytes"])),
+        ("memory", COMPARED, lambda r: _verdict(r["winner_memory"], our_memory(r), r["xla_temp_bytes"], _size)),
+        ("eqsat optimize", MEASURED, lambda r: _seconds(r.get("optimize_wall_seconds") or r["optimize_seconds"])),
+        ("eqsat emitted H100 compile (subprocess CPU)", MEASURED, lambda r: _compile_cell(r, "emit")),
+        ("XLA H100 compile (subprocess CPU)", MEASURED, lambda r: _compile_cell(r, "xla")),
+        ("compile time", COMPARED, lambda r: _verdict(compile_winner(r), r.get("emit_compile_seconds"),
+                                                      r.get("xla_compile_seconds"), _seconds)),
+        ("extractor", "", lambda r: str(r.get("extractor") or "n/a")),
+        ("saturated", "", lambda r: "n/a" if r.get("saturated") is None else
+         ("yes" if r["saturated"] else f"no ({r.get('limit_reached') or 'limit'})")),
+    ]
+
+
+def _microseconds(value) -> str:
+    return "n/a" if value is None else f"{float(value) * 1e6:,.0f} µs"
+
+
+def _title(report: dict[str, Any]) -> str:
+    parts = [COMPONENT_TITLES.get(name, name) for name in report["components"]]
+    return (f"SD 1.5 kernel plans: {', '.join(parts)} ({report['config']} config, {report['dtype']}, "
+            f"target {report['device']})")
+
+
 def render(report: dict[str, Any], console=None) -> None:
-    """The rich table: one column per component, one row per measure."""
+    """The rich table: one column per component, one row per measure, each row saying whether its
+    figure is counted, modeled or measured; then the footnotes, wrapped to the console's width."""
     from rich.console import Console
+    from rich.padding import Padding
     from rich.table import Table
 
     if console is None:
@@ -580,53 +642,28 @@ def render(report: dict[str, Any], console=None) -> None:
             console = Console(width=160)
     rows = report["components"]
     names = list(rows)
-    table = Table(
-        title=f"SD 1.5 kernel plans ({report['config']}, {report['size']}x{report['size']}, {report['dtype']}, "
-        f"UNet CFG batch {report['batch']}, target {report['device']})",
-        show_lines=False,
-    )
+    table = Table(title=_title(report), show_lines=False)
     table.add_column("measure", style="bold")
+    table.add_column("figure", style="dim")
     for name in names:
         table.add_column(name, justify="right")
-
-    def add(label, cell):
-        table.add_row(label, *(cell(rows[name]) for name in names))
-
-    add("naive kernels (1 per primitive)", lambda r: _count(r["naive_kernels"]))
-    add("eqsat planned kernels: per call / prepared", lambda r: f"{_count(r.get('planned_kernels'))} / "
-        f"{_count(r.get('prepared_kernels'))}")
-    add("eqsat emitted kernels (H100 executable)", lambda r: _emitted_cell(r))
-    add("  of which Pallas kernels", lambda r: _count(r.get("emitted_pallas_kernels")))
-    add("XLA kernels (jax.jit, H100)", lambda r: _count(r["xla_kernels"]))
-    add("  of which read only weights/inputs", lambda r: _count(r.get("xla_input_only_kernels")))
-    add("memsets (not kernels): eqsat / XLA", lambda r: _pair(r.get("emitted_memsets"), r.get("xla_memsets")))
-    add("copies (not kernels): eqsat / XLA", lambda r: _pair(r.get("emitted_copies"), r.get("xla_copies")))
-    add("eqsat statistics in epilogues", lambda r: _count(r.get("plan_hosted_statistics")))
-    add("fewer kernels", lambda r: _verdict(r["winner_kernels"], our_kernels(r), r["xla_kernels"], _count))
-    add("eqsat modeled HBM bytes", lambda r: _size(r["plan_bytes"]))
-    add("XLA modeled HBM bytes", lambda r: _size(r["xla_bytes"]))
-    add("less HBM traffic", lambda r: _verdict(r["winner_bytes"], r["plan_bytes"], r["xla_bytes"], _size))
-    add("eqsat peak activations (plan)", lambda r: _size(r["plan_peak_bytes"]))
-    add("eqsat temporary memory (H100 executable)", lambda r: _size(r.get("emitted_temp_bytes")))
-    add("XLA temporary memory", lambda r: _size(r["xla_temp_bytes"]))
-    add("less memory", lambda r: _verdict(r["winner_memory"], our_memory(r), r["xla_temp_bytes"], _size))
-    add("eqsat optimize seconds", lambda r: _seconds(r["optimize_seconds"]))
-    add("eqsat emitted H100 compile (subprocess CPU)", lambda r: _compile_cell(r, "emit"))
-    add("XLA H100 compile (subprocess CPU)", lambda r: _compile_cell(r, "xla"))
-    add("extractor", lambda r: str(r.get("extractor") or "n/a"))
-    add("saturated", lambda r: "n/a" if r.get("saturated") is None else
-        ("yes" if r["saturated"] else f"no ({r.get('limit_reached') or 'limit'})"))
+    for label, kind, cell in _rows(rows):
+        table.add_row(label, kind, *(cell(rows[name]) for name in names))
     console.print(table)
+
+    def note(text: str, style: str = "") -> None:
+        console.print(Padding(text, (0, 0, 0, 2), style=style))
+
     for name in names:
         row = rows[name]
         stages = row["optimize_seconds"]
         stages = f"; optimizer stages: {_stages(stages)}" if isinstance(stages, dict) else ""
-        console.print(f"  {name}: {row['description']}{stages}")
+        note(f"{name}: {row['description']}{stages}")
+    for footnote in FOOTNOTES:
+        note(footnote)
     if any(rows[name].get("xla_bytes_source", "").startswith("modeled") for name in names):
-        console.print(
-            "  XLA bytes: XLA gives no cost analysis for a compile-only H100 executable; modeled as "
-            "operand + result bytes of every kernel in its optimized HLO (the same model as eqsat's)."
-        )
+        note("XLA bytes: XLA gives no cost analysis for a compile-only H100 executable; modeled as operand + result "
+             "bytes of every kernel in its optimized HLO (the same model as eqsat's).")
     for name in names:
         row = rows[name]
         if row.get("emitted_non_pallas"):
@@ -634,15 +671,14 @@ def render(report: dict[str, Any], console=None) -> None:
                                  + (f", in {launch['kernel']})" if launch["kernel"] else ")")
                                  for launch in row["emitted_non_pallas"][:8])
             more = len(row["emitted_non_pallas"]) - 8
-            console.print(f"  {name}: {len(row['emitted_non_pallas'])} launches that are not Pallas kernels: {launches}"
-                          + (f" and {more} more" if more > 0 else ""))
+            note(f"{name}: {len(row['emitted_non_pallas'])} launches that are not Pallas kernels: {launches}"
+                 + (f" and {more} more" if more > 0 else ""))
         for key, what in (("emitted_missing", "planned kernels with no Pallas launch"),
                           ("emitted_extra", "Pallas launches beyond the plan")):
             if row.get(key):
-                console.print(f"  {name}: {len(row[key])} {what}: {', '.join(row[key][:8])}"
-                              + (" ..." if len(row[key]) > 8 else ""))
-    for note in report["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+                note(f"{name}: {len(row[key])} {what}: {', '.join(row[key][:8])}" + (" ..." if len(row[key]) > 8 else ""))
+    for text in report["notes"]:
+        console.print(Padding(f"[yellow]note:[/] {text}", (0, 0, 0, 0)))
     for error in report.get("errors", []):
         console.print(f"[bold red]error:[/] {error}")
 

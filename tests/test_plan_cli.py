@@ -174,7 +174,8 @@ def test_table_shows_where_xla_is_better():
     row.update(
         description="a component", naive_kernels=100, fused_kernels=40, planned_kernels=40, xla_kernels=30,
         plan_bytes=2**30, xla_bytes=2**31, plan_peak_bytes=2**20, xla_temp_bytes=2**21,
-        optimize_seconds={"lift": 1.0, "saturate": 2.0}, xla_compile_seconds=1.5,
+        optimize_seconds={"lift": 1.0, "saturate": 2.0}, optimize_wall_seconds=3.04, xla_compile_seconds=1.5,
+        emit_compile_seconds=15.0,
     )
     row["winner_kernels"] = plan_cli._winner(plan_cli.our_kernels(row), row["xla_kernels"])
     row["winner_bytes"] = plan_cli._winner(row["plan_bytes"], row["xla_bytes"])
@@ -186,9 +187,31 @@ def test_table_shows_where_xla_is_better():
     console = Console(record=True, width=200)
     plan_cli.render(report, console)
     text = console.export_text()
-    assert "XLA better by 10" in text
-    assert "eqsat better by 1.00 GiB" in text
+    assert "XLA better by 10 (1.3x)" in text
+    assert "eqsat better by 1.00 GiB (2.0x)" in text
+    assert "XLA better by 13.5 s (10.0x)" in text  # compile time: our losses are rows too
     assert "3.0 s" in text and "optimizer stages: lift 1.0 s, saturate 2.0 s" in text
+    assert "SD 1.5 kernel plans: UNet CFG step (full config" in text and "VAE" not in text.splitlines()[0]
+    lines = text.splitlines()
+    assert any("naive kernels" in line and "counted" in line for line in lines)
+    assert any("HBM bytes" in line and "modeled" in line for line in lines)
+    assert any("eqsat optimize" in line and "measured" in line for line in lines)
+    assert "prepared: kernels that read only the weights" in text and "statistics in epilogues:" in text
+
+
+def test_footnotes_wrap_to_the_console_with_their_indent():
+    row = {key: None for key in plan_cli.KEYS}
+    row.update(description="a component " * 12, winner_kernels=None, winner_bytes=None, winner_memory=None)
+    report = {"config": "tiny", "size": 16, "dtype": "float16", "batch": 2, "device": "h100", "notes": [],
+              "components": {"text_encoder": row}}
+    console = Console(record=True, width=72)
+    plan_cli.render(report, console)
+    text = console.export_text()
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "text_encoder: a component" in line)
+    footnote_lines = lines[first:]
+    assert all(len(line) <= 72 for line in footnote_lines)
+    assert all(line.startswith("  ") for line in footnote_lines if line.strip())
 
 
 def test_plan_command_is_registered_with_its_options():
