@@ -1183,4 +1183,17 @@ def lift(fn, *args, static_argnums=(), static_argnames=(), kwargs=None) -> Progr
     program.out_tree = jax.tree_util.tree_structure(out_shape)
     program.static_argnums = static_argnums
     program.static_argnames = tuple(static_kwargs)
+    program.argument_names = _argument_names(fn, len(args), static_argnums)
     return program
+
+
+def _argument_names(fn, count: int, static_argnums: tuple[int, ...]) -> tuple[str, ...]:
+    """The parameter names of `fn`'s dynamic positional arguments (`args[i]` past its named ones)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    named = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(named[i] if i < len(named) else f"args[{i}]" for i in range(count) if i not in static_argnums)

@@ -111,11 +111,12 @@ class Lowered:
                 self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
         return self._emitted[key]
 
-    def show(self, **options) -> None:
-        """Draw the plan in a notebook (`eqsat.viz.plan_drawing`; text where Graphviz is missing)."""
+    def show(self, path=None, **options):
+        """Draw the plan (`eqsat.viz.plan_drawing`): into `path` when given (`.svg`, `.png`, `.pdf`,
+        `.dot`, `.txt`), else in a notebook (text where Graphviz is missing, or outside a notebook)."""
         from eqsat import viz
 
-        viz.show(viz.plan_drawing(self.plan, **options))
+        return viz.show(viz.plan_drawing(self.plan, **options), path)
 
     def _repr_svg_(self):
         from eqsat import viz
@@ -137,8 +138,8 @@ class Lowered:
             f"{s['naive_kernels']} naive kernels -> {s['fused_kernels']} fused ({s['extractor']}) on {s['device']}"
             + (f"; loop bodies: {s['naive_loop_body_kernels']} naive -> {s['loop_body_kernels']} fused kernels"
                if s.get("loop_body_kernels") else ""),
-            f"modeled {s['plan_seconds'] * 1e6:,.1f} µs, {s['plan_bytes'] / 1e6:,.1f} MB moved, "
-            f"peak activations {s['plan_peak_bytes'] / 1e6:,.1f} MB",
+            f"modeled {s['plan_seconds'] * 1e6:,.1f} µs, {s['plan_bytes'] / 2**20:,.1f} MiB moved, "
+            f"peak activations {s['plan_peak_bytes'] / 2**20:,.1f} MiB",
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]
@@ -149,7 +150,7 @@ class Lowered:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "
                      f"parameters ({s['hoisted_kernels']} hoisted from per-call operands, "
-                     f"{s['prepared_bytes'] / 1e6:,.1f} MB kept)")
+                     f"{s['prepared_bytes'] / 2**20:,.1f} MiB kept)")
         return "\n".join(lines) + "\n" + self.split.summary(depth)
 
 

@@ -11,6 +11,8 @@ A program is a term DAG plus the side tables its terms refer to by key:
   and of the results;
 - `static_argnums`/`static_argnames`: the arguments closed over when tracing (see `eqsat.lift.lift`);
 - `warnings`: messages about primitives lifted as `Opaque`;
+- `argument_names`: the function's parameter names of the dynamic positional arguments, in order
+  (what drawings and reports call the inputs; `args[2]` for a `*args` one);
 - `effect_outputs`: how many of the last `outputs` are effect tokens, not results (the final token
   of the effects the function runs, see `eqsat.lift`); extraction computes them, `results` drops them.
 """
@@ -38,6 +40,7 @@ class Program:
     static_argnames: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
     effect_outputs: int = 0
+    argument_names: tuple[str, ...] = ()  # the function's names of its dynamic positional arguments
 
     def kernel_terms(self) -> list[Term]:
         """Kernel Tensor terms reachable from the outputs (loop bodies included), in postorder."""

@@ -3,6 +3,7 @@
     plan.to_dot()                              kernels as boxes (kind, component, fused expression),
                                                tensors as edges labelled with their type and size
     lowered.show() / plan_drawing(plan)        the same, displayed inline in a notebook
+    lowered.show("plan.svg")                   written to a file (.svg, .png, .pdf by Graphviz; .dot, .txt)
     plans_drawing({"naive": a, "fused": b})    plans side by side
     egraph_view(lowered, component="mid_block.attentions.0", depth=2)
                                                the e-classes around one component, tensor or class,
@@ -21,6 +22,7 @@ import subprocess
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from eqsat.lang import KERNEL_OPS
 
@@ -64,9 +66,34 @@ class Drawing:
     def __repr__(self) -> str:
         return self.text if dot_program() else f"{NO_DOT}\n{self.text}"
 
+    def save(self, path) -> Path:
+        """Write the drawing to `path`, in the format its suffix names: `.svg`, `.png`, `.pdf` (by
+        Graphviz's `dot`), `.dot`/`.gv` (the DOT source) or `.txt` (the text rendering)."""
+        path = Path(path)
+        suffix = path.suffix.lower().lstrip(".")
+        if suffix in ("dot", "gv"):
+            path.write_text(self.source)
+        elif suffix == "txt":
+            path.write_text(self.text + "\n")
+        elif suffix in ("svg", "png", "pdf"):
+            dot = dot_program()
+            if dot is None:
+                raise RuntimeError(f"writing {path.name} needs Graphviz's `dot` (apt install graphviz); "
+                                   f"save as .dot or .txt instead")
+            result = subprocess.run([dot, f"-T{suffix}", "-o", str(path)], input=self.source.encode(),
+                                    capture_output=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"dot failed ({result.returncode}): {result.stderr.decode()[:500]}")
+        else:
+            raise ValueError(f"cannot tell the format of {path.name!r}: use .svg, .png, .pdf, .dot, .gv or .txt")
+        return path
 
-def show(drawing: Drawing) -> None:
-    """Display `drawing` in a running notebook (SVG, or text without `dot`); print its text elsewhere."""
+
+def show(drawing: Drawing, path=None) -> Path | None:
+    """Write `drawing` to `path` when given (`Drawing.save`); else display it in a running notebook
+    (SVG, or text without `dot`) and print its text elsewhere."""
+    if path is not None:
+        return drawing.save(path)
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -76,6 +103,7 @@ def show(drawing: Drawing) -> None:
         display(drawing)
     else:
         print(repr(drawing))
+    return None
 
 
 def human_bytes(count: float) -> str:
@@ -98,11 +126,103 @@ def _wrap(text: str, width: int, limit: int) -> str:
 # --- the plan ----------------------------------------------------------------------------------------
 
 
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+          "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+
+
+def _number(value) -> str:
+    return f"{float(value):.6g}"
+
+
+def _dims_text(text: str) -> str:
+    """Matmul dims `"1;0;;"` -> `"1·0"`, `"2;1;0;0"` -> `"2·1, batch 0·0"`."""
+    lc, rc, lb, rb = (text.split(";") + ["", "", "", ""])[:4]
+    out = f"{lc or '-'}·{rc or '-'}"
+    return out + (f", batch {lb}·{rb}" if lb or rb else "")
+
+
+def _conv_text(key: str, weights) -> str:
+    from eqsat.conv_params import ConvParams
+    from eqsat.types import parse_type
+
+    conv = ConvParams.parse(key)
+    shape = parse_type(weights.ty).shape
+    window = "x".join(str(shape[d]) for d in conv.rhs_spec[2:])
+    parts = [window]
+    if any(s != 1 for s in conv.strides):
+        parts.append("stride " + ",".join(map(str, conv.strides)))
+    if any(v for pair in conv.padding for v in pair):
+        parts.append("pad " + ",".join(f"{lo}:{hi}" if lo != hi else str(lo) for lo, hi in conv.padding))
+    if conv.feature_groups != 1:
+        parts.append(f"groups {conv.feature_groups}")
+    return " ".join(parts)
+
+
+def expression_text(kernel, names: dict, limit: int = 4000) -> str:
+    """A kernel's fused expression for people: arithmetic infix, literals as numbers, tensors by
+    buffer (or argument) name, reshapes and broadcasts implicit, a library core named with its
+    shape (`conv3x3 pad 1(x, w)`, `matmul 1·0(x, w)`) and its epilogue applied to `acc`."""
+    out: dict[int, str] = {}
+    stack = [(kernel, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in out:
+            continue
+        if node is not kernel and node.sort == "Tensor":
+            out[id(node)] = names.get(node, node.op)
+            continue
+        if not ready:
+            stack.append((node, True))
+            stack.extend((c, False) for c in node.children if id(c) not in out)
+            continue
+        text = _node_text(node, [out.get(id(a), a) for a in node.args])
+        out[id(node)] = text if len(text) <= limit else text[: limit - 1] + "…"
+    return out[id(kernel)]
+
+
+def _node_text(node, args: list) -> str:
+    op = node.op
+    if op == "Lit":
+        return _number(args[0])
+    if op == "Acc":
+        return "acc"
+    if op in ("Load", "Pointwise", "Reshape", "Broadcast"):
+        return str(args[0])
+    if op == "Binary" and args[0] in _INFIX:
+        return f"({args[1]} {_INFIX[args[0]]} {args[2]})"
+    if op in ("Binary", "Unary"):
+        name = str(args[0])
+        if name.startswith("integer_pow:"):
+            return f"{args[1]}^{name.split(':', 1)[1]}"
+        if name == "convert":
+            return f"{node.ty.split('[', 1)[0]}({args[1]})"
+        return f"{name}({', '.join(map(str, args[1:-1]))})"
+    if op == "Select":
+        return f"({args[1]} if {args[0]} else {args[2]})"
+    if op == "Transpose":
+        return f"transpose({args[0]}, {args[1]})"
+    if op == "Slice" and len(args) >= 5:
+        return f"{args[0]}[axis {args[1]}: {args[2]}:{args[3]}]"
+    if op == "Matmul":
+        return f"{args[3]}  with acc = matmul {_dims_text(str(args[2]))}({args[0]}, {args[1]})"
+    if op == "Conv":
+        return f"{args[3]}  with acc = conv{_conv_text(str(args[2]), node.args[1])}({args[0]}, {args[1]})"
+    if op == "Attention":
+        return f"{args[5]}  with acc = attention({args[0]}, {args[1]}, {args[2]}, bias {args[3]}, scale {args[4]})"
+    shown = [str(a) if not isinstance(a, float) else _number(a) for a in (args[:-1] if node.sort != "TensorList" else args)]
+    return f"{op.lower()}({', '.join(shown)})"
+
+
+def display_names(plan) -> dict:
+    """Buffer term -> the name a drawing shows: the argument's own name (`x`, `params['…weight']`)
+    for an input, the buffer's name (`%3`) for anything computed."""
+    paths = input_paths(plan.program)
+    return {buffer.term: paths.get(buffer.name) or buffer.name for buffer in plan.buffers}
+
+
 def _plan_parts(plan, expression_chars: int):
     """Per kernel: (label lines, color); per edge: (source id, target id, label, hosted statistics?)."""
-    from extract.plan import render
-
-    names = {buffer.term: buffer.name for buffer in plan.buffers}
+    names = display_names(plan)
     buffers = {buffer.term: buffer for buffer in plan.buffers}
     kernels = []
     for kernel in plan.kernels:
@@ -111,10 +231,10 @@ def _plan_parts(plan, expression_chars: int):
         if body:
             head += f"  (body: {len(body)} kernels per iteration)"
         component = kernel.component
-        expression = render(kernel.term, names, limit=expression_chars + 1)
+        expression = expression_text(kernel.term, names, limit=expression_chars + 1)
         if len(expression) > expression_chars:
             expression = expression[: expression_chars - 1] + "…"
-        statistics = [f"+ statistics {names[t]}: {render(t, names, limit=80)}" for t in kernel.hosted]
+        statistics = [f"+ statistics {names[t]}: {expression_text(t, names, limit=80)}" for t in kernel.hosted]
         kernels.append((kernel, head, component, expression, statistics))
     edges = []
     for kernel in plan.kernels:
@@ -123,7 +243,7 @@ def _plan_parts(plan, expression_chars: int):
             if buffer is None:
                 continue
             source = f"k{buffer.first}" if buffer.first >= 0 else f"in_{buffer.name}"
-            label = f"{buffer.name} {tensor.ty} {human_bytes(buffer.bytes)}"
+            label = f"{names[buffer.term]} {tensor.ty} {human_bytes(buffer.bytes)}"
             edges.append((source, f"k{kernel.index}", label, tensor.op == "EpilogueReduce"))
     return kernels, edges, buffers
 
@@ -141,17 +261,31 @@ def _last_modules(path: str, count: int) -> str:
 
 
 def input_paths(program) -> dict[str, str]:
-    """Input name (`arg3`) -> where the leaf sits in the function's arguments: `[2]` for the third
-    positional argument, `[0]['…attn1.to_q.weight']` for a leaf of a parameter dict."""
+    """Input name (`arg3`) -> where the leaf sits in the function's arguments, by the function's
+    own names: `w` for its second parameter, `params['…attn1.to_q.weight']` for a leaf of a
+    parameter dict, `scale` for a keyword argument (`[1]`, `[0]['…']` where the names are unknown)."""
     if program is None or program.in_tree is None:
         return {}
     import jax
 
+    names = tuple(getattr(program, "argument_names", ()) or ())
     skeleton = jax.tree_util.tree_unflatten(program.in_tree, list(range(len(program.inputs))))
     out = {}
     for path, index in jax.tree_util.tree_flatten_with_path(skeleton)[0]:
         parts = []
-        for key in path[1:] if path and getattr(path[0], "idx", None) == 0 else path:  # drop (args, kwargs)[0]
+        keys = list(path)
+        if keys and getattr(keys[0], "idx", None) in (0, 1):
+            positional = keys.pop(0).idx == 0  # (args, kwargs)[0] or [1]
+            if keys:
+                head = keys.pop(0)
+                name = getattr(head, "idx", getattr(head, "key", None))
+                if positional and isinstance(name, int) and name < len(names):
+                    parts.append(names[name])
+                elif not positional and isinstance(name, str):
+                    parts.append(name)
+                else:
+                    parts.append(f"[{name!r}]" if isinstance(name, str) else f"[{name}]")
+        for key in keys:
             name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
             if isinstance(name, str):
                 name = _last_modules(name, 3)
@@ -163,7 +297,8 @@ def input_paths(program) -> dict[str, str]:
 def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) -> list[str]:
     """The node and edge lines of one plan, every id prefixed by `prefix`."""
     kernels, edges, buffers = _plan_parts(plan, expression_chars)
-    external = [b for b in plan.buffers if b.first < 0]
+    order = {term.args[0]: i for i, term in enumerate(plan.program.inputs)} if plan.program is not None else {}
+    external = sorted((b for b in plan.buffers if b.first < 0), key=lambda b: order.get(b.name, len(order)))
     draw_inputs = inputs if inputs is not None else len(external) <= 24
     lines = []
     for kernel, head, component, expression, statistics in kernels:
@@ -175,7 +310,7 @@ def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) ->
     if draw_inputs:
         paths = input_paths(plan.program)
         for buffer in external:
-            label = f"{buffer.name} {paths.get(buffer.name, '')}\n{buffer.term.ty}"
+            label = f"{paths.get(buffer.name) or buffer.name}\n{buffer.term.ty}"
             lines.append(f"  {prefix}in_{_node_id(buffer.name)} [shape=ellipse, label={_quote(label)}];")
     elif external:
         label = f"{len(external)} inputs and constants, {human_bytes(sum(b.bytes for b in external))}"

@@ -296,7 +296,7 @@ class Plan:
         table.add_column("component", footer="total")
         table.add_column("naive", justify="right", footer=str(naive_total))
         table.add_column("fused", justify="right", footer=str(len(self.kernels)))
-        table.add_column("MB moved", justify="right", footer=f"{self.bytes / 1e6:,.1f}")
+        table.add_column("MiB moved", justify="right", footer=f"{self.bytes / 2**20:,.1f}")
         table.add_column("µs", justify="right", footer=f"{self.seconds * 1e6:,.1f}")
         table.add_column("kernels by kind")
         for r in rows:
@@ -304,10 +304,10 @@ class Plan:
             if r["loop_body"]:
                 kinds += f" (bodies: {_kind_counts(r['loop_body'])})"
             table.add_row(r["component"] or "(no scope)", str(r["naive"]), str(r["fused"]),
-                          f"{r['bytes'] / 1e6:,.1f}", f"{r['seconds'] * 1e6:,.1f}", kinds)
+                          f"{r['bytes'] / 2**20:,.1f}", f"{r['seconds'] * 1e6:,.1f}", kinds)
         console = Console(file=io.StringIO(), width=120, record=True, force_terminal=False)
         console.print(table)
-        console.print(f"peak activation memory {self.peak_bytes / 1e6:,.1f} MB")
+        console.print(f"peak activation memory {self.peak_bytes / 2**20:,.1f} MiB")
         if self.loop_body_kernels:
             naive = f" ({self.naive_loop_body_kernels} naive)" if self.naive_loop_body_kernels is not None else ""
             noun = "kernel" if self.loop_body_kernels == 1 else "kernels"
@@ -323,8 +323,8 @@ class Plan:
 
     def __repr__(self) -> str:
         naive = f"{self.naive_kernels} naive -> " if self.naive_kernels is not None else ""
-        return (f"Plan({naive}{len(self.kernels)} kernels, {self.bytes / 1e6:,.1f} MB, "
-                f"{self.seconds * 1e6:,.1f} µs on {self.device}, peak {self.peak_bytes / 1e6:,.1f} MB, "
+        return (f"Plan({naive}{len(self.kernels)} kernels, {self.bytes / 2**20:,.1f} MiB, "
+                f"{self.seconds * 1e6:,.1f} µs on {self.device}, peak {self.peak_bytes / 2**20:,.1f} MiB, "
                 f"{self.extractor})")
 
     def to_dict(self) -> dict:

@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqsat
@@ -36,7 +37,7 @@ def test_plan_dot_has_a_box_per_kernel_and_an_edge_per_tensor_read(lowered):
         assert f"%{kernel.index} {kernel.kind}" in source
     reads = sum(len(k.inputs) for k in plan.kernels)
     assert len(re.findall(r"-> k\d+ \[", source)) == reads
-    assert "arg0 f32[24,16] 1.5 KiB" in source                      # a tensor edge: name, type, size
+    assert "x f32[24,16] 1.5 KiB" in source                         # a tensor edge: name, type, size
     assert "outputs [shape=doublecircle" in source and re.search(r"k\d+ -> outputs", source)
 
 
@@ -133,6 +134,34 @@ def test_inputs_are_labelled_with_their_place_in_the_arguments():
 
     params = {"down_blocks.0.attentions.1.proj_in.weight": _spec(4, 6), "bias": _spec(6)}
     lowered = eqsat.optimize(linear, progress=False).lower(params, _spec(3, 4))
-    assert viz.input_paths(lowered.program) == {"arg0": "[0]['bias']", "arg1": "[0]['…attentions.1.proj_in.weight']",
-                                                "arg2": "[1]"}
-    assert "arg1 [0]['…attentions.1.proj_in.weight']" in lowered.plan.to_dot()
+    assert viz.input_paths(lowered.program) == {"arg0": "params['bias']",
+                                                "arg1": "params['…attentions.1.proj_in.weight']", "arg2": "x"}
+    dot = lowered.plan.to_dot()
+    assert "params['…attentions.1.proj_in.weight']" in dot and "arg1" not in dot.replace("in_arg1", "")
+
+
+def test_inputs_are_named_and_drawn_in_the_functions_order(tmp_path):
+    def block(x, w, b, r, *rest, scale=1.0):
+        return jax.nn.gelu(x @ w + b) * scale + r + rest[0]
+
+    args = [_spec(8, 4), _spec(4, 6), _spec(6), _spec(8, 6), _spec(8, 6)]
+    lowered = eqsat.optimize(block, progress=False).lower(*args, scale=np.float32(2.0))
+    assert viz.input_paths(lowered.program) == {"arg0": "x", "arg1": "w", "arg2": "b", "arg3": "r",
+                                                "arg4": "args[4]", "arg5": "scale"}
+    dot = lowered.plan.to_dot()
+    drawn = [line.split("label=")[1].split("\\l")[0].strip('"') for line in dot.splitlines() if "shape=ellipse" in line]
+    assert drawn[:4] == ["x", "w", "b", "r"]
+    text = viz.plan_text(lowered.plan)
+    assert "matmul 1·0(x, w)" in text and "'1;0;;'" not in text and "Binary(" not in text
+
+
+@pytest.mark.parametrize("suffix", ["dot", "txt", "svg", "png"])
+def test_a_plan_drawing_is_written_to_a_file(tmp_path, suffix):
+    if suffix in ("svg", "png") and viz.dot_program() is None:
+        pytest.skip("Graphviz's dot is not installed")
+    lowered = eqsat.optimize(lambda x: jnp.sin(x) * 2, progress=False).lower(_spec(4, 4))
+    path = lowered.show(tmp_path / f"plan.{suffix}")
+    data = path.read_bytes()
+    assert data[:4] == b"\x89PNG" if suffix == "png" else (b"<svg" in data if suffix == "svg" else len(data) > 10)
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        lowered.show(tmp_path / "plan.xyz")
