@@ -589,10 +589,19 @@ def plot_lifetimes(plan, ax=None, largest: int = 40):
     colors = plt.cm.viridis([s / top for s in sizes])
     ax.barh(range(len(buffers)), [b.last - b.first + 1 for b in buffers], left=[b.first for b in buffers],
             color=colors, height=0.8)
-    ax.set_yticks(range(len(buffers)), [f"{b.name} {human_bytes(b.bytes)}" for b in buffers], fontsize=7)
+    ax.set_yticks(range(len(buffers)), [_buffer_label(plan, b) for b in buffers], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("kernel (plan order)")
+    ax.set_xlabel("kernel (plan order): a bar runs from the kernel writing the buffer to its last reader")
+    mappable = plt.cm.ScalarMappable(norm=plt.Normalize(0, top), cmap=plt.cm.viridis)
+    ax.figure.colorbar(mappable, ax=ax, label="buffer size (MiB)", fraction=0.03, pad=0.01)
     return ax
+
+
+def _buffer_label(plan, buffer) -> str:
+    """`%14 down_blocks.0.resnets.0 conv · 40.0 MiB`: the buffer, who writes it, its size."""
+    writer = plan.kernels[buffer.first] if 0 <= buffer.first < len(plan.kernels) else None
+    who = f" {_last_modules(writer.component, 2) or '(no scope)'} {writer.kind}" if writer is not None else ""
+    return f"{buffer.name}{who} · {human_bytes(buffer.bytes)}"
 
 
 def plot_kernel_counts(series: dict[str, dict[str, float]], ax=None, title: str | None = None,

@@ -29,15 +29,12 @@ def code(text: str):
 
 
 SETUP = code('''
-import warnings
-
 import eqsat  # first: on a machine without a GPU it keeps the CUDA plugin from loading (and logging)
 import jax
 import jax.numpy as jnp
 import numpy as np
 from eqsat import viz
 
-warnings.filterwarnings("ignore", category=UserWarning)
 %matplotlib inline
 
 
@@ -67,7 +64,7 @@ def block(x, gamma, beta, w, b):
 
 
 args = [spec(256, 64), spec(64), spec(64), spec(64, 64), spec(64)]
-print(jax.make_jaxpr(block)(*args))
+print(jax.make_jaxpr(block)(*args).pretty_print(use_color=False))
 '''),
     md('''
 ## The naive program
@@ -94,10 +91,11 @@ one e-node lifting made. The output's e-class is outlined in red.
     code('''
 import extract
 from eqsat.egraph import Builder
+from eqsat.saturate import serialized_data
 
 builder = Builder()
 handles = builder.add(program.outputs)
-before = extract.load(builder.egraph._serialize())
+before = extract.load(serialized_data(builder.egraph))
 root = before.handles[handles[0]]
 print(f"{viz.language_classes(before)} e-classes, {before.num_nodes} e-nodes; "
       f"the output's e-class e{root} has {len(before.class_nodes[root])} e-node")
@@ -153,7 +151,7 @@ e-classes within two operand hops of the output, the extracted e-nodes in gold.
     code('''
 from extract.plan import Plan, plan_from_extraction
 
-after = extract.load(builder.egraph._serialize())
+after = extract.load(serialized_data(builder.egraph))
 root_after = after.handles[handles[0]]
 print(f"e-graph: {viz.language_classes(before)} -> {viz.language_classes(after)} e-classes, "
       f"{before.num_nodes} -> {after.num_nodes} e-nodes")
@@ -252,7 +250,7 @@ block_args = [spec(4096, 320, dtype=half), spec(320, dtype=half), spec(320, dtyp
               spec(320, 320, dtype=half), spec(320, dtype=half)]
 lowered = eqsat.optimize(block, progress=False).lower(*block_args)
 graph = lowered.extraction.graph
-root = graph.handles[lowered.builder.handles[lowered.program.outputs[0]]]
+root = graph.handles[lowered.builder.handle(lowered.program.outputs[0])]
 chosen = viz.chosen_nodes(lowered.extraction.selection)
 
 print(f"{'e-node':<34}{'kernel bytes':>14}{'GFLOP':>9}{'µs':>8}   whole plan")
@@ -295,7 +293,7 @@ def sd_transformer_block(params, x, context):
 
 
 def compare(name, lowered, time_limit=3.0):
-    handles = [lowered.builder.handles[t] for t in lowered.program.outputs]
+    handles = [lowered.builder.handle(t) for t in lowered.program.outputs]
     plans = {}
     for method in ("greedy", "ilp"):
         result = extract.extract(lowered.extraction.graph, handles, method=method, time_limit=time_limit)
