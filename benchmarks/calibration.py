@@ -35,6 +35,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 _UNIQUE_SUFFIX = re.compile(r"__\d+$")
@@ -110,6 +111,9 @@ def by_kind(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 # --- the calibrated model: features, fit, report ------------------------------------------------
 
 RESULTS = "benchmarks/results/gpu-h200-2ce0105.json"
+# The measured plans were extracted by the data-sheet roofline: planned again the same way, so that
+# the kernels priced are the kernels measured (names whose launches do not match are left out).
+PLANNING_DEVICE = "h100-roofline"
 FEATURES = ("memory", "mma", "alu", "serial")
 
 
@@ -141,18 +145,37 @@ def kernel_features(kernel, device, measured_template: bool = False) -> tuple[st
     return w.template, features, device.launch_overhead
 
 
-def calibrated_seconds(kernel, device, factors=None, measured_template: bool = False) -> float:
-    from eqsat.cost import work
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrated model's constants (`eqsat.cost.work`): the shared memory and ALU factors and
+    each template's `TemplateFactors`."""
+
+    memory: float
+    alu: float
+    templates: dict
+
+    @classmethod
+    def current(cls) -> "Calibration":
+        from eqsat.cost import work
+
+        return cls(work.MEMORY_FACTOR, work.ALU_FACTOR, dict(work.TEMPLATE_FACTORS))
+
+
+def calibrated_seconds(kernel, device, calibration: Calibration, measured_template: bool = False) -> float:
+    """A plan kernel's seconds under `calibration` on `device`'s data sheet (as `kernel_cost` on a
+    calibrated device prices it)."""
+    from eqsat.cost.work import TemplateFactors
 
     template, features, launch = kernel_features(kernel, device, measured_template)
-    f = (factors or work.TEMPLATE_FACTORS).get(template) or (factors or work.TEMPLATE_FACTORS)["other"]
-    return launch + sum(getattr(f, name) * features[name] for name in FEATURES)
+    f = calibration.templates.get(template, TemplateFactors())
+    return (launch + calibration.memory * features["memory"] + calibration.alu * features["alu"]
+            + f.mma * features["mma"] + f.serial * features["serial"])
 
 
-def fit(samples: list[tuple[str, dict[str, float], float, float]]) -> dict:
-    """Factors per template from (template, summed features, summed launch, measured seconds) per
-    measured kernel name: least squares of (measured - launch) / measured on the features divided
-    by measured (the relative error), all templates at once. `memory` and `alu` are one factor for
+def fit(samples: list[tuple[str, dict[str, float], float, float]]) -> Calibration:
+    """The constants from (template, summed features, summed launch, measured seconds) per measured
+    kernel name: least squares of (measured - launch) / measured on the features divided by
+    measured (the relative error), all templates at once. `memory` and `alu` are one factor for
     every template (a byte or a vector flop costs the same in any kernel: what lets extraction price
     them per e-node, `eqsat.cost.work`), `mma` and `serial` one per template; every factor is at
     least 1 (no resource runs faster than its data sheet), `serial` at least 0."""
@@ -176,9 +199,9 @@ def fit(samples: list[tuple[str, dict[str, float], float, float]]) -> dict:
     lower = np.array([0.0 if name == "serial" else 1.0 for name, _ in columns]) * scale
     coef = lsq_linear(a / scale, b, bounds=(lower, np.inf)).x / scale
     values = {column: float(c) for column, c in zip(columns, coef)}
-    shared = {"memory": values[("memory", None)], "alu": values[("alu", None)]}
-    return {t: TemplateFactors(**shared, mma=values.get(("mma", t), 1.0), serial=values.get(("serial", t), 0.0))
-            for t in templates}
+    return Calibration(values[("memory", None)], values[("alu", None)],
+                       {t: TemplateFactors(mma=values.get(("mma", t), 1.0), serial=values.get(("serial", t), 0.0))
+                        for t in templates if t != "other"})
 
 
 def _plans(components: Iterable[str]):
@@ -187,7 +210,8 @@ def _plans(components: Iterable[str]):
 
     for name in components:
         workload = workloads(batch=2, dtype="float16", components=(name,))[name]
-        lowered = optimize(workload.fn, params_argnums=0, progress=False, extract_time_limit=120.0).lower(*workload.args)
+        lowered = optimize(workload.fn, params_argnums=0, progress=False, extract_time_limit=120.0,
+                           device=PLANNING_DEVICE).lower(*workload.args)
         split = getattr(lowered, "split", None)
         yield name, split.per_call if split is not None else lowered.plan
 
@@ -220,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
             summed = {f: sum(x[1][f] for x in feats) for f in FEATURES}
             samples.append((feats[0][0], summed, sum(x[2] for x in feats), seconds))
         joined[name] = measured
-    factors = fit(samples) if args.fit else None
+    calibration = fit(samples) if args.fit else Calibration.current()
     tables = {}
     for name, plan in plans.items():
         for label, price in (("plan", lambda k: k.seconds),
-                             ("calibrated", lambda k: calibrated_seconds(k, device, factors, measured_template=True))):
+                             ("calibrated", lambda k: calibrated_seconds(k, device, calibration, measured_template=True))):
             planned = [{"name": name_of_kernel(k), "kind": k.kind, "seconds": price(k)} for k in plan.kernels]
             tables[(name, label)] = by_kind(join(planned, joined[name]))
-    print(f"measured: {args.results} ({report['device']}, jax {report['jax']}); modeled on {device.name}")
+    print(f"measured: {args.results} ({report['device']}, jax {report['jax']}); planned on {PLANNING_DEVICE}, "
+          f"calibrated model on {device.name}; {len(samples)} measured kernel names joined")
     print(f"{'component':13} {'model':10} {'kind':10} {'names':>5} {'measured ms':>11} {'modeled ms':>10} "
           f"{'ratio':>6} {'spread':>6}")
     for (name, label), rows in tables.items():
@@ -236,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{name:13} {label:10} {row['kind']:10} {row['kernels']:5d} {row['measured_seconds'] * 1e3:11.3f} "
                   f"{row['modeled_seconds'] * 1e3:10.3f} {row['ratio']:6.2f} {row['spread'] or 0:6.2f}")
-    if factors:
-        print("fitted factors (eqsat.cost.work.TEMPLATE_FACTORS):")
-        for template, f in factors.items():
-            print(f'    "{template}": {f!r},')
+    print("fitted" if args.fit else "current", "constants (eqsat.cost.work):")
+    print(f"MEMORY_FACTOR = {calibration.memory:.4g}\nALU_FACTOR = {calibration.alu:.4g}")
+    for template, f in calibration.templates.items():
+        print(f'    "{template}": TemplateFactors(mma={f.mma:.4g}, serial={f.serial:.4g}),')
     if args.json:
         out = {f"{name}/{label}": rows for (name, label), rows in tables.items()}
-        if factors:
-            out["factors"] = {t: vars(f) for t, f in factors.items()}
+        out["constants"] = {"memory": calibration.memory, "alu": calibration.alu,
+                            "templates": {t: vars(f) for t, f in calibration.templates.items()}}
         with open(args.json, "w") as handle:
             json.dump(out, handle, indent=1)
     return 0

@@ -11,6 +11,12 @@ Launch overhead is the per-kernel cost of issuing a kernel and draining the prev
 microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk). Statistics computed in
 their producers' epilogues need no launch and no memset: their tiles write per-tile partials that
 the readers merge (`eqsat.cost.roofline`).
+
+`h100` and `h200` are calibrated: what our Pallas templates reach of those peaks, fitted to the
+per-kernel times measured on an H200 (`eqsat.cost.work`: `MEMORY_FACTOR` times the data-sheet time
+per byte, `ALU_FACTOR` per vector flop, and per template its MMA factor and serial-step time on
+the MMA instruction and padded tiles its configuration runs). `h100-roofline` and `h200-roofline`
+are the data sheet alone (useful flops at the peak, every byte at full bandwidth).
 """
 
 from __future__ import annotations
@@ -20,13 +26,28 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Device:
-    """A roofline device: `seconds = launch + bytes / hbm_bandwidth + flops / peak`."""
+    """A roofline device: `seconds = launch + bytes / hbm_bandwidth + flops / peak`; calibrated
+    (`calibrated`): bytes and vector flops at `eqsat.cost.work`'s factors, dense work as the
+    template executes it (`eqsat.cost.work.mma_seconds`)."""
 
     name: str
     hbm_bandwidth: float  # bytes / second
     peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
     peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
     launch_overhead: float  # seconds per kernel
+    calibrated: bool = False
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` to or from HBM in our kernels."""
+        from eqsat.cost.work import MEMORY_FACTOR
+
+        return nbytes * (MEMORY_FACTOR if self.calibrated else 1.0) / self.hbm_bandwidth
+
+    def vector_seconds(self, flops: float) -> float:
+        """Seconds of `flops` of elementwise (fp32 vector) work in our kernels."""
+        from eqsat.cost.work import ALU_FACTOR
+
+        return flops * (ALU_FACTOR if self.calibrated else 1.0) / self.peak_fp32
 
     def peak(self, dtype: str, dense: bool) -> float:
         """The throughput for `dense` (matmul-like) or elementwise work on operands of `dtype`."""
@@ -35,12 +56,14 @@ class Device:
         return self.peak_fp32
 
 
-H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
-H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
+H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6, calibrated=True)
+H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6, calibrated=True)
+H100_ROOFLINE = Device("h100-roofline", 3.35e12, 989e12, 67e12, 4e-6)
+H200_ROOFLINE = Device("h200-roofline", 4.8e12, 989e12, 67e12, 4e-6)
 A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6)
 CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6)
 
-DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, A100, CPU)}
+DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, H100_ROOFLINE, H200_ROOFLINE, A100, CPU)}
 
 
 def get_device(device: "str | Device") -> Device:
@@ -48,7 +71,8 @@ def get_device(device: "str | Device") -> Device:
     if isinstance(device, Device):
         return device
     key = device.lower().replace(" ", "").replace("-", "").replace("_", "")
-    for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100")):
+    for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100"),
+                        ("h100roofline", "h100-roofline"), ("h200roofline", "h200-roofline")):
         key = name if key == alias else key
     if key not in DEVICES:
         raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")
