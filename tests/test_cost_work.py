@@ -78,7 +78,7 @@ def _check_matmul(term):
                 continue
             seen.add(id(node))
             if node.op in roofline.COMPUTE_OPS:
-                expected += parse_type(node.ty).size * repeats
+                expected += roofline.compute_flops(node.op, node.args[0], parse_type(node.ty).size) * repeats
             elif node.op == "RowReduce":
                 expected += roofline.reduction_flops(node.args[0], parse_type(node.args[1].ty).size) * repeats
     assert flops == expected
@@ -115,3 +115,48 @@ def test_every_kernel_counts_what_its_template_runs(plan):
             assert work.template_work(term).mma_flops == 0.0
         seen.add(kernel.kind)
     assert seen & {"conv", "matmul", "attention"}
+
+
+def test_the_calibrated_device_prices_the_templates_work():
+    """On `h100` a matmul e-node costs its launch, its write at MEMORY_FACTOR, and its template's padded
+    MMA at the instruction's rate over the SMs it fills plus its serial K steps; `h200` differs only
+    in the memory term (same SMs and clocks); `h100-roofline` is the data sheet."""
+    from eqsat.cost import get_device, node_cost
+
+    h100, h200, sheet = get_device("h100"), get_device("h200"), get_device("h100-roofline")
+    lhs, rhs, out = "f16[77,768]", "f16[768,3072]", "f16[77,3072]"  # a CLIP MLP matmul: M padded to 128
+    args = (lhs, rhs, "1;0;;", out, out)
+    w = work.node_work("Matmul", args)
+    assert w.mma == "wgmma" and w.programs == 2 * 48 and w.steps == 24
+    assert w.mma_flops == 2.0 * 128 * 3072 * 768 > w.useful_mma_flops == 2.0 * 77 * 3072 * 768
+    f = work.TEMPLATE_FACTORS["matmul"]
+    mma = f.mma * w.mma_flops / (h100.peak_fp16 * w.sm_utilization) + f.serial * w.serial
+    nbytes = 77 * 3072 * 2
+    cost = node_cost("Matmul", args, h100)
+    assert cost.seconds == pytest.approx(h100.launch_overhead + work.MEMORY_FACTOR * nbytes / h100.hbm_bandwidth + mma)
+    assert node_cost("Matmul", args, h200).seconds == pytest.approx(
+        cost.seconds - work.MEMORY_FACTOR * nbytes * (1 / h100.hbm_bandwidth - 1 / h200.hbm_bandwidth))
+    assert node_cost("Matmul", args, sheet).seconds == pytest.approx(
+        sheet.launch_overhead + nbytes / sheet.hbm_bandwidth + w.useful_mma_flops / sheet.peak_fp16)
+    # 16-row tiles multiply with mma.sync, at MMA_SYNC_SHARE of the rate.
+    small = work.node_work("Matmul", ("f16[16,768]", rhs, "1;0;;", "f16[16,3072]", "f16[16,3072]"))
+    assert small.mma == "mma.sync"
+    assert work.rate("mma.sync", h100) == pytest.approx(work.MMA_SYNC_SHARE * work.rate("wgmma", h100))
+
+
+def test_a_conv_term_and_its_e_node_price_the_same_mma():
+    """`kernel_cost` prices a conv's MMA over its weight's K ranges (`conv_weight_ranges`), as the e-node
+    does (`extract.prologue` passes the same ranges); 32x32 images: 32-wide tiles, mma.sync."""
+    from eqsat.conv_params import ConvParams
+    from eqsat.term import Term
+
+    params = ConvParams.from_lax((1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1),
+                                 ((0, 3, 1, 2), (0, 1, 2, 3), (0, 3, 1, 2))).key
+    x = Term("Input", "x", "f16[2,32,32,640]")
+    w = Term("Input", "w", "f16[640,640,3,3]")
+    conv = Term("Conv", Term("Load", x, x.ty), Term("Load", w, w.ty), params, Term("Acc", "f32[2,32,32,640]"),
+                "f16[2,32,32,640]")
+    priced = work.priced_work(conv)
+    assert priced == work.conv_work(conv) and priced.mma == "mma.sync"
+    assert work.conv_weight_ranges(conv) == [(640, 9)]
+    assert work.node_work("Conv", (x.ty, w.ty, params, None, conv.ty), None, [(640, 9)]) == priced

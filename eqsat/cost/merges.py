@@ -24,11 +24,12 @@ ways, and the model charges each exactly as the templates execute it:
   | `Gather`, `Opaque`, `Loop`, `AssignScatter`, a plan output | none: they read the finished value |
 
 - **Finished once** (`finalize_cost`): a small kernel (`emit.pallas.partials.finalize`, a plan
-  kernel of kind `finalize` right after the last host) merges each slot once (`slots` lanes ×
-  `tiles`, the same blocked Chan merge, so the same bits as a reader's merge) and writes the
+  kernel of kind `finalize` right after the last host) merges each slot once (one program per
+  slot, its tiles in blocks of 1024 with the readers' blocked Chan merge) and writes the
   statistic (`slots × 2` or `slots` floats); readers then load it like any small tensor: one
-  value per (batch, group), no merge. It costs a launch, the partials' read and `slots · tiles`
-  merges: independent of how many elements read the statistic.
+  value per (batch, group), no merge. It costs a launch, the partials' read, `slots · tiles`
+  merges and, on a calibrated device, its serial loads (`eqsat.cost.work.finalize_work`):
+  independent of how many elements read the statistic.
 
 Why not only the first: a per-element merge is `tiles × MERGE_INSTRUCTIONS` instructions per
 element, against the ~20 of a GroupNorm + SiLU apply; at the UNet's T = 40..512 or the VAE's

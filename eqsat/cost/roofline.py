@@ -17,7 +17,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
 | `Opaque` | size(out) (unknown work: one op per element) |
-| `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
+| `Unary`/`Binary`/`Select` (Expr) | size(type) × the op's instructions (`ALU_INSTRUCTIONS`, 1 for an add) |
 | `RowReduce` (Expr) | as `Reduce`, no bytes, no launch (see below) |
 | `EpilogueReduce` (Tensor, hosted) | as `Reduce` + its body's ops, its partials' bytes, no launch (`hosted_cost`) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
@@ -41,6 +41,13 @@ without the hosts, estimated as one row per `PARTIAL_TILE` reduced elements: `pa
 written once by the hosts and read by each reader (`kernel_reads`), or by the finalize, whose
 readers then read the finished statistic. One that cannot be hosted runs as its own reduction
 kernel.
+
+On a calibrated device (`h100`, `h200`: `eqsat.cost.devices`) the same counts are priced as our
+templates run them (`eqsat.cost.work`): bytes and vector flops at fitted factors of the data sheet,
+a `Matmul`/`Conv`/`Attention` kernel's dense work as its template's padded MMA at its instruction's
+rate (wgmma or mma.sync) over the SMs its grid fills, plus its serial K steps and (attention) its
+softmax's instructions. A compute node's flops count its instructions (`ALU_INSTRUCTIONS`: erf's
+polynomial is 22, an add 1). `h100-roofline` is the data sheet alone.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
