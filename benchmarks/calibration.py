@@ -16,9 +16,9 @@ when every kernel is off by the same factor.
 
 `python -m benchmarks.calibration [--results FILE] [--fit]` plans the measured components again
 (full size, as `benchmarks.gpu` did), prices every plan kernel with the roofline and with the
-calibrated device model (`eqsat.cost.work.modeled_seconds`, on the measuring device's profile),
+calibrated device model (`eqsat.cost.work`, on the measuring device's profile, `h200-calibrated`),
 and prints both models' ratio and spread per component and kind (`plan`: the plan's own seconds,
-`extract.plan.Kernel.seconds`, the roofline priced on the plan's device, the H100). `--fit` fits the calibrated
+`extract.plan.Kernel.seconds`, the data-sheet roofline on the plan's device, `h100`). `--fit` fits the calibrated
 model's factors per template (`eqsat.cost.work.TEMPLATE_FACTORS`: memory, MMA, ALU, and the time
 of a serial step) to the measured per-kernel times: non-negative least squares on the
 relative error of each measured kernel name, one fit per template over all components. Finalize
@@ -113,7 +113,7 @@ def by_kind(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 RESULTS = "benchmarks/results/gpu-h200-2ce0105.json"
 # The measured plans were extracted by the data-sheet roofline: planned again the same way, so that
 # the kernels priced are the kernels measured (names whose launches do not match are left out).
-PLANNING_DEVICE = "h100-roofline"
+PLANNING_DEVICE = "h100"
 FEATURES = ("memory", "mma", "alu", "serial")
 
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the per-kind tables as JSON")
     args = parser.parse_args(argv)
     report = json.loads(open(args.results).read())
-    device = get_device("h200" if "H200" in report["device"] else "h100")
+    device = get_device("h200-calibrated" if "H200" in report["device"] else "h100-calibrated")
     measured_rows = {c["component"]: c for c in report["components"] if c["backend"] == args.backend}
     plans = dict(_plans(measured_rows))
     samples, joined = [], {}

@@ -118,12 +118,12 @@ def test_every_kernel_counts_what_its_template_runs(plan):
 
 
 def test_the_calibrated_device_prices_the_templates_work():
-    """On `h100` a matmul e-node costs its launch, its write at MEMORY_FACTOR, and its template's padded
-    MMA at the instruction's rate over the SMs it fills plus its serial K steps; `h200` differs only
-    in the memory term (same SMs and clocks); `h100-roofline` is the data sheet."""
+    """On `h100-calibrated` a matmul e-node costs its launch, its write at MEMORY_FACTOR, and its template's padded
+    MMA at the instruction's rate over the SMs it fills plus its serial K steps; `h200-calibrated`
+    differs only in the memory term (same SMs and clocks); `h100` is the data sheet."""
     from eqsat.cost import get_device, node_cost
 
-    h100, h200, sheet = get_device("h100"), get_device("h200"), get_device("h100-roofline")
+    h100, h200, sheet = get_device("h100-calibrated"), get_device("h200-calibrated"), get_device("h100")
     lhs, rhs, out = "f16[77,768]", "f16[768,3072]", "f16[77,3072]"  # a CLIP MLP matmul: M padded to 128
     args = (lhs, rhs, "1;0;;", out, out)
     w = work.node_work("Matmul", args)

@@ -42,12 +42,12 @@ written once by the hosts and read by each reader (`kernel_reads`), or by the fi
 readers then read the finished statistic. One that cannot be hosted runs as its own reduction
 kernel.
 
-On a calibrated device (`h100`, `h200`: `eqsat.cost.devices`) the same counts are priced as our
+On a calibrated device (`h100-calibrated`, `h200-calibrated`: `eqsat.cost.devices`) the same counts are priced as our
 templates run them (`eqsat.cost.work`): bytes and vector flops at fitted factors of the data sheet,
 a `Matmul`/`Conv`/`Attention` kernel's dense work as its template's padded MMA at its instruction's
 rate (wgmma or mma.sync) over the SMs its grid fills, plus its serial K steps and (attention) its
 softmax's instructions. A compute node's flops count its instructions (`ALU_INSTRUCTIONS`: erf's
-polynomial is 22, an add 1). `h100-roofline` is the data sheet alone.
+polynomial is 22, an add 1). `h100` (the default) is the data sheet alone.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the

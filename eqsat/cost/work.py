@@ -254,7 +254,7 @@ def node_work(op: str, args, weight_elements: int | None = None, ranges=None) ->
 
 # --- the calibrated device model ---------------------------------------------------------------
 #
-# On a calibrated device (`eqsat.cost.devices`: `h100`, `h200`) a kernel costs
+# On a calibrated device (`eqsat.cost.devices`: `h100-calibrated`, `h200-calibrated`) a kernel costs
 #
 #     launch + MEMORY_FACTOR · bytes / hbm_bandwidth + ALU_FACTOR · vector_flops / peak_fp32
 #            + mma · mma_flops / (rate(instruction) · sm_utilization) + serial · waves · steps
