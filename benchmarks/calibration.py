@@ -127,7 +127,7 @@ def measured_finalize_loads(tiles: int, fields: int) -> int:
 
 
 def kernel_features(kernel, device, measured_template: bool = False) -> tuple[str, dict[str, float], float]:
-    """(template, its resources' data-sheet seconds on `device` as `eqsat.cost.work.modeled_seconds`
+    """(template, its resources' data-sheet seconds on `device` as a calibrated `kernel_cost`
     weighs them, launch seconds) of a plan kernel (`extract.plan.Kernel`)."""
     from eqsat.cost import merges, work
 
