@@ -208,7 +208,7 @@ class Plan:
                                  _outside=outside).kernels
                 for other in loop_outputs[term]:  # its other outputs: their writes, not another body
                     written = _nbytes(other)
-                    cost = cost + Cost(written, 0.0, written / device.hbm_bandwidth)
+                    cost = cost + Cost(written, 0.0, device.memory_seconds(written))
             for reduction in hosted.get(i, ()):
                 part = hosted_cost(reduction, device)
                 n = share[reduction]

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from eqsat.conv_params import ConvParams
 from eqsat.cost import get_device
 from eqsat.cost.merges import conv_host_tiles, finalize_seconds, merge_flops_per_lane
 from eqsat.cost.roofline import (ConvPrograms, conv_prologue_evaluations, partial_tiles, prologue_node_flops,
@@ -89,7 +90,7 @@ def node_costs(graph, device="h100") -> NodeCosts:
     from eqsat.cost import node_cost
 
     device = get_device(device)
-    vector = 1.0 / device.peak_fp32
+    vector = device.vector_seconds(1.0)
     cache: dict[tuple, float] = {}
     seconds: list[float] = []
     point_seconds: list[float] = []
@@ -104,7 +105,8 @@ def node_costs(graph, device="h100") -> NodeCosts:
             value = node_cost(op, key[1], device, weights).seconds
             cache[key] = value
         seconds.append(value)
-        point_seconds.append(prologue_node_flops(op, 1.0, 1.0) * vector)
+        name = graph.node_literals[node][0] if op in ("Unary", "Binary") else ""
+        point_seconds.append(prologue_node_flops(op, 1.0, 1.0, name=name) * vector)
         if op == "RowReduce":
             reduced = _size(graph.class_type[graph.node_children[node][1]])
             evaluation_seconds.append(reduction_flops(graph.node_literals[node][0], reduced) * vector)
@@ -117,6 +119,15 @@ def node_costs(graph, device="h100") -> NodeCosts:
                 prologue_cache[key] = conv_prologue(graph, *key)
             if prologue_cache[key] is not None:
                 prologues[node] = prologue_cache[key]
+            if device.calibrated:  # its MMA over the weight's own K ranges, as `kernel_cost` prices it
+                args = graph.node_args(node)
+                rhs_spec = ConvParams.parse(args[2]).rhs_spec
+                ranges = tuple((stop - start, taps) for start, stop, taps in
+                               weight_ranges(graph, rhs, rhs_spec, parse_type(args[1]).shape))
+                range_key = (op, args, weights, ranges)
+                if range_key not in cache:
+                    cache[range_key] = node_cost(op, args, device, weights, ranges).seconds
+                seconds[-1] = cache[range_key]
     return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector, device)
 
 

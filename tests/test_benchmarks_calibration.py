@@ -50,3 +50,29 @@ def test_the_plan_side_reads_the_per_call_plan_of_a_lowering():
     planned = calibration.plan_kernels(lowered)
     assert [k["kind"] for k in planned] == [k.kind for k in lowered.split.per_call.kernels]
     assert all(k["seconds"] > 0 for k in planned)
+
+
+def test_fit_recovers_the_constants_that_made_the_times():
+    """Times made by known constants (shared memory and ALU factors, per-template MMA factor and
+    serial-step time) are fitted back to them; a resource the data says runs faster than its data
+    sheet is held at 1."""
+    import random
+
+    truth = {"memory": 1.5, "alu": 3.0, "matmul": (6.0, 3e-7), "conv": (4.0, 6e-7)}
+    rng = random.Random(0)
+    samples = []
+    for _ in range(60):
+        template = rng.choice(["matmul", "conv"])
+        features = {"memory": rng.uniform(1e-6, 5e-5), "alu": rng.uniform(0, 2e-5),
+                    "mma": rng.uniform(1e-6, 1e-4), "serial": float(rng.randint(4, 400))}
+        mma, serial = truth[template]
+        seconds = 4e-6 + truth["memory"] * features["memory"] + truth["alu"] * features["alu"] \
+            + mma * features["mma"] + serial * features["serial"]
+        samples.append((template, features, 4e-6, seconds))
+    fitted = calibration.fit(samples)
+    assert fitted.memory == pytest.approx(1.5, rel=1e-6) and fitted.alu == pytest.approx(3.0, rel=1e-6)
+    for template in ("matmul", "conv"):
+        assert fitted.templates[template].mma == pytest.approx(truth[template][0], rel=1e-6)
+        assert fitted.templates[template].serial == pytest.approx(truth[template][1], rel=1e-6)
+    slow = [(t, f, launch, launch + 0.5 * f["memory"] + f["mma"]) for t, f, launch, _ in samples]
+    assert calibration.fit(slow).memory == pytest.approx(1.0)  # never faster than the data sheet

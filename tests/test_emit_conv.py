@@ -497,8 +497,8 @@ def test_the_cost_model_uses_the_templates_output_channel_tile():
 
 
 def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
-    """silu(x) read by a 3x3 conv with 320 output channels on an 8x8 image: two flops per input
-    element, computed as the template tiles it (two 4-row x 16-column tiles, 8 columns valid: each
+    """silu(x) read by a 3x3 conv with 320 output channels on an 8x8 image: a mul and a logistic
+    per input element (1 + `ALU_INSTRUCTIONS["logistic"]` flops), computed as the template tiles it (two 4-row x 16-column tiles, 8 columns valid: each
     computes its 6 input rows at 3 column taps, for each of 3 channel tiles: 2 * 6 * 3 * 16 * 3 / 64
     = 27 evaluations per element); the 1x1 part of a merged shortcut at one tap (2 * 4 * 16 * 3 / 64
     = 6)."""
@@ -511,7 +511,8 @@ def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     flops, covered = roofline.conv_prologue_flops(term)
     geometry = conv.ConvGeometry(params, (1, 8, 8, 64), (320, 64, 3, 3), parse_type(term.ty).shape)
     assert conv.ConvConfig.get_default(geometry).tile(geometry) == roofline.conv_tile(8, 8) == (4, 16)
-    assert flops == 2 * 8 * 8 * 64 * 27 and len(covered) == 3  # the Load is index arithmetic
+    ops = 1 + roofline.ALU_INSTRUCTIONS["logistic"]
+    assert flops == ops * 8 * 8 * 64 * 27 and len(covered) == 3  # the Load is index arithmetic
     plain = _conv_term(_load(x), _load(_input("w", (320, 64, 3, 3))), params)
     assert kernel_cost(term).flops - kernel_cost(plain).flops == flops
 
@@ -522,4 +523,4 @@ def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     rhs = Term("Concat", _load(_input("w3", (320, 64, 3, 3))), padded, 1, 64, "f32[320,96,3,3]")
     merged = _conv_term(lhs, rhs, _params((1, 8, 8, 96), (320, 96, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1))))
     flops, _ = roofline.conv_prologue_flops(merged)
-    assert flops == 2 * 8 * 8 * 64 * 27 + 1 * 8 * 8 * 32 * 6
+    assert flops == ops * 8 * 8 * 64 * 27 + 1 * 8 * 8 * 32 * 6

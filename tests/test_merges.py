@@ -65,7 +65,7 @@ def _exact(parts: np.ndarray) -> np.ndarray:
     return np.stack([merged * total, (m2 + n * (mean - merged) ** 2).sum(0)])
 
 
-@pytest.mark.parametrize("tiles,slots", [(300, 37), (7, 3), (1, 5)])
+@pytest.mark.parametrize("tiles,slots", [(300, 37), (7, 3), (1, 5), (2500, 3)])
 def test_finalize_is_the_exact_merge_of_the_partials(tiles, slots):
     parts = _partials(tiles, slots, np.random.default_rng(tiles + slots))
     statistic = _statistic(slots)
@@ -83,6 +83,32 @@ def test_finalize_of_sums_adds_the_tiles():
     got = finalize(_statistic(37, "sum"), jnp.asarray(sums), name="test:finalize", interpret=True)
     np.testing.assert_allclose(np.asarray(got, np.float64), sums[:, 0].astype(np.float64).sum(0), rtol=300 * EPS,
                                atol=1e-2)
+
+
+def test_finalize_of_a_vae_statistic_compiles_for_an_h100_without_spills(tmp_path):
+    """The VAE's largest statistic (4096 tiles of 32 GroupNorm slots; before one warp merged all 32
+    slots in 128-tile blocks: 255 registers and 1 KB of spills per kernel) compiles for sm_90a with
+    no spill: 8 tiles x 3 fields per thread (`FinalizeConfig`)."""
+    from benchmarks import ptx
+    from eqsat.xla_target import compile_for_h100
+
+    statistic = _statistic(32)
+    try:
+        ptxas = ptx.ptxas_path()
+    except ptx.PtxasMissing:
+        pytest.skip("no ptxas (pip package nvidia-cuda-nvcc-cu12)")
+    report = compile_for_h100(lambda buffer: finalize(statistic, buffer, name="vae:finalize", interpret=False),
+                              jax.ShapeDtypeStruct((4096, 3, 32), jnp.float32), keep_dump=tmp_path)
+    if report is None:
+        pytest.skip("no H100 compile target here (the CUDA plugin is missing)")
+    found = {}
+    for path in tmp_path.rglob("*.ptx"):
+        if ".version" in path.read_text(errors="replace")[:4000]:
+            found.update(ptx.run_ptxas(path, ptxas=ptxas))
+    assert "vae_finalize" in found, sorted(found)
+    resources = found["vae_finalize"]
+    assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0, resources
+    assert resources.registers <= 128, resources
 
 
 def _group_norm_silu(x, groups):

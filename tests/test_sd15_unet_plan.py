@@ -23,13 +23,18 @@ from eqsat.cost import kernel_cost, kernel_reads
 from eqsat.term import Term
 from sd15.plan_cli import workloads
 
-# The bound (260: more kernels only where the model says they are faster). Measured 259: the
+# The bound (260: more kernels only where the model says they are faster), raised to 290:
+# since compute nodes count their instructions (`roofline.ALU_INSTRUCTIONS`: SiLU's logistic is 10),
+# 24 more ResNet convs read their GroupNorm + SiLU input from a pointwise kernel (32 instead of 8)
+# with 6 more finalize kernels: 289 kernels, which the data-sheet model prices at 4.632 ms against
+# 4.710 ms for the 259-kernel plan, and the calibrated one (`h100-calibrated`, fitted to H200
+# measurements) at 30.243 ms against 30.321 ms: faster by both. Before: 259, the
 # 224 kernels of before plus 35 `finalize` kernels, each finishing a GroupNorm statistic once where
 # that prices lower than its conv readers merging its partials per program and channel chunk
 # (`eqsat.cost.merges`). 224 when the cost model charged no reader's merges; 250 before the conv
 # template computed each input row once per column tap for all the output rows reading it; 217 before
 # extraction charged the template's recompute of its input at all.
-MAX_UNET_KERNELS = 260
+MAX_UNET_KERNELS = 290
 
 
 @pytest.fixture(scope="module")

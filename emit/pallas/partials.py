@@ -27,10 +27,13 @@ is 100x the reader's own work), the plan finishes it once instead (`eqsat.cost.m
 
 `finalize(statistic, buffer, name=, interpret=)` is the finished statistic as one small Pallas
 kernel (a plan kernel of kind `finalize`, where the cost model prefers finishing a statistic once to
-merging it in its readers: `eqsat.cost.merges`): each program merges `FINALIZE_SLOTS` slots over
-every tile with the readers' own blocked merge (`emit.expr.merge_partials_at`, the slots as lanes:
-the same result to the bit) and writes the finished statistic; readers then load it like any
-tensor (`emit.expr.partials_layout` tells it from partials by its size).
+merging it in its readers: `eqsat.cost.merges`): one program per slot (`FinalizeConfig`), each
+merging every tile of its slot with the readers' blocked merge (`emit.expr.merge_partials_at`) in
+blocks of `FINALIZE_BLOCK_TILES` tiles spread over `FINALIZE_WARPS` warps (8 tiles x 3 fields per
+thread: no spills, where 32 slots x 128 tiles on one warp spilled 35 KB in the VAE), and writes
+the finished statistic; readers then load it like any tensor (`emit.expr.partials_layout` tells it
+from partials by its size). The slots run in parallel on as many SMs, the tiles in
+ceil(tiles / FINALIZE_BLOCK_TILES) serial steps (one for T <= 1024, four at the VAE's 4096).
 
 `merged(statistic, buffer)` is the finished statistic in plain jax (the same merge as the readers'):
 for what reads a statistic outside a Pallas template (an XLA fallback kernel, an opaque primitive,
@@ -52,7 +55,43 @@ from eqsat.term import Term
 from eqsat.types import parse_type
 
 COPY_BLOCK = 1024  # elements a program copies per step of `copy_prefix`
-FINALIZE_SLOTS = 32  # slots one program of `finalize` merges (lanes of its merge)
+FINALIZE_BLOCK_TILES = 1024  # tiles a `finalize` program loads per merge step (its merge's budget)
+FINALIZE_WARPS = 4  # warps of a `finalize` program: 1024 tiles / 128 threads = 8 tiles per thread
+
+
+@dataclass(frozen=True)
+class FinalizeConfig:
+    """How `finalize` runs a statistic of `slots` outputs over `tiles` partial rows: one program per
+    slot, `block_tiles` tiles per serial step on `num_warps` warps (the cost model's
+    `eqsat.cost.merges.finalize_cost` prices exactly this)."""
+
+    tiles: int
+    slots: int
+    fields: int
+    block_tiles: int
+    num_warps: int = FINALIZE_WARPS
+
+    @classmethod
+    def of(cls, tiles: int, fields: int, slots: int) -> "FinalizeConfig":
+        from emit.expr import merge_block_tiles
+
+        return cls(tiles, slots, fields, merge_block_tiles(tiles, 1, FINALIZE_BLOCK_TILES))
+
+    @property
+    def programs(self) -> int:
+        return self.slots
+
+    @property
+    def steps(self) -> int:
+        """Serial merge steps of a program."""
+        return -(-self.tiles // self.block_tiles)
+
+    @property
+    def loads_per_thread(self) -> int:
+        """Partial values one thread loads over all its steps (each step: its share of the block's
+        tiles, every field)."""
+        threads = 32 * self.num_warps
+        return self.steps * self.fields * -(-self.block_tiles // threads)
 
 
 @dataclass(frozen=True)
@@ -93,27 +132,25 @@ def merged(statistic: Term, buffer: jax.Array) -> jax.Array:
 
 def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool | None) -> jax.Array:
     """The finished `statistic` (its type: `[2, *kept]` sum and M2 for moments, else `[*kept]`) from
-    its hosts' per-tile partials `buffer`, as one Pallas kernel: program `i` merges slots
-    `[i * FINALIZE_SLOTS, (i + 1) * FINALIZE_SLOTS)` over every tile (`merge_partials_at`)."""
+    its hosts' per-tile partials `buffer`, as one Pallas kernel: program `i` merges slot `i` over
+    every tile (`merge_partials_at`, `FinalizeConfig`)."""
     op = statistic.args[1]
     shape = parse_type(statistic.ty).shape
     layout = partials_layout(statistic, buffer.size)
     if layout is None:  # one tile's partials are the statistic itself
         return jnp.reshape(buffer, shape).astype(jnp.float32)
-    tiles, _fields, slots = layout
-    block = min(triton.next_pow2(slots), FINALIZE_SLOTS)
+    tiles, fields, slots = layout
+    config = FinalizeConfig.of(tiles, fields, slots)
     rows = 2 if op == "moments" else 1
 
     def kernel(partials_ref, out_ref):
-        slot = jax.lax.broadcasted_iota(jnp.int32, (block,), 0) + pl.program_id(0) * block
-        ok = slot < slots
+        slot = jnp.full((1,), pl.program_id(0), jnp.int32)
         load = lambda offsets: triton.gather_load(partials_ref, offsets)  # noqa: E731
-        merged = merge_partials_at(op, load, tiles, slots, jnp.minimum(slot, slots - 1))
+        merged = merge_partials_at(op, load, tiles, slots, slot, budget=config.block_tiles)
         for row, value in enumerate(merged if op == "moments" else (merged,)):
-            where = jnp.where(ok, row * slots + slot, rows * slots)  # masked lanes address nothing
-            triton.store(out_ref, where, value.astype(jnp.float32), ok)
+            triton.store(out_ref, row * slots + slot, value.astype(jnp.float32))
 
     out = jax.ShapeDtypeStruct((rows * slots,), jnp.float32)
-    flat = triton.pallas_call(kernel, [jnp.reshape(buffer, (-1,))], [out], grid=(-(-slots // block),), name=name,
-                              interpret=interpret, num_warps=1)[0]
+    flat = triton.pallas_call(kernel, [jnp.reshape(buffer, (-1,))], [out], grid=(config.programs,), name=name,
+                              interpret=interpret, num_warps=config.num_warps)[0]
     return jnp.reshape(flat, shape)

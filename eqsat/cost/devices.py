@@ -11,6 +11,15 @@ Launch overhead is the per-kernel cost of issuing a kernel and draining the prev
 microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk). Statistics computed in
 their producers' epilogues need no launch and no memset: their tiles write per-tile partials that
 the readers merge (`eqsat.cost.roofline`).
+
+`h100-calibrated` and `h200-calibrated` are what our Pallas templates reach of those peaks, fitted
+to the per-kernel times measured on an H200 (`eqsat.cost.work`: `MEMORY_FACTOR` times the
+data-sheet time per byte, `ALU_FACTOR` per vector flop, and per template its MMA factor and
+serial-step time on the MMA instruction and padded tiles its configuration runs). `h100` (what
+planning uses by default) and `h200` are the data sheet alone (useful flops at the peak, every byte
+at full bandwidth): extraction on `h100-calibrated` finds a UNet plan that the calibrated model
+itself prices 0.7 % slower than the data-sheet extraction's (benchmarks/README.md), so it is not
+the default until extraction's objective agrees with the plan's pricing there.
 """
 
 from __future__ import annotations
@@ -20,13 +29,28 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Device:
-    """A roofline device: `seconds = launch + bytes / hbm_bandwidth + flops / peak`."""
+    """A roofline device: `seconds = launch + bytes / hbm_bandwidth + flops / peak`; calibrated
+    (`calibrated`): bytes and vector flops at `eqsat.cost.work`'s factors, dense work as the
+    template executes it (`eqsat.cost.work.mma_seconds`)."""
 
     name: str
     hbm_bandwidth: float  # bytes / second
     peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
     peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
     launch_overhead: float  # seconds per kernel
+    calibrated: bool = False
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` to or from HBM in our kernels."""
+        from eqsat.cost.work import MEMORY_FACTOR
+
+        return nbytes * (MEMORY_FACTOR if self.calibrated else 1.0) / self.hbm_bandwidth
+
+    def vector_seconds(self, flops: float) -> float:
+        """Seconds of `flops` of elementwise (fp32 vector) work in our kernels."""
+        from eqsat.cost.work import ALU_FACTOR
+
+        return flops * (ALU_FACTOR if self.calibrated else 1.0) / self.peak_fp32
 
     def peak(self, dtype: str, dense: bool) -> float:
         """The throughput for `dense` (matmul-like) or elementwise work on operands of `dtype`."""
@@ -37,10 +61,12 @@ class Device:
 
 H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
 H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
+H100_CALIBRATED = Device("h100-calibrated", 3.35e12, 989e12, 67e12, 4e-6, calibrated=True)
+H200_CALIBRATED = Device("h200-calibrated", 4.8e12, 989e12, 67e12, 4e-6, calibrated=True)
 A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6)
 CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6)
 
-DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, A100, CPU)}
+DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, H100_CALIBRATED, H200_CALIBRATED, A100, CPU)}
 
 
 def get_device(device: "str | Device") -> Device:
@@ -48,7 +74,8 @@ def get_device(device: "str | Device") -> Device:
     if isinstance(device, Device):
         return device
     key = device.lower().replace(" ", "").replace("-", "").replace("_", "")
-    for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100")):
+    for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100"),
+                        ("h100calibrated", "h100-calibrated"), ("h200calibrated", "h200-calibrated")):
         key = name if key == alias else key
     if key not in DEVICES:
         raise ValueError(f"unknown device {device!r}; known: {sorted(DEVICES)}")

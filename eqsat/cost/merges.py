@@ -24,11 +24,12 @@ ways, and the model charges each exactly as the templates execute it:
   | `Gather`, `Opaque`, `Loop`, `AssignScatter`, a plan output | none: they read the finished value |
 
 - **Finished once** (`finalize_cost`): a small kernel (`emit.pallas.partials.finalize`, a plan
-  kernel of kind `finalize` right after the last host) merges each slot once (`slots` lanes ×
-  `tiles`, the same blocked Chan merge, so the same bits as a reader's merge) and writes the
+  kernel of kind `finalize` right after the last host) merges each slot once (one program per
+  slot, its tiles in blocks of 1024 with the readers' blocked Chan merge) and writes the
   statistic (`slots × 2` or `slots` floats); readers then load it like any small tensor: one
-  value per (batch, group), no merge. It costs a launch, the partials' read and `slots · tiles`
-  merges: independent of how many elements read the statistic.
+  value per (batch, group), no merge. It costs a launch, the partials' read, `slots · tiles`
+  merges and, on a calibrated device, its serial loads (`eqsat.cost.work.finalize_work`):
+  independent of how many elements read the statistic.
 
 Why not only the first: a per-element merge is `tiles × MERGE_INSTRUCTIONS` instructions per
 element, against the ~20 of a GroupNorm + SiLU apply; at the UNet's T = 40..512 or the VAE's
@@ -126,7 +127,15 @@ def finalize_seconds(op: str, statistic_ty: str, tiles: int, device="h100") -> f
 
     nbytes = tiles * PARTIAL_FIELDS.get(op, 1) * slots * 4 + math.prod(shape) * 4
     flops = slots * merge_flops_per_lane(op, tiles)
-    return device.launch_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32
+    return device.launch_overhead + device.memory_seconds(nbytes) + device.vector_seconds(flops) \
+        + _finalize_serial_seconds(tiles, PARTIAL_FIELDS.get(op, 1), slots, device)
+
+
+def _finalize_serial_seconds(tiles: int, fields: int, slots: int, device) -> float:
+    """The finalize template's serial steps on a calibrated device (`eqsat.cost.work`)."""
+    from eqsat.cost.work import finalize_work_of, mma_seconds
+
+    return mma_seconds(finalize_work_of(tiles, fields, slots), device)
 
 
 def statistic_tiles(statistic) -> int:
@@ -158,9 +167,8 @@ def merge_flops_per_lane(op: str, tiles: int) -> float:
 class MatmulShape:
     """batch, M, N, K of a `Matmul` term and the template's tiles (`emit.pallas.matmul.MatmulBlocks`)."""
 
-    def __init__(self, term):
-        lhs, rhs, dims, _epilogue, _ty = term.args
-        lhs_shape, rhs_shape = parse_type(lhs.ty).shape, parse_type(rhs.ty).shape
+    def __init__(self, lhs_ty: str, rhs_ty: str, dims: str):
+        lhs_shape, rhs_shape = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape
         lhs_contract, _rhs_contract, lhs_batch, _rhs_batch = (
             ints(part) if part else () for part in (dims.split(";") + ["", "", "", ""])[:4])
         self.lhs_contract = lhs_contract
@@ -182,7 +190,8 @@ _MATMUL_SHAPES: dict[int, tuple] = {}
 def matmul_shape(term) -> MatmulShape:
     cached = _MATMUL_SHAPES.get(id(term))
     if cached is None or cached[0] is not term:
-        cached = _MATMUL_SHAPES[id(term)] = (term, MatmulShape(term))
+        lhs, rhs, dims, _epilogue, _ty = term.args
+        cached = _MATMUL_SHAPES[id(term)] = (term, MatmulShape(lhs.ty, rhs.ty, dims))
     return cached[1]
 
 
@@ -368,8 +377,11 @@ def finalize_cost(statistic, device="h100"):
 
     device = get_device(device)
     nbytes = partials_bytes(statistic) + _nbytes(statistic.ty)
-    flops = statistic_slots(statistic) * merge_flops_per_lane(statistic.args[1], statistic_tiles(statistic))
-    return Cost(nbytes, flops, device.launch_overhead + nbytes / device.hbm_bandwidth + flops / device.peak_fp32)
+    tiles = statistic_tiles(statistic)
+    flops = statistic_slots(statistic) * merge_flops_per_lane(statistic.args[1], tiles)
+    serial = _finalize_serial_seconds(tiles, fields(statistic), statistic_slots(statistic), device)
+    return Cost(nbytes, flops, device.launch_overhead + device.memory_seconds(nbytes) + device.vector_seconds(flops)
+                + serial)
 
 
 def statistics_read(kernel) -> list:
@@ -412,7 +424,7 @@ def finished_statistics(kernels: Sequence, hosting: dict, device="h100", outputs
             if flops is None:
                 over_limit = True
                 break
-            seconds = flops / device.peak_fp32
+            seconds = device.vector_seconds(flops)
             merges += seconds
             if share_limit is not None and seconds > share_limit * kernel_cost(reader, device).seconds:
                 over_limit = True

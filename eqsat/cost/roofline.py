@@ -17,7 +17,7 @@ with `bytes` = every distinct tensor it `Load`s (at full size, or the part it re
 | `Reduce` | size(body) for a sum/max/...; 3 · size(body) for `moments` (add, centre, FMA the square) |
 | `AssignScatter` | size(updates) |
 | `Opaque` | size(out) (unknown work: one op per element) |
-| `Unary`/`Binary`/`Select` (Expr) | size(type): one op per element per node |
+| `Unary`/`Binary`/`Select` (Expr) | size(type) × the op's instructions (`ALU_INSTRUCTIONS`, 1 for an add) |
 | `RowReduce` (Expr) | as `Reduce`, no bytes, no launch (see below) |
 | `EpilogueReduce` (Tensor, hosted) | as `Reduce` + its body's ops, its partials' bytes, no launch (`hosted_cost`) |
 | views, `Load`, `Acc`, `Lit`, `Iota` | 0 |
@@ -41,6 +41,13 @@ without the hosts, estimated as one row per `PARTIAL_TILE` reduced elements: `pa
 written once by the hosts and read by each reader (`kernel_reads`), or by the finalize, whose
 readers then read the finished statistic. One that cannot be hosted runs as its own reduction
 kernel.
+
+On a calibrated device (`h100-calibrated`, `h200-calibrated`: `eqsat.cost.devices`) the same counts are priced as our
+templates run them (`eqsat.cost.work`): bytes and vector flops at fitted factors of the data sheet,
+a `Matmul`/`Conv`/`Attention` kernel's dense work as its template's padded MMA at its instruction's
+rate (wgmma or mma.sync) over the SMs its grid fills, plus its serial K steps and (attention) its
+softmax's instructions. A compute node's flops count its instructions (`ALU_INSTRUCTIONS`: erf's
+polynomial is 22, an add 1). `h100` (the default) is the data sheet alone.
 
 We use the sum rather than `max(bytes/bw, flops/peak)`: it is additive, so a DAG's cost is a sum
 over its e-nodes (what an ILP objective needs), and it never calls a kernel free because the
@@ -98,6 +105,24 @@ PARTIAL_TILE = 128 * 128
 PARTIAL_FIELDS = {"sum": 1, "moments": 3}
 # Flops per reduced element: moments add the element, centre it, and add its square (one FMA).
 REDUCTION_FLOPS = {"moments": 3}
+# Flops per element of a compute node whose fp32 code is more than one instruction, as `emit.expr`
+# lowers it for Triton (an add, a multiply, a compare, a select: 1): erf is its rational polynomial
+# (11 FMAs, a clamp, a divide), the transcendental ones libdevice's accurate sequences, a divide and
+# a square root the IEEE-rounded iterations. Estimates from the PTX of these sequences, not counted
+# per kernel; the calibrated device (`eqsat.cost.work.ALU_FACTOR`) scales them all.
+ALU_INSTRUCTIONS = {
+    "erf": 22, "erfc": 23, "erf_inv": 30, "exp": 8, "exp2": 2, "expm1": 12, "log": 8, "log1p": 12,
+    "tanh": 12, "logistic": 10, "sin": 16, "cos": 16, "tan": 24, "asin": 20, "acos": 20, "atan": 20,
+    "sinh": 12, "cosh": 12, "asinh": 16, "acosh": 16, "atanh": 16, "cbrt": 12, "sqrt": 8, "rsqrt": 2,
+    "integer_pow": 2, "round": 6, "div": 8, "rem": 10, "pow": 24, "atan2": 30, "nextafter": 4,
+}
+
+
+def compute_flops(op: str, name: str, elements: float) -> float:
+    """Flops of a compute node (`Unary`/`Binary` named `name`, or a `Select`) over `elements`."""
+    if op == "Select":
+        return float(elements)
+    return float(elements) * ALU_INSTRUCTIONS.get(str(name).partition(":")[0], 1)
 
 
 @dataclass(frozen=True)
@@ -179,7 +204,7 @@ def own_flops(op: str, args: Sequence, weight_elements: int | None = None) -> fl
     `weight_elements`: a `Conv`'s weight elements that are not zero padding (default: all of them,
     see `nonzero_weight_elements`)."""
     if op in COMPUTE_OPS:
-        return float(_size(args[-1]))
+        return compute_flops(op, args[0], _size(args[-1]))
     if op == "Matmul":
         lhs_ty, dims, out_ty = args[0], args[2], args[4]
         contracting = ints(dims.split(";")[0]) if dims else ()
@@ -244,7 +269,8 @@ def _dense_dtype(op: str, args: Sequence) -> str:
     return _dtype(args[0]) if op in DENSE_OPS else "float32"
 
 
-def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_elements: int | None = None) -> Cost:
+def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_elements: int | None = None,
+              conv_ranges: Sequence[tuple[int, int]] | None = None) -> Cost:
     """The cost of one e-node's own work (see the module docstring).
 
     `args` is aligned with `lang.OPS[op][1]`: literal values at String/i64/f64 positions, the child's
@@ -261,12 +287,33 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_e
     if op in HOSTED_OPS:
         # Its readers' `Load`s are charged the statistic's size; they read its partials (once here).
         nbytes += max(0.0, nbytes - _nbytes(args[-1]))
-    seconds = nbytes / device.hbm_bandwidth
+    seconds = device.memory_seconds(nbytes)
     if flops:
-        seconds += flops / device.peak(_dense_dtype(op, args), op in DENSE_OPS)
+        seconds += _flop_seconds(op, args, flops, device, weight_elements, conv_ranges=conv_ranges)
     if op in KERNEL_OPS:
         seconds += device.launch_overhead
     return Cost(nbytes, flops, seconds)
+
+
+def _flop_seconds(op: str, args: Sequence, flops: float, device: Device, weight_elements: int | None = None,
+                  kernel: Term | None = None, conv_ranges=None) -> float:
+    """Seconds of a node's own flops: a dense kernel's as its template runs them
+    (`eqsat.cost.work.mma_seconds`: on a calibrated device the padded MMA at its instruction's rate,
+    the serial steps; from `kernel`'s term when given, else from the types), the rest at the vector
+    rate."""
+    if op not in DENSE_OPS:
+        return device.vector_seconds(flops)
+    from eqsat.cost import work
+
+    dtype = _dense_dtype(op, args)
+    if not device.calibrated:
+        return flops / device.peak(dtype, True)
+    try:
+        template = work.priced_work(kernel) if kernel is not None else \
+            work.node_work(op, args, weight_elements, conv_ranges)
+    except ValueError:  # a conv the template does not take (grouped, transposed): the roofline's rate
+        return flops / device.peak(dtype, True)
+    return work.mma_seconds(template, device, dtype)
 
 
 def _args_of(term: Term) -> tuple:
@@ -389,13 +436,12 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozens
             continue
         seen.add(id(node))
         if node.op in COMPUTE_OPS:
-            vector_flops += _size(node.ty)
+            vector_flops += compute_flops(node.op, node.args[0], _size(node.ty))
         elif node.op == "RowReduce":
             vector_flops += reduction_flops(node.args[0], _size(node.args[1].ty))
-    seconds = device.launch_overhead + nbytes / device.hbm_bandwidth + vector_flops / device.peak_fp32
+    seconds = device.launch_overhead + device.memory_seconds(nbytes) + device.vector_seconds(vector_flops)
     if dense_flops:
-        args = _args_of(kernel)
-        seconds += dense_flops / device.peak(_dense_dtype(kernel.op, args), kernel.op in DENSE_OPS)
+        seconds += _flop_seconds(kernel.op, _args_of(kernel), dense_flops, device, weights, kernel)
     body = Cost()
     if kernel.op == "Loop":
         # The body's kernels, once per launch of the loop (trip counts live in the payload).
@@ -417,7 +463,7 @@ def merge_cost(kernel: Term, device: "str | Device" = "h100", finished: frozense
         if statistic in finished or hosts_of(statistic) is None:
             continue
         flops += reader_merge_flops(kernel, statistic) or 0.0
-    return Cost(0.0, flops, flops / device.peak_fp32) if flops else ZERO
+    return Cost(0.0, flops, device.vector_seconds(flops)) if flops else ZERO
 
 
 def merge_fraction(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> float:
@@ -588,14 +634,16 @@ def _conv_parts(lhs: Term, rhs: Term, lhs_axis: int, rhs_spec: Sequence[int],
     return parts
 
 
-def prologue_node_flops(op: str, points: float, evaluations: float, reduced: int = 0, reduction: str = "") -> float:
+def prologue_node_flops(op: str, points: float, evaluations: float, reduced: int = 0, reduction: str = "",
+                        name: str = "") -> float:
     """Flops of one node of a conv's input expression as the template runs it: a compute node once
     per point of its K range's index tile (`points` elements of the range's expression; a statistic
     broadcast over the tile is computed per element), `evaluations` times
     (`conv_prologue_evaluations`); a `RowReduce` reduces its `reduced` elements `evaluations` times;
-    views, literals and loads compute nothing (a load's bytes are read once per kernel)."""
+    views, literals and loads compute nothing (a load's bytes are read once per kernel). `name`:
+    a compute node's op name (`compute_flops`)."""
     if op in COMPUTE_OPS:
-        return points * evaluations
+        return compute_flops(op, name, points) * evaluations
     if op == "RowReduce":
         return reduction_flops(reduction, reduced) * evaluations
     return 0.0
@@ -636,7 +684,8 @@ def conv_prologue_work(conv: Term) -> tuple[float, set[int], dict]:
                 statistic = node.args[0]
                 lanes[statistic] = lanes.get(statistic, 0.0) + points * programs.evaluations(statistic.ty, per_point)
             else:
-                flops += prologue_node_flops(node.op, points, evaluations)
+                flops += prologue_node_flops(node.op, points, evaluations,
+                                             name=node.args[0] if node.op in COMPUTE_OPS else "")
             covered.add(id(node))
             stack.extend(node.children)
     return flops, covered, lanes
@@ -659,7 +708,7 @@ def matmul_prologue_flops(matmul: Term) -> tuple[float, set[int]]:
                 continue
             covered.add(id(node))
             if node.op in COMPUTE_OPS:
-                flops += _size(node.ty) * repeats
+                flops += compute_flops(node.op, node.args[0], _size(node.ty)) * repeats
             elif node.op == "RowReduce":
                 flops += reduction_flops(node.args[0], _size(node.args[1].ty)) * repeats
     return flops, covered
@@ -695,8 +744,8 @@ def hosted_cost(reduction: Term, device: "str | Device" = "h100") -> Cost:
     for node, _ in _kernel_body(reduction):
         if id(node) not in seen and node is not reduction and node.op in COMPUTE_OPS:
             seen.add(id(node))
-            flops += _size(node.ty)
-    seconds = nbytes / device.hbm_bandwidth + flops / device.peak_fp32
+            flops += compute_flops(node.op, node.args[0], _size(node.ty))
+    seconds = device.memory_seconds(nbytes) + device.vector_seconds(flops)
     return Cost(nbytes, flops, seconds)
 
 
