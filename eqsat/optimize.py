@@ -175,8 +175,9 @@ class Lowered:
         ]
         if s.get("cache") == "hit":
             planned = ", ".join(f"{name} {sec:.2f}s" for name, sec in s["planned_seconds"].items())
-            lines.append(f"plan from the plan cache (key {s['cache_key'][:12]}; eqsat.cache): build, saturate and "
-                         f"extract skipped (they took: {planned}); e-graph figures are the planning run's")
+            lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; eqsat.cache): "
+                         f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
+                         f"planning run's")
         if self.split is None:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "
@@ -402,7 +403,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
     split = None
     caught: list = []
     cached = None
-    cache_state, cache_key = "off", None
+    cache_state, cache_key, cache_seconds = "off", None, 0.0
 
     def stage(name):
         bar.set_postfix_str(name, refresh=False)
@@ -428,7 +429,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
                 plan, cached_stats = cached
                 bar.total = 1 + prepare  # build, saturate and extract skipped
                 bar.refresh()
-            seconds["cache"] = time.perf_counter() - began
+            cache_seconds = time.perf_counter() - began
         if cached is None:
             builder, handles, report, extraction, plan = _plan(program, device, rulesets, plan_options, stage,
                                                                caught)
@@ -473,6 +474,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "prepared_bytes": split.prepared_bytes if split is not None else 0,
         "cache": cache_state,   # "hit", "miss", "off" or "uncacheable: <why>"
         "cache_key": cache_key,
+        "cache_seconds": cache_seconds,  # the key, the look-up and, on a hit, rebuilding the plan
     }
     if cached is not None:
         stats["planned_seconds"] = cached_stats["stats"]["seconds"]  # the stages of the run that planned it
