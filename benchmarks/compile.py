@@ -50,31 +50,49 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def triton_calls(lowered) -> list[tuple[str, bytes]]:
-    """(name, Triton IR) of every Pallas Triton custom call in a `jax.stages.Lowered` for a GPU."""
+    """(name, Triton IR) of every Pallas Triton kernel launch of a `jax.stages.Lowered` for a GPU:
+    custom calls reached from `main`, through every `func.call` (a function called twice launches
+    its kernels twice), in program order."""
     from jax._src.lib.mlir import ir
 
+    module = lowered.compiler_ir("stablehlo")
+    functions = {}
+    for op in module.body.operations:
+        if op.operation.name == "func.func":
+            functions[ir.StringAttr(op.attributes["sym_name"]).value] = op
     found: list[tuple[str, bytes]] = []
 
     def walk(operation):
         for region in operation.regions:
             for block in region.blocks:
                 for op in block.operations:
-                    if op.operation.name == "stablehlo.custom_call":
+                    name = op.operation.name
+                    if name == "stablehlo.custom_call":
                         target = ir.StringAttr(op.attributes["call_target_name"]).value
                         if target == "__gpu$xla.gpu.triton":
                             config = ir.DictAttr(op.attributes["mhlo.backend_config"])
                             found.append((ir.StringAttr(config["name"]).value,
                                           bytes(ir.StringAttr(config["ir"]).value_bytes)))
+                    elif name == "func.call":
+                        walk(functions[ir.FlatSymbolRefAttr(op.attributes["callee"]).value].operation)
                     walk(op.operation)
 
-    walk(lowered.compiler_ir("stablehlo").operation)
+    walk(functions["main"].operation)
     return found
 
 
+def lowered_kernels(lowered) -> int:
+    """Triton custom calls in the module's text: each distinct kernel lowered once where identical
+    kernels share a function (`emit.pallas.emit_shared`)."""
+    return lowered.as_text().count("@__gpu$xla.gpu.triton")
+
+
 def kernel_counts(lowered) -> dict[str, int]:
-    """Launched Triton kernels, distinct backend configs (compiled by XLA), distinct IRs."""
+    """Launched Triton kernels, distinct backend configs (what XLA compiles, once each), distinct
+    IRs, and the kernels JAX lowered (Triton custom calls in the module)."""
     calls = triton_calls(lowered)
-    return {"launched": len(calls), "distinct": len(set(calls)), "distinct_ir": len({ir for _, ir in calls})}
+    return {"launched": len(calls), "distinct": len(set(calls)), "distinct_ir": len({ir for _, ir in calls}),
+            "lowered": lowered_kernels(lowered)}
 
 
 # --- subprocess children ---------------------------------------------------------------------------

@@ -98,6 +98,7 @@ class Lowered:
     interpret: bool | None = None   # pallas_call(interpret=...); None: by the platform it is lowered for
     _emitted: dict = field(default_factory=dict, repr=False)
     _replan: object = field(default=None, repr=False)  # a plan from the cache: builds the e-graph side on demand
+    progress: object = None         # `optimize`'s: also the bar of kernels emitted (`emit.pallas.emission_bar`)
 
     # A plan from the cache (`stats["cache"] == "hit"`) was not extracted from an e-graph in this
     # process: the first use of any of these runs the skipped stages (build, saturate, extract)
@@ -143,9 +144,11 @@ class Lowered:
             if self.split is not None:
                 from emit.prepare import Prepared
 
-                self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate)
+                self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate,
+                                              progress=self.progress)
             else:
-                self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
+                self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate,
+                                               progress=self.progress)
         return self._emitted[key]
 
     def show(self, **options) -> None:
@@ -354,7 +357,8 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     across calls, whose derived tensors are prepared once per set of them ("Parameters" there). `rulesets`: None for `eqsat.schedule.default_schedule()`, family names
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
-    or "ilp" (`extract.extract`); `progress` shows a progress bar (None: only when a lowering is slow).
+    or "ilp" (`extract.extract`); `progress` shows progress bars of the stages and of the kernels
+    emitted (None: only when that is slow, the emission bar only on a terminal; False: never).
     `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring). `cache=False` neither reads nor writes the
     plan cache (`eqsat.cache`; "Plan cache" in the module docstring).
@@ -488,11 +492,14 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
 
         lowered = Lowered(program, None, plan, stats, None, None, None, caught, split, backend, interpret)
         lowered._replan = replan
+        lowered.progress = progress
         return lowered
     if cache_state == "miss":
         _store(cache_key, program, extraction, builder, handles, stats, caught)
-    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, split, backend,
-                   interpret)
+    lowered = Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, split, backend,
+                      interpret)
+    lowered.progress = progress
+    return lowered
 
 
 _SEARCH_STATS = ("extractor", "saturated", "limit_reached", "extract_limit_reached", "e_nodes", "e_classes",

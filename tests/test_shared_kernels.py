@@ -44,7 +44,7 @@ def test_identical_kernels_share_a_name_and_their_ir():
     assert len(calls) == 3, names
     assert names[0] == names[1] == "blocks.0_matmul.x2" and names[2] == "blocks.2_matmul"
     assert calls[0][1] == calls[1][1] and calls[0][1] != calls[2][1]  # one backend config: compiled once
-    assert kernel_counts(lowered) == {"launched": 3, "distinct": 2, "distinct_ir": 2}
+    assert kernel_counts(lowered) == {"launched": 3, "distinct": 2, "distinct_ir": 2, "lowered": 2}
     got = run(*args)
     want = jax.jit(repeated)(*args)
     for g, e in zip(got, want):
@@ -84,3 +84,14 @@ def test_shared_launches_are_matched_to_plan_kernels_by_scope(tmp_path):
                                    by_category={"Pallas (Triton)": 2})
     found = plan_cli.emitted_against_plan(report, ["up.0:conv", "up.1:conv"], names)
     assert found["emitted_missing"] == [] and found["emitted_extra"] == []
+
+
+def test_emission_progress_bar(capsys):
+    args = arguments()
+    shown = eqsat.optimize(repeated, backend="pallas", progress=True)
+    shown(*args)
+    err = capsys.readouterr().err
+    assert "eqsat emit" in err and "/3 [" in err, err[-500:]  # kernels emitted out of 3
+    quiet = eqsat.optimize(repeated, backend="pallas", progress=False)
+    quiet(*args)
+    assert "eqsat" not in capsys.readouterr().err
