@@ -237,6 +237,7 @@ def measure_plan(workload: Workload, optimize, device: str) -> tuple[dict[str, A
         "plan_hosted_statistics": _stat(stats, "hosted_reductions"),
         "optimize_seconds": seconds,
         "optimize_wall_seconds": wall,
+        "plan_cache": _stat(stats, "cache"),  # "hit": planned by an earlier process (`eqsat.cache`)
         "extractor": _stat(stats, "extractor"),
         "saturated": _stat(stats, "saturated"),
         "limit_reached": _stat(stats, "limit_reached"),
