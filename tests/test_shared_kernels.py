@@ -95,3 +95,48 @@ def test_emission_progress_bar(capsys):
     quiet = eqsat.optimize(repeated, backend="pallas", progress=False)
     quiet(*args)
     assert "eqsat" not in capsys.readouterr().err
+
+
+def test_finalize_kernels_finish_from_partials_when_shared(monkeypatch):
+    """Two identical GroupNorm + SiLU readers of two identical convs, each statistic finished once
+    (`finalize`): the shared emission hands the finalize kernel its hosts' partials (it must not
+    recompute the statistic from the conv's output), and the results are `jax.jit`'s."""
+    import emit
+    import emit.pallas.partials as partials
+    import extract.plan
+    from eqsat.cost import merges
+    from jax import lax
+
+    monkeypatch.setattr(extract.plan, "finished_statistics",
+                        lambda *a: merges.finished_statistics(*a, share_limit=0.0))
+    finalized = []
+    original = partials.finalize
+    monkeypatch.setattr(partials, "finalize", lambda *a, **k: finalized.append(k["name"]) or original(*a, **k))
+
+    def norm_silu(y, groups=2):
+        b, h, w, c = y.shape
+        g = y.reshape(b, h, w, groups, c // groups).astype(jnp.float32)
+        mean, var = g.mean(axis=(1, 2, 4), keepdims=True), g.var(axis=(1, 2, 4), keepdims=True)
+        return jax.nn.silu(((g - mean) * lax.rsqrt(var + 1e-5)).reshape(y.shape))
+
+    def fn(x, w, v):
+        outs = []
+        for i, weight in enumerate((w, v)):
+            with jax.named_scope(f"blocks.{i}"):
+                y = lax.conv_general_dilated(x, weight, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                outs.append(norm_silu(y + 100.0))  # an offset large against the spread
+        return outs
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 5, 7, 6)), jnp.float32)
+    w, v = (jnp.asarray(0.1 * rng.normal(size=(3, 3, 6, 6)), jnp.float32) for _ in range(2))
+    plan = eqsat.optimize(fn, extractor="greedy", extract_time_limit=120.0, progress=False).lower(x, w, v).plan
+    assert plan.kinds().get("finalize") == 2, plan.kinds()
+    got = emit.emit(plan, "pallas", interpret=True)(x, w, v)
+    assert len(finalized) == 1  # traced once, for both sites
+    monkeypatch.setattr(emit.pallas, "emit_shared", lambda kernel, ctx: emit.pallas.emit_kernel(kernel, ctx))
+    apart = emit.emit(plan, "pallas", interpret=True)(x, w, v)  # every kernel emitted on its own
+    assert len(finalized) == 3
+    for g, a, e in zip(got, apart, jax.jit(fn)(x, w, v)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4)

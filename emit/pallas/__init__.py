@@ -302,6 +302,8 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
             states.append("partials")
         else:  # not computed yet: the template raises the error that says so
             return emit_kernel(kernel, ctx)
+    if kernel.term in ctx.partials:  # a statistic finished once from its hosts' partials (`finalize`)
+        reads, states = [*reads, kernel.term], [*states, "partials"]
     operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
     prefixes = [ctx.pending.get(r) for r in kernel.hosted]
     key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
