@@ -529,13 +529,18 @@ def _plan(program, device, rulesets, options, stage, caught):
         warnings.warn(message, SaturationLimitWarning, stacklevel=4)
     with stage("extract"):
         import extract as extraction_stage
-        from extract.plan import plan_from_extraction
+        from extract.plan import Plan, components_of_classes
 
         serialized = serialized_data(builder.egraph)  # serialized once: for the class count and extraction
         report.e_classes = classes_in(serialized)
         extraction = extraction_stage.extract(serialized, handles, device=device, method=options["extractor"],
                                               time_limit=options["extract_time_limit"])
-        plan = plan_from_extraction(extraction, program, builder.handles, device)
+        # What `extract.plan.plan_from_extraction` does, keeping the class components for the cache.
+        handle_components = {h: program.components.get(t, "") for t, h in builder.handles.items()}
+        extraction.class_components = components_of_classes(extraction.graph, handle_components)
+        plan = Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
+                          class_components=extraction.class_components, device=device,
+                          extractor=extraction.extractor)
     if extraction.limit_reached:
         message = (f"extraction stopped by its time limit ({options['extract_time_limit']:g} s): the plan is "
                    f"the best found so far")
@@ -567,10 +572,8 @@ def _look_up(program, args, kwargs, device, rulesets, options):
 def _store(key, program, extraction, builder, handles, stats, caught) -> None:
     """Store the plan under `key`; a cache that cannot be written is said once and skipped."""
     from eqsat import cache
-    from extract.plan import components_of_classes
 
-    handle_components = {h: program.components.get(t, "") for t, h in builder.handles.items()}
-    class_components = components_of_classes(extraction.graph, handle_components)
+    class_components = extraction.class_components
     limits = [[type_name, message] for type_name, message in _limit_messages(caught)]
     kept = {name: stats[name] for name in _SEARCH_STATS}
     kept["seconds"] = dict(stats["seconds"])
