@@ -7,6 +7,7 @@ prepare split, a deterministic function of the plan, is recomputed from it: mill
 
     python -m eqsat.cache info        # where it is, how many entries, how many bytes
     python -m eqsat.cache clear       # remove every entry
+    eqsat cache info|clear            # the same, as the installed console script
 
 Where: `$EQSAT_CACHE_DIR`, else `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`; plans are
 `plans/<key>.json`. `optimize(..., cache=False)` neither reads nor writes it.
@@ -362,6 +363,15 @@ def main(argv=None) -> int:
     else:
         print(f"removed {clear()} plans from {cache_dir()}")
     return 0
+
+
+def console(argv=None) -> int:
+    """The `eqsat` console script: `eqsat cache info|clear`."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] != "cache":
+        print("usage: eqsat cache {info,clear}", file=sys.stderr)
+        return 2
+    return main(args[1:])
 
 
 if __name__ == "__main__":

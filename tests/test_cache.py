@@ -238,6 +238,7 @@ def test_info_and_clear_command(fresh_plan_cache):
     assert "removed 2 plans" in run("clear")
     assert not entries(fresh_plan_cache)
     assert lower(block, specs()).stats["cache"] == "miss"
+    assert cache.console(["cache", "info"]) == 0 and cache.console(["info"]) == 2  # the `eqsat` script
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
