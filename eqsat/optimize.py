@@ -325,7 +325,7 @@ class Optimized:
                         extractor=self.extractor, extract_time_limit=self.extract_time_limit,
                         progress=self.progress, backend=self.backend, interpret=self.interpret,
                         params_argnums=self.params_argnums, params_argnames=self.params_argnames,
-                        cache=self.cache)
+                        cache=getattr(self, "cache", True))  # pickled before the plan cache: on
         if key is not None:
             self._cache[key] = lowered
         return lowered
