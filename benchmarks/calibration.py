@@ -3,7 +3,8 @@
 A profiler trace names each Pallas launch by its Triton kernel name: the `pallas_call` name
 `"<component>:<kind>"` with characters outside `[A-Za-z0-9_.]` made `_` (and `.` too, in the
 trace), uniquified with a `__<n>` suffix when two launches share a name. Kernels of one plan can
-share a name (two matmuls of one attention block), so the join is by name: a name's measured
+share a name (two matmuls of one attention block; identical kernels share the first one's name plus
+`.x<uses>`, `emit.kernel_names`), so the join is by name: a name's measured
 seconds (every launch carrying it) against its modeled seconds (every plan kernel carrying it).
 
     rows = join(plan_kernels(lowered), measured)     # measured: {trace name: seconds per call}
@@ -53,11 +54,11 @@ def base_name(launch_name: str) -> str:
 
 def plan_kernels(lowered) -> list[dict[str, Any]]:
     """The per-call plan's kernels of an `eqsat.optimize(...).lower(...)` result: name, kind, modeled seconds."""
-    from emit.pallas import name_of
+    from emit import kernel_names
 
     split = getattr(lowered, "split", None)
     plan = split.per_call if split is not None else lowered.plan
-    return [{"name": name_of(k.component, k.kind), "kind": k.kind, "seconds": float(k.seconds)} for k in plan.kernels]
+    return [{"name": name, "kind": k.kind, "seconds": float(k.seconds)} for k, name in zip(plan.kernels, kernel_names(plan))]
 
 
 def join(planned: Iterable[Mapping[str, Any]], measured: Mapping[str, float]) -> list[dict[str, Any]]:

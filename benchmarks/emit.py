@@ -185,7 +185,7 @@ def compile_case(case: Case) -> dict:
             report = compile_for_h100(fast, *case.args, static_argnums=case.static_argnums, keep_dump=dump)
         except RuntimeError as error:
             return {"status": "failed", "error": str(error).splitlines()[-1][:300]}
-        names = [call.name for call in emit.kernel_calls(plan)]
+        names = emit.kernel_names(plan)
         ours = pallas_entries(ptx_entries(dump), names)
         kernels = [launch for launch in report.launches if launch.counted == "kernel"]
         pallas = [launch for launch in kernels if "Pallas" in launch.category]

@@ -13,7 +13,8 @@ with XLA's dump kept (the Triton kernels' PTX, the thunk sequence, the optimized
 kernel's PTX. And `jax.jit(fn)` compiled the same way, for XLA's launches.
 
 Per kernel (a row per planned kernel; a Pallas launch is matched to its plan kernel by its Triton
-name, `plan_cli.triton_kernel_names`, then by output size and order among same-named kernels):
+name, `plan_cli.triton_kernel_names`, or by its named scope where identical kernels share a name,
+then by output size and order among same-named kernels):
 
 - counted (read from the compiled program): grid, threads (num_warps * 32), registers, spill bytes
   (ptxas's spill stores + loads), shared memory (the launch's dynamic shared memory, from the thunk
@@ -318,6 +319,15 @@ def match_launches(planned: list[PlannedKernel], launches: list[tuple[str, int |
     return out
 
 
+def _launch_name(launch, triton_names: dict[str, str], thunk_kernel: str) -> str:
+    """The plan kernel name a Pallas launch is matched by: its Triton name, or where identical
+    kernels share one (`plan_cli.is_shared_kernel_name`) the named scope of its launch."""
+    from sd15 import plan_cli
+
+    name = triton_names.get(launch.name, re.sub(r"__\d+$", "", thunk_kernel))
+    return plan_cli.launch_kernel_name(launch) if plan_cli.is_shared_kernel_name(name) else name
+
+
 # --- one component ------------------------------------------------------------------------------
 
 
@@ -445,7 +455,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     if missing_launch:
         raise RuntimeError(f"{workload.name}: no launch shape in the thunk sequence for {missing_launch[:5]}")
     resources = _run_ptxas_all((entries[t.kernel][0] for t in thunk_of.values() if t.kernel in entries), ptxas, workers)
-    keys = [(triton_names.get(launch.name, re.sub(r"__\d+$", "", thunk_of[launch.index].kernel)),
+    keys = [(_launch_name(launch, triton_names, thunk_of[launch.index].kernel),
              _first_elements(instructions[launch.name].shape) if launch.name in instructions else None)
             for launch in pallas]
     matched = match_launches(planned, keys)

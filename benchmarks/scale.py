@@ -117,7 +117,8 @@ def measure(layers: int, *, device: str = "h100", extract_time_limit: float = 5.
     import eqsat
 
     function, arguments = (residual_chain, chain_arguments) if chain else (residual_mlp, mlp_arguments)
-    optimized = eqsat.optimize(function, device=device, progress=False, extract_time_limit=extract_time_limit)
+    optimized = eqsat.optimize(function, device=device, progress=False, extract_time_limit=extract_time_limit,
+                               cache=False)  # measures planning: never a plan from the cache
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught, stage_cpu_seconds() as cpu:
         warnings.simplefilter("always")

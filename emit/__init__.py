@@ -6,7 +6,8 @@
 Backends:
 
 - `pallas`: every kernel of the plan is a Pallas `pallas_call` named `"<component>:<kind>"`
-  (`emit.pallas` dispatches each kernel op to its template), compiled by Triton where the function
+  (identical kernels share the first one's name plus `.x<uses>`, so XLA compiles them once:
+  `kernel_names(plan)`; `emit.pallas` dispatches each kernel op to its template), compiled by Triton where the function
   is lowered for a GPU and run with `interpret=True` where it is lowered for a CPU (the choice is
   made at lowering, so `eqsat.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
   machine; force it with `interpret=True/False`). A kernel no template covers runs through the
@@ -55,15 +56,27 @@ def kernel_calls(plan) -> list[KernelCall]:
     return calls
 
 
+def kernel_names(plan) -> list[str]:
+    """The `pallas_call` name of each of the plan's kernels (a loop: its own name): identical kernels
+    share the first one's name plus `.x<uses>` (`emit.pallas.shared_names`), the name their Triton
+    kernel has in PTX, profiles and XLA dumps."""
+    from emit.pallas import shared_names
+
+    calls = [KernelCall(k.term, name_of(k.component, k.kind), () if k.op == "Loop" else tuple(k.hosted))
+             for k in plan.kernels]
+    return shared_names(calls)
+
+
 class Emitted:
     """A plan as a callable of the original function's arguments (see the module docstring)."""
 
-    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None, donate=()):
+    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None):
         if plan.program is None:
             raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
         self.plan = plan
         self.backend = resolve_backend(backend)
         self.interpret = None if interpret is None else bool(interpret)
+        self.progress = progress  # the bar of kernels emitted while tracing (`emit.pallas.emission_bar`)
         self._jitted = jax.jit(self._run_leaves)
         self.donate = tuple(t.args[0] for t in plan.program.inputs if t.args[0] in set(donate))  # input names
         self._jitted_donating = jax.jit(self._run_donating, donate_argnums=0)
@@ -92,21 +105,26 @@ class Emitted:
     def _run_leaves(self, leaves):
         program = self.program
         ctx = EmitContext(dict(zip(program.inputs, leaves)), program.constants, program.payloads,
-                          interpret=self.interpret, backend=self.backend, components=program.components)
+                          interpret=self.interpret, backend=self.backend, components=program.components,
+                          progress=self.progress)
         run_kernels(kernel_calls(self.plan), ctx)
         return [ctx.value(term) for term in self.plan.outputs]
 
     def __getstate__(self):
-        return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret, "donate": self.donate}
+        return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret, "donate": self.donate,
+                "progress": self.progress}
 
     def __setstate__(self, state):
-        self.__init__(state["plan"], state["backend"], interpret=state["interpret"], donate=state.get("donate", ()))
+        self.__init__(state["plan"], state["backend"], interpret=state["interpret"], donate=state.get("donate", ()),
+                      progress=state.get("progress"))
 
     def __repr__(self) -> str:
         mode = f", interpret={self.interpret}" if self.backend in ("pallas", "hybrid") and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 
-def emit(plan, backend: str = "auto", *, interpret: bool | None = None, donate=()) -> Emitted:
-    """The callable running `plan` with `backend` (see the module docstring)."""
-    return Emitted(plan, backend, interpret=interpret, donate=donate)
+def emit(plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None) -> Emitted:
+    """The callable running `plan` with `backend` (see the module docstring); `progress` as
+    `eqsat.optimize`'s: a bar of kernels emitted while the plan is traced (None: on a terminal,
+    once that takes 2 s)."""
+    return Emitted(plan, backend, interpret=interpret, donate=donate, progress=progress)

@@ -465,7 +465,8 @@ class Prepared:
     at every call. `prepare_runs` counts the prepare stage's runs, `cache_hits` the calls that
     reused its tensors."""
 
-    def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=()):
+    def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=(),
+                 progress=None):
         from emit import resolve_backend
 
         if split.plan.program is None:
@@ -478,6 +479,7 @@ class Prepared:
         self.backend = resolve_backend(backend)
         self.interpret = None if interpret is None else bool(interpret)
         self.donate = tuple(name for name in split.per_call_inputs if name in set(donate))
+        self.progress = progress  # the bar of kernels emitted while tracing (`emit.pallas.emission_bar`)
         self.prepare_runs = 0
         self.cache_hits = 0
         self._entry: _Entry | None = None
@@ -559,7 +561,7 @@ class Prepared:
         values = {term: inputs[term.args[0]] for term in program.inputs if term.args[0] in inputs}
         values.update(known)
         ctx = EmitContext(values, program.constants, program.payloads, interpret=self.interpret,
-                          backend=self.backend, components=program.components)
+                          backend=self.backend, components=program.components, progress=self.progress)
         run_kernels(kernel_calls(plan), ctx)
         return [ctx.value(term) for term in terms]
 
@@ -578,10 +580,12 @@ class Prepared:
         return self._per_call_stage(leaves, prepared)
 
     def __getstate__(self):
-        return {"split": self.split, "backend": self.backend, "interpret": self.interpret, "donate": self.donate}
+        return {"split": self.split, "backend": self.backend, "interpret": self.interpret, "donate": self.donate,
+                "progress": self.progress}
 
     def __setstate__(self, state):
-        self.__init__(state["split"], state["backend"], interpret=state["interpret"], donate=state["donate"])
+        self.__init__(state["split"], state["backend"], interpret=state["interpret"], donate=state["donate"],
+                      progress=state.get("progress"))
 
     def __repr__(self) -> str:
         split = self.split

@@ -18,6 +18,13 @@ If saturation stops at a limit, the e-graph still holds every rewrite made so fa
 extracted plan is the best found so far; a warning says which limit stopped it.
 Lowerings are cached per argument signature (shapes, dtypes, pytree structure, static values).
 
+Plan cache: after `lift`, the plan is looked up on disk (`eqsat.cache`: keyed by the lifted
+program, the device profile, the rule schedule, the options that change the plan and the eqsat
+source); a hit rebuilds the `Plan` from the stored terms and skips build, saturate and extract
+(`stats["cache"]` is "hit", `report()` says so), a miss plans and stores it. On a hit
+`lowered.egraph`, `.saturation`, `.extraction` and `.builder` are built on first use by running the
+skipped stages then (the plan kept is the cached one). `optimize(..., cache=False)` skips it.
+
 Running: calling the optimized function runs its plan through `emit.emit(plan, backend)`, built
 once per signature: `backend="pallas"` emits every kernel as a Pallas kernel (Triton on a GPU,
 interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls through XLA's
@@ -79,17 +86,48 @@ class Lowered:
     """One lowering of an optimized function for one argument signature."""
 
     program: object                 # eqsat.program.Program
-    egraph: object                  # the saturated egglog EGraph
+    _egraph: object                 # the saturated egglog EGraph (see `egraph`)
     plan: object                    # extract.plan.Plan
     stats: dict
-    saturation: object = None       # eqsat.saturate.SaturationReport
-    extraction: object = None       # extract.Extraction
-    builder: object = None          # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
+    _saturation: object = None      # eqsat.saturate.SaturationReport
+    _extraction: object = None      # extract.Extraction
+    _builder: object = None         # eqsat.egraph.Builder (its `handles` map lifted terms to Refs)
     warnings: list = field(default_factory=list)
     split: object = None            # emit.prepare.Split: prepare and per-call plans, when parameters are marked
     backend: str = "auto"           # how calling it runs the plan (see `emit.emit`)
     interpret: bool | None = None   # pallas_call(interpret=...); None: by the platform it is lowered for
     _emitted: dict = field(default_factory=dict, repr=False)
+    _replan: object = field(default=None, repr=False)  # a plan from the cache: builds the e-graph side on demand
+    progress: object = None         # `optimize`'s: also the bar of kernels emitted (`emit.pallas.emission_bar`)
+
+    # A plan from the cache (`stats["cache"] == "hit"`) was not extracted from an e-graph in this
+    # process: the first use of any of these runs the skipped stages (build, saturate, extract)
+    # on the program, once; the plan kept is the cached one.
+    @property
+    def egraph(self):
+        """The saturated egglog EGraph."""
+        return self._planned()._egraph
+
+    @property
+    def saturation(self):
+        """The `eqsat.saturate.SaturationReport`."""
+        return self._planned()._saturation
+
+    @property
+    def extraction(self):
+        """The `extract.Extraction` (its e-graph data, selection and terms)."""
+        return self._planned()._extraction
+
+    @property
+    def builder(self):
+        """The `eqsat.egraph.Builder` (its `handles` map lifted terms to Refs)."""
+        return self._planned()._builder
+
+    def _planned(self) -> "Lowered":
+        if self._replan is not None:
+            replan, self._replan = self._replan, None
+            self._builder, self._egraph, self._saturation, self._extraction = replan()
+        return self
 
     def __call__(self, *args, **kwargs):
         return self.executable()(*args, **kwargs)
@@ -106,9 +144,11 @@ class Lowered:
             if self.split is not None:
                 from emit.prepare import Prepared
 
-                self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate)
+                self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate,
+                                              progress=self.progress)
             else:
-                self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
+                self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate,
+                                               progress=self.progress)
         return self._emitted[key]
 
     def show(self, path=None, **options):
@@ -143,6 +183,11 @@ class Lowered:
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]
+        if s.get("cache") == "hit":
+            planned = ", ".join(f"{name} {sec:.2f}s" for name, sec in s["planned_seconds"].items())
+            lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; eqsat.cache): "
+                         f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
+                         f"planning run's")
         from eqsat.explain import format_explanation
 
         lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
@@ -160,7 +205,7 @@ class Optimized:
     def __init__(self, fn, *, static_argnums=None, static_argnames=None, donate_argnums=None,
                  donate_argnames=None, params_argnums=None, params_argnames=None, device="h100", rulesets=None,
                  node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0, progress=None, backend="auto",
-                 interpret=None):
+                 interpret=None, cache=True):
         import emit
 
         from jax._src import api_util
@@ -191,6 +236,7 @@ class Optimized:
         emit.resolve_backend(backend)  # validates the name now; "auto" is resolved where the plan runs
         self.backend = backend
         self.interpret = interpret
+        self.cache = cache
         self._cache: dict = {}
         self._jitted = None  # the jax.jit every call goes through (see _dispatches_through_jit)
         self._said_not_donated = False
@@ -317,7 +363,8 @@ class Optimized:
                         iteration_limit=self.iteration_limit, time_limit=self.time_limit,
                         extractor=self.extractor, extract_time_limit=self.extract_time_limit,
                         progress=self.progress, backend=self.backend, interpret=self.interpret,
-                        params_argnums=self.params_argnums, params_argnames=self.params_argnames)
+                        params_argnums=self.params_argnums, params_argnames=self.params_argnames,
+                        cache=getattr(self, "cache", True))  # pickled before the plan cache: on
         if key is not None:
             self._cache[key] = lowered
         return lowered
@@ -340,7 +387,8 @@ def _inherit_jit_options(fn, static_argnums, static_argnames, donate_argnums, do
 def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnums=None, donate_argnames=None,
              params_argnums=None, params_argnames=None, device="h100", rulesets=None, node_limit: int = 200_000, iteration_limit: int = 400,
              time_limit: float = 60.0, extractor: str = "auto", extract_time_limit: float = 5.0,
-             progress: bool | None = None, backend: str = "auto", interpret: bool | None = None):
+             progress: bool | None = None, backend: str = "auto", interpret: bool | None = None,
+             cache: bool = True):
     """Optimize `fn` like `jax.jit` does: `optimize(fn, ...)`, `@optimize` or `@optimize(...)`.
 
     `static_argnums`/`static_argnames`/`donate_argnums`/`donate_argnames` as in `jax.jit` (see the
@@ -349,15 +397,18 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     (`["absorb"]`), or anything `eqsat.saturate.saturate` takes (a `Schedule`, egglog rulesets).
     `node_limit`, `iteration_limit`, `time_limit` bound saturation; `extractor` is "auto", "greedy"
     or "ilp" (`extract.extract`), `extract_time_limit` bounds it in CPU seconds (a plan does not depend
-    on the machine's load); `progress` shows a progress bar (None: on a terminal, once a lowering takes over 5 s).
+    on the machine's load); `progress` shows progress bars of the stages and of the kernels emitted
+    (None: on a terminal, once that is slow; False: never).
     `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
-    (`emit.emit`; see "Running" in the module docstring).
+    (`emit.emit`; see "Running" in the module docstring). `cache=False` neither reads nor writes the
+    plan cache (`eqsat.cache`; "Plan cache" in the module docstring).
     """
     options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                    donate_argnames=donate_argnames, params_argnums=params_argnums, params_argnames=params_argnames,
                    device=device, rulesets=rulesets, node_limit=node_limit,
                    iteration_limit=iteration_limit, time_limit=time_limit, extractor=extractor,
-                   extract_time_limit=extract_time_limit, progress=progress, backend=backend, interpret=interpret)
+                   extract_time_limit=extract_time_limit, progress=progress, backend=backend, interpret=interpret,
+                   cache=cache)
     if fn is None:
         return lambda f: Optimized(f, **options)
     return Optimized(fn, **options)
@@ -377,21 +428,26 @@ def _schedule(rulesets):
 
 def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device="h100", rulesets=None,
           node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
-          progress=None, backend="auto", interpret=None, params_argnums=(), params_argnames=()) -> Lowered:
+          progress=None, backend="auto", interpret=None, params_argnums=(), params_argnames=(),
+          cache: bool = True) -> Lowered:
     """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring).
-    `params_argnums`/`params_argnames` (resolved, as `Optimized` holds them) add the `prepare` stage."""
+    `params_argnums`/`params_argnames` (resolved, as `Optimized` holds them) add the `prepare` stage.
+    `cache`: look the plan up in the plan cache after lifting and store it there (`eqsat.cache`)."""
     from tqdm.auto import tqdm
 
     from eqsat.cost import get_device
 
     device = get_device(device)
     seconds: dict[str, float] = {}
-    stages = STAGES + ((PREPARE_STAGE,) if params_argnums or params_argnames else ())
+    prepare = bool(params_argnums or params_argnames)
+    stages = STAGES + ((PREPARE_STAGE,) if prepare else ())
     label = f"eqsat {progress}" if isinstance(progress, str) else "eqsat"
     bar = tqdm(total=len(stages), desc=label, unit="stage", delay=0.0 if progress else 5.0,
                disable=progress is False or (progress is None and not _on_a_terminal()), leave=False)
     split = None
     caught: list = []
+    cached = None
+    cache_state, cache_key, cache_seconds = "off", None, 0.0
 
     def stage(name):
         bar.set_postfix_str(name, refresh=False)
@@ -408,36 +464,24 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
             for w in lift_warnings:
                 caught.append(str(w.message))
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        with stage("build"):
-            from eqsat.egraph import Builder
-
-            builder = Builder()
-            handles = builder.add(program.outputs)
-        with stage("saturate"):
-            from eqsat.saturate import classes_in, saturate, serialized_data
-
-            report = saturate(builder.egraph, _schedule(rulesets), node_limit=node_limit, iteration_limit=iteration_limit,
-                              time_limit=time_limit, program=program, classes=False)  # counted on the extraction's copy
-        if not report.saturated:
-            message = (f"saturation stopped by {report.limit_reached} after {report.iterations} iterations "
-                       f"({report.e_nodes} e-nodes): the plan is the best found so far")
-            caught.append(message)
-            warnings.warn(message, SaturationLimitWarning, stacklevel=3)
-        with stage("extract"):
-            import extract as extraction_stage
-            from extract.plan import plan_from_extraction
-
-            serialized = serialized_data(builder.egraph)  # serialized once: for the class count and extraction
-            report.e_classes = classes_in(serialized)
-            extraction = extraction_stage.extract(serialized, handles, device=device,
-                                                  method=extractor, time_limit=extract_time_limit)
-            plan = plan_from_extraction(extraction, program, builder.handles, device)
-        if extraction.limit_reached:
-            message = (f"extraction stopped by its time limit ({extract_time_limit:g} s): the plan is the best "
-                       f"found so far")
-            caught.append(message)
-            warnings.warn(message, ExtractionLimitWarning, stacklevel=3)
-        if PREPARE_STAGE in stages:
+        plan_options = dict(node_limit=node_limit, iteration_limit=iteration_limit, time_limit=time_limit,
+                            extractor=extractor, extract_time_limit=extract_time_limit)
+        if cache:
+            began = time.perf_counter()
+            cache_key, cache_state, cached = _look_up(program, args, kwargs, device, rulesets, plan_options)
+            if cached is not None:
+                plan, cached_stats = cached
+                bar.total = 1 + prepare  # build, saturate and extract skipped
+                bar.refresh()
+            cache_seconds = time.perf_counter() - began
+        if cached is None:
+            builder, handles, report, extraction, plan = _plan(program, device, rulesets, plan_options, stage,
+                                                               caught)
+        else:
+            for category, message in cached_stats.get("warnings", ()):
+                caught.append(message)
+                warnings.warn(message, _LIMIT_WARNINGS.get(category, UserWarning), stacklevel=3)
+        if prepare:
             with stage(PREPARE_STAGE):
                 from emit.prepare import split_plan
 
@@ -447,6 +491,12 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
     finally:
         bar.close()
 
+    if cached is None:
+        search = {"extractor": extraction.extractor, "saturated": report.saturated,
+                  "limit_reached": report.limit_reached, "extract_limit_reached": extraction.limit_reached,
+                  "e_nodes": report.e_nodes, "e_classes": report.e_classes, "iterations": report.iterations}
+    else:
+        search = {name: cached_stats["stats"][name] for name in _SEARCH_STATS}
     stats = {
         "naive_kernels": plan.naive_kernels,  # a loop counts once, whatever number of outputs
         "fused_kernels": len(plan.kernels),
@@ -455,13 +505,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "plan_seconds": plan.seconds,
         "plan_flops": plan.flops,
         "seconds": seconds,
-        "extractor": extraction.extractor,
-        "saturated": report.saturated,
-        "limit_reached": report.limit_reached,
-        "extract_limit_reached": extraction.limit_reached,
-        "e_nodes": report.e_nodes,
-        "e_classes": report.e_classes,
-        "iterations": report.iterations,
+        **search,
         "device": device.name,
         "kinds": plan.kinds(),
         "hosted_reductions": plan.hosted_reductions,
@@ -472,9 +516,120 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "per_call_kernels": len(split.per_call.kernels) if split is not None else len(plan.kernels),
         "hoisted_kernels": split.hoisted if split is not None else 0,
         "prepared_bytes": split.prepared_bytes if split is not None else 0,
+        "cache": cache_state,   # "hit", "miss", "off" or "uncacheable: <why>"
+        "cache_key": cache_key,
+        "cache_seconds": cache_seconds,  # the key, the look-up and, on a hit, rebuilding the plan
     }
-    return Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, split, backend,
-                   interpret)
+    if cached is not None:
+        stats["planned_seconds"] = cached_stats["stats"]["seconds"]  # the stages of the run that planned it
+
+        def replan():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # said when the plan was made; the plan kept is the cached one
+                builder, _, report, extraction, _ = _plan(program, device, rulesets, plan_options,
+                                                          lambda name: _Timer(name, {}, None), [])
+            return builder, builder.egraph, report, extraction
+
+        lowered = Lowered(program, None, plan, stats, None, None, None, caught, split, backend, interpret)
+        lowered._replan = replan
+        lowered.progress = progress
+        return lowered
+    if cache_state == "miss":
+        _store(cache_key, program, extraction, builder, handles, stats, caught)
+    lowered = Lowered(program, builder.egraph, plan, stats, report, extraction, builder, caught, split, backend,
+                      interpret)
+    lowered.progress = progress
+    return lowered
+
+
+_SEARCH_STATS = ("extractor", "saturated", "limit_reached", "extract_limit_reached", "e_nodes", "e_classes",
+                 "iterations")
+_LIMIT_WARNINGS = {"SaturationLimitWarning": SaturationLimitWarning,
+                   "ExtractionLimitWarning": ExtractionLimitWarning}
+
+
+def _plan(program, device, rulesets, options, stage, caught):
+    """build, saturate and extract: the builder, its root handles, the saturation report, the
+    extraction and its plan. Limit warnings are raised and appended to `caught`."""
+    with stage("build"):
+        from eqsat.egraph import Builder
+
+        builder = Builder()
+        handles = builder.add(program.outputs)
+    with stage("saturate"):
+        from eqsat.saturate import classes_in, saturate, serialized_data
+
+        report = saturate(builder.egraph, _schedule(rulesets), node_limit=options["node_limit"],
+                          iteration_limit=options["iteration_limit"], time_limit=options["time_limit"],
+                          program=program, classes=False)  # counted on the extraction's copy
+    if not report.saturated:
+        message = (f"saturation stopped by {report.limit_reached} after {report.iterations} iterations "
+                   f"({report.e_nodes} e-nodes): the plan is the best found so far")
+        caught.append(message)
+        warnings.warn(message, SaturationLimitWarning, stacklevel=4)
+    with stage("extract"):
+        import extract as extraction_stage
+        from extract.plan import Plan, components_of_classes
+
+        serialized = serialized_data(builder.egraph)  # serialized once: for the class count and extraction
+        report.e_classes = classes_in(serialized)
+        extraction = extraction_stage.extract(serialized, handles, device=device, method=options["extractor"],
+                                              time_limit=options["extract_time_limit"])
+        # What `extract.plan.plan_from_extraction` does, keeping the class components for the cache.
+        handle_components = {h: program.components.get(t, "") for t, h in builder.handles.items()}
+        extraction.class_components = components_of_classes(extraction.graph, handle_components)
+        plan = Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
+                          class_components=extraction.class_components, device=device,
+                          extractor=extraction.extractor)
+    if extraction.limit_reached:
+        message = (f"extraction stopped by its time limit ({options['extract_time_limit']:g} s): the plan is "
+                   f"the best found so far")
+        caught.append(message)
+        warnings.warn(message, ExtractionLimitWarning, stacklevel=4)
+    return builder, handles, report, extraction, plan
+
+
+def _look_up(program, args, kwargs, device, rulesets, options):
+    """(key, "hit" | "miss" | "uncacheable: why", (plan, entry data) on a hit)."""
+    import jax
+
+    from eqsat import cache
+
+    try:
+        shardings = cache.multi_device_shardings(jax.tree_util.tree_leaves((args, kwargs or {})))
+        key = cache.plan_key(program, device=device, rulesets=rulesets, options=options, shardings=shardings)
+    except cache.Uncacheable as why:
+        return None, f"uncacheable: {why}", None
+    entry = cache.load(key)
+    if entry is None:
+        return key, "miss", None
+    plan = cache.plan_from_entry(entry, program, device)
+    if plan is None:
+        return key, "miss", None
+    return key, "hit", (plan, {"stats": entry.stats, "warnings": entry.warnings})
+
+
+def _store(key, program, extraction, builder, handles, stats, caught) -> None:
+    """Store the plan under `key`; a cache that cannot be written is said once and skipped."""
+    from eqsat import cache
+
+    class_components = extraction.class_components
+    limits = [[type_name, message] for type_name, message in _limit_messages(caught)]
+    kept = {name: stats[name] for name in _SEARCH_STATS}
+    kept["seconds"] = dict(stats["seconds"])
+    try:
+        cache.store(cache.entry_of(key, program, extraction, class_components, kept, limits))
+    except OSError as error:
+        warnings.warn(f"eqsat plan cache: cannot write to {cache.plans_dir()} ({error}); not cached",
+                      cache.PlanCacheWarning, stacklevel=4)
+
+
+def _limit_messages(caught):
+    for message in caught:
+        if message.startswith("saturation stopped by"):
+            yield "SaturationLimitWarning", message
+        elif message.startswith("extraction stopped by"):
+            yield "ExtractionLimitWarning", message
 
 
 def marked_inputs(program, args, kwargs, argnums, argnames, static_argnums=(), static_argnames=()) -> tuple[str, ...]:
@@ -532,7 +687,8 @@ class _Timer:
 
     def __exit__(self, *exc):
         self.seconds[self.name] = time.perf_counter() - self.start
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.update(1)
         return False
 
 

@@ -237,6 +237,7 @@ def measure_plan(workload: Workload, optimize, device: str) -> tuple[dict[str, A
         "plan_hosted_statistics": _stat(stats, "hosted_reductions"),
         "optimize_seconds": seconds,
         "optimize_wall_seconds": wall,
+        "plan_cache": _stat(stats, "cache"),  # "hit": planned by an earlier process (`eqsat.cache`)
         "extractor": _stat(stats, "extractor"),
         "saturated": _stat(stats, "saturated"),
         "limit_reached": _stat(stats, "limit_reached"),
@@ -289,6 +290,12 @@ def triton_kernel_names(dump: Path) -> dict[str, str]:
     return names
 
 
+def is_shared_kernel_name(name: str) -> bool:
+    """Whether a Triton kernel name is one that identical kernels share (`emit.pallas.shared_names`:
+    the first use's name plus `.x<uses>`); such a launch is known by its named scope instead."""
+    return re.search(r"\.x\d+$", name) is not None
+
+
 def _triton_name(name: str) -> str:
     """A `pallas_call` name as Triton spells its kernel: characters outside [A-Za-z0-9_.] become `_`."""
     return re.sub(r"[^A-Za-z0-9_.]", "_", name)
@@ -300,7 +307,8 @@ def emitted_against_plan(report, names: list[str], triton_names: dict[str, str] 
     `pallas_call`; `kernel` says which plan kernel's emission made it), planned kernels with no
     Pallas launch, and Pallas launches beyond the plan (e.g. a statistic its host left to the
     driver: `"<component>_reduce"`). A Pallas launch is known by its Triton kernel name
-    (`triton_names`, HLO instruction -> name), else by its plan kernel's named scope."""
+    (`triton_names`, HLO instruction -> name), else (no name, or a name identical kernels share)
+    by its plan kernel's named scope."""
     import collections
 
     triton_names = triton_names or {}
@@ -309,7 +317,8 @@ def emitted_against_plan(report, names: list[str], triton_names: dict[str, str] 
     pallas_ids = {id(launch) for launch in pallas}
     spelled = {_triton_name(name): name for name in names}
     launched = collections.Counter(
-        spelled.get(triton_names[launch.name], triton_names[launch.name]) if launch.name in triton_names
+        spelled.get(triton_names[launch.name], triton_names[launch.name])
+        if launch.name in triton_names and not is_shared_kernel_name(triton_names[launch.name])
         else launch_kernel_name(launch) for launch in pallas)
     planned = collections.Counter(names)
     return {

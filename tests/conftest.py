@@ -24,6 +24,10 @@ checkpoints on the Hub carry (`embeddings.token_embedding.weight`, not
 
 Every test session also runs JAX's float32 matmuls and convolutions at "highest" precision, so
 comparisons against torch measure the model code, not TF32/bf16 passes.
+
+The plan cache (`eqsat.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
+temporary folder for the session (what session fixtures and subprocesses see) and at a fresh one
+for each test (`fresh_plan_cache`), so no test sees another's plans.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ import os
 
 # Tests run on the CPU backend; an installed CUDA plugin (the H100 compile target) stays quiet.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import tempfile
+
+os.environ["EQSAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqsat-test-cache-")
 
 import eqsat  # noqa: F401  before jax: no CUDA plugin noise on a machine without a GPU (eqsat.quiet_cuda)
 
@@ -152,6 +160,14 @@ def build_tiny_sd15(root: Path) -> TinySD15:
     }
     (root / "model_index.json").write_text(json.dumps(model_index, indent=2))
     return TinySD15(root=root, unet=unet, vae=vae, text_encoder=text_encoder, scheduler=scheduler)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plan_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Each test plans into its own empty plan cache folder (see the module docstring)."""
+    folder = tmp_path_factory.mktemp("plan_cache")
+    monkeypatch.setenv("EQSAT_CACHE_DIR", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="session")

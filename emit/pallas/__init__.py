@@ -26,6 +26,18 @@ kernel (an `EmitError`, as is a tensor read before the kernel computing it ran).
 `run_kernels(calls, ctx)` emits a sequence into `ctx.values` (the driver's plan, a loop body),
 each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter (`"hybrid"`: the
 kinds `emit.library` names through XLA's libraries, the rest through their templates).
+
+Identical kernels compile once: XLA compiles a Triton custom call once per distinct backend
+config (its name and its Triton IR), and the IR of two kernels of the same template, fused
+expression, configuration and shapes differs only by the kernel's name. So kernels with the same
+structure (`kernel_structure`: the kernel term with the tensors it reads abstracted to their
+types, and the statistics it hosts) share one `pallas_call` name, `shared_names`: the first use's
+`"<component>:<kind>"` plus `.x<uses>` (`"up_blocks.1.resnets.0.conv1:conv.x9"`); a kernel used
+once keeps its own name. Each launch still runs under its own `jax.named_scope(kernel.name)`, so
+the HLO op of every launch names its site (what profiles and `sd15 plan` read).
+Measured (`python -m benchmarks.compile --duplicates 24`, loaded machine): 24 identical Triton
+kernels compile for an H100 in 296 s named apart and 22 s named alike. And the first kernel of a
+structure is traced and lowered once for all its sites (`emit_shared`).
 `loaded_tensors(*exprs)` lists a kernel's operands (the tensors its Exprs `Load`), the order a
 template passes them in.
 
@@ -95,6 +107,9 @@ class EmitContext:
     shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site
     partials: dict = field(default_factory=dict)    # hosted statistic -> its hosts' per-tile partials (all hosts run)
     pending: dict = field(default_factory=dict)     # hosted statistic -> the partials of the hosts run so far
+    progress: bool | str | None = None              # a bar of kernels emitted (`run_kernels`); None: on a terminal, past 2 s
+    structures: dict = field(default_factory=dict)  # `kernel_structure`'s numbering of what kernels are made of
+    shared_kernels: dict = field(default_factory=dict)  # structure and state -> its `_SharedKernel` (`emit_shared`)
 
     def value(self, tensor: Term) -> jax.Array:
         """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
@@ -126,7 +141,7 @@ class EmitContext:
     def child(self, bound: dict) -> "EmitContext":
         """A context for a loop body: `bound` (LoopArg terms -> values) plus everything known here."""
         return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend,
-                           self.components, dict(self.shared), dict(self.partials))
+                           self.components, dict(self.shared), dict(self.partials), progress=False)
 
     def kernel_name(self, term: Term, default: str = "") -> str:
         """`"<component>:<kind>"` for a kernel term the program's lift named, else `default`."""
@@ -217,6 +232,123 @@ def is_empty(kernel: KernelCall) -> bool:
     return any(0 in parse_type(t.ty).shape for t in tensors if t.sort == "Tensor")
 
 
+def kernel_structure(call: KernelCall, table: dict, reads: list | None = None) -> tuple:
+    """What identifies `call`'s kernel up to the tensors it reads: its term and hosted statistics
+    with every tensor read replaced by (op kind, type, first-read position), numbered through
+    `table` (shared by the calls compared) so equal structures get equal tuples. `reads`, when
+    given, receives the tensors read, in that position order."""
+    from eqsat.term import postorder
+
+    hosted = set(call.hosted)
+    roots = [call.term, *call.hosted]
+
+    def read(node) -> bool:
+        return node.sort == "Tensor" and node is not call.term and node not in hosted
+
+    ids: dict[int, int] = {}
+    leaves: dict[int, int] = {}
+    for node in postorder(roots, children=lambda n: () if read(n) else n.children):
+        if read(node):
+            constant = node.args[0] if node.op == "Constant" else None
+            if id(node) not in leaves:
+                leaves[id(node)] = len(leaves)
+                if reads is not None:
+                    reads.append(node)
+            key = ("read", node.op == "EpilogueReduce", constant, node.ty, leaves[id(node)])
+        else:
+            key = (node.op, tuple(ids[id(a)] if isinstance(a, Term) else (type(a).__name__, a) for a in node.args))
+        ids[id(node)] = table.setdefault(key, len(table))
+    return tuple(ids[id(root)] for root in roots)
+
+
+def shared_names(calls: list[KernelCall]) -> list[str]:
+    """The `pallas_call` name of each call: calls of one structure (`kernel_structure`) share the
+    first one's name plus `.x<uses>`; a structure used once keeps its call's name. Loops and
+    opaque primitives keep theirs (they launch what their bodies do)."""
+    table: dict = {}
+    keys = [None if call.term.op in ("Loop", "Opaque") else kernel_structure(call, table) for call in calls]
+    first: dict[tuple, str] = {}
+    uses: dict[tuple, int] = {}
+    for call, key in zip(calls, keys):
+        if key is not None:
+            first.setdefault(key, call.name)
+            uses[key] = uses.get(key, 0) + 1
+    return [call.name if key is None or uses[key] == 1 else f"{first[key]}.x{uses[key]}"
+            for call, key in zip(calls, keys)]
+
+
+# Kernel ops whose emission is not shared: loops and opaque primitives run their own bodies, and
+# a gather's or scatter's payload key (part of its term) differs at every site anyway.
+NOT_SHARED = frozenset({"Loop", "Opaque", "Gather", "AssignScatter"})
+
+
+def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
+    """`emit_kernel(kernel, ctx)`, traced and lowered once per kernel structure: the first kernel
+    of a structure is emitted inside a `jax.jit` of the values it reads (and the partials of its
+    statistics' earlier hosts); every later kernel of that structure, in the same state (which
+    reads are partials, which prefixes exist, their shapes), calls the same jitted function on its
+    own values, so JAX traces the template and lowers its Triton kernel once and XLA sees one
+    function called at every site. Its results are rebound to the calling kernel's terms."""
+    from emit.pallas.partials import Partials
+
+    if kernel.term.op in NOT_SHARED or is_empty(kernel):
+        return emit_kernel(kernel, ctx)
+    reads: list = []
+    structure = kernel_structure(kernel, ctx.structures, reads)
+    states = []
+    for tensor in reads:
+        if tensor in ctx.values or tensor.op == "Constant":
+            states.append("value")
+        elif tensor in ctx.partials:
+            states.append("partials")
+        else:  # not computed yet: the template raises the error that says so
+            return emit_kernel(kernel, ctx)
+    if kernel.term in ctx.partials:  # a statistic finished once from its hosts' partials (`finalize`)
+        reads, states = [*reads, kernel.term], [*states, "partials"]
+    operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
+    prefixes = [ctx.pending.get(r) for r in kernel.hosted]
+    key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
+    shared = ctx.shared_kernels.get(key)
+    if shared is None:
+        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx)
+    results = shared.jitted(operands, prefixes)
+    order = [kernel.term, *kernel.hosted]
+    return {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
+
+
+def _aval(value):
+    return None if value is None else (tuple(value.shape), str(value.dtype))
+
+
+class _SharedKernel:
+    """The jitted emission of the first kernel of a structure (see `emit_shared`)."""
+
+    def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext):
+        self.layout: list[tuple[int, bool]] = []  # (position in [term, *hosted], is partials) of each result
+
+        def run(operands, prefixes):
+            from emit.pallas.partials import Partials
+
+            inner = EmitContext({}, ctx.constants, ctx.payloads, ctx.interpret, ctx.backend, ctx.components)
+            for tensor, state, value in zip(reads, states, operands):
+                (inner.partials if state == "partials" else inner.values)[tensor] = value
+            for reduction, prefix in zip(kernel.hosted, prefixes):
+                if prefix is not None:
+                    inner.pending[reduction] = prefix
+            produced = emit_kernel(kernel, inner)
+            layout, results = [], []
+            for i, term in enumerate([kernel.term, *kernel.hosted]):
+                if term in produced:
+                    value = produced[term]
+                    layout.append((i, isinstance(value, Partials)))
+                    results.append(value.buffer if isinstance(value, Partials) else value)
+            self.layout = layout
+            return results
+
+        run.__name__ = run.__qualname__ = kernel.name
+        self.jitted = jax.jit(run)
+
+
 def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
     emitter `ctx.backend` names. A hosted statistic is complete after its last host: as partials
@@ -228,36 +360,53 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     from emit.library import runs_in_library
 
     calls = list(calls)
+    names = shared_names(calls)
+    bar = emission_bar(len(calls), ctx.progress)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
     wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
-    for i, call in enumerate(calls):
-        if call.term.op == "EpilogueReduce" and call.term in ctx.values:
-            continue  # a statistic to finish that is already finished (the XLA emitter's hosts compute it)
-        with jax.named_scope(call.name):
-            if ctx.backend == "xla":
-                produced = xla.emit_kernel(call, ctx)
-            elif ctx.backend == "hybrid" and runs_in_library(call.term):
-                # A library kernel finishes only the statistics it alone hosts; shared ones are
-                # reduced by the driver after their last host (its partials are not written here).
-                own = tuple(r for r in call.hosted if host_count[r] == 1)
-                produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
-            else:
-                produced = emit_kernel(call, ctx)
-            for term, value in produced.items():
-                if isinstance(value, Partials):
-                    ctx.pending[term] = value.buffer
-                    wrote[term] = wrote.get(term, 0) + 1
+    try:
+        for i, call in enumerate(calls):
+            if call.term.op == "EpilogueReduce" and call.term in ctx.values:
+                bar.update(1)
+                continue  # a statistic to finish that is already finished (the XLA emitter's hosts compute it)
+            with jax.named_scope(call.name):
+                if ctx.backend == "xla":
+                    produced = xla.emit_kernel(call, ctx)
+                elif ctx.backend == "hybrid" and runs_in_library(call.term):
+                    # A library kernel finishes only the statistics it alone hosts; shared ones are
+                    # reduced by the driver after their last host (its partials are not written here).
+                    own = tuple(r for r in call.hosted if host_count[r] == 1)
+                    produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
                 else:
-                    ctx.values[term] = value
-            for reduction in call.hosted:
-                if last_host[reduction] != i:
-                    continue
-                buffer = ctx.pending.pop(reduction, None)
-                if reduction in ctx.values:
-                    continue
-                if buffer is not None and wrote.get(reduction) == host_count[reduction]:
-                    ctx.partials[reduction] = buffer
-                    continue
-                name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
-                ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))
+                    produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
+                for term, value in produced.items():
+                    if isinstance(value, Partials):
+                        ctx.pending[term] = value.buffer
+                        wrote[term] = wrote.get(term, 0) + 1
+                    else:
+                        ctx.values[term] = value
+                for reduction in call.hosted:
+                    if last_host[reduction] != i:
+                        continue
+                    buffer = ctx.pending.pop(reduction, None)
+                    if reduction in ctx.values:
+                        continue
+                    if buffer is not None and wrote.get(reduction) == host_count[reduction]:
+                        ctx.partials[reduction] = buffer
+                        continue
+                    name = call.name.rsplit(":", 1)[0] + ":reduce" if ":" in call.name else "reduce"
+                    ctx.values.update(emit_kernel(KernelCall(reduction, name), ctx))
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def emission_bar(total: int, progress: bool | str | None):
+    """A tqdm bar of kernels emitted (traced) out of `total`: `progress=None` shows it on a terminal
+    only, once emission has taken 2 s; True always; False never; a string labels it."""
+    from tqdm.auto import tqdm
+
+    label = f"eqsat emit {progress}" if isinstance(progress, str) else "eqsat emit"
+    return tqdm(total=total, desc=label, unit="kernel", leave=False, delay=0.0 if progress is True else 2.0,
+                disable=None if progress is None else progress is False)

@@ -1,0 +1,328 @@
+"""Compile once: cold against warm planning and compiles, ours against XLA's, distinct kernels against launched.
+
+    python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
+    python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
+
+Per SD 1.5 component (full size, fp16, abstract weights; `sd15.plan_cli.workloads`), deployed as
+`sd15 plan` deploys it (`plan_cli.optimized`: the Pallas backend, weights marked as parameters):
+
+- plan, cold and warm: `optimize(fn).lower(*args)` wall seconds in a fresh process with an empty
+  plan cache (`eqsat.cache`), then in a second fresh process on the cache the first one wrote;
+  each row says whether the plan came from the cache.
+- kernels: the per-call executable traced and lowered for a GPU on this machine
+  (`lowering_platforms=("cuda",)`, no compile): Triton custom calls launched, and distinct ones
+  (distinct backend configs, name and Triton IR: what XLA compiles, once each), with the seconds
+  the trace and lowering took.
+- compile for an H100, cold and warm, ours and XLA's: `eqsat.xla_target`'s deviceless H100
+  topology in a fresh process with JAX's persistent compilation cache on (a folder of its own, every
+  entry kept: `jax_persistent_cache_min_compile_time_secs=0`), twice; the second process reads
+  what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events.
+  Ours re-plans in those processes (an optimized function pickles without its plan) from the
+  warm plan cache.
+
+`--duplicates N` compiles N identical Pallas Triton kernels (one template, one shape) for an H100
+twice: named apart (`site0`, `site1`, ...) and named alike, the case `emit.pallas.shared_names`
+makes of identical plan kernels.
+
+Compile seconds are wall seconds of a 2-core machine that others share: the report records the
+load average before and after each component.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- Triton custom calls in a lowered module -------------------------------------------------------
+
+
+def triton_calls(lowered) -> list[tuple[str, bytes]]:
+    """(name, Triton IR) of every Pallas Triton kernel launch of a `jax.stages.Lowered` for a GPU:
+    custom calls reached from `main`, through every `func.call` (a function called twice launches
+    its kernels twice), in program order."""
+    from jax._src.lib.mlir import ir
+
+    module = lowered.compiler_ir("stablehlo")
+    functions = {}
+    for op in module.body.operations:
+        if op.operation.name == "func.func":
+            functions[ir.StringAttr(op.attributes["sym_name"]).value] = op
+    found: list[tuple[str, bytes]] = []
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    name = op.operation.name
+                    if name == "stablehlo.custom_call":
+                        target = ir.StringAttr(op.attributes["call_target_name"]).value
+                        if target == "__gpu$xla.gpu.triton":
+                            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+                            found.append((ir.StringAttr(config["name"]).value,
+                                          bytes(ir.StringAttr(config["ir"]).value_bytes)))
+                    elif name == "func.call":
+                        walk(functions[ir.FlatSymbolRefAttr(op.attributes["callee"]).value].operation)
+                    walk(op.operation)
+
+    walk(functions["main"].operation)
+    return found
+
+
+def lowered_kernels(lowered) -> int:
+    """Triton custom calls in the module's text: each distinct kernel lowered once where identical
+    kernels share a function (`emit.pallas.emit_shared`)."""
+    return lowered.as_text().count("@__gpu$xla.gpu.triton")
+
+
+def kernel_counts(lowered) -> dict[str, int]:
+    """Launched Triton kernels, distinct backend configs (what XLA compiles, once each), distinct
+    IRs, and the kernels JAX lowered (Triton custom calls in the module)."""
+    calls = triton_calls(lowered)
+    return {"launched": len(calls), "distinct": len(set(calls)), "distinct_ir": len({ir for _, ir in calls}),
+            "lowered": lowered_kernels(lowered)}
+
+
+# --- subprocess children ---------------------------------------------------------------------------
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _workload(component: str, batch: int, size: int | None):
+    from sd15 import plan_cli
+
+    return plan_cli.workloads(batch=batch, size=size, components=(component,))[component]
+
+
+def _optimized(workload):
+    from sd15 import plan_cli
+
+    optimize, reason = plan_cli._load_optimize()
+    if optimize is None:
+        raise RuntimeError(reason)
+    return plan_cli.optimized(workload, optimize, "h100")
+
+
+def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> dict[str, Any]:
+    """Plan one component (and, with `kernels`, lower its per-call stage for a GPU): seconds and counts."""
+    import jax
+
+    workload = _workload(component, batch, size)
+    start = time.perf_counter()
+    fast = _optimized(workload)
+    lowered = fast.lower(*workload.args)
+    result: dict[str, Any] = {"plan_seconds": time.perf_counter() - start, "cache": lowered.stats.get("cache"),
+                              "stages": lowered.stats["seconds"], "cache_seconds": lowered.stats.get("cache_seconds"),
+                              "per_call_kernels": lowered.stats["per_call_kernels"]}
+    if kernels:
+        from sd15 import plan_cli
+
+        prepared = lowered.split.prepared_specs() if lowered.split is not None else []
+        start = time.perf_counter()
+        gpu = jax.jit(functools.partial(plan_cli.emitted_per_call, fast)).trace(prepared, *workload.args).lower(
+            lowering_platforms=("cuda",))
+        result["trace_lower_seconds"] = time.perf_counter() - start
+        result["kernels"] = kernel_counts(gpu)
+    return result
+
+
+def child_compile(request: dict) -> dict[str, Any]:
+    """Compile `request["fn"]` for the H100 topology with JAX's persistent compilation cache in
+    `request["jax_cache"]`: lower and compile seconds, cache hit and miss events."""
+    import jax
+    import numpy as np
+    from jax._src import monitoring
+
+    from eqsat.xla_target import h100_topology
+
+    jax.config.update("jax_compilation_cache_dir", request["jax_cache"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_enable_compilation_cache", True)
+    events: dict[str, int] = {}
+    monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
+    topology = h100_topology()
+    mesh = jax.sharding.Mesh(np.array(topology.devices), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
+    args = jax.tree_util.tree_map(place, request["args"])
+    start = time.perf_counter()
+    lowered = jax.jit(request["fn"]).lower(*args)
+    lower_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    lowered.compile()
+    return {"lower_seconds": lower_seconds, "compile_seconds": time.perf_counter() - start,
+            "cache_hits": events.get("/jax/compilation_cache/cache_hits", 0),
+            "cache_requests": events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+            "cache_entries": len(list(Path(request["jax_cache"]).glob("*")))}
+
+
+def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 7200) -> dict[str, Any]:
+    """Run a child of this module in a fresh process; its JSON result (or its error)."""
+    import cloudpickle
+
+    from eqsat.xla_target import _child_env
+
+    with tempfile.TemporaryDirectory(prefix="eqsat_compile_") as scratch:
+        request, report = Path(scratch) / "request.pkl", Path(scratch) / "report.json"
+        request.write_bytes(cloudpickle.dumps(payload))
+        child_env = _child_env(Path(scratch) / "dump") if kind == "compile" else dict(os.environ)
+        if kind == "compile":  # no XLA dump: it is not read here, and it costs disk and time
+            child_env["XLA_FLAGS"] = " ".join(f for f in child_env["XLA_FLAGS"].split() if "xla_dump_to" not in f)
+        child_env.update(env or {})
+        child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")])
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "benchmarks.compile", "--child", kind, str(request), str(report)],
+                              env=child_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - start
+        if not report.is_file():
+            return {"error": f"exit {done.returncode}: {done.stderr[-3000:]}", "wall_seconds": wall}
+        result = json.loads(report.read_text())
+        result["wall_seconds"] = wall
+        return result
+
+
+def _child_main(kind: str, request_path: str, report_path: str) -> int:
+    try:
+        request = pickle.loads(Path(request_path).read_bytes())
+        if kind == "plan":
+            result = child_plan(**request)
+        else:
+            result = child_compile(request)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result = {"error": traceback.format_exc()[-4000:]}
+    Path(report_path).write_text(json.dumps(result))
+    return 0
+
+
+# --- the measurements --------------------------------------------------------------------------------
+
+
+def measure_component(component: str, batch: int, size: int | None, log=print) -> dict[str, Any]:
+    from sd15 import plan_cli
+
+    row: dict[str, Any] = {"component": component, "load_before": _load()}
+    plan_cache = tempfile.mkdtemp(prefix="eqsat_plan_cache_")
+    env = {"EQSAT_CACHE_DIR": plan_cache}
+    plan_request = {"component": component, "batch": batch, "size": size, "kernels": False}
+    row["plan_cold"] = _run_child("plan", plan_request, env)
+    log(f"{component}: plan cold {row['plan_cold']}")
+    row["plan_warm"] = _run_child("plan", {**plan_request, "kernels": True}, env)
+    log(f"{component}: plan warm + GPU lowering {row['plan_warm']}")
+
+    workload = _workload(component, batch, size)
+    os.environ["EQSAT_CACHE_DIR"] = plan_cache
+    fast = _optimized(workload)
+    lowered = fast.lower(*workload.args)
+    prepared = lowered.split.prepared_specs() if lowered.split is not None else []
+    ours = {"fn": functools.partial(plan_cli.emitted_per_call, fast), "args": [prepared, *workload.args]}
+    xla = {"fn": workload.fn, "args": list(workload.args)}
+    for name, request in (("ours", ours), ("xla", xla)):
+        jax_cache = tempfile.mkdtemp(prefix=f"eqsat_jax_cache_{name}_")
+        for attempt in ("cold", "warm"):
+            result = _run_child("compile", {**request, "jax_cache": jax_cache}, env)
+            row[f"compile_{name}_{attempt}"] = result
+            log(f"{component}: compile {name} {attempt} {result}")
+    row["load_after"] = _load()
+    return row
+
+
+def measure_duplicates(count: int, log=print) -> dict[str, Any]:
+    """`count` identical Triton kernels compiled for an H100, named apart and named alike."""
+    import jax
+    import jax.numpy as jnp
+
+    args = [[jax.ShapeDtypeStruct((4096,), jnp.float32)] * count]
+    row: dict[str, Any] = {"kernels": count, "load_before": _load()}
+    for alike in (False, True):
+        jax_cache = tempfile.mkdtemp(prefix="eqsat_jax_cache_dup_")
+        result = _run_child("compile", {"fn": functools.partial(_duplicated, alike=alike), "args": args,
+                                        "jax_cache": jax_cache})
+        row["named_alike" if alike else "named_apart"] = result
+        log(f"{count} identical kernels, {'named alike' if alike else 'named apart'}: {result}")
+    row["load_after"] = _load()
+    return row
+
+
+def _duplicated(xs, *, alike: bool):
+    """One Pallas Triton kernel (a long elementwise chain) launched on each of `xs`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from emit.pallas import triton
+
+    def kernel(x_ref, o_ref):
+        offsets = pl.program_id(0) * 256 + jnp.arange(256)
+        y = triton.gather_load(x_ref, offsets)
+        for _ in range(40):
+            y = jnp.tanh(y * 1.01 + 0.5) * jnp.exp(-y * y) + jnp.sin(y)
+        triton.store(o_ref, offsets, y)
+
+    outs = []
+    for i, x in enumerate(xs):
+        with jax.named_scope(f"site{i}"):
+            (out,) = triton.pallas_call(kernel, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                                        grid=(x.shape[0] // 256,), name="shared" if alike else f"site{i}",
+                                        interpret=False)
+            outs.append(out)
+    return outs
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def sec(entry, key="compile_seconds"):
+        return f"{entry[key]:.1f}" if isinstance(entry, dict) and key in entry else "error"
+
+    print("| component | plan cold s | plan warm s (cache) | kernels launched / distinct | trace+lower s | "
+          "ours compile cold / warm s (hits) | XLA compile cold / warm s (hits) | load before / after |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        warm = r["plan_warm"]
+        kernels = warm.get("kernels", {})
+        hits = lambda e: e.get("cache_hits", "?") if isinstance(e, dict) else "?"  # noqa: E731
+        print(f"| {r['component']} | {sec(r['plan_cold'], 'plan_seconds')} | {sec(warm, 'plan_seconds')} "
+              f"({warm.get('cache')}) | {kernels.get('launched', '?')} / {kernels.get('distinct', '?')} | "
+              f"{sec(warm, 'trace_lower_seconds')} | {sec(r['compile_ours_cold'])} / {sec(r['compile_ours_warm'])} "
+              f"({hits(r['compile_ours_warm'])}) | {sec(r['compile_xla_cold'])} / {sec(r['compile_xla_warm'])} "
+              f"({hits(r['compile_xla_warm'])}) | {r['load_before']} / {r['load_after']} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__.split("\n")[0])
+    parser.add_argument("--components", default="unet,vae,text_encoder")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=int, default=None)
+    parser.add_argument("--duplicates", type=int, default=0, help="only the N identical kernels experiment")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "REQUEST", "REPORT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child_main(*args.child)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.duplicates:
+        results: Any = measure_duplicates(args.duplicates, log)
+        print(json.dumps(results, indent=2))
+    else:
+        results = [measure_component(c.strip(), args.batch, args.size, log) for c in args.components.split(",")]
+        print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""The plan cache: extracted plans kept on disk as data, so a new process skips lift's successors.
+
+`eqsat.optimize(fn)` looks a lowering up here after lifting `fn` and, on a hit, rebuilds its
+`Plan` from the stored terms instead of building, saturating and extracting an e-graph (the
+prepare split, a deterministic function of the plan, is recomputed from it: milliseconds).
+`report()` and `stats["cache"]` say where the plan came from.
+
+    python -m eqsat.cache info        # where it is, how many entries, how many bytes
+    python -m eqsat.cache clear       # remove every entry
+    eqsat cache info|clear            # the same, as the installed console script
+
+Where: `$EQSAT_CACHE_DIR`, else `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`; plans are
+`plans/<key>.json`. `optimize(..., cache=False)` neither reads nor writes it.
+
+The key (`plan_key`) is a digest of everything the plan depends on:
+
+- the lifted program: its term DAG (the jaxpr one equation per kernel: shapes and dtypes of the
+  inputs, every literal, constants by content digest), its named scopes (kernel components), and
+  its payloads (loop kinds, gather/scatter/opaque primitives and parameters; payload keys are
+  renumbered in lift order, so the same function lifted in another process has the same key);
+- input shardings spanning more than one device (a plan does not depend on which single device);
+- the device profile (every field), the rule schedule (family names and iterations; a stage
+  running a user's own ruleset makes the lowering uncacheable: its rules cannot be fingerprinted),
+  and the options that change the plan (node, iteration and time limits, extractor);
+- the eqsat version, a digest of the source of `eqsat/`, `extract/` and `emit/` (a changed rule
+  or cost model is a different key) and `FORMAT`, the layout of an entry.
+
+An entry is JSON (never pickle: a plan is data): the plan's root terms as a node list (each node
+its op and arguments, a term argument by index, a payload key by its lift-order number), each
+kernel's e-class and component, and the stats of the run that planned it. An entry that does not
+parse, is truncated or has another format is ignored with one `PlanCacheWarning` and rewritten.
+Writers write a temporary file in the same folder and `os.replace` it: two processes storing the
+same entry at once leave one complete entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+FORMAT = 1
+PACKAGES = ("eqsat", "extract", "emit")  # their source is part of every key
+
+
+class PlanCacheWarning(UserWarning):
+    """A cache entry could not be read (corrupt, truncated, another format): it is planned again and rewritten."""
+
+
+class Uncacheable(Exception):
+    """This lowering has no stable key (a user's own ruleset): it is planned, not cached."""
+
+
+def cache_dir() -> Path:
+    """`$EQSAT_CACHE_DIR`, else `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`."""
+    explicit = os.environ.get("EQSAT_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eqsat"
+
+
+def plans_dir() -> Path:
+    return cache_dir() / "plans"
+
+
+# --- the key -------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of the Python source of `PACKAGES` (computed once per process)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.blake2b(digest_size=16)
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def eqsat_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("eqsat")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def schedule_description(rulesets) -> list:
+    """The rule schedule as data: each stage's family name and iterations (a family's rules are in
+    the source digest). Raises `Uncacheable` for a stage that runs anything but a family's ruleset.
+    Family names (None: all) are described as given, without building their rulesets."""
+    if rulesets is None or isinstance(rulesets, str):
+        return ["families", rulesets]
+    if isinstance(rulesets, (list, tuple)) and rulesets and all(isinstance(r, str) for r in rulesets):
+        return ["families", list(rulesets)]
+    from eqsat import rules
+    from eqsat.optimize import _schedule
+    from eqsat.schedule import as_schedule
+
+    schedule = as_schedule(_schedule(rulesets))
+    stages = []
+    for stage in schedule.stages:
+        family = rules.family_ruleset(stage.name) if stage.name in rules.FAMILIES else None
+        if family is None or str(stage.ruleset) not in (str(family), str(family.saturate())):
+            raise Uncacheable(f"stage {stage.name!r} runs a ruleset that is not an eqsat rule family")
+        stages.append([stage.name, str(stage.ruleset), stage.iterations])
+    return [stages, schedule.rounds]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _describe(value) -> str:
+    """A process-independent text for a payload value (no object addresses)."""
+    import numpy as np
+
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in sorted(value.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, np.ndarray):
+        return f"array({value.dtype}, {value.shape}, {hashlib.blake2b(value.tobytes(), digest_size=8).hexdigest()})"
+    if callable(value) and hasattr(value, "__qualname__") and not hasattr(value, "bind"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    try:
+        text = str(value) if hasattr(value, "eqns") or hasattr(value, "jaxpr") else repr(value)
+    except Exception:  # noqa: BLE001 - an object with a broken repr: its type must do
+        text = type(value).__qualname__
+    return _ADDRESS.sub("", text)
+
+
+def plan_key(program, *, device, rulesets, options: dict, shardings=()) -> str:
+    """The digest naming `program`'s plan under these settings (see the module docstring)."""
+    payload_index = {key: i for i, key in enumerate(program.payloads)}
+    nodes, _, _ = encode_terms(program.outputs, payload_index, program.components)
+    description = {
+        "format": FORMAT,
+        "eqsat": eqsat_version(),
+        "source": source_digest(),
+        "program": nodes,
+        "outputs": len(program.outputs),
+        "effect_outputs": program.effect_outputs,
+        "payloads": [_describe(value) for value in program.payloads.values()],
+        "shardings": [str(s) for s in shardings],
+        "device": [type(device).__name__, dataclasses.asdict(device)],
+        "schedule": schedule_description(rulesets),
+        "options": sorted(options.items()),
+    }
+    text = json.dumps(description, sort_keys=True, default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+
+
+def multi_device_shardings(leaves) -> list:
+    """The shardings of `leaves` that span more than one device (the only ones a key records)."""
+    found = []
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        devices = getattr(sharding, "device_set", None)
+        if devices is not None and len(devices) > 1:
+            found.append(sharding)
+    return found
+
+
+# --- terms as data -------------------------------------------------------------------------------
+
+
+def encode_terms(roots, payload_index: dict, components: dict | None = None):
+    """The DAG under `roots` as JSON-able nodes `[op, *args]`, producers first: a term argument is
+    its node's index, a payload key `{"payload": n}` (its lift-order number), anything else as is;
+    a node with a `components` entry carries it as a last `{"component": path}`. Returns the nodes,
+    the roots' indices and term -> index."""
+    from eqsat.lang import OPS
+    from eqsat.term import postorder
+
+    index: dict = {}
+    nodes = []
+    for term in postorder(roots):
+        sorts = OPS[term.op][1]
+        node: list = [term.op]
+        for arg, sort in zip(term.args, sorts):
+            if sort in ("Tensor", "Expr", "TensorList"):
+                node.append(index[id(arg)])
+            elif sort == "String" and arg in payload_index:
+                node.append({"payload": payload_index[arg]})
+            else:
+                node.append(arg)
+        if components is not None and term in components:
+            node.append({"component": components[term]})
+        index[id(term)] = len(nodes)
+        nodes.append(node)
+    return nodes, [index[id(r)] for r in roots], {term_id: i for term_id, i in index.items()}
+
+
+def decode_terms(nodes, payload_keys: list) -> list:
+    """The terms of `encode_terms`'s nodes (interned: the same objects as any equal term)."""
+    from eqsat.lang import OPS
+    from eqsat.term import Term
+
+    terms = []
+    for node in nodes:
+        op, raw = node[0], node[1:]
+        sorts = OPS[op][1]
+        if len(raw) == len(sorts) + 1 and isinstance(raw[-1], dict) and "component" in raw[-1]:
+            raw = raw[:-1]
+        args = []
+        for arg, sort in zip(raw, sorts):
+            if sort in ("Tensor", "Expr", "TensorList"):
+                if not isinstance(arg, int) or not 0 <= arg < len(terms):
+                    raise ValueError(f"node {len(terms)} ({op}): bad term reference {arg!r}")
+                args.append(terms[arg])
+            elif isinstance(arg, dict):
+                args.append(payload_keys[arg["payload"]])
+            else:
+                args.append(arg)
+        terms.append(Term(op, *args))
+    return terms
+
+
+# --- entries -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Entry:
+    """A stored plan: its root terms (as nodes), e-classes and components of its kernels, and the
+    stats of the run that planned it."""
+
+    key: str
+    nodes: list
+    roots: list
+    classes: list            # [node index, e-class] of every term the extraction gave a class
+    class_components: dict   # e-class (as a string) -> component path
+    extractor: str
+    stats: dict
+    warnings: list           # [category name, message] of the saturation / extraction limits
+
+    def plan(self, program, device):
+        """The `Plan` of this entry for `program` (a fresh lift of the same function)."""
+        from extract.plan import Plan
+
+        terms = decode_terms(self.nodes, list(program.payloads))
+        class_of = {terms[node]: cls for node, cls in self.classes}
+        components = {int(cls): path for cls, path in self.class_components.items()}
+        return Plan.build([terms[i] for i in self.roots], program=program, class_of=class_of,
+                          class_components=components, device=device, extractor=self.extractor)
+
+
+def entry_of(key: str, program, extraction, class_components: dict, stats: dict, caught: list) -> Entry:
+    """The entry storing `extraction`'s plan of `program`."""
+    payload_index = {k: i for i, k in enumerate(program.payloads)}
+    nodes, roots, index = encode_terms(extraction.terms, payload_index)
+    classes = sorted([index[id(term)], cls] for term, cls in extraction.class_of.items() if id(term) in index)
+    used = {cls for _, cls in classes}
+    return Entry(key, nodes, roots, classes,
+                 {str(cls): path for cls, path in class_components.items() if cls in used},
+                 extraction.extractor, stats, caught)
+
+
+def entry_path(key: str) -> Path:
+    return plans_dir() / f"{key}.json"
+
+
+def load(key: str) -> Entry | None:
+    """The entry under `key`, None if there is none; one `PlanCacheWarning` when it cannot be read."""
+    path = entry_path(key)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        warnings.warn(f"eqsat plan cache: cannot read {path} ({error}); planning again", PlanCacheWarning,
+                      stacklevel=3)
+        return None
+    try:
+        data = json.loads(raw.decode())
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise ValueError(f"format {found!r}, expected {FORMAT}")
+        if data.get("key") != key:
+            raise ValueError("it is stored under another key")
+        entry = Entry(**{f.name: data[f.name] for f in dataclasses.fields(Entry)})
+        if not isinstance(entry.nodes, list) or not isinstance(entry.roots, list):
+            raise ValueError("no node list")
+    except (ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"eqsat plan cache: ignoring the unreadable entry {path} ({error}); planning again and "
+                      f"rewriting it", PlanCacheWarning, stacklevel=3)
+        return None
+    return entry
+
+
+def store(entry: Entry) -> Path:
+    """Write `entry` atomically (a temporary file in the same folder, then `os.replace`)."""
+    path = entry_path(entry.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "eqsat": eqsat_version(), "created": time.time(), **dataclasses.asdict(entry)}
+    text = json.dumps(data, separators=(",", ":"))
+    fd, temporary = tempfile.mkstemp(prefix=f".{entry.key}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def plan_from_entry(entry: Entry, program, device):
+    """`entry.plan(program, device)`; an entry that does not fit the program (hand-edited, or a
+    digest collision) is reported like a corrupt one and gives None."""
+    try:
+        return entry.plan(program, device)
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        warnings.warn(f"eqsat plan cache: ignoring the entry {entry_path(entry.key)}, it does not rebuild "
+                      f"({type(error).__name__}: {error}); planning again and rewriting it", PlanCacheWarning,
+                      stacklevel=3)
+        return None
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+def info() -> dict:
+    """Where the cache is, its entries and their bytes."""
+    entries = sorted(plans_dir().glob("*.json")) if plans_dir().is_dir() else []
+    return {"dir": str(cache_dir()), "plans": len(entries), "bytes": sum(p.stat().st_size for p in entries)}
+
+
+def clear() -> int:
+    """Remove every plan entry (and stray temporary files); returns how many entries went."""
+    removed = 0
+    if plans_dir().is_dir():
+        for path in plans_dir().iterdir():
+            if path.suffix in (".json", ".tmp"):
+                path.unlink(missing_ok=True)
+                removed += path.suffix == ".json"
+    return removed
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m eqsat.cache", description="The eqsat plan cache.")
+    parser.add_argument("command", choices=("info", "clear"))
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        found = info()
+        print(f"{found['dir']}: {found['plans']} plans, {found['bytes'] / 1e6:,.2f} MB")
+    else:
+        print(f"removed {clear()} plans from {cache_dir()}")
+    return 0
+
+
+def console(argv=None) -> int:
+    """The `eqsat` console script: `eqsat cache info|clear`."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] != "cache":
+        print("usage: eqsat cache {info,clear}", file=sys.stderr)
+        return 2
+    return main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
