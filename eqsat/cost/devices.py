@@ -10,7 +10,9 @@
 Launch overhead is the per-kernel cost of issuing a kernel and draining the previous one (a few
 microseconds on current GPUs; on the CPU, the dispatch of one XLA thunk). Statistics computed in
 their producers' epilogues need no launch and no memset: their tiles write per-tile partials that
-the readers merge (`eqsat.cost.roofline`).
+the readers merge (`eqsat.cost.roofline`). `link_bandwidth` prices the collectives of a plan
+partitioned over several devices (`emit.sharded`): 450 GB/s each way per H100/H200 (NVLink 4),
+300 GB/s per A100 (NVLink 3), 25 GB/s for the CPU (its peers are other sockets or hosts).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Device:
     peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
     peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
     launch_overhead: float  # seconds per kernel
+    link_bandwidth: float = 450e9  # bytes / second one device receives from its peers (NVLink 4: 450 GB/s each way)
 
     def peak(self, dtype: str, dense: bool) -> float:
         """The throughput for `dense` (matmul-like) or elementwise work on operands of `dtype`."""
@@ -37,8 +40,9 @@ class Device:
 
 H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
 H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
-A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6)
-CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6)
+A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6,
+            link_bandwidth=300e9)
+CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6, link_bandwidth=25e9)
 
 DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, A100, CPU)}
 
