@@ -58,6 +58,8 @@ class Partitioning:
     collectives: list = field(default_factory=list)
     local: dict = field(default_factory=dict, repr=False)   # plan term -> term on per-device shapes
     split_classes: int = 0
+    kernel_seconds: float = 0.0       # the per-device plan's kernels, modeled
+    whole_seconds: float = 0.0        # the plan on one device, modeled
 
     @property
     def seconds(self) -> float:
@@ -67,8 +69,10 @@ class Partitioning:
         mesh = " x ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
         ins = ", ".join(_spec_text(s) for s in self.in_specs)
         outs = ", ".join(_spec_text(s) for s in self.out_specs)
-        lines = [f"mesh {mesh}: inputs ({ins}) -> outputs ({outs}); {len(self.collectives)} collectives"
-                 + (f" ({self.seconds * 1e6:,.1f} µs modeled)" if self.collectives else "")]
+        lines = [f"mesh {mesh}: inputs ({ins}) -> outputs ({outs})",
+                 f"  per device: {self.kernel_seconds * 1e6:,.1f} µs of kernels modeled (one device: "
+                 f"{self.whole_seconds * 1e6:,.1f} µs); {len(self.collectives)} collectives"
+                 + (f", {self.seconds * 1e6:,.1f} µs" if self.collectives else "")]
         lines += [f"  {c}" for c in self.collectives]
         return "\n".join(lines)
 
@@ -142,7 +146,18 @@ class ShardedPlan:
         from emit import kernel_calls
         roots += [h for c in kernel_calls(self.plan) for h in (c.term, *c.hosted)]
         local = local_terms(roots, classes, splits)
-        return Partitioning(mesh_shape, tuple(in_specs), tuple(out_specs), collectives, local, len(assigned))
+        return Partitioning(mesh_shape, tuple(in_specs), tuple(out_specs), collectives, local, len(assigned),
+                            self._seconds_per_device(local), self.plan.seconds)
+
+    def _seconds_per_device(self, local: dict) -> float:
+        """The plan's modeled time with every kernel on its per-device shapes (a loop as it is)."""
+        from eqsat.cost.roofline import kernel_cost
+
+        total = 0.0
+        for kernel in self.plan.kernels:
+            term = local.get(kernel.term, kernel.term)
+            total += kernel.seconds if term is kernel.term or kernel.op == "Loop" else kernel_cost(term, self.device).seconds
+        return total
 
     def _conflicts(self, cls, names, assigned) -> bool:
         """Whether some tensor of `cls` has another axis already split over one of `names`."""

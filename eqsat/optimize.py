@@ -111,6 +111,12 @@ class Lowered:
                 self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate)
         return self._emitted[key]
 
+    def partitioning_lines(self) -> list[str]:
+        """How calls on sharded inputs ran the plan: per mesh and input shardings, the per-device
+        plan's modeled time and the collectives inserted (`emit.sharded`)."""
+        return [line for emitted in self._emitted.values() if getattr(emitted, "_sharded", None) is not None
+                for line in emitted._sharded.summary().splitlines()]
+
     def show(self, **options) -> None:
         """Draw the plan in a notebook (`eqsat.viz.plan_drawing`; text where Graphviz is missing)."""
         from eqsat import viz
@@ -136,6 +142,7 @@ class Lowered:
             f"e-graph: {s['e_nodes']} e-nodes, {s['e_classes']} e-classes, {s['iterations']} iterations, {stop}",
             f"stages: {stages}",
         ]
+        lines += self.partitioning_lines()
         if self.split is None:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "

@@ -50,3 +50,30 @@ else:
             assert row["hlo"]["all-gather"] >= 1, row
         if backend == "pallas":
             assert len(row["partitionings"]) == (0 if mode == "shard_map" else 1), row
+
+    def test_tiny_pipeline_on_four_devices_equals_one_device():
+        import numpy as np
+
+        from sd15.pipeline import Pipeline
+
+        prompts = ["a red cube", "a blue ball", "", "a green cone"]
+        options = dict(num_inference_steps=2, height=16, width=16, seed=3, progress=False)
+        one = Pipeline.tiny()
+        expected = one.generate_batch(prompts, **options)
+        four = Pipeline(one.unet, one.vae, one.text_encoder, one.tokenizer, one.scheduler, devices=4)
+        images = four.generate_batch(prompts, **options)
+        assert images.shape == (4, 16, 16, 3)
+        assert np.abs(images - expected).max() <= 1e-5  # plans for batch 4 and batch 1 round alike
+        assert min(np.abs(images[i] - images[j]).max() for i in range(4) for j in range(i)) > 1e-2
+        assert all(len(leaf.sharding.device_set) == 4 for leaf in jax.tree_util.tree_leaves(four.unet.params))
+        with pytest.raises(ValueError, match="do not split over 4 devices"):
+            four.generate_batch(prompts[:3], **options)
+
+    def test_cli_batch_over_devices(tmp_path, capsys):
+        from sd15 import cli
+
+        out = tmp_path / "tiny.png"
+        argv = ["generate", "--tiny", "--prompt", "a red cube", "--steps", "1", "--size", "16", "--batch", "4",
+                "--devices", "4", "--no-optimize", "--out", str(out)]
+        assert cli.main(argv) == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"tiny-{i}.png" for i in range(4)]
