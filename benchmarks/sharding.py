@@ -36,6 +36,7 @@ class Case:
     batch_sharded: bool      # every sharded axis is batch-like: no collective expected
     out_spec: tuple = ()     # shard_map's out_specs entries for batch-sharded cases
     meshes: tuple = ("explicit", "auto")
+    params_argnums: tuple = ()  # marked parameters: the per-call stage of a prepared plan runs partitioned
 
 
 def ln_matmul_gelu(x, w, g, b):
@@ -70,6 +71,8 @@ CASES = (
          (("data", None), (None, None), (None,), (None,)), True, ("data", None)),
     Case("attention", attention_block, ((4, 9, 80), (80, 80), (80, 80), (80, 80), (80, 80)),
          (("data", None, None),) + ((None, None),) * 4, True, ("data", None, None)),
+    Case("attention_params", attention_block, ((4, 9, 80), (80, 80), (80, 80), (80, 80), (80, 80)),
+         (("data", None, None),) + ((None, None),) * 4, True, ("data", None, None), params_argnums=(1, 2, 3, 4)),
     Case("conv_group_norm", conv_group_norm, ((4, 5, 5, 3), (6, 3, 3, 3), (6,), (6,), (6,)),
          (("data", None, None, None), (None,) * 4, (None,), (None,), (None,)), True, ("data", None, None, None),
          ("auto",)),  # jax.jit rejects group_norm's reshape of an Explicit-sharded batch (needs out_sharding)
@@ -105,7 +108,8 @@ def optimized(case: Case, backend: str):
     """One optimized function per case and backend: its plan is made once, every row reuses it."""
     import eqsat
 
-    return eqsat.optimize(case.fn, backend=backend, interpret=True if backend == "pallas" else None, progress=False)
+    return eqsat.optimize(case.fn, backend=backend, interpret=True if backend == "pallas" else None, progress=False,
+                          params_argnums=case.params_argnums or None)
 
 
 def sharded_plans(fast) -> list:

@@ -92,17 +92,21 @@ def _entry(names: tuple) -> object:
 
 
 class ShardedPlan:
-    """A plan's axis classes and the partitionings made of it, one per (mesh, input shardings)."""
+    """A plan's axis classes and the partitionings made of it, one per (mesh, input shardings).
+    `leaves`: the terms a call passes values for (default the program's inputs; a prepared plan's
+    per-call stage also takes its prepared tensors), `outputs`: the terms it returns."""
 
-    def __init__(self, plan, device=None):
+    def __init__(self, plan, device=None, leaves=None, outputs=None):
         from emit import kernel_calls
         from eqsat.cost import get_device
 
         self.plan = plan
+        self.leaves = list(plan.program.inputs if leaves is None else leaves)
+        self.outputs = list(plan.outputs if outputs is None else outputs)
         self.device = get_device(device or plan.device)
         calls = kernel_calls(plan)
-        extra = [c.term for c in calls] + [h for c in calls for h in c.hosted] + list(plan.program.inputs)
-        self.classes = AxisClasses(plan.outputs, leaves=extra)
+        extra = [c.term for c in calls] + [h for c in calls for h in c.hosted] + self.leaves
+        self.classes = AxisClasses(self.outputs, leaves=extra)
         self.partitionings: dict = {}
 
     def partition(self, mesh_shape: dict, input_axes) -> Partitioning:
@@ -114,7 +118,7 @@ class ShardedPlan:
         return self.partitionings[key]
 
     def _decide(self, mesh_shape: dict, input_axes) -> Partitioning:
-        classes, inputs = self.classes, self.plan.program.inputs
+        classes, inputs = self.classes, self.leaves
         assigned: dict = {}   # batch class -> mesh axes its axes are split over
         for term, axes in zip(inputs, input_axes):
             for axis, names in enumerate(axes):
@@ -138,11 +142,11 @@ class ShardedPlan:
                                                         had, mesh_shape))
             in_specs.append(P(*[_entry(n) for n in kept]))
         out_specs = []
-        for term in self.plan.outputs:
+        for term in self.outputs:
             out_specs.append(P(*[_entry(assigned.get(classes.find((term, axis)), ()))
                                  for axis in range(len(classes.shapes[term]))]))
         splits = {cls: split_count(mesh_shape, names) for cls, names in assigned.items()}
-        roots = [*self.plan.outputs, *inputs]
+        roots = [*self.outputs, *inputs]
         from emit import kernel_calls
         roots += [h for c in kernel_calls(self.plan) for h in (c.term, *c.hosted)]
         local = local_terms(roots, classes, splits)
@@ -181,21 +185,22 @@ class ShardedPlan:
         count = split_count(mesh_shape, names)
         received = ty.nbytes * (count - 1) // count
         seconds = self.device.launch_overhead + received / self.device.link_bandwidth
-        return Collective(kind, term.args[0], axis, tuple(names), received, seconds)
+        name = term.args[0] if term.op == "Input" else f"prepared {term.op}"
+        return Collective(kind, name, axis, tuple(names), received, seconds)
 
 
-def run_local(plan, local: dict, leaves, backend: str, interpret):
+def run_local(sharded: "ShardedPlan", local: dict, leaves, backend: str, interpret):
     """The plan's outputs computed from per-device `leaves` by its kernels on per-device shapes."""
     from emit import kernel_calls
     from emit.pallas import EmitContext, KernelCall, run_kernels
 
-    program = plan.program
+    plan, program = sharded.plan, sharded.plan.program
     components = {local.get(term, term): path for term, path in program.components.items()}
-    ctx = EmitContext({local[t]: leaf for t, leaf in zip(program.inputs, leaves)}, program.constants,
+    ctx = EmitContext({local[t]: leaf for t, leaf in zip(sharded.leaves, leaves)}, program.constants,
                       program.payloads, interpret=interpret, backend=backend, components=components)
     calls = [KernelCall(local[c.term], c.name, tuple(local[h] for h in c.hosted)) for c in kernel_calls(plan)]
     run_kernels(calls, ctx)
-    return [ctx.value(local[t]) for t in plan.outputs]
+    return [ctx.value(local[t]) for t in sharded.outputs]
 
 
 def manual_axes() -> frozenset:
@@ -218,23 +223,23 @@ def run_sharded(sharded: "ShardedPlan", leaves, backend: str, interpret):
     shardings (see the module docstring for which mechanism is used where)."""
     plan = sharded.plan
     if jax.device_count() == 1 or manual_axes():
-        return run_local(plan, _identity(plan), leaves, backend, interpret)
+        return run_local(sharded, _identity(sharded), leaves, backend, interpret)
     mesh = explicit_mesh(leaves)
     if mesh is not None:
         axes = [spec_axes(jax.typeof(leaf).sharding.spec, jax.numpy.ndim(leaf)) for leaf in leaves]
         part = sharded.partition(dict(mesh.shape), axes)
         leaves = [jax.sharding.reshard(leaf, NamedSharding(mesh, spec)) for leaf, spec in zip(leaves, part.in_specs)]
-        body = lambda *local_leaves: run_local(plan, part.local, local_leaves, backend, interpret)  # noqa: E731
+        body = lambda *local_leaves: run_local(sharded, part.local, local_leaves, backend, interpret)  # noqa: E731
         return jax.shard_map(body, mesh=mesh, in_specs=part.in_specs, out_specs=list(part.out_specs),
                              check_vma=False)(*leaves)
     return _custom_partitioned(sharded, backend, interpret)(*leaves)
 
 
-def _identity(plan) -> dict:
+def _identity(sharded: "ShardedPlan") -> dict:
     from emit import kernel_calls
     from eqsat.term import postorder
 
-    roots = [*plan.outputs, *plan.program.inputs] + [h for c in kernel_calls(plan) for h in (c.term, *c.hosted)]
+    roots = [*sharded.outputs, *sharded.leaves] + [h for c in kernel_calls(sharded.plan) for h in (c.term, *c.hosted)]
     return {t: t for t in postorder(roots)}
 
 
@@ -244,11 +249,11 @@ def _custom_partitioned(sharded: ShardedPlan, backend: str, interpret):
 
     plan = sharded.plan
     classes = sharded.classes
-    identity = _identity(plan)
+    identity = _identity(sharded)
 
     @custom_partitioning
     def whole(*leaves):
-        return tuple(run_local(plan, identity, leaves, backend, interpret))
+        return tuple(run_local(sharded, identity, leaves, backend, interpret))
 
     def decide(mesh, arg_shapes):
         axes = [spec_axes(getattr(s.sharding, "spec", P()), len(s.shape)) for s in arg_shapes]
@@ -262,7 +267,7 @@ def _custom_partitioned(sharded: ShardedPlan, backend: str, interpret):
         part = decide(mesh, arg_shapes)
 
         def lower(*local_leaves):
-            return tuple(run_local(plan, part.local, local_leaves, backend, interpret))
+            return tuple(run_local(sharded, part.local, local_leaves, backend, interpret))
 
         return (mesh, lower, tuple(NamedSharding(mesh, s) for s in part.out_specs),
                 tuple(NamedSharding(mesh, s) for s in part.in_specs))
@@ -281,8 +286,8 @@ def _custom_partitioned(sharded: ShardedPlan, backend: str, interpret):
             names.append(name)
         return ArrayMapping(*names)
 
-    operands = tuple(mapping(t) for t in plan.program.inputs)
-    results = tuple(mapping(t) for t in plan.outputs)
+    operands = tuple(mapping(t) for t in sharded.leaves)
+    results = tuple(mapping(t) for t in sharded.outputs)
     whole.def_partition(partition=partition, infer_sharding_from_operands=infer,
                         sharding_rule=SdyShardingRule(operands, results, need_replication_factors=tuple(replicated)))
     return whole

@@ -19,9 +19,12 @@ _unchecked_p.multiple_results = True
 
 
 def manual_type(operands):
-    """The `ManualAxisType` the operands vary over together, or None outside a `shard_map`."""
+    """The `ManualAxisType` the operands vary over together (over none: invariant, as weights
+    replicated into a `shard_map`), or None outside a `shard_map`."""
     varying = frozenset().union(*(jax.typeof(x).mat.varying for x in operands))
-    return core.ManualAxisType(varying=varying) if varying else None
+    if not varying and not jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    return core.ManualAxisType(varying=varying)
 
 
 def vary_alike(operands, mat) -> list:

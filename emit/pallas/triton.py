@@ -113,7 +113,7 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
         )
 
     def interpreted(*xs):
-        if mat is None:
+        if mat is None or not mat.varying:
             return call(True)(*xs)
         avals = [jax.typeof(r) for r in jax.eval_shape(call(True), *xs)]
         return manual.interpreted(lambda *ys: call(True)(*ys), xs, avals)
