@@ -209,11 +209,10 @@ def manual_axes() -> frozenset:
 
 
 def explicit_mesh(leaves):
-    """The (abstract) mesh of the inputs' explicit shardings, or None when no input carries one."""
+    """The (abstract) mesh the inputs' types carry (axes of type `Explicit`), or None."""
     for leaf in leaves:
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and not mesh.empty and any(spec is not None for spec in sharding.spec):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
             return mesh
     return None
 
@@ -221,7 +220,6 @@ def explicit_mesh(leaves):
 def run_sharded(sharded: "ShardedPlan", leaves, backend: str, interpret):
     """Run the plan on `leaves` (traced under the emitted function's jit) partitioned by their
     shardings (see the module docstring for which mechanism is used where)."""
-    plan = sharded.plan
     if jax.device_count() == 1 or manual_axes():
         return run_local(sharded, _identity(sharded), leaves, backend, interpret)
     mesh = explicit_mesh(leaves)
