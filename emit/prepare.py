@@ -463,7 +463,8 @@ class Prepared:
     """A split plan as a callable of the original function's arguments: the prepare stage runs once
     per set of parameter leaves (cached by identity, see the module docstring), the per-call stage
     at every call. `prepare_runs` counts the prepare stage's runs, `cache_hits` the calls that
-    reused its tensors."""
+    reused its tensors. On several devices the per-call stage of a Pallas backend runs partitioned
+    by the shardings of its inputs and prepared tensors (`emit.sharded`)."""
 
     def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=()):
         from emit import resolve_backend

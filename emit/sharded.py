@@ -212,7 +212,7 @@ def explicit_mesh(leaves):
     """The (abstract) mesh the inputs' types carry (axes of type `Explicit`), or None."""
     for leaf in leaves:
         mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
+        if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
             return mesh
     return None
 
