@@ -6,7 +6,8 @@ For each case (a block of SD 1.5 on small, odd shapes, sharded over a 4-device m
 backend (`xla`; `pallas` interpreted) and way of calling it:
 
 - `direct`: `optimize(f)(*sharded_arrays)`;
-- `jit`: `jax.jit(optimize(f), in_shardings=...)` on unsharded arrays;
+- `jit`: `jax.jit(optimize(f), in_shardings=...)` on unsharded arrays; `jit_out`: with
+  `out_shardings=` `jax.jit(f)`'s output sharding too;
 - `shard_map`: `jax.shard_map(optimize(f), mesh, in_specs, out_specs)` (batch-sharded cases);
 
 and mesh axis type (`explicit`, the default of `jax.make_mesh`; `auto`), one row: the output
@@ -137,6 +138,10 @@ def run(case: Case, backend: str, mode: str, mesh_kind: str) -> dict:
     elif mode == "jit":
         call, call_args = jax.jit(fast, in_shardings=tuple(shardings)), args
         out = call(*args)
+    elif mode == "jit_out":
+        call = jax.jit(fast, in_shardings=tuple(shardings), out_shardings=reference.sharding)
+        call_args = args
+        out = call(*args)
     else:
         call = jax.jit(jax.shard_map(fast, mesh=mesh, in_specs=tuple(P(*s) for s in case.specs),
                                      out_specs=P(*case.out_spec)))
@@ -157,7 +162,7 @@ def run(case: Case, backend: str, mode: str, mesh_kind: str) -> dict:
 
 
 def modes(case: Case) -> tuple[str, ...]:
-    return ("direct", "jit", "shard_map") if case.batch_sharded else ("direct", "jit")
+    return ("direct", "jit", "jit_out", "shard_map") if case.batch_sharded else ("direct", "jit", "jit_out")
 
 
 def main(argv=None) -> int:
