@@ -20,6 +20,8 @@ Backends:
 - `auto`: `hybrid` when jax's default backend is a GPU, else `xla`.
 - `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
 
+On several devices (`jax.device_count() > 1`) the Pallas backends run the plan partitioned by the
+inputs' shardings, each device its shard of the batch (`emit.sharded`); `xla` leaves that to XLA.
 The callable jits the whole plan (one `jax.jit` over the flattened arguments; `donate` names the
 inputs whose buffers that jit donates), can itself be called inside `jax.jit`, and each kernel is traced under `jax.named_scope(kernel name)`. It holds
 the plan; it pickles when the plan's program does (opaque primitives do not survive pickling:
@@ -103,12 +105,23 @@ class Emitted:
                                  for t in self.program.inputs])
 
     def _run_leaves(self, leaves):
+        if self.backend in ("pallas", "hybrid") and jax.device_count() > 1:
+            return list(self.sharded.run(leaves, self.backend, self.interpret))
         program = self.program
         ctx = EmitContext(dict(zip(program.inputs, leaves)), program.constants, program.payloads,
                           interpret=self.interpret, backend=self.backend, components=program.components,
                           progress=self.progress)
         run_kernels(kernel_calls(self.plan), ctx)
         return [ctx.value(term) for term in self.plan.outputs]
+
+    @property
+    def sharded(self):
+        """The plan's batch axes and its partitionings over device meshes (`emit.sharded`)."""
+        if getattr(self, "_sharded", None) is None:
+            from emit.sharded import ShardedPlan
+
+            self._sharded = ShardedPlan(self.plan)
+        return self._sharded
 
     def __getstate__(self):
         return {"plan": self.plan, "backend": self.backend, "interpret": self.interpret, "donate": self.donate,

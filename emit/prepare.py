@@ -463,7 +463,8 @@ class Prepared:
     """A split plan as a callable of the original function's arguments: the prepare stage runs once
     per set of parameter leaves (cached by identity, see the module docstring), the per-call stage
     at every call. `prepare_runs` counts the prepare stage's runs, `cache_hits` the calls that
-    reused its tensors."""
+    reused its tensors. On several devices the per-call stage of a Pallas backend runs partitioned
+    by the shardings of its inputs and prepared tensors (`emit.sharded`)."""
 
     def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=(),
                  progress=None):
@@ -570,6 +571,8 @@ class Prepared:
                          self.split.prepared_tensors)
 
     def _per_call_stage(self, leaves, prepared):
+        if self.backend in ("pallas", "hybrid") and jax.device_count() > 1:  # partitioned by the shardings
+            return list(self.sharded.run([*leaves, *prepared], self.backend, self.interpret))
         return self._run(self.split.per_call, dict(zip(self.split.per_call_inputs, leaves)),
                          dict(zip(self.split.prepared_tensors, prepared)), self.split.plan.outputs)
 
@@ -578,6 +581,19 @@ class Prepared:
         by_name = dict(zip(self.donate, donated))
         leaves = [by_name[name] if name in by_name else next(kept) for name in self.split.per_call_inputs]
         return self._per_call_stage(leaves, prepared)
+
+    @property
+    def sharded(self):
+        """The per-call stage's batch axes and partitionings over device meshes (`emit.sharded`):
+        it takes the per-call inputs and the prepared tensors."""
+        if getattr(self, "_sharded", None) is None:
+            from emit.sharded import ShardedPlan
+
+            inputs = {term.args[0]: term for term in self.program.inputs}
+            leaves = [inputs[name] for name in self.split.per_call_inputs] + list(self.split.prepared_tensors)
+            self._sharded = ShardedPlan(self.split.per_call, device=self.split.plan.device, leaves=leaves,
+                                        outputs=self.split.plan.outputs)
+        return self._sharded
 
     def __getstate__(self):
         return {"split": self.split, "backend": self.backend, "interpret": self.interpret, "donate": self.donate,

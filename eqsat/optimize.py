@@ -151,6 +151,12 @@ class Lowered:
                                                progress=self.progress)
         return self._emitted[key]
 
+    def partitioning_lines(self) -> list[str]:
+        """How calls on sharded inputs ran the plan: per mesh and input shardings, the per-device
+        plan's modeled time and the collectives inserted (`emit.sharded`)."""
+        return [line for emitted in self._emitted.values() if getattr(emitted, "_sharded", None) is not None
+                for line in emitted._sharded.summary().splitlines()]
+
     def show(self, path=None, **options):
         """Draw the plan (`eqsat.viz.plan_drawing`): into `path` when given (`.svg`, `.png`, `.pdf`,
         `.dot`, `.txt`), else in a notebook (text where Graphviz is missing, or outside a notebook)."""
@@ -191,6 +197,7 @@ class Lowered:
         from eqsat.explain import format_explanation
 
         lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
+        lines += self.partitioning_lines()
         if self.split is None:
             return "\n".join(lines) + "\n" + self.plan.summary(depth)
         lines.append(f"{s['per_call_kernels']} kernels per call; {s['prepared_kernels']} prepared once per set of "

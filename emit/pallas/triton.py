@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 from emit.expr import Index, Mask, clip, erf, is_static, linearize, partials_layout, read_partials, shape_of
 from eqsat.term import Term
 from eqsat.types import parse_type
+from emit.pallas import manual
 
 __all__ = [
     "CompilerParams", "RefMemory", "compiler_params", "erf", "flat", "fma", "gather_load", "next_pow2",
@@ -88,7 +89,11 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
     operand: an in-place update writes only what it changes).
     """
     flats = [flat(operand) for operand in operands]
-    flat_shapes = [jax.ShapeDtypeStruct((max(1, math.prod(s.shape)),), s.dtype) for s in out_shapes]
+    mat = manual.manual_type(flats)  # inside a shard_map: the manual axes the results vary over
+    if mat is not None:
+        flats = manual.vary_alike(flats, mat)
+    varying = {} if mat is None else {"manual_axis_type": mat}
+    flat_shapes = [jax.ShapeDtypeStruct((max(1, math.prod(s.shape)),), s.dtype, **varying) for s in out_shapes]
     for shape in out_shapes:
         if math.prod(shape.shape) > MAX_ELEMENTS:
             raise ValueError(f"{name}: a result of {math.prod(shape.shape)} elements exceeds the int32 index range")
@@ -107,10 +112,16 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
             name=name,
         )
 
+    def interpreted(*xs):
+        if mat is None or not mat.varying:
+            return call(True)(*xs)
+        avals = [jax.typeof(r) for r in jax.eval_shape(call(True), *xs)]
+        return manual.interpreted(lambda *ys: call(True)(*ys), xs, avals)
+
     if interpret is None:  # decided where it is lowered: interpreted on a CPU, Triton on a GPU
-        results = lax.platform_dependent(*flats, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
+        results = lax.platform_dependent(*flats, cpu=interpreted, default=lambda *xs: call(False)(*xs))
     else:
-        results = call(interpret)(*flats)
+        results = interpreted(*flats) if interpret else call(False)(*flats)
     return [jnp.reshape(result, shape.shape) for result, shape in zip(results, out_shapes)]
 
 

@@ -20,6 +20,9 @@ planning uses by default) and `h200` are the data sheet alone (useful flops at t
 at full bandwidth): extraction on `h100-calibrated` finds a UNet plan that the calibrated model
 itself prices 0.7 % slower than the data-sheet extraction's (benchmarks/README.md), so it is not
 the default until extraction's objective agrees with the plan's pricing there.
+
+`link_bandwidth` prices the collectives of a plan partitioned over several devices (`emit.sharded`): 450 GB/s each way per H100/H200 (NVLink 4),
+300 GB/s per A100 (NVLink 3), 25 GB/s for the CPU (its peers are other sockets or hosts).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Device:
     peak_fp16: float  # flop / second, dense 16-bit matmul (tensor cores)
     peak_fp32: float  # flop / second, 32-bit vector units (elementwise work, f32 matmuls)
     launch_overhead: float  # seconds per kernel
+    link_bandwidth: float = 450e9  # bytes / second one device receives from its peers (NVLink 4: 450 GB/s each way)
     calibrated: bool = False
 
     def memory_seconds(self, nbytes: float) -> float:
@@ -63,8 +67,9 @@ H100 = Device("h100", hbm_bandwidth=3.35e12, peak_fp16=989e12, peak_fp32=67e12, 
 H200 = Device("h200", hbm_bandwidth=4.8e12, peak_fp16=989e12, peak_fp32=67e12, launch_overhead=4e-6)
 H100_CALIBRATED = Device("h100-calibrated", 3.35e12, 989e12, 67e12, 4e-6, calibrated=True)
 H200_CALIBRATED = Device("h200-calibrated", 4.8e12, 989e12, 67e12, 4e-6, calibrated=True)
-A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6)
-CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6)
+A100 = Device("a100", hbm_bandwidth=2.0e12, peak_fp16=312e12, peak_fp32=19.5e12, launch_overhead=5e-6,
+            link_bandwidth=300e9)
+CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_overhead=1e-6, link_bandwidth=25e9)
 
 DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, H100_CALIBRATED, H200_CALIBRATED, A100, CPU)}
 
