@@ -123,7 +123,8 @@ class EpilogueOperand:
             raise ValueError(f"epilogue operand kind {self.kind!r}")
 
 
-EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]  # (acc [em, en] f32, operand tiles) -> out
+# (acc [em, en] f32, each operand's values at the sub-tile, broadcast to [em, en]) -> out [em, en]
+EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
 
 
 def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -142,7 +143,7 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
-            m_padded: int, k_padded: int, batch_shared: tuple[bool, ...]):
+            m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -215,7 +216,15 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                             barrier = barriers.at[wg * len(kinds) + o]
                             plgpu.copy_gmem_to_smem(src, smem.at[wg], barrier)
                             plgpu.barrier_wait(barrier)
-                            tiles.append(smem[wg])
+                            if kind == "tile":
+                                tiles.append(smem[wg])
+                            else:  # a vector along one axis of the WGMMA layout, broadcast along the other
+                                axis = 1 if kind == "col" else 0
+                                # GPU interpret mode has no `plgpu.load` of a sliced ref; layouts are
+                                # the compiler's business, the values are the same.
+                                vector = smem[wg] if interpreted else \
+                                    plgpu.load(smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                                tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
                         value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
                         out_smem[wg, slot] = value.astype(out_dtype)
@@ -276,7 +285,7 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
 
     def call(interpret_here):
         return plgpu.kernel(
-            kernel,
+            functools.partial(kernel, interpreted=interpret_here),
             out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
             grid=(np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch),
             grid_names=("n", "m", "b"),
@@ -329,21 +338,21 @@ class _RecordingMemory:
 
 
 class _TileMemory:
-    """The in-kernel pass: the n-th `Load` is answered with the n-th operand's SMEM tile, shaped to
-    broadcast against the `[epi_m, epi_n]` output tile."""
+    """The in-kernel pass: the n-th `Load` is answered with the n-th operand's values at the
+    `[epi_m, epi_n]` output sub-tile (read from SMEM, vectors broadcast)."""
 
     chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
 
-    def __init__(self, tensors: Sequence[Term], kinds: Sequence[str], tiles: Sequence[jax.Array]):
-        self.tensors, self.kinds, self.tiles = tensors, kinds, tiles
+    def __init__(self, tensors: Sequence[Term], tiles: Sequence[jax.Array]):
+        self.tensors, self.tiles = tensors, tiles
         self.cursor = 0
 
     def load(self, tensor: Term, index, mask):
         if self.cursor >= len(self.tensors) or self.tensors[self.cursor] is not tensor:
             raise AssertionError(f"the epilogue's loads in the kernel differ from the host's at {tensor!r}")
-        kind, tile = self.kinds[self.cursor], self.tiles[self.cursor]
+        tile = self.tiles[self.cursor]
         self.cursor += 1
-        return {"tile": tile, "col": tile[None, :], "row": tile[:, None]}[kind]
+        return tile
 
 
 def _out_index(axes, b, rows, cols, out_entries: list):
@@ -451,7 +460,6 @@ def emit(kernel, ctx) -> dict:
     lhs_value, rhs_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([lhs, rhs])
     a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
     w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
-    kinds = [operand.kind for operand in operands]
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
 
@@ -465,7 +473,7 @@ def emit(kernel, ctx) -> dict:
             check(at)
             return acc
 
-        memory = _TileMemory(tensors, kinds, tiles)
+        memory = _TileMemory(tensors, tiles)
         value = compiled(memory, out_index, True, accumulator)
         if memory.cursor != len(tensors):
             raise AssertionError("the epilogue's loads in the kernel differ from the host's")
