@@ -90,11 +90,16 @@ class MosaicBlocks:
 
     @classmethod
     def get_default(cls, m: int, n: int, k: int) -> "MosaicBlocks":
-        """128x256 CTA tiles (two 128x128 warpgroups) for large problems, 64-row or 64-column
-        ones when M or N is small, so padding stays under one small tile."""
-        tile_m = 128 if m > 64 else 64
-        tile_n = 128 if n >= 256 else 64
-        compute_wgs = 2 if n > tile_n else 1
+        """The CTA tile (`tile_m` 64 or 128; `compute_wgs` x `tile_n` of 64 or 128 columns) that pads
+        M and N least, the larger tile among equals: 4096 x 1280 gets 128 x 256 (two 128 x 128
+        warpgroups), N = 320 one 128 x 64 warpgroup (320 = 5 x 64: no padded column), 154 rows
+        64-row tiles (192 rows, not 256)."""
+        def padded(size, tile):
+            return -(-size // tile) * tile
+
+        tile_m = min((128, 64), key=lambda t: (padded(m, t), -t))
+        tile_n, compute_wgs = min(((128, 2), (64, 2), (128, 1), (64, 1)),
+                                  key=lambda c: (padded(n, c[0] * c[1]), -c[0] * c[1]))
         k_steps = -(-k // 64)
         return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
 
