@@ -38,13 +38,16 @@ def gelu_bias_scale_residual(acc, tiles):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_template_matches_reference(dtype):
-    """Tails on M (77 of 128), N (96 of 128) and K (40 of 64), a batch of 2, two compute
-    warpgroups, and every epilogue operand kind: a residual tile, a bias row shared by the batch, a
-    per-row scale per batch entry."""
+@pytest.mark.parametrize("dtype,shape,compute_wgs", [
+    (jnp.float16, (2, 77, 40, 96), 1),   # 8 CTAs: tails on M (77 of 128), N (96 of 128), K (40 of 64)
+    (jnp.bfloat16, (1, 64, 40, 128), 2),  # one CTA, two compute warpgroups side by side along N
+    (jnp.float16, (2, 77, 40, 96), 2),   # 4 CTAs of two warpgroups: interpreted as one (see `build`)
+])
+def test_template_matches_reference(dtype, shape, compute_wgs):
+    """Every epilogue operand kind: a residual tile, a bias row shared by the batch, a per-row scale
+    per batch entry."""
     rng = np.random.default_rng(0)
-    batch, m, k, n = 2, 77, 40, 96
+    batch, m, k, n = shape
     a = jnp.asarray(rng.standard_normal((batch, m, k)), dtype)
     w = jnp.asarray(0.3 * rng.standard_normal((batch, k, n)), dtype)
     residual = jnp.asarray(rng.standard_normal((batch, m, n)), jnp.float16)
@@ -53,7 +56,7 @@ def test_template_matches_reference(dtype):
     operands = [mm.EpilogueOperand("tile", residual), mm.EpilogueOperand("col", bias),
                 mm.EpilogueOperand("row", scale)]
     out = mm.build(a, w, epilogue=gelu_bias_scale_residual, operands=operands, out_dtype=jnp.float32,
-                   blocks=mm.MosaicBlocks(64, 64, 64, stages=2, compute_wgs=2), interpret=True)
+                   blocks=mm.MosaicBlocks(64, 64, 64, stages=2, compute_wgs=compute_wgs), interpret=True)
     expected = mm.reference(a, w, gelu_bias_scale_residual,
                             [residual, jnp.broadcast_to(bias[:, None, :], (batch, m, n)),
                              jnp.broadcast_to(scale[:, :, None], (batch, m, n))], jnp.float32)
@@ -192,9 +195,10 @@ def test_dense_gelu_residual_matches_xla_and_jit_on_adversarial_values(data):
     assert_close(out, jax.jit(dense_gelu_residual)(*args), bound, np.float16)
 
 
-def test_batched_product_with_torch_layout_weight():
-    """`einsum("bsk,nk->bsn")` (a torch `[out, in]` weight, K on its axis 1) and a batched product:
-    the operands are laid out `[batch, rows, K]` / `[batch, K, N]` for TMA."""
+def test_torch_layout_weight_through_optimize():
+    """`einsum("bsk,nk->bsn")` (a torch `[out, in]` weight, K on its axis 1) through
+    `eqsat.optimize(fn, backend="mosaic")`: the operands are laid out `[batch, rows, K]` /
+    `[batch, K, N]` for TMA."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 77, 40)).astype(np.float16)
     w = (0.3 * rng.standard_normal((24, 40))).astype(np.float16)
@@ -202,12 +206,14 @@ def test_batched_product_with_torch_layout_weight():
     def fn(x, w):
         return jnp.einsum("bsk,nk->bsn", x, w) * 0.5
 
-    mosaic, xla, _ = emitted_runs(fn, (x, w))
+    _, xla, _ = emitted_runs(fn, (x, w))
+    fast = eqsat.optimize(fn, backend="mosaic", progress=False)  # interpret: decided where lowered (a CPU here)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TritonFallbackWarning)
-        out = mosaic(x, w)
+        out = fast(x, w)
     bound = np.abs(x.astype(np.float32)) @ np.abs(w.astype(np.float32)).T
     assert_close(out, xla(x, w), bound, np.float16)
+    assert_close(out, jax.jit(fn)(x, w), bound, np.float16)
 
 
 # --- compiled for an H100 without a GPU ----------------------------------------------------------
