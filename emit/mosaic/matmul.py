@@ -35,9 +35,10 @@ tile of its operand. Epilogue nodes whose value depends on the index itself (`Io
 by index (`Concat`, `Pad`, `DynamicSlice`) are left to the Triton template.
 
 In GPU interpret mode a CTA tile of two compute warpgroups is interpreted as one warpgroup when the
-grid has several CTAs and the epilogue reads operands: that combination stalled in barrier waits in
-jax 0.10.2's interpreter (not diagnosed further; the compiled kernel keeps two warpgroups, and a
-one-CTA, two-warpgroup kernel is tested in interpret mode).
+epilogue reads operands: that combination stalled now and then in the operands' barrier waits in
+jax 0.10.2's interpreter (not diagnosed: an interpreter limit or a missing synchronization in this
+kernel; the compiled kernel keeps two warpgroups; two warpgroups without operands are tested in
+interpret mode).
 
 Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
 writes the normalized A once (`emit` materializes every operand expression that is more than a
@@ -294,10 +295,10 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
 
     def call(interpret_here):
         run_blocks = blocks
-        if interpret_here and blocks.compute_wgs > 1 and operands and math.prod(grid) > 1:
-            # GPU interpret mode (jax 0.10.2) stalled in barrier waits with two compute warpgroups,
-            # several CTAs and epilogue operands (seen in tests; one CTA, or one warpgroup, runs):
-            # interpret the same CTA tile with one warpgroup.
+        if interpret_here and blocks.compute_wgs > 1 and operands:
+            # GPU interpret mode (jax 0.10.2) stalls now and then in the epilogue operands' barrier
+            # waits with two compute warpgroups (never seen with one): interpret the same CTA tile
+            # with one warpgroup.
             run_blocks = dataclasses.replace(blocks, tile_n=blocks.cta_tile_n, compute_wgs=1)
         return plgpu.kernel(
             functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
