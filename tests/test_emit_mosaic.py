@@ -9,7 +9,6 @@ serves many values, and the slowest cases are marked `slow`."""
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 

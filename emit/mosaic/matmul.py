@@ -372,13 +372,6 @@ class _TileMemory:
         return tile
 
 
-def _out_index(axes, b, rows, cols, out_entries: list):
-    """`axes.out_index`, remembering its entries (the accumulator is read at exactly these)."""
-    index = axes.out_index(b, rows, cols)
-    out_entries[:] = index
-    return index
-
-
 def _reads_accumulator_at(out_index):
     """`Acc` callback checking the epilogue reads the accumulator at the output element itself."""
 
