@@ -100,7 +100,8 @@ class PtxKernel:
 
 
 _ENTRY = re.compile(r"\.entry\s+([A-Za-z_$%][\w$.]*)\s*\(")
-_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+# Comments, and the debug-line directives Mosaic GPU puts before instructions (`.loc 1 237 12`).
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/|^[ \t]*\.(?:loc|file)\b[^\n]*", re.DOTALL | re.MULTILINE)
 _LABEL = re.compile(r"^\s*[$\w]+:\s*")
 _PREDICATE = re.compile(r"^@!?%?\w+\s+")
 _WIDTH = re.compile(r"^(?:b|u|s|f)(\d+)$")

@@ -1,6 +1,6 @@
 """`emit`: a `Plan` becomes a callable of the original function's arguments.
 
-    run = emit.emit(plan, backend="auto")      # "auto" | "pallas" | "xla" | "interpret"
+    run = emit.emit(plan, backend="auto")      # "auto" | "pallas" | "mosaic" | "hybrid" | "xla" | "interpret"
     outputs = run(*args)                       # the function's own arguments and output structure
 
 Backends:
@@ -12,6 +12,9 @@ Backends:
   made at lowering, so `eqsat.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
   machine; force it with `interpret=True/False`). A kernel no template covers runs through the
   XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
+- `mosaic`: as `pallas`, but matmuls through the Mosaic GPU template (`emit.mosaic`: TMA-fed,
+  warp-specialized wgmma; Hopper only), run in GPU interpret mode where lowered for a CPU; a matmul
+  it does not cover goes to its Triton template with an `emit.mosaic.TritonFallbackWarning`.
 - `xla`: every kernel in jax.numpy/lax (`emit.xla`), the reference for the templates and the fast
   path on a CPU.
 - `hybrid`: convs and matmuls through the XLA emitter (cuDNN / cuBLAS with XLA's fusions around
@@ -34,7 +37,7 @@ import jax
 
 from emit.pallas import EmitContext, KernelCall, name_of, run_kernels
 
-BACKENDS = ("auto", "pallas", "hybrid", "xla", "interpret")
+BACKENDS = ("auto", "pallas", "mosaic", "hybrid", "xla", "interpret")
 
 
 def resolve_backend(backend: str) -> str:
@@ -132,7 +135,7 @@ class Emitted:
                       progress=state.get("progress"))
 
     def __repr__(self) -> str:
-        mode = f", interpret={self.interpret}" if self.backend in ("pallas", "hybrid") and self.interpret is not None else ""
+        mode = f", interpret={self.interpret}" if self.backend in ("pallas", "mosaic", "hybrid") and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 

@@ -29,7 +29,8 @@ Running: calling the optimized function runs its plan through `emit.emit(plan, b
 once per signature: `backend="pallas"` emits every kernel as a Pallas kernel (Triton on a GPU,
 interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls through XLA's
 libraries and the rest as Pallas kernels (`emit.library`: our conv and matmul templates are still
-slower than cuDNN/cuBLAS, measured), `"xla"` as jax.numpy (the fast path on a CPU), `"auto"`
+slower than cuDNN/cuBLAS, measured), `"mosaic"` matmuls through the Mosaic GPU template (Hopper;
+GPU interpret mode on a CPU) and the rest as `"pallas"` (`emit.mosaic`), `"xla"` as jax.numpy (the fast path on a CPU), `"auto"`
 (default) picks `hybrid` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
 plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
@@ -281,7 +282,7 @@ class Optimized:
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
-        if run.backend in ("pallas", "hybrid") and any_tracer((args, kwargs)):
+        if run.backend in ("pallas", "mosaic", "hybrid") and any_tracer((args, kwargs)):
             # Pallas kernels have no general derivative: differentiated, the call is fn's own JVP.
             return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
                                              self.static_argnames)
@@ -406,7 +407,7 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     or "ilp" (`extract.extract`), `extract_time_limit` bounds it in CPU seconds (a plan does not depend
     on the machine's load); `progress` shows progress bars of the stages and of the kernels emitted
     (None: on a terminal, once that is slow; False: never).
-    `backend` ("auto", "pallas", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
+    `backend` ("auto", "pallas", "mosaic", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring). `cache=False` neither reads nor writes the
     plan cache (`eqsat.cache`; "Plan cache" in the module docstring).
     """

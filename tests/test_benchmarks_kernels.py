@@ -127,6 +127,30 @@ def test_wgmma_kernel_counts():
     assert kernel.vector_load_bytes == 0 and kernel.vector_load_fraction == 0.0
 
 
+# Mosaic GPU's PTX puts a `.loc` line directive before instructions (a shape of the real one).
+MOSAIC_KERNEL = """\
+.file	1 "hopper_matmul.py"
+.visible .entry matmul_mosaic_gpu_kernel(
+	.param .u64 matmul_mosaic_gpu_kernel_param_0
+)
+{
+	.loc	1 226 12
+	wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1, %f2}, %rd1, %rd2, 1, 1, 1, 0, 1;
+	.loc	1 237 12
+	wgmma.wait_group.sync.aligned 	1;
+	.loc	1 240 4
+	@%p1 cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd3, {%r2, %r2, %r2, %r3} ], [%r4];
+	ret;
+}
+"""
+
+
+def test_mosaic_kernel_counts_past_line_directives():
+    (name, kernel), = ptx.read_ptx(MOSAIC_KERNEL).items()
+    assert name == "matmul_mosaic_gpu_kernel"
+    assert kernel.wgmma == 1 and kernel.wgmma_wait_depth == 1 and kernel.tma_loads == 1
+
+
 def test_xla_kernels_vector_loads_mma_sync_and_tma():
     found = ptx.read_ptx(XLA_KERNELS)
     assert set(found) == {"gemm_fusion_dot_26", "loop_transpose_fusion_1"}

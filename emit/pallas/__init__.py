@@ -25,7 +25,8 @@ other exception from a template is a broken contract and raises `TemplateError` 
 kernel (an `EmitError`, as is a tensor read before the kernel computing it ran).
 `run_kernels(calls, ctx)` emits a sequence into `ctx.values` (the driver's plan, a loop body),
 each kernel under `jax.named_scope(kernel.name)`, through `ctx.backend`'s emitter (`"hybrid"`: the
-kinds `emit.library` names through XLA's libraries, the rest through their templates).
+kinds `emit.library` names through XLA's libraries, the rest through their templates; `"mosaic"`:
+the kinds `emit.mosaic` has Mosaic GPU templates for through them, the rest as `"pallas"`).
 
 Identical kernels compile once: XLA compiles a Triton custom call once per distinct backend
 config (its name and its Triton IR), and the IR of two kernels of the same template, fused
@@ -102,7 +103,7 @@ class EmitContext:
     constants: dict = field(default_factory=dict)   # Program.constants: Constant key -> array
     payloads: dict = field(default_factory=dict)    # Program.payloads: Opaque/Gather/Loop key -> what it needs
     interpret: bool | None = None                   # pallas_call(interpret=...); None: by the lowering platform
-    backend: str = "pallas"                         # "pallas", "hybrid" or "xla": which emitter runs each kernel
+    backend: str = "pallas"                         # "pallas", "mosaic", "hybrid" or "xla": which emitter runs each kernel
     components: dict = field(default_factory=dict)  # Program.components: lifted kernel term -> scope path
     shared: dict = field(default_factory=dict)      # results of multi-output kernels (Opaque, Loop), per call site
     partials: dict = field(default_factory=dict)    # hosted statistic -> its hosts' per-tile partials (all hosts run)
@@ -358,6 +359,7 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     from emit.pallas.partials import Partials
 
     from emit.library import runs_in_library
+    from emit.mosaic import emit_kernel as emit_mosaic_kernel, runs_on_mosaic
 
     calls = list(calls)
     names = shared_names(calls)
@@ -378,6 +380,8 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
                     # reduced by the driver after their last host (its partials are not written here).
                     own = tuple(r for r in call.hosted if host_count[r] == 1)
                     produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
+                elif ctx.backend == "mosaic" and runs_on_mosaic(call.term):
+                    produced = emit_mosaic_kernel(call, ctx)
                 else:
                     produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
                 for term, value in produced.items():

@@ -1,0 +1,165 @@
+"""The matmul templates compiled for an H100 without a GPU, side by side: the Mosaic GPU template
+(`emit/mosaic/matmul.py`) and the Pallas Triton one (`emit/pallas/matmul.py`), read from their PTX
+and `ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul shapes.
+
+    python -m benchmarks.mosaic_ptx                   # every shape, a table
+    python -m benchmarks.mosaic_ptx --only unet64     # shapes whose name starts with unet64
+    python -m benchmarks.mosaic_ptx --json out.json --dump DIR
+
+Each case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with a
+bias epilogue) emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
+`eqsat.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
+`MOSAIC_GPU_DUMP_PTX`/`MOSAIC_GPU_DUMP_TO`, the Triton kernel's by XLA's dump). Counted, per template:
+
+- `launches`: kernels of the whole executable (the matmul plus whatever XLA launches around it: a
+  pad of an operand whose rows the tile does not divide), by category;
+- from the PTX of the matmul's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
+  tensor-core instruction, `wgmma` instructions, the deepest `wgmma.wait_group N` (N >= 1: the next
+  MMA is issued before the previous one is waited for), TMA copies (`cp.async.bulk.tensor`
+  global -> shared) and the vector-load share of global-load bytes;
+- `registers`, `spill_bytes` from `ptxas -arch=sm_90a -v`: for Triton the pip package's
+  (`benchmarks.ptx.run_ptxas`); for Mosaic the `-v` report of the ptxas its own compile ran
+  (`MOSAIC_GPU_DUMP_PTXAS`), since Mosaic emits PTX ISA 9.0, newer than the pip ptxas (8.8) reads;
+- `compile_s`: XLA's compile for sm_90a in the subprocess (the Mosaic kernel's PTX and cubin are
+  made inside it).
+
+Nothing here runs a kernel: these are properties of the compiled code, not times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from benchmarks import ptx
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    m: int
+    k: int
+    n: int
+
+
+# SD 1.5 at 512x512, batch 2: the 64x64-latent transformer's GEGLU half (320 -> 1280), its FF out
+# (1280 -> 320) per image's 4096 tokens, and a cross-attention K/V projection of the 2 x 77 text
+# tokens (768 -> 320; 154 rows: not a multiple of the tile).
+SHAPES = (
+    Shape("unet64.ff_in", 4096, 320, 1280),
+    Shape("unet64.ff_out", 4096, 1280, 320),
+    Shape("unet64.cross_kv", 154, 768, 320),
+)
+BACKENDS = ("mosaic", "pallas")
+
+
+def dense(x, w, b):
+    return x @ w + b
+
+
+def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
+    """Plan `dense` at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
+    import jax
+    import jax.numpy as jnp
+
+    import emit
+    import eqsat
+    from eqsat.xla_target import compile_for_h100
+
+    args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
+            jax.ShapeDtypeStruct((shape.n,), jnp.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = eqsat.optimize(dense, progress=False).lower(*args).plan
+    ops = [k.term.op for k in plan.kernels]
+    mosaic_dump = dump / "mosaic"
+    mosaic_dump.mkdir(parents=True, exist_ok=True)
+    saved = {key: os.environ.get(key) for key in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")}
+    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(mosaic_dump))
+    try:
+        report = compile_for_h100(emit.emit(plan, backend, interpret=False), *args, keep_dump=dump / "xla")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if report is None:
+        raise RuntimeError("the H100 compile target is not installed (jax-cuda12-plugin)")
+    files = sorted((mosaic_dump if backend == "mosaic" else dump / "xla").glob("*.ptx"))
+    kernels = {}
+    for path in files:
+        for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
+            kernels[name] = (path, counts)
+    matmuls = {name: entry for name, entry in kernels.items() if "matmul" in name}
+    if len(matmuls) != 1:
+        raise RuntimeError(f"{shape.name} {backend}: expected one matmul entry in the PTX, found {sorted(kernels)}")
+    (name, (path, counts)), = matmuls.items()
+    if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
+        resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)
+    else:
+        resources = ptx.run_ptxas(path, ptxas=ptxas).get(name)
+    return {
+        "shape": shape.name, "m": shape.m, "k": shape.k, "n": shape.n, "backend": backend, "plan_ops": ops,
+        "entry": name, "launches": report.kernels, "by_category": report.by_category,
+        "tensor_core": counts.tensor_core, "wgmma": counts.wgmma, "wgmma_wait_depth": counts.wgmma_wait_depth,
+        "tma_loads": counts.tma_loads, "vector_load_fraction": counts.vector_load_fraction,
+        "registers": resources.registers if resources else None,
+        "spill_bytes": resources.spill_bytes if resources else None,
+        "compile_s": round(report.compile_seconds, 2),
+    }
+
+
+def run(shapes=SHAPES, backends=BACKENDS, dump: Path | None = None) -> list[dict]:
+    ptxas = ptx.ptxas_path()
+    root = Path(dump) if dump is not None else Path(tempfile.mkdtemp(prefix="mosaic_ptx_"))
+    rows = []
+    for shape in shapes:
+        for backend in backends:
+            rows.append(compile_case(shape, backend, root / shape.name / backend, ptxas))
+            print(f"  {shape.name} {backend}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+COLUMNS = ("shape", "backend", "launches", "tensor_core", "wgmma", "wgmma_wait_depth", "tma_loads",
+           "vector_load_fraction", "registers", "spill_bytes", "compile_s")
+
+
+def render(rows: list[dict]) -> str:
+    def cell(value):
+        if isinstance(value, float):
+            return f"{value:.2f}"
+        return "-" if value is None else str(value)
+
+    table = [COLUMNS] + [tuple(cell(row[c]) for c in COLUMNS) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="shapes whose name starts with this")
+    parser.add_argument("--backend", choices=BACKENDS, action="append", help="one template only (repeatable)")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--dump", help="keep the PTX and XLA dumps here")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SHAPES if s.name.startswith(args.only)]
+    try:
+        rows = run(shapes, tuple(args.backend or BACKENDS), args.dump)
+    except ptx.PtxasMissing as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(render(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""The Mosaic GPU matmul template: `out[b, m, n] = epilogue(sum_k a[b, m, k] * w[b, k, n])` on Hopper
+tensor cores, fed by TMA, warp-specialized, with the plan's epilogue applied in registers.
+
+    build      the kernel: grid, tiles, SMEM, the warp-specialized TMA -> wgmma pipeline, the epilogue
+    reference  the same problem in plain `jax.numpy`
+    emit       a plan's `Matmul(lhs, rhs, dims, epilogue, ty)` kernel as this template
+
+One CTA computes a `tile_m x (compute_wgs * tile_n)` output tile of one batch entry. Its
+warpgroups (learnt from jax's `pallas/ops/gpu/hopper_matmul_mgpu.py`):
+
+- a memory warpgroup (40 registers) issues the TMA copies of `[tile_m, tile_k]` A and
+  `[tile_k, cta_tile_n]` B tiles into a ring of `stages` 128-byte-swizzled SMEM buffers;
+- `compute_wgs` compute warpgroups, each owning `tile_n` of the CTA's columns, issue `wgmma` from
+  SMEM into an fp32 register accumulator. Each step waits for all but the newest wgmma group
+  (`wgmma_wait(1)`) and releases a buffer one step late (`delay_release=1`), so the tensor cores
+  always have the next MMA queued while the previous one drains;
+- the epilogue, per `epi_m x epi_n` sub-tile: the operands it reads (a residual tile, a bias
+  row, a per-row scale) arrive by TMA into SMEM, the epilogue `Expr` is evaluated on the
+  accumulator in registers (`emit.expr`, as every template does), the result is cast and stored
+  to SMEM and written back by TMA (two slots, so the next sub-tile overlaps the store).
+
+Shapes the tiles do not divide (77 tokens, K = 40, N = 1280 at a 192 tile) are zero-padded by the
+wrapper to the tile grid (`pad_to`) and the output is sliced back: zeros in K add nothing, padded
+rows and columns are computed and dropped. Operands are fp16 or bf16 (both the same), accumulation
+is fp32; anything else raises `NotImplementedError`, and `emit.mosaic` runs that kernel through
+the Pallas Triton template instead.
+
+The epilogue's operands are mapped on the host: `epilogue_operands` evaluates the epilogue's index
+arithmetic with NumPy index tables over the whole output and sorts each `Load` it meets into a
+`tile` (reads depend on rows and columns: a residual), a `col` vector (columns only: a bias) or a
+`row` vector (rows only), gathered once into that layout (a reshape when the view is one already).
+In the kernel the same `Expr` is evaluated on tile-local NumPy indices (index arithmetic stays on
+the host) with a memory that answers each `Load`, in the order the host met them, with the SMEM
+tile of its operand. Epilogue nodes whose value depends on the index itself (`Iota`) or that select
+by index (`Concat`, `Pad`, `DynamicSlice`) are left to the Triton template.
+
+In GPU interpret mode a CTA tile of two compute warpgroups is interpreted as one warpgroup when the
+epilogue reads operands: that combination stalled now and then in the operands' barrier waits in
+jax 0.10.2's interpreter (not diagnosed: an interpreter limit or a missing synchronization in this
+kernel; the compiled kernel keeps two warpgroups; two warpgroups without operands are tested in
+interpret mode).
+
+Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
+writes the normalized A once (`emit` materializes every operand expression that is more than a
+view); statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from emit import expr as ex
+from eqsat.term import Term
+from eqsat.types import parse_type
+
+MMA_DTYPES = ("float16", "bfloat16")
+SM_COUNT = 132  # H100 SXM5
+EPILOGUE_OPS = frozenset({"Acc", "Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose",
+                          "Broadcast", "Slice"})
+
+
+def interpret_params():
+    """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+    """Tiles and pipeline depth of one Mosaic matmul kernel.
+
+    `tile_m` rows and `tile_n` columns per compute warpgroup (`compute_wgs` of them side by side
+    along N), `tile_k` per pipeline step (64 halves = one 128-byte swizzle row), `stages` SMEM
+    buffers in flight, `epi_m x epi_n` epilogue sub-tiles."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    compute_wgs: int = 2
+    epi_m: int = 64
+    epi_n: int = 64
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * self.compute_wgs
+
+    @classmethod
+    def get_default(cls, m: int, n: int, k: int) -> "MosaicBlocks":
+        """The CTA tile (`tile_m` 64 or 128; `compute_wgs` x `tile_n` of 64 or 128 columns) that pads
+        M and N least, the larger tile among equals: 4096 x 1280 gets 128 x 256 (two 128 x 128
+        warpgroups), N = 320 one 128 x 64 warpgroup (320 = 5 x 64: no padded column), 154 rows
+        64-row tiles (192 rows, not 256)."""
+        def padded(size, tile):
+            return -(-size // tile) * tile
+
+        tile_m = min((128, 64), key=lambda t: (padded(m, t), -t))
+        tile_n, compute_wgs = min(((128, 2), (64, 2), (128, 1), (64, 1)),
+                                  key=lambda c: (padded(n, c[0] * c[1]), -c[0] * c[1]))
+        k_steps = -(-k // 64)
+        return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
+
+    def validate(self) -> None:
+        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
+            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k} must be multiples of 64 "
+                             "(wgmma rows per warpgroup; 128-byte swizzle of halves)")
+        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+            raise ValueError(f"epilogue tile {self.epi_m}x{self.epi_n} must divide {self.tile_m}x{self.tile_n}")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages}: the pipeline releases buffers one step late, it needs >= 2")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueOperand:
+    """An array the epilogue reads, laid out for TMA: `tile` `[batch', M, N]`, `col` `[batch', N]`,
+    `row` `[batch', M]` (batch' is 1 when it does not depend on the batch index)."""
+
+    kind: str
+    array: jax.Array
+
+    def __post_init__(self):
+        if self.kind not in ("tile", "col", "row"):
+            raise ValueError(f"epilogue operand kind {self.kind!r}")
+
+
+# (acc [em, en] f32, each operand's values at the sub-tile, broadcast to [em, en]) -> out [em, en]
+EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
+
+
+def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """`x` zero-padded at the end of each axis to `shape` (no copy when it has it already)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, s - d) for d, s in zip(x.shape, shape)])
+
+
+def _swizzled(tile_minor: int, dtype) -> tuple:
+    """SMEM transforms for a tile whose minor dimension has `tile_minor` elements of `dtype`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(tile_minor * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
+            m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    operand_gmems, out_gmem = refs[:len(kinds)], refs[len(kinds)]
+    tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
+    epi_m, epi_n, wgs = blocks.epi_m, blocks.epi_n, blocks.compute_wgs
+    out_dtype = out_gmem.dtype
+    transforms = _swizzled(tile_k, a_gmem.dtype)
+    k_steps = k_padded // tile_k
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
+                                memory_space=plgpu.SMEM, delay_release=1),
+                plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms,
+                                memory_space=plgpu.SMEM, delay_release=1),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=blocks.stages,
+            compute_context=compute_context,
+        )
+
+    def operand_smem(kind, dtype):
+        if kind == "tile":
+            return plgpu.SMEM((wgs, epi_m, epi_n), dtype, transforms=_swizzled(epi_n, dtype))
+        return plgpu.SMEM((wgs, epi_m if kind == "row" else epi_n), dtype)
+
+    ignore = lambda *_, **__: None  # noqa: E731 (the allocations do not depend on the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM((wgs, 2, epi_m, epi_n), out_dtype, transforms=_swizzled(epi_n, out_dtype)),
+        operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
+        barriers=plgpu.Barrier(num_barriers=max(1, wgs * len(kinds))),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers):
+        wg = lax.axis_index("wg")
+        n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
+        rows0 = b_idx * m_padded + m_idx * tile_m  # first row of the CTA tile in the flat [B*M, ...] views
+        cols0 = n_idx * cta_n + wg * tile_n
+
+        def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+            def _acc_scope(acc_ref):
+                run_pipeline(acc_ref)
+                plgpu.wgmma_wait(0)
+                acc = acc_ref[...]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for em in range(tile_m // epi_m):
+                    for en in range(tile_n // epi_n):
+                        slot = (em * (tile_n // epi_n) + en) % 2
+                        row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
+                        col_slice = pl.ds(cols0 + en * epi_n, epi_n)
+                        tiles = []
+                        for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
+                            batch = 0 if batch_shared[o] else b_idx
+                            if kind == "tile":
+                                src = gmem.at[batch, row_slice, col_slice]
+                            elif kind == "row":
+                                src = gmem.at[batch, row_slice]
+                            else:
+                                src = gmem.at[batch, col_slice]
+                            barrier = barriers.at[wg * len(kinds) + o]
+                            plgpu.copy_gmem_to_smem(src, smem.at[wg], barrier)
+                            plgpu.barrier_wait(barrier)
+                            if kind == "tile":
+                                tiles.append(smem[wg])
+                            else:  # a vector along one axis of the WGMMA layout, broadcast along the other
+                                axis = 1 if kind == "col" else 0
+                                # GPU interpret mode has no `plgpu.load` of a sliced ref; layouts are
+                                # the compiler's business, the values are the same.
+                                vector = smem[wg] if interpreted else \
+                                    plgpu.load(smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                                tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
+                        value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
+                        out_smem[wg, slot] = value.astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                                out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+
+        def mma(_, a_smem, b_smem, acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * tile_n, tile_n)])
+            plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
+            return acc_ref
+
+        pipeline(mma, compute_context)(
+            a_gmem.at[pl.ds(rows0, tile_m), :],
+            b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n_idx * cta_n, cta_n)],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
+          operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
+          interpret: Any = None, name: str = "matmul") -> jax.Array:
+    """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
+    same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
+    `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
+    the call is lowered for (a CPU interprets)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
+    if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
+        raise NotImplementedError(f"wgmma operands {a.dtype} x {b.dtype} (the template multiplies two fp16 or "
+                                  "two bf16 operands)")
+    batch, m, k = a.shape
+    n = b.shape[2]
+    blocks = blocks or MosaicBlocks.get_default(m, n, k)
+    blocks.validate()
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    mp = -(-m // blocks.tile_m) * blocks.tile_m
+    np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
+    kp = -(-k // blocks.tile_k) * blocks.tile_k
+    a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
+    b_flat = pad_to(b, (batch, kp, np_)).reshape(batch * kp, np_)
+    arrays, kinds, shared = [], [], []
+    for operand in operands:
+        array = operand.array
+        target = {"tile": (array.shape[0], mp, np_), "col": (array.shape[0], np_),
+                  "row": (array.shape[0], mp)}[operand.kind]
+        if array.shape[0] not in (1, batch):
+            raise ValueError(f"epilogue operand {array.shape} for batch {batch}")
+        arrays.append(pad_to(array, target))
+        kinds.append(operand.kind)
+        shared.append(array.shape[0] == 1)
+    grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
+
+    def call(interpret_here):
+        run_blocks = blocks
+        if interpret_here and blocks.compute_wgs > 1 and operands:
+            # GPU interpret mode (jax 0.10.2) stalls now and then in the epilogue operands' barrier
+            # waits with two compute warpgroups (never seen with one): interpret the same CTA tile
+            # with one warpgroup.
+            run_blocks = dataclasses.replace(blocks, tile_n=blocks.cta_tile_n, compute_wgs=1)
+        return plgpu.kernel(
+            functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
+                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here),
+            out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
+            grid=grid,
+            grid_names=("n", "m", "b"),
+            num_threads=run_blocks.compute_wgs + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            kernel_name=_kernel_name(name),
+            interpret=interpret_params() if interpret_here else None,
+        )
+
+    operands_in = (a_flat, b_flat, *arrays)
+    if interpret is None:  # decided where it is lowered: interpreted on a CPU, compiled for the GPU elsewhere
+        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: call(True)(*xs),
+                                     default=lambda *xs: call(False)(*xs))
+    else:
+        out = call(bool(interpret))(*operands_in)
+    return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def _kernel_name(name: str) -> str:
+    """A PTX-safe symbol for `<component>:<kind>` (Mosaic names the entry after it)."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "matmul"
+
+
+def reference(a: jax.Array, b: jax.Array, epilogue: EpilogueFn = lambda acc, _: acc,
+              operands: Sequence[jax.Array] = (), out_dtype=None) -> jax.Array:
+    """`epilogue(a @ b, operands)` in `jax.numpy`, fp32 accumulation (operands as full arrays that
+    broadcast against `[batch, m, n]`)."""
+    acc = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32)
+    return epilogue(acc, list(operands)).astype(out_dtype or a.dtype)
+
+
+# --- emit: a plan's Matmul term -----------------------------------------------------------------
+
+
+class _RecordingMemory:
+    """The host-side pass over the epilogue: records each `Load` (tensor, NumPy index) in the order
+    the expression compiler meets them; values are scalars (only the index arithmetic matters)."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self):
+        self.loads: list[tuple[Term, tuple]] = []
+
+    def load(self, tensor: Term, index, mask):
+        if any(not (ex.is_static(e) or isinstance(e, np.ndarray)) for e in index):
+            raise NotImplementedError(f"the epilogue reads {tensor!r} at an index computed on the device")
+        self.loads.append((tensor, tuple(index)))
+        return jnp.zeros((), parse_type(tensor.ty).dtype)
+
+
+class _TileMemory:
+    """The in-kernel pass: the n-th `Load` is answered with the n-th operand's values at the
+    `[epi_m, epi_n]` output sub-tile (read from SMEM, vectors broadcast)."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self, tensors: Sequence[Term], tiles: Sequence[jax.Array]):
+        self.tensors, self.tiles = tensors, tiles
+        self.cursor = 0
+
+    def load(self, tensor: Term, index, mask):
+        if self.cursor >= len(self.tensors) or self.tensors[self.cursor] is not tensor:
+            raise AssertionError(f"the epilogue's loads in the kernel differ from the host's at {tensor!r}")
+        tile = self.tiles[self.cursor]
+        self.cursor += 1
+        return tile
+
+
+def _reads_accumulator_at(out_index):
+    """`Acc` callback checking the epilogue reads the accumulator at the output element itself."""
+
+    def check(at):
+        if len(at) != len(out_index) or any(a is not o and not (ex.is_static(a) and ex.is_static(o) and a == o)
+                                            for a, o in zip(at, out_index)):
+            raise NotImplementedError("the epilogue reads the accumulator through a view")
+
+    return check
+
+
+def epilogue_operands(epilogue: Term, axes, values: Callable[[Term], jax.Array]):
+    """The epilogue's loads mapped onto the output tile (see the module docstring): `(tensors, operands)`,
+    one `EpilogueOperand` per `Load` the expression compiler meets, in its order."""
+    batch, m, n = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape))
+    b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
+    rows, cols = np.arange(m).reshape(1, m, 1), np.arange(n).reshape(1, 1, n)
+    memory, out_index = _RecordingMemory(), axes.out_index(b, rows, cols)
+    check = _reads_accumulator_at(out_index)
+
+    def accumulator(acc_ty, at, mask):
+        check(at)
+        return jnp.zeros((), jnp.float32)
+
+    ex.compile_expr(epilogue)(memory, out_index, True, accumulator)
+    tensors, operands = [], []
+    for tensor, index in memory.loads:
+        shape = parse_type(tensor.ty).shape
+        flat = np.broadcast_to(np.asarray(ex.linearize(index, shape), np.int64), (batch, m, n))
+        size = math.prod(shape)
+        if flat.size and (flat.min() < 0 or flat.max() >= max(size, 1)):
+            raise NotImplementedError(f"the epilogue reads {tensor!r} outside its bounds")
+        by_batch = batch > 1 and not np.array_equal(flat, np.broadcast_to(flat[:1], flat.shape))
+        by_row = m > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :1], flat.shape))
+        by_col = n > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :, :1], flat.shape))
+        flat = flat if by_batch else flat[:1]
+        if by_row and by_col:
+            kind, table = "tile", flat
+        elif by_row:
+            kind, table = "row", flat[:, :, 0]
+        else:
+            kind, table = "col", flat[:, 0, :]
+        dtype = jnp.dtype(parse_type(tensor.ty).dtype)
+        if dtype.itemsize not in (2, 4) or dtype.kind not in "fiu":
+            raise NotImplementedError(f"an epilogue operand of dtype {dtype} (TMA tiles of 2- or 4-byte numbers)")
+        value = jnp.reshape(values(tensor), (-1,))
+        if table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size)):
+            array = value.reshape(table.shape)  # the view is a reshape: no copy
+        else:
+            array = value[table]  # a static gather, once per call
+        tensors.append(tensor)
+        operands.append(EpilogueOperand(kind, array))
+    return tensors, operands
+
+
+def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape: tuple[int, int, int]):
+    """`value` with its axes ordered batch, first, second and flattened to `shape` `[batch, ., .]`."""
+    order = (*batch_axes, *first_axes, *second_axes)
+    if order != tuple(range(value.ndim)):
+        value = jnp.transpose(value, order)
+    return jnp.reshape(value, shape)
+
+
+def emit(kernel, ctx) -> dict:
+    """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
+    Mosaic GPU kernel. Hosted statistics are not computed here (the driver reduces them); forms the
+    template does not cover raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
+    from emit.pallas import loaded_tensors
+    from emit.pallas.matmul import DotAxes
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    lhs, rhs, dims, epilogue, ty = term.args
+    lhs_type, rhs_type, out_type = parse_type(lhs.ty), parse_type(rhs.ty), parse_type(ty)
+    if lhs_type.dtype != rhs_type.dtype or lhs_type.dtype not in MMA_DTYPES:
+        raise NotImplementedError(f"{lhs_type.dtype} x {rhs_type.dtype} operands (wgmma here multiplies two "
+                                  f"fp16 or two bf16 operands)")
+    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or jnp.dtype(out_type.dtype).kind != "f":
+        raise NotImplementedError(f"a {out_type.dtype} result")
+    missing = sorted({node.op for node in ex.expr_nodes(epilogue)} - EPILOGUE_OPS)
+    if missing:
+        raise NotImplementedError(f"an epilogue with {', '.join(missing)} (the Mosaic epilogue maps views and "
+                                  "elementwise ops onto the output tile)")
+    axes = DotAxes.of(dims, lhs_type.shape, rhs_type.shape)
+    batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
+    if min(batch, m, n, k) == 0:
+        raise NotImplementedError("an empty matmul")
+    for tensor in loaded_tensors(lhs, rhs, epilogue):
+        if tensor in ctx.partials:
+            ctx.value(tensor)  # statistics are read finished here (merged once)
+    tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
+    # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
+    # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
+    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known.values = ctx.values
+    lhs_value, rhs_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([lhs, rhs])
+    a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
+    w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
+    compiled = ex.compile_expr(epilogue)
+    with_batch = bool(axes.batch_shape)
+
+    def tile_epilogue(acc, tiles):
+        em, en = acc.shape
+        b = np.zeros((1, 1), np.int64) if with_batch else 0
+        out_index = axes.out_index(b, np.arange(em).reshape(em, 1), np.arange(en).reshape(1, en))
+        check = _reads_accumulator_at(out_index)
+
+        def accumulator(acc_ty, at, mask):
+            check(at)
+            return acc
+
+        memory = _TileMemory(tensors, tiles)
+        value = compiled(memory, out_index, True, accumulator)
+        if memory.cursor != len(tensors):
+            raise AssertionError("the epilogue's loads in the kernel differ from the host's")
+        return jnp.reshape(value, (em, en))
+
+    out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
+                interpret=ctx.interpret, name=kernel.name)
+    return {term: out.reshape(out_type.shape)}
