@@ -117,6 +117,25 @@ def emitted(fn, args):
     return pallas, emit.emit(plan, "xla")(*args), jax.jit(fn)(*args), plan
 
 
+def pallas_calls(jaxpr) -> list:
+    """Every `pallas_call` equation of `jaxpr` and the jaxprs nested in it (identical kernels are
+    traced once inside a `jit` and called from every site: `emit.pallas.emit_shared`)."""
+    calls, stack = [], [jaxpr]
+    while stack:
+        current = stack.pop()
+        for eqn in current.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append(eqn)
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    if hasattr(sub, "eqns"):
+                        stack.append(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        stack.append(sub.jaxpr)
+    return calls
+
+
 def ops(plan) -> list[str]:
     return [k.term.op for k in plan.kernels]
 
@@ -192,7 +211,7 @@ def test_layernorm_prologue_hoists_statistics_out_of_the_k_loop():
     assert ops(plan) == ["Matmul"]
     run = emit.emit(plan, "pallas", interpret=True)
     closed = jax.make_jaxpr(run._run_leaves)([jnp.asarray(a) for a in args])
-    (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    (call,) = pallas_calls(closed.jaxpr)
 
     def loops(jaxpr):
         return [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
@@ -301,7 +320,7 @@ def test_layernorm_statistics_hosted_by_the_matmul(dtype):
     assert matmul.term.op == "Matmul" and [h.op for h in matmul.outputs[1:]] == ["EpilogueReduce"]
     run = emit.emit(plan, "pallas", interpret=True)
     closed = jax.make_jaxpr(run._run_leaves)([jnp.asarray(a) for a in args])
-    launched = [e.params["name"] for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    launched = [e.params["name"] for e in pallas_calls(closed.jaxpr)]
     assert len(launched) == len(plan.kernels), launched
     tolerance = {np.float32: 5e-5, np.float16: 2e-2}[dtype]
     for p, x_, j in zip(pallas, xla, jit):
