@@ -189,7 +189,8 @@ def _mask_fill(value: str, ty: str) -> str:
     if not _is_float(ty):
         return ""
     dtype = _dtype(ty)
-    rounded = float(np.asarray(float(value)).astype(dtype))
+    with np.errstate(over="ignore"):  # a fill below the dtype's range rounds to -inf: that is the question
+        rounded = float(np.asarray(float(value)).astype(dtype))
     if rounded == -math.inf:
         return "-inf"
     return "lowest" if rounded <= float(jnp.finfo(dtype).min) else ""
