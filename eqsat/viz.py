@@ -162,22 +162,9 @@ def expression_text(kernel, names: dict, limit: int = 4000) -> str:
     """A kernel's fused expression for people: arithmetic infix, literals as numbers, tensors by
     buffer (or argument) name, reshapes and broadcasts implicit, a library core named with its
     shape (`conv3x3 pad 1(x, w)`, `matmul 1·0(x, w)`) and its epilogue applied to `acc`."""
-    out: dict[int, str] = {}
-    stack = [(kernel, False)]
-    while stack:
-        node, ready = stack.pop()
-        if id(node) in out:
-            continue
-        if node is not kernel and node.sort == "Tensor":
-            out[id(node)] = names.get(node, node.op)
-            continue
-        if not ready:
-            stack.append((node, True))
-            stack.extend((c, False) for c in node.children if id(c) not in out)
-            continue
-        text = _node_text(node, [out.get(id(a), a) for a in node.args])
-        out[id(node)] = text if len(text) <= limit else text[: limit - 1] + "…"
-    return out[id(kernel)]
+    from extract.plan import render
+
+    return render(kernel, names, limit, node_text=_node_text)
 
 
 def _node_text(node, args: list) -> str:

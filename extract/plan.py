@@ -534,8 +534,10 @@ def _peak(buffers: list[Buffer], count: int) -> int:
     return peak
 
 
-def render(kernel, names: dict, limit: int = 4000) -> str:
-    """A kernel's expression as an s-expression; tensors it reads appear by buffer name."""
+def render(kernel, names: dict, limit: int = 4000, node_text=None) -> str:
+    """A kernel's expression as an s-expression; tensors it reads appear by buffer name.
+    `node_text(node, args)` writes one node from its arguments already written (default: the
+    constructor and its arguments, `Binary('add', …)`)."""
     out: dict[int, str] = {}
     stack = [(kernel, False)]
     while stack:
@@ -549,10 +551,13 @@ def render(kernel, names: dict, limit: int = 4000) -> str:
             stack.append((node, True))
             stack.extend((c, False) for c in node.children if id(c) not in out)
             continue
-        parts = []
-        for arg in node.args[:-1] if node.sort != "TensorList" else node.args:
-            parts.append(out[id(arg)] if not isinstance(arg, (str, int, float)) else repr(arg))
-        text = f"{node.op}({', '.join(parts)})"
+        if node_text is not None:
+            text = node_text(node, [out.get(id(a), a) for a in node.args])
+        else:
+            parts = []
+            for arg in node.args[:-1] if node.sort != "TensorList" else node.args:
+                parts.append(out[id(arg)] if not isinstance(arg, (str, int, float)) else repr(arg))
+            text = f"{node.op}({', '.join(parts)})"
         out[id(node)] = text if len(text) <= limit else text[: limit - 1] + "…"
     return out[id(kernel)]
 
