@@ -316,7 +316,7 @@ class Pipeline:
         N(0, 1) from `jax.random.key(seed)`. On `devices` > 1 the prompts are split over the devices
         (data parallel: B must be a multiple of them): each device denoises and decodes its prompts
         with its own copy of the weights, their classifier-free guidance pair on the same device;
-        the images are those of one device (`tests/test_sd15_devices.py`)."""
+        the images are those of one device (`tests/test_sharding.py`, the tiny pipeline on four devices)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         count, devices = len(prompts), self.devices
         if count == 0 or count % devices:
