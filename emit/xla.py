@@ -33,19 +33,39 @@ class _XlaEvaluator(_Evaluator):
             return super()._op_Conv(node, get, acc)
         dtype = self._acc_dtype(epilogue, ty)
         core = None
-        for x, w in parts:
-            weights, padding = _unpadded(w, conv, self.constants)
+        for xs, ws in parts:
+            padding = list(conv.padding)
+            if len(ws) == 1:
+                weights, padding = _unpadded(ws[0], conv, self.constants)
+                weights = self._value(weights)
+            else:
+                weights = lax.concatenate([self._value(w) for w in ws], conv.rhs_spec[1])
+            x = lax.concatenate([self._value(x) for x in xs], conv.lhs_spec[1]) if len(xs) > 1 else self._value(xs[0])
             kwargs = {**conv.lax_kwargs(), "padding": padding}
-            value = lax.conv_general_dilated(get(x), get(weights), **kwargs, preferred_element_type=dtype)
+            value = lax.conv_general_dilated(x, weights, **kwargs, preferred_element_type=dtype)
             core = value if core is None else core + value
         return self._epilogue(epilogue, core)
+
+    def _value(self, term):
+        """A part's value: computed already, or (a part inside the body of the kernel that wrote
+        the concatenation) evaluated here from that kernel's own operands."""
+        return self.lookup(term) if self._known(term) else self.run([term])[0]
+
+
+def _through_load(term):
+    """`Load(Pointwise(body))` -> `body`: a concatenation another kernel stored (weights concatenated
+    once, in their own kernel) is read through to its parts."""
+    if term.op == "Load" and term.args[0].op == "Pointwise":
+        return term.args[0].args[0]
+    return term
 
 
 def _concat_parts(term, axis: int) -> list:
     """The operands of a (nested) `Concat` along `axis`, in order; `[term]` when it is none."""
-    if term.op != "Concat" or int(term.args[2]) != axis:
+    seen = _through_load(term)
+    if seen.op != "Concat" or int(seen.args[2]) != axis:
         return [term]
-    return _concat_parts(term.args[0], axis) + _concat_parts(term.args[1], axis)
+    return _concat_parts(seen.args[0], axis) + _concat_parts(seen.args[1], axis)
 
 
 def _extent(term, axis: int) -> int:
@@ -55,16 +75,30 @@ def _extent(term, axis: int) -> int:
 
 
 def _channel_parts(lhs, rhs, conv: ConvParams):
-    """`[(x_i, w_i)]` when input and weights are concatenations along input channels with the same
-    boundaries (an ungrouped conv), else None."""
+    """`[(xs, ws)]`: input and weights concatenated along input channels, grouped at the boundaries
+    both sides share (`concat(h, skip, x)` against `concat(pad(w1x1), w)` groups `h, skip` with
+    the shortcut and `x` with `w`); None for an ungrouped conv with fewer than two groups."""
     if conv.feature_groups != 1 or conv.batch_groups != 1:
         return None
     xs, ws = _concat_parts(lhs, conv.lhs_spec[1]), _concat_parts(rhs, conv.rhs_spec[1])
-    if len(xs) < 2 or len(xs) != len(ws):
+    x_extents = [_extent(x, conv.lhs_spec[1]) for x in xs]
+    w_extents = [_extent(w, conv.rhs_spec[1]) for w in ws]
+    groups, group_x, group_w, seen_x, seen_w, i, j = [], [], [], 0, 0, 0, 0
+    while i < len(xs) or j < len(ws):
+        if (seen_x <= seen_w and i < len(xs)) or j == len(ws):
+            group_x.append(xs[i])
+            seen_x += x_extents[i]
+            i += 1
+        else:
+            group_w.append(ws[j])
+            seen_w += w_extents[j]
+            j += 1
+        if seen_x == seen_w and group_x and group_w:
+            groups.append((group_x, group_w))
+            group_x, group_w = [], []
+    if group_x or group_w or len(groups) < 2:
         return None
-    if [_extent(x, conv.lhs_spec[1]) for x in xs] != [_extent(w, conv.rhs_spec[1]) for w in ws]:
-        return None
-    return list(zip(xs, ws))
+    return groups
 
 
 def _is_zero(term, constants) -> bool:
@@ -83,6 +117,7 @@ def _unpadded(weights, conv: ConvParams, constants):
     """Weights zero-padded on their spatial dimensions only, with no rhs dilation: the unpadded
     weights and the conv padding that gives the same output; otherwise the weights as they are."""
     padding = list(conv.padding)
+    weights = _through_load(weights)
     if weights.op != "Pad" or not _is_zero(weights.args[1], constants):
         return weights, padding
     config = _pad_config(weights.args[2])

@@ -173,3 +173,31 @@ def test_the_split_costs_what_jit_costs():
 
     assert flops(compiled) == pytest.approx(flops(reference), rel=0.02)
     assert "concatenate(" not in compiled.as_text()
+
+
+@settings(max_examples=8, deadline=None)
+@given(stride=st.sampled_from([1, 2]), c_h=st.sampled_from([1, 3]), c_s=st.sampled_from([2, 5]),
+       c_x=st.sampled_from([3, 4]), size=st.sampled_from([5, 8]), seed=st.integers(0, 2**16))
+def test_parts_group_at_the_boundaries_both_sides_share(stride, c_h, c_s, c_x, size, seed):
+    """The UNet's up-block ResNet: `concat(h, skip, x)` against `concat(pad(w1x1), w)`, where the
+    shortcut's weights span h and skip: two convs, one over `concat(h, skip)`."""
+    def fn(h, s, x, w_tap, w):
+        padded = jnp.pad(w_tap, ((0, 0), (0, 0), (1, 1), (1, 1)))
+        return lax.conv_general_dilated(jnp.concatenate([h, s, x], 1), jnp.concatenate([padded, w], 1),
+                                        (stride, stride), [(1, 1)] * 2)
+
+    rng = np.random.default_rng(seed)
+    h = (rng.standard_normal((2, c_h, size, size)) + 30).astype(np.float32)
+    s = rng.standard_normal((2, c_s, size, size)).astype(np.float32) * 1e-3
+    x = rng.standard_normal((2, c_x, size, size)).astype(np.float32)
+    w_tap = rng.standard_normal((3, c_h + c_s, 1, 1)).astype(np.float32)
+    w = rng.standard_normal((3, c_x, 3, 3)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = eqsat.optimize(fn, backend="xla")
+        got = ours(h, s, x, w_tap, w)
+        flops = ours._dispatcher().lower(h, s, x, w_tap, w).compile().cost_analysis()
+    want = jax.jit(fn)(h, s, x, w_tap, w)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.max(np.abs(want))))
+    padded_flops = 2 * 3 * 9 * (c_h + c_s + c_x) * want.shape[2] * want.shape[3] * 2
+    assert (flops[0] if isinstance(flops, list) else flops)["flops"] < 0.9 * padded_flops  # not all 3x3
