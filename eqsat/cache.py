@@ -64,6 +64,12 @@ def cache_dir() -> Path:
     explicit = os.environ.get("EQSAT_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
+    return user_cache_home()
+
+
+def user_cache_home() -> Path:
+    """eqsat's folder under the user's cache (XDG): `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`
+    (also where `eqsat.cuda_target` keeps the H100 compile target, which `EQSAT_CACHE_DIR` does not move)."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eqsat"
 

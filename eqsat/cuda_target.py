@@ -52,8 +52,9 @@ def target_dir() -> Path:
     """Where the target lives (whether or not it is installed yet)."""
     if os.environ.get("EQSAT_TARGET_DIR"):
         return Path(os.environ["EQSAT_TARGET_DIR"]).expanduser()
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return cache_home / "eqsat" / f"cuda-target-jax{jax_version()}"
+    from eqsat.cache import user_cache_home
+
+    return user_cache_home() / f"cuda-target-jax{jax_version()}"
 
 
 def installed_in_target_dir() -> bool:

@@ -340,7 +340,7 @@ def test_compiles_for_sm90_with_tensor_cores(tmp_path):
     assert [k.term.op for k in plan.kernels] == ["Attention"]
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
-        pytest.skip("the H100 compile target is not installed")
+        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
     assert report.kernels == 1 and set(report.by_category) == {"Pallas (Triton)"}, report.by_category
     ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
     assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"

@@ -440,7 +440,7 @@ def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
         plan = eqsat.optimize(lambda p, x, c: transformer_block(p, x, c, 8)).lower(*args).plan
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
-        pytest.skip("the H100 compile target is not installed")
+        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
     assert report.kernels == len(plan.kernels), (report.summary(), len(plan.kernels))
     assert set(report.by_category) == {"Pallas (Triton)"}, report.by_category
     assert report.copies == 0 and report.memsets <= 1

@@ -241,7 +241,7 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
     if report is None:
-        pytest.skip("the H100 compile target is not installed")
+        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
     assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
     (ptx_path,) = tmp_path.glob("*.ptx")
     (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()

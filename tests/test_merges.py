@@ -100,7 +100,7 @@ def test_finalize_of_a_vae_statistic_compiles_for_an_h100_without_spills(tmp_pat
     report = compile_for_h100(lambda buffer: finalize(statistic, buffer, name="vae:finalize", interpret=False),
                               jax.ShapeDtypeStruct((4096, 3, 32), jnp.float32), keep_dump=tmp_path)
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin is missing)")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
     found = {}
     for path in tmp_path.rglob("*.ptx"):
         if ".version" in path.read_text(errors="replace")[:4000]:
@@ -299,7 +299,7 @@ def test_a_plan_with_a_finalize_kernel_compiles_for_an_h100_to_its_kernels_only(
     assert plan.kinds().get("finalize") == 1, plan.kinds()
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args)
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin is missing)")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
     names = [launch.name for launch in report.launches if launch.counted != "none"]
     assert report.by_category == {"Pallas (Triton)": len(plan.kernels)}, names
     assert report.kernels == len(plan.kernels) and report.copies == 0 and report.memsets == 0, names
