@@ -9,7 +9,7 @@ at the SD 1.5 shapes.
 
 Each case is the template on contiguous `[batch, heads, seq, head_dim]` fp16 operands (CLIP's causal
 mask as a `[seq, seq]` bias read per score tile, as the plan gives it), with its default tile sizes,
-compiled by `eqsat.xla_target.compile_for_h100` (XLA drives Triton for sm_90a). With `--plan`, the
+compiled by `measure.xla_target.compile_for_h100` (XLA drives Triton for sm_90a). With `--plan`, the
 kernel as the emitter makes it from the plan of `sd15.layers.attention` on `[batch, seq, heads x
 head_dim]` operands (q, k and v read per head through reshape views; CLIP's bias a constant).
 Counted in the PTX of the kernel (`.entry attention`), one statement per instruction:
@@ -228,7 +228,7 @@ def plan_fn(shape: Shape):
 def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None, *, plan: bool = False) -> dict:
     """Compile `shape` (with `blocks`, else the template's default tiles; `plan`: as the plan of
     `sd15.layers.attention` is emitted, with the default tiles) and read its PTX."""
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     if plan and blocks is not None:
         raise ValueError("the emitted plan uses the template's default tiles")
@@ -236,7 +236,7 @@ def measure(shape: Shape, dump: Path, blocks: at.AttentionBlocks | None = None, 
     fn, args = plan_fn(shape) if plan else attention_fn(shape, blocks)
     report = compile_for_h100(fn, *args, keep_dump=dump)
     if report is None:
-        raise SystemExit("the H100 compile target is unavailable (see the XlaTargetWarning above; python -m eqsat.cuda_target info)")
+        raise SystemExit("the H100 compile target is unavailable (see the XlaTargetWarning above; python -m measure.cuda_target info)")
     (ptx_path,) = [p for p in glob.glob(str(dump / "*.ptx")) if ".entry attention" in Path(p).read_text()]
     kernel = read_kernel(Path(ptx_path).read_text())
     trips = at.key_loop_trips(shape.kv_len, blocks.block_k) if kernel.loop_instructions else 0

@@ -207,7 +207,7 @@ def fit(samples: list[tuple[str, dict[str, float], float, float]]) -> Calibratio
 
 def _plans(components: Iterable[str]):
     from eqsat import optimize
-    from sd15.plan_cli import workloads
+    from sd15.workloads import workloads
 
     for name in components:
         workload = workloads(batch=2, dtype="float16", components=(name,))[name]

@@ -3,17 +3,17 @@
     python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
 
-Per SD 1.5 component (full size, fp16, abstract weights; `sd15.plan_cli.workloads`), deployed as
-`sd15 plan` deploys it (`plan_cli.optimized`: the Pallas backend, weights marked as parameters):
+Per SD 1.5 component (full size, fp16, abstract weights; `sd15.sd15_workloads.workloads`), deployed as
+`sd15 plan` deploys it (`compare.optimized`: the Pallas backend, weights marked as parameters):
 
 - plan, cold and warm: `optimize(fn).lower(*args)` wall seconds in a fresh process with an empty
-  plan cache (`eqsat.cache`), then in a second fresh process on the cache the first one wrote;
+  plan cache (`driver.cache`), then in a second fresh process on the cache the first one wrote;
   each row says whether the plan came from the cache.
 - kernels: the per-call executable traced and lowered for a GPU on this machine
   (`lowering_platforms=("cuda",)`, no compile): Triton custom calls launched, and distinct ones
   (distinct backend configs, name and Triton IR: what XLA compiles, once each), with the seconds
   the trace and lowering took.
-- compile for an H100, cold and warm, ours and XLA's: `eqsat.xla_target`'s deviceless H100
+- compile for an H100, cold and warm, ours and XLA's: `measure.xla_target`'s deviceless H100
   topology in a fresh process with JAX's persistent compilation cache on (a folder of its own, every
   entry kept: `jax_persistent_cache_min_compile_time_secs=0`), twice; the second process reads
   what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events.
@@ -103,18 +103,20 @@ def _load() -> str:
 
 
 def _workload(component: str, batch: int, size: int | None):
-    from sd15 import plan_cli
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
-    return plan_cli.workloads(batch=batch, size=size, components=(component,))[component]
+    return sd15_workloads.workloads(batch=batch, size=size, components=(component,))[component]
 
 
 def _optimized(workload):
-    from sd15 import plan_cli
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
-    optimize, reason = plan_cli._load_optimize()
+    optimize, reason = compare._load_optimize()
     if optimize is None:
         raise RuntimeError(reason)
-    return plan_cli.optimized(workload, optimize, "h100")
+    return compare.optimized(workload, optimize, "h100")
 
 
 def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> dict[str, Any]:
@@ -129,11 +131,12 @@ def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> d
                               "stages": lowered.stats["seconds"], "cache_seconds": lowered.stats.get("cache_seconds"),
                               "per_call_kernels": lowered.stats["per_call_kernels"]}
     if kernels:
-        from sd15 import plan_cli
+        from measure import compare
+        from sd15 import workloads as sd15_workloads
 
         prepared = lowered.split.prepared_specs() if lowered.split is not None else []
         start = time.perf_counter()
-        gpu = jax.jit(functools.partial(plan_cli.emitted_per_call, fast)).trace(prepared, *workload.args).lower(
+        gpu = jax.jit(functools.partial(compare.emitted_per_call, fast)).trace(prepared, *workload.args).lower(
             lowering_platforms=("cuda",))
         result["trace_lower_seconds"] = time.perf_counter() - start
         result["kernels"] = kernel_counts(gpu)
@@ -147,7 +150,7 @@ def child_compile(request: dict) -> dict[str, Any]:
     import numpy as np
     from jax._src import monitoring
 
-    from eqsat.xla_target import h100_topology
+    from measure.xla_target import h100_topology
 
     jax.config.update("jax_compilation_cache_dir", request["jax_cache"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -175,7 +178,7 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
     """Run a child of this module in a fresh process; its JSON result (or its error)."""
     import cloudpickle
 
-    from eqsat.xla_target import _child_env
+    from measure.xla_target import _child_env
 
     with tempfile.TemporaryDirectory(prefix="eqsat_compile_") as scratch:
         request, report = Path(scratch) / "request.pkl", Path(scratch) / "report.json"
@@ -213,7 +216,8 @@ def _child_main(kind: str, request_path: str, report_path: str) -> int:
 
 
 def measure_component(component: str, batch: int, size: int | None, log=print) -> dict[str, Any]:
-    from sd15 import plan_cli
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
     row: dict[str, Any] = {"component": component, "load_before": _load()}
     plan_cache = tempfile.mkdtemp(prefix="eqsat_plan_cache_")
@@ -229,7 +233,7 @@ def measure_component(component: str, batch: int, size: int | None, log=print) -
     fast = _optimized(workload)
     lowered = fast.lower(*workload.args)
     prepared = lowered.split.prepared_specs() if lowered.split is not None else []
-    ours = {"fn": functools.partial(plan_cli.emitted_per_call, fast), "args": [prepared, *workload.args]}
+    ours = {"fn": functools.partial(compare.emitted_per_call, fast), "args": [prepared, *workload.args]}
     xla = {"fn": workload.fn, "args": list(workload.args)}
     for name, request in (("ours", ours), ("xla", xla)):
         jax_cache = tempfile.mkdtemp(prefix=f"eqsat_jax_cache_{name}_")

@@ -8,7 +8,7 @@ where it multiplies; and `backend="xla"` on this CPU against `jax.jit`, steady s
     python -m benchmarks.emit --models --no-compile  # also SD 1.5's tiny networks on this CPU vs jax.jit
     python -m benchmarks.emit --json out.json
 
-Compile: `eqsat.xla_target.compile_for_h100(eqsat.optimize(fn, backend="pallas"), *args)` with the
+Compile: `measure.xla_target.compile_for_h100(eqsat.optimize(fn, backend="pallas"), *args)` with the
 XLA dump kept; the dumped PTX (`DIR/*.ptx`) holds one `.entry` per kernel, a Pallas kernel's named
 after its `pallas_call` (`"<component>:<kind>"`, sanitized), and each of ours is searched for
 tensor-core instructions (`wgmma.mma_async` on sm_90, `mma.sync`). Reported per case: launches vs the plan's kernels, how many launches
@@ -169,7 +169,7 @@ def compile_case(case: Case) -> dict:
     """sm_90 compile of the case through `backend="pallas"`: launches, Pallas launches, tensor cores."""
     import emit
     import eqsat
-    from eqsat.xla_target import compile_for_h100, unavailable_reason
+    from measure.xla_target import compile_for_h100, unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -263,7 +263,7 @@ def time_case(case: Case, seconds: float) -> dict:
 def clip_case() -> dict:
     """The full-size CLIP text encoder (2×77, fp16) compiled for an H100: our launches vs XLA's."""
     import eqsat
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
     from sd15 import clip
     from sd15.config import CLIPConfig
     from sd15.params import abstract_params

@@ -307,7 +307,7 @@ def run(components=COMPONENTS, *, backends=("pallas",), iters: int = 20, warmup:
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure `components` with each of our `backends`; on a machine without a GPU, the tiny config in
     interpret mode."""
-    from sd15.plan_cli import workloads
+    from sd15.workloads import workloads
 
     gpu = has_gpu()
     if not gpu:

@@ -5,15 +5,15 @@ the same device model.
     python -m benchmarks.kernels --component unet --json unet.json      # full size, fp16 (minutes)
     python -m benchmarks.kernels --component text_encoder --config tiny --dump /tmp/te
 
-For each component (`sd15.plan_cli.workloads`), as `sd15 plan` does: our plan
-(`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `plan_cli.measure_plan`), its per-call
-executable (`plan_cli.emitted_per_call`) compiled for an H100 by `eqsat.xla_target.compile_for_h100`
+For each component (`sd15.sd15_workloads.workloads`), as `sd15 plan` does: our plan
+(`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `compare.measure_plan`), its per-call
+executable (`compare.emitted_per_call`) compiled for an H100 by `measure.xla_target.compile_for_h100`
 with XLA's dump kept (the Triton kernels' PTX, the thunk sequence, the optimized HLO), then
 `ptxas -arch=sm_90a -v` (the pip package nvidia-cuda-nvcc-cu12's, `benchmarks.ptx`) on each
 kernel's PTX. And `jax.jit(fn)` compiled the same way, for XLA's launches.
 
 Per kernel (a row per planned kernel; a Pallas launch is matched to its plan kernel by its Triton
-name, `plan_cli.triton_kernel_names`, or by its named scope where identical kernels share a name,
+name, `compare.triton_kernel_names`, or by its named scope where identical kernels share a name,
 then by output size and order among same-named kernels):
 
 - counted (read from the compiled program): grid, threads (num_warps * 32), registers, spill bytes
@@ -28,7 +28,7 @@ then by output size and order among same-named kernels):
   plus its share of the statistics it hosts), and the share of it spent merging hosted-statistic
   partials when the cost model reports that (`merge_seconds`, below).
 
-XLA's launches (every kernel and copy of its thunk sequence, as `eqsat.xla_target` counts them)
+XLA's launches (every kernel and copy of its thunk sequence, as `measure.xla_target` counts them)
 are priced by the same device model (`eqsat.cost.devices`): launch overhead + the launch's bytes
 (operands + result in XLA's optimized HLO, `Launch.bytes`, what `sd15 plan` sums to `xla_bytes`)
 over HBM bandwidth + the dense flops of its dots and convolutions (cuBLAS, cuDNN and XLA's Triton
@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from benchmarks import ptx
-from eqsat.xla_target import split_instruction, split_shape
+from measure.xla_target import split_instruction, split_shape
 
 COMPONENTS = ("unet", "vae", "text_encoder")
 # The share of the tensor-core peak at which XLA's library and Triton GEMM kernels are priced.
@@ -321,11 +321,12 @@ def match_launches(planned: list[PlannedKernel], launches: list[tuple[str, int |
 
 def _launch_name(launch, triton_names: dict[str, str], thunk_kernel: str) -> str:
     """The plan kernel name a Pallas launch is matched by: its Triton name, or where identical
-    kernels share one (`plan_cli.is_shared_kernel_name`) the named scope of its launch."""
-    from sd15 import plan_cli
+    kernels share one (`compare.is_shared_kernel_name`) the named scope of its launch."""
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
     name = triton_names.get(launch.name, re.sub(r"__\d+$", "", thunk_kernel))
-    return plan_cli.launch_kernel_name(launch) if plan_cli.is_shared_kernel_name(name) else name
+    return compare.launch_kernel_name(launch) if compare.is_shared_kernel_name(name) else name
 
 
 # --- one component ------------------------------------------------------------------------------
@@ -411,15 +412,16 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
                       log=lambda message: None) -> dict[str, Any]:
     """Plan, compile and read one component (see the module docstring); `dump` keeps both programs
     (`dump/eqsat`, `dump/xla`)."""
-    from eqsat import xla_target
-    from sd15 import plan_cli
+    from measure import xla_target
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
-    optimize, reason = plan_cli._load_optimize()
+    optimize, reason = compare._load_optimize()
     if optimize is None:
         raise RuntimeError(reason)
     start = time.perf_counter()
     log(f"{workload.name}: optimizing ({workload.description})")
-    _, fast, lowered = plan_cli.measure_plan(workload, optimize, DEVICE)
+    _, fast, lowered = compare.measure_plan(workload, optimize, DEVICE)
     planned = planned_kernels(lowered)
     log(f"{workload.name}: {len(planned)} per-call kernels planned in {time.perf_counter() - start:.0f} s; "
         "compiling our executable for H100")
@@ -427,10 +429,10 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     prepared = split.prepared_specs() if split is not None else []
     ours = dump / "eqsat"
     try:
-        report = xla_target.compile_for_h100(functools.partial(plan_cli.emitted_per_call, fast), prepared,
+        report = xla_target.compile_for_h100(functools.partial(compare.emitted_per_call, fast), prepared,
                                              *workload.args, keep_dump=ours)
     except RuntimeError as error:
-        kernel = plan_cli._failing_kernel(str(error), [k.name for k in planned])
+        kernel = compare._failing_kernel(str(error), [k.name for k in planned])
         tail = "\n".join(str(error).strip().splitlines()[-12:])
         raise RuntimeError(f"{workload.name}: {'kernel ' + kernel if kernel else 'our executable'} failed to "
                            f"compile for sm_90:\n{tail}") from None
@@ -442,7 +444,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     hlo_path = next(iter(sorted(ours.glob(f"{report.module}.*gpu_after_optimizations.txt"))), None)
     hlo_text = hlo_path.read_text(errors="replace") if hlo_path else ""
     instructions, _ = read_hlo(hlo_text)
-    triton_names = plan_cli.triton_kernel_names(ours)
+    triton_names = compare.triton_kernel_names(ours)
     entries = _ptx_of(ours, report.module)
 
     pallas, others = [], []
@@ -528,8 +530,9 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
         dtype: str = "float16", dump: str | os.PathLike | None = None, xla: bool = True,
         workers: int = 2, log=lambda message: None) -> dict[str, Any]:
     """Measure `components`; the result is what `--json` writes."""
-    from eqsat import xla_target
-    from sd15 import plan_cli
+    from measure import xla_target
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
     ptxas = ptx.ptxas_path()  # fails first, in one line, when ptxas is missing
     reason = xla_target.unavailable_reason()
@@ -543,7 +546,7 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
         "ptxas": str(ptxas), "xla_library_efficiency": XLA_LIBRARY_EFFICIENCY,
         "device_model": dataclasses.asdict(device), "labels": LABELS, "components": {},
     }
-    work = plan_cli.workloads(batch, size, dtype, config, components)
+    work = sd15_workloads.workloads(batch, size, dtype, config, components)
     scratch = None if dump is not None else tempfile.mkdtemp(prefix="benchmarks_kernels_")
     root = Path(dump if dump is not None else scratch)
     try:

@@ -1,6 +1,6 @@
 """How the matmul and conv templates' kernels load, read from their sm_90 PTX (no GPU): SD 1.5
 shapes through `eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the per-call stage
-compiled for an H100 (`eqsat.xla_target`, as `sd15 plan` does; the prepared weights are inputs),
+compiled for an H100 (`measure.xla_target`, as `sd15 plan` does; the prepared weights are inputs),
 and for each matmul and conv kernel:
 
 - global loads by width (static PTX instructions): `ld.global` scalar (b16/b32/...) and vector
@@ -195,8 +195,8 @@ KINDS = ("matmul", "conv")
 
 def run_case(name: str, dump: Path | None = None) -> list[dict]:
     import eqsat
-    from eqsat import xla_target
-    from sd15.plan_cli import emitted_per_call, planned_kernel_names
+    from measure import xla_target
+    from measure.compare import emitted_per_call, planned_kernel_names
 
     fn, args = CASES[name]()
     with warnings.catch_warnings():

@@ -8,7 +8,7 @@ and `ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul shapes.
 
 Each case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with a
 bias epilogue) emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
-`eqsat.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
+`measure.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
 `MOSAIC_GPU_DUMP_PTX`/`MOSAIC_GPU_DUMP_TO`, the Triton kernel's by XLA's dump). Counted, per template:
 
 - `launches`: kernels of the whole executable (the matmul plus whatever XLA launches around it: a
@@ -70,7 +70,7 @@ def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
 
     import emit
     import eqsat
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
             jax.ShapeDtypeStruct((shape.n,), jnp.float16))

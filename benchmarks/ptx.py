@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 
 # --- H100 SM limits (CUDA C Programming Guide, compute capability 9.0) --------------------------
-SM_COUNT = 132  # H100 SXM5 (core_count of eqsat.xla_target's H100 target config)
+SM_COUNT = 132  # H100 SXM5 (core_count of measure.xla_target's H100 target config)
 SM_REGISTERS = 65536
 SM_SHARED_BYTES = 228 * 1024
 SM_THREADS = 2048
@@ -53,9 +53,9 @@ class PtxasMissing(RuntimeError):
 
 def ptxas_path() -> Path:
     """`ptxas` of the pip package nvidia-cuda-nvcc-cu12 (`nvidia/cuda_nvcc/bin/ptxas`), in this
-    environment or in eqsat's CUDA target dir (installed on first use, see `eqsat.cuda_target`);
+    environment or in eqsat's CUDA target dir (installed on first use, see `measure.cuda_target`);
     raises `PtxasMissing` with a one-line message when neither has it. No system path is looked at."""
-    from eqsat import cuda_target
+    from measure import cuda_target
 
     def found():
         return next((p for p in cuda_target.ptxas_candidates() if p.is_file() and os.access(p, os.X_OK)), None)
@@ -68,7 +68,7 @@ def ptxas_path() -> Path:
             raise PtxasMissing(f"ptxas not found and the CUDA target could not be installed: {error}") from None
         path = found()
     if path is None:
-        raise PtxasMissing(f"ptxas not found: run `python -m eqsat.cuda_target install` (or pip install {PTXAS_PACKAGE})")
+        raise PtxasMissing(f"ptxas not found: run `python -m measure.cuda_target install` (or pip install {PTXAS_PACKAGE})")
     return path
 
 

@@ -9,7 +9,7 @@ Backends:
   (identical kernels share the first one's name plus `.x<uses>`, so XLA compiles them once:
   `kernel_names(plan)`; `emit.pallas` dispatches each kernel op to its template), compiled by Triton where the function
   is lowered for a GPU and run with `interpret=True` where it is lowered for a CPU (the choice is
-  made at lowering, so `eqsat.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
+  made at lowering, so `measure.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
   machine; force it with `interpret=True/False`). A kernel no template covers runs through the
   XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
 - `mosaic`: as `pallas`, but matmuls through the Mosaic GPU template (`emit.mosaic`: TMA-fed,

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import importlib
 
+from eqsat import moved
 from eqsat.quiet_cuda import hide_plugin_without_gpu
 
 hide_plugin_without_gpu()
+moved.install()
 
 _EXPORTS = {
-    "optimize": ("eqsat.optimize", "optimize"),
-    "Optimized": ("eqsat.optimize", "Optimized"),
-    "Lowered": ("eqsat.optimize", "Lowered"),
+    "optimize": ("driver.optimize", "optimize"),
+    "Optimized": ("driver.optimize", "Optimized"),
+    "Lowered": ("driver.optimize", "Lowered"),
     "Plan": ("extract.plan", "Plan"),
     "Kernel": ("extract.plan", "Kernel"),
     "lift": ("eqsat.lift", "lift"),
@@ -40,12 +42,7 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'eqsat' has no attribute {name!r}")
     module_name, attribute = _EXPORTS[name]
-    if name == "optimize":
-        # `eqsat.optimize` is both a submodule and the function; the function wins.
-        module = importlib.import_module(module_name)
-        value = module.optimize
-    else:
-        value = getattr(importlib.import_module(module_name), attribute)
+    value = getattr(importlib.import_module(module_name), attribute)
     globals()[name] = value
     return value
 

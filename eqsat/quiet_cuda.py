@@ -1,6 +1,6 @@
 """Keeping an installed CUDA plugin quiet on a machine without an NVIDIA GPU.
 
-The `cuda-target` extra installs `jax-cuda12-plugin` so that `eqsat.xla_target` can compile for an
+The `cuda-target` extra installs `jax-cuda12-plugin` so that `measure.xla_target` can compile for an
 H100 without one. On a machine with no GPU, that plugin is noise: `import jax` loads its extension
 modules, each of which prints absl lines (`cudart_stub.cc:31] Could not find cuda drivers on your
 machine`), and the first array prints a traceback ending in `RuntimeError: Unable to load CUDA. Is
@@ -16,7 +16,7 @@ from the plugin's `initialize()`, which no logging setting silences, so `hide_pl
 
 It does this only when no GPU is present (no `/dev/nvidia*` or `/dev/dxg` device node and no
 loadable `libcuda.so.1`), `JAX_PLATFORMS` does not ask for CUDA, and `EQSAT_CUDA_PLUGIN` is not
-`1`. A machine with a GPU is never touched. `eqsat.xla_target` sets `EQSAT_CUDA_PLUGIN=1` in its
+`1`. A machine with a GPU is never touched. `measure.xla_target` sets `EQSAT_CUDA_PLUGIN=1` in its
 compile subprocess, which needs the plugin's H100 compiler; so can anyone else who wants it.
 A plugin module that was imported before `import eqsat` stays as it is.
 """

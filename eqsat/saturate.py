@@ -20,6 +20,7 @@ from egglog.egraph_state import span
 
 from eqsat import lang
 from eqsat.schedule import Schedule, as_schedule
+from eqsat.serialized import parse_serialized
 
 LIMITS = ("node_limit", "iteration_limit", "time_limit", "rounds")
 LANGUAGE_SORTS = ("Tensor", "Expr", "TensorList")
@@ -65,8 +66,6 @@ def count_classes(egraph: EGraph) -> int:
 
 def serialized_data(egraph: EGraph) -> dict:
     """`egraph`'s serialization, parsed (the input of `extract.load`)."""
-    from extract.serialized import parse_serialized
-
     return parse_serialized(egraph._serialize())
 
 

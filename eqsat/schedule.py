@@ -108,3 +108,16 @@ def as_schedule(schedule) -> Schedule:
             stages.extend(as_schedule(item).stages)
         return Schedule(tuple(stages))
     raise TypeError(f"not a schedule: {schedule!r} (expected a Schedule, a Ruleset or a sequence of them)")
+
+
+def schedule_of(rulesets):
+    """What `optimize(..., rulesets=)` accepts, as something `saturate` runs: None (the default
+    schedule), a family name or a list of names (the default schedule of those families), or a
+    schedule, ruleset or list of rulesets as given."""
+    if rulesets is None:
+        return default_schedule()
+    if isinstance(rulesets, str):
+        return default_schedule([rulesets])
+    if isinstance(rulesets, (list, tuple)) and rulesets and all(isinstance(r, str) for r in rulesets):
+        return default_schedule(rulesets)
+    return rulesets

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from eqsat.cost import Cost, get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
 from eqsat.cost.merges import finalize_cost, finished_statistics, partials_bytes
 from eqsat.cost.roofline import merge_cost
+from extract.drawing import plan_to_dot, render
 
 KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque", "finalize")
 _KIND = {
@@ -352,9 +353,7 @@ class Plan:
         return json.dumps(self.to_dict(), **kwargs)
 
     def to_dot(self, **options) -> str:
-        """The plan as a Graphviz digraph: kernels as boxes, tensors as edges (`eqsat.viz.plan_to_dot`)."""
-        from eqsat.viz import plan_to_dot
-
+        """The plan as a Graphviz digraph: kernels as boxes, tensors as edges (`extract.drawing.plan_to_dot`)."""
         return plan_to_dot(self, **options)
 
     # --- running ----------------------------------------------------------------------------
@@ -532,34 +531,6 @@ def _peak(buffers: list[Buffer], count: int) -> int:
         live += delta[i]
         peak = max(peak, live)
     return peak
-
-
-def render(kernel, names: dict, limit: int = 4000, node_text=None) -> str:
-    """A kernel's expression as an s-expression; tensors it reads appear by buffer name.
-    `node_text(node, args)` writes one node from its arguments already written (default: the
-    constructor and its arguments, `Binary('add', …)`)."""
-    out: dict[int, str] = {}
-    stack = [(kernel, False)]
-    while stack:
-        node, ready = stack.pop()
-        if id(node) in out:
-            continue
-        if node is not kernel and node.sort == "Tensor":
-            out[id(node)] = names.get(node, node.op)
-            continue
-        if not ready:
-            stack.append((node, True))
-            stack.extend((c, False) for c in node.children if id(c) not in out)
-            continue
-        if node_text is not None:
-            text = node_text(node, [out.get(id(a), a) for a in node.args])
-        else:
-            parts = []
-            for arg in node.args[:-1] if node.sort != "TensorList" else node.args:
-                parts.append(out[id(arg)] if not isinstance(arg, (str, int, float)) else repr(arg))
-            text = f"{node.op}({', '.join(parts)})"
-        out[id(node)] = text if len(text) <= limit else text[: limit - 1] + "…"
-    return out[id(kernel)]
 
 
 def components_of_classes(graph, handle_components: dict[int, str], rounds: int = 8) -> dict[int, str]:

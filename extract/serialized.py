@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 
 from eqsat.lang import KERNEL_OPS, OPS
+from eqsat.serialized import parse_serialized
 from eqsat.types import parse_type
 from extract.prologue import prologue_charge
 
@@ -119,20 +120,6 @@ class EGraphData:
     def roots_of_handles(self, handles) -> list[int]:
         """The classes of builder handles (e.g. `[builder.handle(t) for t in program.outputs]`)."""
         return [self.handles[int(h)] for h in handles]
-
-
-def parse_serialized(serialized) -> dict:
-    """The dict of `egraph._serialize()`, of its `.to_json()` text, or the dict itself (orjson reads
-    the text when it is installed: about three times faster than `json` on a large e-graph)."""
-    if hasattr(serialized, "to_json"):
-        serialized = serialized.to_json()
-    if not isinstance(serialized, (str, bytes)):
-        return serialized
-    try:
-        import orjson
-    except ImportError:
-        return json.loads(serialized)
-    return orjson.loads(serialized)
 
 
 def load(serialized) -> EGraphData:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from eqsat import viz
+from extract import drawing
 
 %matplotlib inline
 
@@ -177,7 +178,7 @@ its epilogue: one kernel, reading `x` and the weights once.
 naive = Plan.build(program.outputs, program=program)
 print(f"naive {len(naive.kernels)} kernels, {viz.human_bytes(naive.bytes)} moved, {naive.seconds * 1e6:.1f} µs modeled")
 print(f"fused {len(fused.kernels)} kernels, {viz.human_bytes(fused.bytes)} moved, {fused.seconds * 1e6:.1f} µs modeled")
-viz.plans_drawing({"naive": naive, "fused": fused}, expression_chars=900)
+drawing.plans_drawing({"naive": naive, "fused": fused}, expression_chars=900)
 '''),
     md('''
 Both plans compute the function: the reference interpreter runs them on random values.
@@ -213,8 +214,8 @@ bytes, buffer lifetimes and the peak-memory curve.
     code('''
 from concurrent.futures import ThreadPoolExecutor
 
-from eqsat import xla_target
-from sd15.plan_cli import workloads
+from measure import xla_target
+from sd15.workloads import workloads
 
 # XLA's compile of the UNet for an H100 runs in a subprocess for a minute or so: start it now,
 # read it in the UNet section at the end.
@@ -332,14 +333,14 @@ Q/K/V as one matmul over concatenated weights, attention as one flash-attention 
 split and gate in the epilogue of the matmul that produces it.
 '''),
     code('''
-viz.plan_drawing(block_plans["greedy"][1], expression_chars=200)
+drawing.plan_drawing(block_plans["greedy"][1], expression_chars=200)
 '''),
     md('''
 ## Stable Diffusion 1.5: the UNet step against XLA
 
 One classifier-free-guidance UNet step (batch 2, 64×64 latents, fp16, the DDIM update included),
 traced from abstract shapes. XLA's kernels are counted from the thunk sequence of the executable
-it compiles for an H100 without a GPU (`eqsat.xla_target`); without the CUDA plugin the cell says
+it compiles for an H100 without a GPU (`measure.xla_target`); without the CUDA plugin the cell says
 so and shows eqsat's side only.
 '''),
     code('''
@@ -390,8 +391,8 @@ until the up blocks read them.
 print(f"peak activations {viz.human_bytes(unet_plan.peak_bytes)}"
       + (f"; XLA's temporary memory {viz.human_bytes(xla.temp_bytes)}" if xla else ""))
 fig, axes = plt.subplots(2, 1, figsize=(11, 9), height_ratios=[1, 2.4], constrained_layout=True)
-viz.plot_memory(unet_plan, ax=axes[0])
-viz.plot_lifetimes(unet_plan, ax=axes[1], largest=40)
+drawing.plot_memory(unet_plan, ax=axes[0])
+drawing.plot_lifetimes(unet_plan, ax=axes[1], largest=40)
 plt.show()
 '''),
     md('''
@@ -399,7 +400,7 @@ The UNet's e-graph has thousands of e-classes; drawn whole it says nothing. A vi
 component does: the e-classes of the mid block's first self-attention, and what they read.
 '''),
     code('''
-viz.egraph_view(unet_lowered, component="mid_block.attentions.0.transformer_blocks.0.attn1", depth=1, max_classes=14)
+unet_lowered.egraph_view(component="mid_block.attentions.0.transformer_blocks.0.attn1", depth=1, max_classes=14)
 '''),
 ]
 
@@ -577,7 +578,7 @@ rng = np.random.default_rng(0)
 values = [rng.standard_normal(a.shape).astype(np.float32) for a in qkv] + [np.tril(np.ones((77, 77), bool))]
 error = np.abs(np.asarray(extended(*values)) - np.asarray(masked_attention(*values))).max()
 print(f"causal mask, 77 tokens: max abs error against jax {error:.1e}")
-viz.plans_drawing({"shipped families": shipped.plan, "with mask_bias": fused.plan}, expression_chars=160)
+drawing.plans_drawing({"shipped families": shipped.plan, "with mask_bias": fused.plan}, expression_chars=160)
 '''),
     md('''
 In a whole layer: self-attention with a key-padding mask (the padded tokens of each sequence are

@@ -369,7 +369,7 @@ class Pipeline:
     @contextlib.contextmanager
     def _optimizer_stages(self, shown: bool):
         """Within: the optimizer's stage bars (a component's first call) shown or not, as `generate`'s progress."""
-        from eqsat.optimize import Optimized
+        from driver.optimize import Optimized
 
         compiled = [self.text_encoder._apply, self._step, self.vae._decode]
         optimized = [(f, f.progress) for f in compiled if isinstance(f, Optimized)]

@@ -25,7 +25,7 @@ checkpoints on the Hub carry (`embeddings.token_embedding.weight`, not
 Every test session also runs JAX's float32 matmuls and convolutions at "highest" precision, so
 comparisons against torch measure the model code, not TF32/bf16 passes.
 
-The plan cache (`eqsat.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
+The plan cache (`driver.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
 temporary folder for the session (what session fixtures and subprocesses see) and at a fresh one
 for each test (`fresh_plan_cache`), so no test sees another's plans.
 """
@@ -188,7 +188,7 @@ def tiny_sd15_dir(tiny_sd15) -> Path:
 @pytest.fixture
 def no_cuda_target(monkeypatch, tmp_path):
     """No CUDA plugin in the environment, an empty target dir, and no package index to install it from."""
-    from eqsat import cuda_target
+    from measure import cuda_target
 
     def offline(quiet=False):
         raise cuda_target.TargetInstallError("pip could not install jax-cuda12-plugin: no index reachable")

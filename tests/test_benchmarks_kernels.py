@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kernels, ptx
-from eqsat import xla_target
+from measure import xla_target
 
 # Real PTX as Triton and XLA print it (jax 0.10.2, sm_90a): a Pallas matmul's wgmma block, its
 # guarded scalar loads (two instructions on one line), a cp.async with a hex size, XLA's vector loads.
@@ -269,7 +269,8 @@ except ptx.PtxasMissing as missing:
 @pytest.mark.skipif(PTXAS_MISSING is not None, reason=str(PTXAS_MISSING))
 def test_tiny_text_encoder_end_to_end(tmp_path, capsys):
     """Every planned kernel of the tiny text encoder is a row read from the compiled H100 program."""
-    from sd15 import plan_cli
+    from measure import compare
+    from sd15 import workloads as sd15_workloads
 
     out = tmp_path / "kernels.json"
     status = kernels.main(["--component", "text_encoder", "--config", "tiny", "--json", str(out),
@@ -280,10 +281,10 @@ def test_tiny_text_encoder_end_to_end(tmp_path, capsys):
     report = json.loads(out.read_text())
     row = report["components"]["text_encoder"]
 
-    optimize, _ = plan_cli._load_optimize()
-    workload = plan_cli.workloads(config="tiny", components=("text_encoder",))["text_encoder"]
-    _, _, lowered = plan_cli.measure_plan(workload, optimize, "h100")
-    assert [kernel["name"] for kernel in row["kernels"]] == plan_cli.planned_kernel_names(lowered)
+    optimize, _ = compare._load_optimize()
+    workload = sd15_workloads.workloads(config="tiny", components=("text_encoder",))["text_encoder"]
+    _, _, lowered = compare.measure_plan(workload, optimize, "h100")
+    assert [kernel["name"] for kernel in row["kernels"]] == compare.planned_kernel_names(lowered)
     assert row["missing_kernels"] == [] and row["extra_kernels"] == []
     for kernel in row["kernels"]:
         assert isinstance(kernel["registers"], int) and 0 < kernel["registers"] <= 255, kernel
@@ -320,7 +321,7 @@ def test_merge_seconds_from_the_plan_or_the_roofline(monkeypatch):
 def test_missing_ptxas_is_one_line(no_cuda_target, monkeypatch, capsys):
     """Without the pip package's ptxas (and no index to install the CUDA target from) the command stops
     at once with one line (no system ptxas)."""
-    from eqsat import cuda_target
+    from measure import cuda_target
 
     monkeypatch.setattr(cuda_target, "ptxas_candidates", lambda: [Path("/nonexistent/ptxas")])
     with pytest.raises(ptx.PtxasMissing, match="could not be installed: pip could not install"):

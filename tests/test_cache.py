@@ -1,4 +1,4 @@
-"""The plan cache (`eqsat.cache`): hits, misses, invalidation, damaged entries, concurrent writers.
+"""The plan cache (`driver.cache`): hits, misses, invalidation, damaged entries, concurrent writers.
 
 Every test plans into its own empty folder (`conftest.fresh_plan_cache`)."""
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import eqsat
-from eqsat import cache
-from eqsat.cache import PlanCacheWarning
+from driver import cache
+from driver.cache import PlanCacheWarning
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,7 +232,7 @@ def test_info_and_clear_command(fresh_plan_cache):
     lower(block, specs())
     lower(other_block, specs())
     env = {**os.environ, "EQSAT_CACHE_DIR": str(fresh_plan_cache), "PYTHONPATH": str(ROOT)}
-    run = lambda command: subprocess.run([sys.executable, "-m", "eqsat.cache", command], env=env, cwd=ROOT,  # noqa: E731
+    run = lambda command: subprocess.run([sys.executable, "-m", "driver.cache", command], env=env, cwd=ROOT,  # noqa: E731
                                          capture_output=True, text=True, check=True).stdout
     assert f"{fresh_plan_cache}: 2 plans" in run("info")
     assert "removed 2 plans" in run("clear")

@@ -13,7 +13,7 @@ from eqsat.conv_params import ConvParams
 from eqsat.cost import merges, roofline, work
 from eqsat.cost.roofline import _args_of, nonzero_weight_elements, own_flops
 from eqsat.types import parse_type
-from sd15.plan_cli import workloads
+from sd15.workloads import workloads
 
 
 @pytest.fixture(scope="module", params=["text_encoder", "vae", "unet"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eqsat import cuda_target
+from measure import cuda_target
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_a_corrupt_marker_means_not_installed(monkeypatch, tmp_path):
     monkeypatch.setenv("EQSAT_TARGET_DIR", str(tmp_path))
     monkeypatch.setattr(cuda_target, "plugin_in_environment", lambda: False)
     assert not cuda_target.installed_in_target_dir()
-    assert "python -m eqsat.cuda_target install" in cuda_target.unavailable_reason()
+    assert "python -m measure.cuda_target install" in cuda_target.unavailable_reason()
 
 
 def test_info_command(capsys):

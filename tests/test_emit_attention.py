@@ -327,7 +327,7 @@ def test_plan_cross_attention_with_a_short_context():
 
 def test_compiles_for_sm90_with_tensor_cores(tmp_path):
     """CLIP-like causal attention, 8 heads of 80 over 77 tokens, fp16: one Pallas kernel, wgmma/mma."""
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     bias = causal(77, 77)[None, None]
 
@@ -340,7 +340,7 @@ def test_compiles_for_sm90_with_tensor_cores(tmp_path):
     assert [k.term.op for k in plan.kernels] == ["Attention"]
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
-        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.kernels == 1 and set(report.by_category) == {"Pallas (Triton)"}, report.by_category
     ptx = "".join(open(path).read() for path in glob.glob(str(tmp_path / "dump" / "*.ptx")))
     assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", ptx), "no tensor-core instruction in the PTX"
@@ -353,7 +353,7 @@ def test_sm90_key_loop_is_base2_and_unmasked(tmp_path):
     row, on the padded lanes of the 16-lane head piece and as the k/v loads' predicates), under 20 instructions (50 before, with
     accurate exp and masks on every block), and no spills."""
     from benchmarks import attention_ptx
-    from eqsat import xla_target
+    from measure import xla_target
 
     if xla_target.unavailable_reason() is not None:
         pytest.skip(str(xla_target.unavailable_reason()))

@@ -458,7 +458,7 @@ def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
     """conv_in (NCHW read), an upsampler conv, a conv over a skip concat and conv_out (NCHW write),
     fp16 at 64 channels: four Triton kernels in the executable, each on tensor cores; those with
     64-column output tiles (the 64x64 images) with wgmma, conv_in's 32-column tiles with mma.sync."""
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     shapes = jax.ShapeDtypeStruct
     c, dt = 64, jnp.float16
@@ -477,7 +477,7 @@ def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
     assert [k.kind for k in plan.kernels] == ["conv"] * 4
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m measure.cuda_target install")
     assert report.by_category == {"Pallas (Triton)": 4}
     ptx = [path.read_text() for path in (tmp_path / "dump").glob("*.ptx")]
     kernels = [text for text in ptx if ".entry" in text]

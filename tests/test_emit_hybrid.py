@@ -109,7 +109,7 @@ def test_the_tiny_unet_step_in_hybrid_equals_jit_with_statistics_hosted_by_libra
     (some by two hosts, across a skip concat) while those convs and matmuls run in the library and
     their readers (attention, pointwise, other convs' prologues) read them finished."""
     from benchmarks.gpu import concrete_args
-    from sd15.plan_cli import workloads
+    from sd15.workloads import workloads
 
     workload = workloads(batch=2, size=64, dtype="float32", config="tiny", components=("unet",))["unet"]
     args = concrete_args(workload)

@@ -432,7 +432,7 @@ def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
     """SD 1.5's down_blocks.1 width (640 channels, 8 heads of 80, 1,024 tokens, 77x768 context, fp16)
     compiled for an H100: the thunk sequence launches exactly the plan's kernels, all Pallas, and
     every kernel multiplies on tensor cores (wgmma/mma in its PTX)."""
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     args = transformer_block_args(640, 768, 8, 1024, 77, jnp.float16, abstract=True)
     with warnings.catch_warnings():
@@ -440,7 +440,7 @@ def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
         plan = eqsat.optimize(lambda p, x, c: transformer_block(p, x, c, 8)).lower(*args).plan
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
     if report is None:
-        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.kernels == len(plan.kernels), (report.summary(), len(plan.kernels))
     assert set(report.by_category) == {"Pallas (Triton)"}, report.by_category
     assert report.copies == 0 and report.memsets <= 1

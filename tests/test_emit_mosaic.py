@@ -228,7 +228,7 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     `backend="mosaic"` compiles for an H100: one Mosaic GPU kernel whose PTX issues wgmma with a
     wait depth of 1, TMA copies in and out, and ptxas reports no spills."""
     from benchmarks import ptx
-    from eqsat.xla_target import compile_for_h100, unavailable_reason
+    from measure.xla_target import compile_for_h100, unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -241,7 +241,7 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
     if report is None:
-        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
     (ptx_path,) = tmp_path.glob("*.ptx")
     (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()

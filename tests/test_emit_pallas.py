@@ -22,7 +22,7 @@ from jax import lax
 import emit
 import eqsat
 from emit.pallas import XlaFallbackWarning, template_for
-from eqsat.xla_target import unavailable_reason
+from measure.xla_target import unavailable_reason
 
 TOLERANCE = {"float32": 2e-5, "float16": 2e-2, "bfloat16": 5e-2, "int32": 0}
 
@@ -224,7 +224,7 @@ def test_optimize_backends_are_traceable_and_picklable():
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_small_plan_compiles_for_sm90_with_one_launch_per_kernel():
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     def f(x, table, ids):
         h = table[ids] + x

@@ -526,7 +526,7 @@ def test_a_resnet_block_and_a_skip_concat_groupnorm_compile_to_the_plans_kernels
     skip conv both host the GroupNorm over concat(h, skip) (192 channels in 32 groups of 6: group 21
     straddles the two). The executable launches exactly the plan's kernels, every one a Pallas
     kernel: no merge or concatenate fusion after a host, no iota from an index table."""
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     shapes, dt = jax.ShapeDtypeStruct, jnp.float16
 
@@ -549,7 +549,7 @@ def test_a_resnet_block_and_a_skip_concat_groupnorm_compile_to_the_plans_kernels
         [(k.component, k.kind, len(k.outputs)) for k in plan.kernels]
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args)
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m measure.cuda_target install")
     names = [l.name for l in report.launches if l.counted != "none"]
     assert report.by_category == {"Pallas (Triton)": len(plan.kernels)}, names
     assert report.kernels == len(plan.kernels) and report.copies == 0 and report.memsets == 0, names

@@ -1,6 +1,6 @@
 """SD 1.5 components as `sd15 plan` compiles them for an H100 without a GPU: the per-call stage of
 `eqsat.optimize(fn, backend="pallas", params_argnums=0)`, the prepared tensors as inputs, through
-`eqsat.xla_target`. Its thunk sequence must launch exactly the planned kernels, every one a Pallas
+`measure.xla_target`. Its thunk sequence must launch exactly the planned kernels, every one a Pallas
 kernel, with no copies and at most one memset (the full-size run is `benchmarks/sd15_plan.py`).
 Beside them, in interpret mode, what those compiles needed from the conv template: GroupNorm
 statistics whose tiles straddle images, and per-pixel LayerNorm statistics after a 1x1 conv."""
@@ -16,22 +16,23 @@ import pytest
 
 import eqsat
 from emit.pallas import conv
-from eqsat import xla_target
+from measure import xla_target
 from eqsat.conv_params import ConvParams
 from eqsat.interpret import evaluate
-from eqsat.optimize import ExtractionLimitWarning
+from driver.optimize import ExtractionLimitWarning
 from eqsat.term import Term
 from eqsat.types import format_type
-from sd15 import plan_cli
+from measure import compare
+from sd15 import workloads as sd15_workloads
 from sd15.layers import resnet_block
 
 needs_h100_target = pytest.mark.skipif(xla_target.unavailable_reason() is not None,
                                        reason=str(xla_target.unavailable_reason()))
 
 
-def compiled(workload: plan_cli.Workload) -> dict:
-    fields, fast, lowered = plan_cli.measure_plan(workload, eqsat.optimize, "h100")
-    return {**fields, **plan_cli.measure_emitted(workload, fast, lowered)}
+def compiled(workload: compare.Workload) -> dict:
+    fields, fast, lowered = compare.measure_plan(workload, eqsat.optimize, "h100")
+    return {**fields, **compare.measure_emitted(workload, fast, lowered)}
 
 
 def assert_exactly_the_planned_pallas_kernels(row: dict) -> None:
@@ -46,7 +47,7 @@ def assert_exactly_the_planned_pallas_kernels(row: dict) -> None:
 def test_tiny_text_encoder_launches_exactly_its_planned_pallas_kernels():
     """CLIP (2 layers, 4 heads of 8, 2x77 tokens, fp16): embedding gather, fused QKV on prepared
     weight concatenations, causal attention, LayerNorm statistics hosted in the matmuls."""
-    row = compiled(plan_cli.workloads(config="tiny", components=("text_encoder",))["text_encoder"])
+    row = compiled(sd15_workloads.workloads(config="tiny", components=("text_encoder",))["text_encoder"])
     assert row["prepared_kernels"] >= 2  # the QKV weight concatenations, once per set of weights
     assert_exactly_the_planned_pallas_kernels(row)
 
@@ -77,9 +78,9 @@ def test_resnet_block_with_3_channels_per_group_launches_exactly_its_planned_pal
     """96 -> 192 channels in 32 groups (3 and 6 channels per group, groups straddling channel tiles),
     15x15 pixels, fp16: the second GroupNorm's statistics hosted by conv1, the shortcut merged into
     conv2 as a K range, the time projection prepared."""
-    monkeypatch.setattr(plan_cli, "EXTRACT_TIME_LIMIT", SMALL_EXTRACT_TIME_LIMIT)
+    monkeypatch.setattr(compare, "EXTRACT_TIME_LIMIT", SMALL_EXTRACT_TIME_LIMIT)
     params = {key: jax.ShapeDtypeStruct(shape, jnp.float16) for key, shape in resnet_shapes(96, 192, 128).items()}
-    workload = plan_cli.Workload("resnet", "ResNet block 96 -> 192", resnet_step, (
+    workload = compare.Workload("resnet", "ResNet block 96 -> 192", resnet_step, (
         params, jax.ShapeDtypeStruct((2, 15, 15, 96), jnp.float16), jax.ShapeDtypeStruct((2, 128), jnp.float16)))
     row = compiled(workload)
     assert row["plan_kernels_by_kind"].get("conv", 0) >= 2 and row["plan_hosted_statistics"] >= 1, row

@@ -24,7 +24,7 @@ import eqsat
 import extract.greedy as greedy_module
 from benchmarks.scale import chain_arguments, mlp_arguments, residual_chain, residual_mlp
 from eqsat.cost.roofline import _kernel_body
-from eqsat.optimize import ExtractionLimitWarning
+from driver.optimize import ExtractionLimitWarning
 from extract import extract, load
 from extract.greedy import MAX_CONTEXT_SLOTS, MAX_KERNEL_TREE, extract_greedy, polish
 

@@ -13,7 +13,7 @@ import pytest
 import eqsat
 from eqsat.lift import lift
 from eqsat.interpret import evaluate_program
-from eqsat.optimize import DonationWarning
+from driver.optimize import DonationWarning
 
 
 def affine(x, w, b=None, *, scale=1.0):

@@ -9,7 +9,7 @@ import numpy as np
 
 import eqsat
 from sd15.clip import causal_bias
-from sd15.plan_cli import workloads
+from sd15.workloads import workloads
 
 
 def _causal_attention(q, k, v):

@@ -90,7 +90,7 @@ def test_finalize_of_a_vae_statistic_compiles_for_an_h100_without_spills(tmp_pat
     slots in 128-tile blocks: 255 registers and 1 KB of spills per kernel) compiles for sm_90a with
     no spill: 8 tiles x 3 fields per thread (`FinalizeConfig`)."""
     from benchmarks import ptx
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     statistic = _statistic(32)
     try:
@@ -100,7 +100,7 @@ def test_finalize_of_a_vae_statistic_compiles_for_an_h100_without_spills(tmp_pat
     report = compile_for_h100(lambda buffer: finalize(statistic, buffer, name="vae:finalize", interpret=False),
                               jax.ShapeDtypeStruct((4096, 3, 32), jnp.float32), keep_dump=tmp_path)
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m measure.cuda_target install")
     found = {}
     for path in tmp_path.rglob("*.ptx"):
         if ".version" in path.read_text(errors="replace")[:4000]:
@@ -272,7 +272,7 @@ def check_plan_merges(plan) -> None:
 
 @pytest.mark.parametrize("component", ["unet", "vae"])
 def test_sd15_tiny_plans_merge_as_the_templates_do(component):
-    from sd15.plan_cli import workloads
+    from sd15.workloads import workloads
 
     workload = workloads(batch=2, dtype="float16", config="tiny", components=(component,))[component]
     check_plan_merges(eqsat.optimize(workload.fn, **PLANNING).lower(*workload.args).plan)
@@ -283,7 +283,7 @@ def test_a_plan_with_a_finalize_kernel_compiles_for_an_h100_to_its_kernels_only(
     a conv, every statistic finished once: the executable compiled for an H100 (Triton, deviceless)
     launches exactly the plan's kernels, the finalize among them, every one a Pallas kernel."""
     import extract.plan
-    from eqsat.xla_target import compile_for_h100
+    from measure.xla_target import compile_for_h100
 
     monkeypatch.setattr(extract.plan, "finished_statistics",
                         lambda *args: merges.finished_statistics(*args, share_limit=0.0))
@@ -299,7 +299,7 @@ def test_a_plan_with_a_finalize_kernel_compiles_for_an_h100_to_its_kernels_only(
     assert plan.kinds().get("finalize") == 1, plan.kinds()
     report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args)
     if report is None:
-        pytest.skip("no H100 compile target here (the CUDA plugin): python -m eqsat.cuda_target install")
+        pytest.skip("no H100 compile target here (the CUDA plugin): python -m measure.cuda_target install")
     names = [launch.name for launch in report.launches if launch.counted != "none"]
     assert report.by_category == {"Pallas (Triton)": len(plan.kernels)}, names
     assert report.kernels == len(plan.kernels) and report.copies == 0 and report.memsets == 0, names

@@ -26,7 +26,7 @@ from emit.pallas import XlaFallbackWarning
 from emit.pallas import triton as tr
 from emit.pallas.contiguous import ContiguousMemory, inner_axis
 from emit.pallas.matmul import zero_where_masked
-from eqsat import xla_target
+from measure import xla_target
 from eqsat.types import parse_type
 from sd15.params import transformer_block_shapes
 from test_emit_expr import view_chains
@@ -382,7 +382,7 @@ def layernorm_linear(params, x):
 
 def _compiled_matmuls(fn, params, x, tmp_path):
     from benchmarks.loads import kernel_ptx, measure
-    from sd15.plan_cli import emitted_per_call, planned_kernel_names
+    from measure.compare import emitted_per_call, planned_kernel_names
 
     params = {k: jax.ShapeDtypeStruct(s, jnp.float16) for k, s in params.items()}
     x = jax.ShapeDtypeStruct(x, jnp.float16)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import eqsat
-from eqsat.optimize import SaturationLimitWarning
+from driver.optimize import SaturationLimitWarning
 
 
 def mlp(x, w1, b1, w2, b2):
@@ -133,7 +133,7 @@ def test_the_progress_bar_can_be_forced_or_silenced(capsys):
 
 def test_no_progress_bar_by_default_when_nobody_watches(monkeypatch, capsys):
     """stderr a log or a pipe (not a terminal): the default shows nothing, however long the lowering."""
-    from eqsat import optimize as optimize_module
+    from driver import optimize as optimize_module
 
     monkeypatch.setattr(optimize_module, "_on_a_terminal", lambda: False)
     slow = 6.0  # past the bar's delay

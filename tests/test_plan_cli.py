@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import pytest
 from rich.console import Console
 
-from eqsat import xla_target
+from measure import xla_target
+from measure import compare
 from sd15 import plan_cli
+from sd15 import workloads as sd15_workloads
 
 
 def run_cli(argv, capsys) -> str:
@@ -32,7 +34,7 @@ def test_plan_json_on_the_tiny_config_has_every_key(capsys):
     xla_expected = xla_target.unavailable_reason() is None
     assert report["xla_available"] == xla_expected
     for name, row in report["components"].items():
-        for key in plan_cli.KEYS:
+        for key in compare.KEYS:
             assert key in row, (name, key)
         if xla_expected:
             assert isinstance(row["xla_kernels"], int) and row["xla_kernels"] > 0, (name, row)
@@ -90,10 +92,10 @@ def test_emitted_launches_are_matched_to_plan_kernels(tmp_path):
         '  ROOT %pallas_call.2 = f16[8]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
         'backend_config={name = "down.0_conv"}\n'
         '  %gemm = f16[8]{0} custom-call(%p), custom_call_target="__cublas$gemm", backend_config={name = "x"}\n')
-    names = plan_cli.triton_kernel_names(tmp_path)
+    names = compare.triton_kernel_names(tmp_path)
     assert names == {"pallas_call.3": "down.0_reduce", "pallas_call.2": "down.0_conv"}
     report = types.SimpleNamespace(launches=launches, by_category={"Pallas (Triton)": 3, "loop fusion": 1})
-    found = plan_cli.emitted_against_plan(report, ["down.0:conv", "down.0:conv", "mid:matmul"], names)
+    found = compare.emitted_against_plan(report, ["down.0:conv", "down.0:conv", "mid:matmul"], names)
     assert found["emitted_pallas_kernels"] == 3
     assert found["emitted_missing"] == ["mid:matmul"]
     assert found["emitted_extra"] == ["down.0_reduce"]
@@ -103,10 +105,10 @@ def test_emitted_launches_are_matched_to_plan_kernels(tmp_path):
 
 def test_failing_kernel_is_named_by_its_longest_match():
     names = ["up.1:conv", "up.1.resnets.0:conv", "mid:matmul"]
-    assert plan_cli._failing_kernel("triton failed in up_1_resnets_0_conv: out of shared memory", names) == \
+    assert compare._failing_kernel("triton failed in up_1_resnets_0_conv: out of shared memory", names) == \
         "up.1.resnets.0:conv"
-    assert plan_cli._failing_kernel("error at up.1:conv (pallas_call.7)", names) == "up.1:conv"
-    assert plan_cli._failing_kernel("segfault", names) is None
+    assert compare._failing_kernel("error at up.1:conv (pallas_call.7)", names) == "up.1:conv"
+    assert compare._failing_kernel("segfault", names) is None
 
 
 def test_a_kernel_that_fails_to_compile_is_an_error_naming_it(monkeypatch, capsys):
@@ -126,8 +128,8 @@ def test_a_kernel_that_fails_to_compile_is_an_error_naming_it(monkeypatch, capsy
     def optimize(fn, device="h100", progress=None):
         return Optimized()
 
-    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (optimize, None))
-    monkeypatch.setattr(plan_cli, "planned_kernel_names",
+    monkeypatch.setattr(compare, "_load_optimize", lambda: (optimize, None))
+    monkeypatch.setattr(compare, "planned_kernel_names",
                         lambda lowered: ["text_model.encoder.layers.0.mlp.fc1:matmul", "text_model:gather"])
     monkeypatch.setattr(xla_target, "unavailable_reason", lambda: None)
     monkeypatch.setattr(xla_target, "compile_for_h100", compile_for_h100)
@@ -156,7 +158,7 @@ def test_missing_cuda_plugin_leaves_xla_fields_null_and_says_so(no_cuda_target, 
 
 
 def test_workloads_trace_with_abstract_parameters():
-    work = plan_cli.workloads(batch=4, config="tiny")
+    work = sd15_workloads.workloads(batch=4, config="tiny")
     unet = work["unet"]
     latents = unet.args[1]
     assert latents.shape == (2, 4, 8, 8) and latents.dtype == jnp.float32  # 4 = [uncond, cond] x 2 images
@@ -166,20 +168,20 @@ def test_workloads_trace_with_abstract_parameters():
     assert jax.eval_shape(work["vae"].fn, *work["vae"].args).shape == (2, 3, 16, 16)
     assert jax.eval_shape(work["text_encoder"].fn, *work["text_encoder"].args).shape == (4, 77, 32)
     with pytest.raises(ValueError, match="even"):
-        plan_cli.workloads(batch=3, config="tiny")
+        sd15_workloads.workloads(batch=3, config="tiny")
 
 
 def test_table_shows_where_xla_is_better():
-    row = {key: None for key in plan_cli.KEYS}
+    row = {key: None for key in compare.KEYS}
     row.update(
         description="a component", naive_kernels=100, fused_kernels=40, planned_kernels=40, xla_kernels=30,
         plan_bytes=2**30, xla_bytes=2**31, plan_peak_bytes=2**20, xla_temp_bytes=2**21,
         optimize_seconds={"lift": 1.0, "saturate": 2.0}, optimize_wall_seconds=3.04, xla_compile_seconds=1.5,
         emit_compile_seconds=15.0,
     )
-    row["winner_kernels"] = plan_cli._winner(plan_cli.our_kernels(row), row["xla_kernels"])
-    row["winner_bytes"] = plan_cli._winner(row["plan_bytes"], row["xla_bytes"])
-    row["winner_memory"] = plan_cli._winner(plan_cli.our_memory(row), row["xla_temp_bytes"])
+    row["winner_kernels"] = compare._winner(compare.our_kernels(row), row["xla_kernels"])
+    row["winner_bytes"] = compare._winner(row["plan_bytes"], row["xla_bytes"])
+    row["winner_memory"] = compare._winner(compare.our_memory(row), row["xla_temp_bytes"])
     report = {
         "config": "full", "size": 512, "dtype": "float16", "batch": 2, "device": "h100", "notes": [],
         "components": {"unet": row},
@@ -200,7 +202,7 @@ def test_table_shows_where_xla_is_better():
 
 
 def test_footnotes_wrap_to_the_console_with_their_indent():
-    row = {key: None for key in plan_cli.KEYS}
+    row = {key: None for key in compare.KEYS}
     row.update(description="a component " * 12, winner_kernels=None, winner_bytes=None, winner_memory=None)
     report = {"config": "tiny", "size": 16, "dtype": "float16", "batch": 2, "device": "h100", "notes": [],
               "components": {"text_encoder": row}}
@@ -245,7 +247,7 @@ def test_optimizer_stats_reach_the_report(monkeypatch, capsys):
 
         return Optimized()
 
-    monkeypatch.setattr(plan_cli, "_load_optimize", lambda: (optimize, None))
+    monkeypatch.setattr(compare, "_load_optimize", lambda: (optimize, None))
     report = json.loads(
         run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla", "--no-emit"], capsys)
     )

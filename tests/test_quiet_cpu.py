@@ -1,5 +1,5 @@
 """On a machine without a GPU, installing eqsat changes nothing a JAX program prints: the CUDA plugin
-of the H100 compile target lives outside the environment (`eqsat.cuda_target`), so a plain
+of the H100 compile target lives outside the environment (`measure.cuda_target`), so a plain
 `import jax` script stays quiet. And where a CUDA plugin is on the path anyway (installed by hand,
 or the `cuda-target` extra), it stays quiet too: no "Unable to load CUDA" traceback, no absl
 `cudart_stub` lines, from `import eqsat`, `import sd15`, the `sd15` commands and the tests; a machine
@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from eqsat import cuda_target, quiet_cuda
+from eqsat import quiet_cuda
+from measure import cuda_target
 
 NOISE = ("Unable to load CUDA", "cudart_stub", "Could not find cuda drivers", "absl::InitializeLog",
          "Jax plugin configuration error", "CUDA backend failed")
@@ -106,7 +107,7 @@ def test_sd15_commands_are_quiet(tmp_path):
 @needs_plugin
 @needs_cpu_only
 def test_the_h100_compile_target_still_loads_the_plugin():
-    """`EQSAT_CUDA_PLUGIN=1` (set by `eqsat.xla_target` for its compile subprocess) keeps the plugin."""
+    """`EQSAT_CUDA_PLUGIN=1` (set by `measure.xla_target` for its compile subprocess) keeps the plugin."""
     code = ("import eqsat, jax; from jax.experimental import topologies; "
             "import jax_plugins.xla_cuda12 as p; assert hasattr(p, '_check_cuda_versions'), p")
     env = user_environment()

@@ -58,7 +58,7 @@ def test_optimized_pipeline_gives_the_jit_image(runs, mode):
 
 
 def test_the_networks_run_through_optimize_or_jit(runs):
-    from eqsat.optimize import Optimized
+    from driver.optimize import Optimized
 
     for mode, (pipe, _, _) in runs.items():
         compiled = [pipe.text_encoder._apply, pipe._step, pipe.vae._decode]

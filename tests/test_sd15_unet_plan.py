@@ -21,7 +21,7 @@ import pytest
 import eqsat
 from eqsat.cost import kernel_cost, kernel_reads
 from eqsat.term import Term
-from sd15.plan_cli import workloads
+from sd15.workloads import workloads
 
 # The bound (260: more kernels only where the model says they are faster), raised to 290:
 # since compute nodes count their instructions (`roofline.ALU_INSTRUCTIONS`: SiLU's logistic is 10),

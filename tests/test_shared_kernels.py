@@ -12,8 +12,8 @@ import numpy as np
 import eqsat
 from benchmarks.compile import kernel_counts, triton_calls
 from emit.pallas import KernelCall, shared_names
-from eqsat import xla_target
-from sd15 import plan_cli
+from measure import xla_target
+from measure import compare
 
 
 def repeated(x, y, z, w):
@@ -79,10 +79,10 @@ def test_shared_launches_are_matched_to_plan_kernels_by_scope(tmp_path):
         'backend_config={name = "up.0_conv.x2"}\n'
         '  %pallas_call.2 = f16[8]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", '
         'backend_config={name = "up.0_conv.x2"}\n')
-    names = plan_cli.triton_kernel_names(tmp_path)
+    names = compare.triton_kernel_names(tmp_path)
     report = types.SimpleNamespace(launches=(launch("pallas_call.1", "up.0:conv"), launch("pallas_call.2", "up.1:conv")),
                                    by_category={"Pallas (Triton)": 2})
-    found = plan_cli.emitted_against_plan(report, ["up.0:conv", "up.1:conv"], names)
+    found = compare.emitted_against_plan(report, ["up.0:conv", "up.1:conv"], names)
     assert found["emitted_missing"] == [] and found["emitted_extra"] == []
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import eqsat
 from eqsat import viz
+from extract import drawing
 
 
 def _spec(*shape):
@@ -47,11 +48,11 @@ def test_epilogue_statistics_are_dashed_edges_and_listed_in_their_host(lowered):
     source = plan.to_dot()
     assert len(re.findall(r"style=dashed", source)) == 1
     assert "+ statistics %0.1" in source
-    assert "(epilogue statistics)" in viz.plan_text(plan)
+    assert "(epilogue statistics)" in drawing.plan_text(plan)
 
 
 def test_many_inputs_collapse_into_one_node(lowered):
-    source = viz.plan_to_dot(lowered.plan, inputs=False)
+    source = drawing.plan_to_dot(lowered.plan, inputs=False)
     assert "in_arg" not in source and "3 inputs and constants" in source
 
 
@@ -63,9 +64,9 @@ def test_dot_renders_svg(lowered):
 
 def test_without_dot_a_drawing_says_so_and_is_text(lowered, monkeypatch, capsys):
     monkeypatch.setattr(viz.shutil, "which", lambda name: None)
-    drawing = viz.plan_drawing(lowered.plan)
-    assert drawing._repr_svg_() is None
-    text = repr(drawing)
+    picture = drawing.plan_drawing(lowered.plan)
+    assert picture._repr_svg_() is None
+    text = repr(picture)
     assert text.splitlines()[0] == viz.NO_DOT and "matmul" in text
     lowered.show()                                                   # no notebook here: prints
     assert viz.NO_DOT in capsys.readouterr().out
@@ -74,18 +75,18 @@ def test_without_dot_a_drawing_says_so_and_is_text(lowered, monkeypatch, capsys)
 def test_egraph_view_is_limited_and_highlights_the_extracted_nodes(lowered):
     graph = lowered.extraction.graph
     output = lowered.program.outputs[0]
-    drawing = viz.egraph_view(lowered, term=output, depth=2, max_classes=6)
-    clusters = re.findall(r"subgraph cluster_(\d+)", drawing.source)
+    picture = lowered.egraph_view(term=output, depth=2, max_classes=6)
+    clusters = re.findall(r"subgraph cluster_(\d+)", picture.source)
     assert 1 < len(clusters) <= 6 < graph.num_classes
     root = graph.handles[lowered.builder.handles[output]]
-    focus = [line for line in drawing.source.splitlines() if "color=red" in line]
+    focus = [line for line in picture.source.splitlines() if "color=red" in line]
     assert int(clusters[0]) == root and len(focus) == 1 and f"cluster_{root} " in focus[0]
     chosen = viz.chosen_nodes(lowered.extraction.selection)
-    drawn = {int(n) for n in re.findall(r"^    n(\d+) \[", drawing.source, flags=re.M)}
-    gold = {int(n) for n in re.findall(r"^    n(\d+) \[.*fillcolor=gold", drawing.source, flags=re.M)}
+    drawn = {int(n) for n in re.findall(r"^    n(\d+) \[", picture.source, flags=re.M)}
+    gold = {int(n) for n in re.findall(r"^    n(\d+) \[.*fillcolor=gold", picture.source, flags=re.M)}
     assert gold == drawn & chosen and gold
     assert [graph.node_op[n] for n in gold & set(graph.class_nodes[root])] == [lowered.plan.outputs[0].op]
-    lines = drawing.text.splitlines()[1:]
+    lines = picture.text.splitlines()[1:]
     assert len(lines) == len(clusters) and lines[0].startswith(f"e{root} ")
 
 
@@ -97,16 +98,16 @@ def test_egraph_view_by_component_and_its_errors():
             return jax.nn.relu(h) * 2.0
 
     lowered = eqsat.optimize(scoped, progress=False).lower(_spec(8, 4), _spec(4, 8))
-    drawing = viz.egraph_view(lowered, component="proj", depth=1)
-    assert "around proj" in drawing.text
+    picture = lowered.egraph_view(component="proj", depth=1)
+    assert "around proj" in picture.text
     with pytest.raises(ValueError, match="no kernel e-class belongs"):
-        viz.egraph_view(lowered, component="nowhere")
+        lowered.egraph_view(component="nowhere")
     with pytest.raises(ValueError, match="say what to draw"):
-        viz.egraph_view(lowered)
+        lowered.egraph_view()
 
 
 def test_live_bytes_peak_is_the_plans_peak(lowered):
-    assert max(viz.live_bytes(lowered.plan)) == lowered.plan.peak_bytes
+    assert max(drawing.live_bytes(lowered.plan)) == lowered.plan.peak_bytes
 
 
 def test_plots_draw(lowered):
@@ -114,9 +115,9 @@ def test_plots_draw(lowered):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ax = viz.plot_memory(lowered.plan)
+    ax = drawing.plot_memory(lowered.plan)
     assert len(ax.lines) == 1
-    ax = viz.plot_lifetimes(lowered.plan)
+    ax = drawing.plot_lifetimes(lowered.plan)
     assert len(ax.patches) == sum(b.kind in ("activation", "output") for b in lowered.plan.buffers)
     ax = viz.plot_kernel_counts({"eqsat": {"a": 1, "b": 2}, "XLA": {"a": 3, "c": 1}})
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"] and len(ax.patches) == 6
@@ -134,7 +135,7 @@ def test_inputs_are_labelled_with_their_place_in_the_arguments():
 
     params = {"down_blocks.0.attentions.1.proj_in.weight": _spec(4, 6), "bias": _spec(6)}
     lowered = eqsat.optimize(linear, progress=False).lower(params, _spec(3, 4))
-    assert viz.input_paths(lowered.program) == {"arg0": "params['bias']",
+    assert drawing.input_paths(lowered.program) == {"arg0": "params['bias']",
                                                 "arg1": "params['…attentions.1.proj_in.weight']", "arg2": "x"}
     dot = lowered.plan.to_dot()
     assert "params['…attentions.1.proj_in.weight']" in dot and "arg1" not in dot.replace("in_arg1", "")
@@ -146,12 +147,12 @@ def test_inputs_are_named_and_drawn_in_the_functions_order(tmp_path):
 
     args = [_spec(8, 4), _spec(4, 6), _spec(6), _spec(8, 6), _spec(8, 6)]
     lowered = eqsat.optimize(block, progress=False).lower(*args, scale=np.float32(2.0))
-    assert viz.input_paths(lowered.program) == {"arg0": "x", "arg1": "w", "arg2": "b", "arg3": "r",
+    assert drawing.input_paths(lowered.program) == {"arg0": "x", "arg1": "w", "arg2": "b", "arg3": "r",
                                                 "arg4": "args[4]", "arg5": "scale"}
     dot = lowered.plan.to_dot()
     drawn = [line.split("label=")[1].split("\\l")[0].strip('"') for line in dot.splitlines() if "shape=ellipse" in line]
     assert drawn[:4] == ["x", "w", "b", "r"]
-    text = viz.plan_text(lowered.plan)
+    text = drawing.plan_text(lowered.plan)
     assert "matmul 1·0(x, w)" in text and "'1;0;;'" not in text and "Binary(" not in text
 
 

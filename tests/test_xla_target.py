@@ -1,4 +1,4 @@
-"""eqsat.xla_target: XLA's kernels for an H100, compiled without a GPU.
+"""measure.xla_target: XLA's kernels for an H100, compiled without a GPU.
 
 The compile tests need the `cuda-target` extra (jax-cuda12-plugin + jax-cuda12-pjrt) and are
 skipped without it; the dump-parsing and missing-plugin tests run everywhere.
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eqsat import xla_target
-from eqsat.xla_target import XlaTargetWarning, compile_for_h100, parse_dump
+from measure import xla_target
+from measure.xla_target import XlaTargetWarning, compile_for_h100, parse_dump
 
 needs_cuda_target = pytest.mark.skipif(
     xla_target.unavailable_reason() is not None, reason=str(xla_target.unavailable_reason())
@@ -90,7 +90,7 @@ def test_a_failing_function_raises_with_the_subprocess_traceback():
 
 def test_missing_plugin_returns_none_and_says_so(no_cuda_target):
     assert "not installed" in xla_target.unavailable_reason()
-    assert "eqsat.cuda_target install" in xla_target.unavailable_reason()
+    assert "measure.cuda_target install" in xla_target.unavailable_reason()
     with pytest.warns(XlaTargetWarning, match="no index reachable"):
         report = compile_for_h100(matmul_bias_relu, jax.ShapeDtypeStruct((8, 8), F16))
     assert report is None

@@ -84,7 +84,7 @@ def pallas_call(kernel: Callable, operands: Sequence, out_shapes: Sequence[jax.S
     Operands are flattened here; results come back in their `out_shapes` (reshaped from flat).
     `interpret=None` leaves the choice to the platform the computation is lowered for
     (`lax.platform_dependent`: interpreted on a CPU, compiled by Triton on a GPU), so one traced
-    function runs on this machine and compiles for an H100 (`eqsat.xla_target.compile_for_h100`).
+    function runs on this machine and compiles for an H100 (`measure.xla_target.compile_for_h100`).
     `input_output_aliases` maps operand positions to result positions (the result starts as that
     operand: an in-place update writes only what it changes).
     """

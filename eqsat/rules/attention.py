@@ -379,10 +379,10 @@ def _flash_attention_value_lhs(
 
 
 def _sd15_attention(q, k, v):
-    """sd15's multi-head attention (2 heads) on [B, S, H*D] projections."""
-    from sd15.layers import attention as sd15_attention
+    """SD 1.5's multi-head attention (2 heads) on [B, S, H*D] projections."""
+    from eqsat.rules.model_spellings import multi_head_attention
 
-    return sd15_attention(q, k, v, 2)
+    return multi_head_attention(q, k, v, 2)
 
 
 def _sd15_attention_args(draw):
@@ -420,11 +420,10 @@ def _bhsd_args(draw):
 
 
 def _causal_attention(q, k, v):
-    """CLIP's self-attention: sd15's multi-head attention (2 heads) plus the causal mask."""
-    from sd15.clip import causal_bias
-    from sd15.layers import attention as sd15_attention
+    """CLIP's self-attention: SD 1.5's multi-head attention (2 heads) plus the causal mask."""
+    from eqsat.rules.model_spellings import causal_bias, multi_head_attention
 
-    return sd15_attention(q, k, v, 2, bias=causal_bias(q.shape[1]))
+    return multi_head_attention(q, k, v, 2, bias=causal_bias(q.shape[1]))
 
 
 def _causal_args(draw):

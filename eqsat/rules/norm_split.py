@@ -280,10 +280,10 @@ def _stack_statistics(s1: Tensor, s2: Tensor, x: Expr, body: Expr, axes: String,
 
 
 def _group_norm(x, weight, bias):
-    """sd15's GroupNorm (2 groups) on channels-last float32 input."""
-    from sd15.layers import group_norm
+    """SD 1.5's GroupNorm (2 groups) on channels-last float32 input."""
+    from eqsat.rules.model_spellings import group_norm
 
-    return group_norm({"n.weight": weight, "n.bias": bias}, "n", x, 2, 1e-5)
+    return group_norm(x, weight, bias, 2, 1e-5)
 
 
 def _group_norm_args(draw):
@@ -295,9 +295,9 @@ def _group_norm_args(draw):
 
 
 def _layer_norm(x, weight, bias):
-    from sd15.layers import layer_norm
+    from eqsat.rules.model_spellings import layer_norm
 
-    return layer_norm({"n.weight": weight, "n.bias": bias}, "n", x, 1e-5)
+    return layer_norm(x, weight, bias, 1e-5)
 
 
 def _layer_norm_args(draw):

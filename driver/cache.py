@@ -5,8 +5,8 @@
 prepare split, a deterministic function of the plan, is recomputed from it: milliseconds).
 `report()` and `stats["cache"]` say where the plan came from.
 
-    python -m eqsat.cache info        # where it is, how many entries, how many bytes
-    python -m eqsat.cache clear       # remove every entry
+    python -m driver.cache info        # where it is, how many entries, how many bytes
+    python -m driver.cache clear       # remove every entry
     eqsat cache info|clear            # the same, as the installed console script
 
 Where: `$EQSAT_CACHE_DIR`, else `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`; plans are
@@ -69,7 +69,7 @@ def cache_dir() -> Path:
 
 def user_cache_home() -> Path:
     """eqsat's folder under the user's cache (XDG): `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`
-    (also where `eqsat.cuda_target` keeps the H100 compile target, which `EQSAT_CACHE_DIR` does not move)."""
+    (also where `measure.cuda_target` keeps the H100 compile target, which `EQSAT_CACHE_DIR` does not move)."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eqsat"
 
@@ -112,10 +112,9 @@ def schedule_description(rulesets) -> list:
     if isinstance(rulesets, (list, tuple)) and rulesets and all(isinstance(r, str) for r in rulesets):
         return ["families", list(rulesets)]
     from eqsat import rules
-    from eqsat.optimize import _schedule
-    from eqsat.schedule import as_schedule
+    from eqsat.schedule import as_schedule, schedule_of
 
-    schedule = as_schedule(_schedule(rulesets))
+    schedule = as_schedule(schedule_of(rulesets))
     stages = []
     for stage in schedule.stages:
         family = rules.family_ruleset(stage.name) if stage.name in rules.FAMILIES else None
@@ -360,7 +359,7 @@ def clear() -> int:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m eqsat.cache", description="The eqsat plan cache.")
+    parser = argparse.ArgumentParser(prog="python -m driver.cache", description="The eqsat plan cache.")
     parser.add_argument("command", choices=("info", "clear"))
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -1,14 +1,14 @@
 """The H100 compile target, kept outside the user's Python environment.
 
-`eqsat.xla_target` compiles for an H100 without a GPU through JAX's CUDA plugin
+`measure.xla_target` compiles for an H100 without a GPU through JAX's CUDA plugin
 (`jax-cuda12-plugin`, `jax-cuda12-pjrt`), and `benchmarks.ptx` reads registers and spills with the
 `ptxas` of `nvidia-cuda-nvcc-cu12`. Installed into the user's environment, that plugin changes what
 every unrelated JAX program prints on a machine without a GPU (absl `cudart_stub` lines at
 `import jax`, a "Jax plugin configuration error" traceback at the first array). So eqsat installs
 them once into a directory of their own and puts it on the path of its compile subprocess only:
 
-    python -m eqsat.cuda_target install     # once (also done on first use, with a message)
-    python -m eqsat.cuda_target info        # where it is, what is in it
+    python -m measure.cuda_target install     # once (also done on first use, with a message)
+    python -m measure.cuda_target info        # where it is, what is in it
 
 The directory is `$EQSAT_TARGET_DIR`, else `$XDG_CACHE_HOME/eqsat/cuda-target-jax<version>` (default
 `~/.cache/eqsat/...`), one per JAX version since the plugin must match jax exactly. It is written
@@ -52,7 +52,7 @@ def target_dir() -> Path:
     """Where the target lives (whether or not it is installed yet)."""
     if os.environ.get("EQSAT_TARGET_DIR"):
         return Path(os.environ["EQSAT_TARGET_DIR"]).expanduser()
-    from eqsat.cache import user_cache_home
+    from driver.cache import user_cache_home
 
     return user_cache_home() / f"cuda-target-jax{jax_version()}"
 
@@ -89,7 +89,7 @@ def unavailable_reason() -> str | None:
     if plugin_in_environment() or installed_in_target_dir():
         return None
     return (f"the H100 compile target is not installed in {target_dir()}; "
-            f"run `python -m eqsat.cuda_target install` (or let eqsat install it on first use)")
+            f"run `python -m measure.cuda_target install` (or let eqsat install it on first use)")
 
 
 def ensure_installed(quiet: bool = False) -> list[str]:
@@ -153,7 +153,7 @@ def describe() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eqsat.cuda_target", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.cuda_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["install", "info", "path", "remove"])
     parser.add_argument("--force", action="store_true",
                         help="install into the target dir even when the environment has the plugin")

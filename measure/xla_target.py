@@ -4,11 +4,11 @@
     report.kernels, report.temp_bytes, report.by_category, report.compile_seconds
 
 XLA compiles for a GPU it does not have through a compile-only topology: `jax-cuda12-plugin` and
-`jax-cuda12-pjrt` (installed outside the environment by `eqsat.cuda_target`) plus a device description
+`jax-cuda12-pjrt` (installed outside the environment by `measure.cuda_target`) plus a device description
 (`h100_target_config.txtpb`, shipped below as `H100_TARGET_CONFIG`). Arguments are lowered as
 `ShapeDtypeStruct`s carrying a `NamedSharding` on that topology's one device, and the compile is
 dumped with `XLA_FLAGS=--xla_dump_to=DIR`. XLA reads `XLA_FLAGS` once, when its backends start, so
-the compile runs in a fresh subprocess (`python -m eqsat.xla_target`) with `JAX_PLATFORMS=cpu`;
+the compile runs in a fresh subprocess (`python -m measure.xla_target`) with `JAX_PLATFORMS=cpu`;
 the calling process keeps its own platform and flags untouched. The function travels to the
 subprocess by cloudpickle (functions of importable modules by reference, closures by value) or as
 a "module:function" string.
@@ -67,7 +67,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from eqsat import cuda_target
+from measure import cuda_target
 
 # A copy of ../shared/h100_target_config.txtpb, so an installed package compiles without the repo.
 H100_TARGET_CONFIG = """\
@@ -100,10 +100,10 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 # The repository's copy, preferred when present: <repo>/../shared/h100_target_config.txtpb.
 SHARED_TARGET_CONFIG = Path(__file__).resolve().parent.parent.parent / "shared" / "h100_target_config.txtpb"
 
-# The deviceless CUDA compile needs the PJRT plugin and the jax CUDA plugin; eqsat.cuda_target keeps
+# The deviceless CUDA compile needs the PJRT plugin and the jax CUDA plugin; measure.cuda_target keeps
 # them outside the user's environment.
 PLUGIN_DISTRIBUTIONS = cuda_target.PLUGIN_DISTRIBUTIONS
-INSTALL_HINT = "run `python -m eqsat.cuda_target install` (jax-cuda12-plugin and jax-cuda12-pjrt matching jax)"
+INSTALL_HINT = "run `python -m measure.cuda_target install` (jax-cuda12-plugin and jax-cuda12-pjrt matching jax)"
 
 COPY_KINDS = frozenset({"kCopy"})
 MEMSET_KINDS = frozenset({"kMemset32BitValue", "kMemzero"})
@@ -240,7 +240,7 @@ def unavailable_reason() -> str | None:
 
 
 def prepare_target() -> str | None:
-    """Install the target on first use (see `eqsat.cuda_target`); why it is unusable, or None."""
+    """Install the target on first use (see `measure.cuda_target`); why it is unusable, or None."""
     try:
         cuda_target.ensure_installed()
     except cuda_target.TargetInstallError as error:
@@ -302,7 +302,7 @@ def compile_for_h100(
         start = time.perf_counter()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "eqsat.xla_target", "--child", str(request), str(report_path), str(dump)],
+                [sys.executable, "-m", "measure.xla_target", "--child", str(request), str(report_path), str(dump)],
                 env=_child_env(dump),
                 capture_output=True,
                 text=True,
@@ -665,7 +665,7 @@ def _parse_arg(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m eqsat.xla_target",
+        prog="python -m measure.xla_target",
         description="Compile jax.jit(module:function) for an H100 without a GPU and count its kernels.",
     )
     parser.add_argument("function", nargs="?", help="importable 'module:function'")

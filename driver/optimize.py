@@ -18,7 +18,7 @@ If saturation stops at a limit, the e-graph still holds every rewrite made so fa
 extracted plan is the best found so far; a warning says which limit stopped it.
 Lowerings are cached per argument signature (shapes, dtypes, pytree structure, static values).
 
-Plan cache: after `lift`, the plan is looked up on disk (`eqsat.cache`: keyed by the lifted
+Plan cache: after `lift`, the plan is looked up on disk (`driver.cache`: keyed by the lifted
 program, the device profile, the rule schedule, the options that change the plan and the eqsat
 source); a hit rebuilds the `Plan` from the stored terms and skips build, saturate and extract
 (`stats["cache"]` is "hit", `report()` says so), a miss plans and stores it. On a hit
@@ -34,7 +34,7 @@ GPU interpret mode on a CPU) and the rest as `"pallas"` (`emit.mosaic`), `"xla"`
 (default) picks `hybrid` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
 plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
-`eqsat.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
+`measure.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
 emitted kernels for an H100.
 
 Parameters: `params_argnums`/`params_argnames` mark arguments that stay the same across calls
@@ -64,7 +64,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from eqsat.differentiate import any_tracer, with_original_derivatives
+from driver.differentiate import any_tracer, with_original_derivatives
 
 STAGES = ("lift", "build", "saturate", "extract")
 PREPARE_STAGE = "prepare"  # after extract, when parameters are marked
@@ -159,20 +159,30 @@ class Lowered:
                 for line in emitted._sharded.summary().splitlines()]
 
     def show(self, path=None, **options):
-        """Draw the plan (`eqsat.viz.plan_drawing`): into `path` when given (`.svg`, `.png`, `.pdf`,
+        """Draw the plan (`extract.drawing.plan_drawing`): into `path` when given (`.svg`, `.png`, `.pdf`,
         `.dot`, `.txt`), else in a notebook (text where Graphviz is missing, or outside a notebook)."""
         from eqsat import viz
+        from extract.drawing import plan_drawing
 
-        return viz.show(viz.plan_drawing(self.plan, **options), path)
+        return viz.show(plan_drawing(self.plan, **options), path)
 
     def _repr_svg_(self):
-        from eqsat import viz
+        from extract.drawing import plan_drawing
 
-        return viz.plan_drawing(self.plan)._repr_svg_()
+        return plan_drawing(self.plan)._repr_svg_()
+
+    def egraph_view(self, *, component: str | None = None, term=None, classes=(), depth: int = 2,
+                    max_classes: int = 30, readers: bool = False, title: str | None = None):
+        """The e-classes around one component, lifted tensor `term` or explicit `classes`, the
+        extracted e-nodes highlighted (`driver.egraph_view`)."""
+        from driver.egraph_view import egraph_view
+
+        return egraph_view(self, component=component, term=term, classes=classes, depth=depth,
+                           max_classes=max_classes, readers=readers, title=title)
 
     def explain(self) -> list:
-        """The fusions that did not happen around the heavy kernels, and why (`eqsat.explain`)."""
-        from eqsat.explain import explain
+        """The fusions that did not happen around the heavy kernels, and why (`driver.explain`)."""
+        from driver.explain import explain
 
         return explain(self)
 
@@ -192,10 +202,10 @@ class Lowered:
         ]
         if s.get("cache") == "hit":
             planned = ", ".join(f"{name} {sec:.2f}s" for name, sec in s["planned_seconds"].items())
-            lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; eqsat.cache): "
+            lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; driver.cache): "
                          f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
                          f"planning run's")
-        from eqsat.explain import format_explanation
+        from driver.explain import format_explanation
 
         lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
         lines += self.partitioning_lines()
@@ -409,7 +419,7 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     (None: on a terminal, once that is slow; False: never).
     `backend` ("auto", "pallas", "mosaic", "hybrid", "xla", "interpret") and `interpret` say how calls run the plan
     (`emit.emit`; see "Running" in the module docstring). `cache=False` neither reads nor writes the
-    plan cache (`eqsat.cache`; "Plan cache" in the module docstring).
+    plan cache (`driver.cache`; "Plan cache" in the module docstring).
     """
     options = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums,
                    donate_argnames=donate_argnames, params_argnums=params_argnums, params_argnames=params_argnames,
@@ -422,25 +432,13 @@ def optimize(fn=None, *, static_argnums=None, static_argnames=None, donate_argnu
     return Optimized(fn, **options)
 
 
-def _schedule(rulesets):
-    from eqsat.schedule import default_schedule
-
-    if rulesets is None:
-        return default_schedule()
-    if isinstance(rulesets, str):
-        return default_schedule([rulesets])
-    if isinstance(rulesets, (list, tuple)) and rulesets and all(isinstance(r, str) for r in rulesets):
-        return default_schedule(rulesets)
-    return rulesets
-
-
 def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device="h100", rulesets=None,
           node_limit=200_000, iteration_limit=400, time_limit=60.0, extractor="auto", extract_time_limit=5.0,
           progress=None, backend="auto", interpret=None, params_argnums=(), params_argnames=(),
           cache: bool = True) -> Lowered:
     """Run the stages on `fn(*args, **kwargs)` and return the `Lowered` result (see the module docstring).
     `params_argnums`/`params_argnames` (resolved, as `Optimized` holds them) add the `prepare` stage.
-    `cache`: look the plan up in the plan cache after lifting and store it there (`eqsat.cache`)."""
+    `cache`: look the plan up in the plan cache after lifting and store it there (`driver.cache`)."""
     from tqdm.auto import tqdm
 
     from eqsat.cost import get_device
@@ -566,8 +564,9 @@ def _plan(program, device, rulesets, options, stage, caught):
         handles = builder.add(program.outputs)
     with stage("saturate"):
         from eqsat.saturate import classes_in, saturate, serialized_data
+        from eqsat.schedule import schedule_of
 
-        report = saturate(builder.egraph, _schedule(rulesets), node_limit=options["node_limit"],
+        report = saturate(builder.egraph, schedule_of(rulesets), node_limit=options["node_limit"],
                           iteration_limit=options["iteration_limit"], time_limit=options["time_limit"],
                           program=program, classes=False)  # counted on the extraction's copy
     if not report.saturated:
@@ -601,7 +600,7 @@ def _look_up(program, args, kwargs, device, rulesets, options):
     """(key, "hit" | "miss" | "uncacheable: why", (plan, entry data) on a hit)."""
     import jax
 
-    from eqsat import cache
+    from driver import cache
 
     try:
         shardings = cache.multi_device_shardings(jax.tree_util.tree_leaves((args, kwargs or {})))
@@ -619,7 +618,7 @@ def _look_up(program, args, kwargs, device, rulesets, options):
 
 def _store(key, program, extraction, builder, handles, stats, caught) -> None:
     """Store the plan under `key`; a cache that cannot be written is said once and skipped."""
-    from eqsat import cache
+    from driver import cache
 
     class_components = extraction.class_components
     limits = [[type_name, message] for type_name, message in _limit_messages(caught)]
