@@ -103,7 +103,6 @@ def _load() -> str:
 
 
 def _workload(component: str, batch: int, size: int | None):
-    from measure import compare
     from sd15 import workloads as sd15_workloads
 
     return sd15_workloads.workloads(batch=batch, size=size, components=(component,))[component]
@@ -111,7 +110,6 @@ def _workload(component: str, batch: int, size: int | None):
 
 def _optimized(workload):
     from measure import compare
-    from sd15 import workloads as sd15_workloads
 
     optimize, reason = compare._load_optimize()
     if optimize is None:
@@ -132,7 +130,6 @@ def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> d
                               "per_call_kernels": lowered.stats["per_call_kernels"]}
     if kernels:
         from measure import compare
-        from sd15 import workloads as sd15_workloads
 
         prepared = lowered.split.prepared_specs() if lowered.split is not None else []
         start = time.perf_counter()
@@ -217,7 +214,6 @@ def _child_main(kind: str, request_path: str, report_path: str) -> int:
 
 def measure_component(component: str, batch: int, size: int | None, log=print) -> dict[str, Any]:
     from measure import compare
-    from sd15 import workloads as sd15_workloads
 
     row: dict[str, Any] = {"component": component, "load_before": _load()}
     plan_cache = tempfile.mkdtemp(prefix="eqsat_plan_cache_")

@@ -323,7 +323,6 @@ def _launch_name(launch, triton_names: dict[str, str], thunk_kernel: str) -> str
     """The plan kernel name a Pallas launch is matched by: its Triton name, or where identical
     kernels share one (`compare.is_shared_kernel_name`) the named scope of its launch."""
     from measure import compare
-    from sd15 import workloads as sd15_workloads
 
     name = triton_names.get(launch.name, re.sub(r"__\d+$", "", thunk_kernel))
     return compare.launch_kernel_name(launch) if compare.is_shared_kernel_name(name) else name
@@ -412,9 +411,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
                       log=lambda message: None) -> dict[str, Any]:
     """Plan, compile and read one component (see the module docstring); `dump` keeps both programs
     (`dump/eqsat`, `dump/xla`)."""
-    from measure import xla_target
-    from measure import compare
-    from sd15 import workloads as sd15_workloads
+    from measure import compare, xla_target
 
     optimize, reason = compare._load_optimize()
     if optimize is None:
@@ -531,7 +528,6 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
         workers: int = 2, log=lambda message: None) -> dict[str, Any]:
     """Measure `components`; the result is what `--json` writes."""
     from measure import xla_target
-    from measure import compare
     from sd15 import workloads as sd15_workloads
 
     ptxas = ptx.ptxas_path()  # fails first, in one line, when ptxas is missing

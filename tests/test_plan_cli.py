@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import pytest
 from rich.console import Console
 
-from measure import xla_target
-from measure import compare
+from measure import compare, xla_target
 from sd15 import plan_cli
 from sd15 import workloads as sd15_workloads
 

@@ -12,8 +12,7 @@ import numpy as np
 import eqsat
 from benchmarks.compile import kernel_counts, triton_calls
 from emit.pallas import KernelCall, shared_names
-from measure import xla_target
-from measure import compare
+from measure import compare, xla_target
 
 
 def repeated(x, y, z, w):
