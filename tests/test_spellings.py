@@ -146,3 +146,23 @@ def test_explain_names_a_norm_statistic_as_the_epilogue_blocker():
     absorb = [m for m in lowered.explain() if m.family == "absorb"]
     assert absorb and all(m.kind == "matmul" for m in absorb), lowered.explain()
     assert any("a moments of it (f32[2,4], hosted in its epilogue)" in m.found and "complete only once every tile" in m.needed for m in absorb), absorb
+
+
+def test_the_rule_families_model_spellings_are_sd15s_own_layers():
+    """`eqsat.rules.model_spellings` (the soundness examples' GroupNorm, LayerNorm and attention,
+    written without importing the model) computes what `sd15.layers` computes, bit for bit."""
+
+    from eqsat.rules import model_spellings
+    from sd15 import clip, layers
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(50.0, 0.01, (2, 5, 5, 6)), jnp.float16)  # offset large against the spread
+    w, b = jnp.asarray(rng.normal(size=6), jnp.float32), jnp.asarray(rng.normal(size=6), jnp.float32)
+    params = {"n.weight": w, "n.bias": b}
+    np.testing.assert_array_equal(model_spellings.group_norm(x, w, b, 3, 1e-5), layers.group_norm(params, "n", x, 3, 1e-5))
+    np.testing.assert_array_equal(model_spellings.layer_norm(x, w, b, 1e-5), layers.layer_norm(params, "n", x, 1e-5))
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 77, 80)), jnp.float16) for _ in range(3))  # 77 tokens, head dim 40
+    bias = model_spellings.causal_bias(77)
+    np.testing.assert_array_equal(bias, clip.causal_bias(77))
+    np.testing.assert_array_equal(model_spellings.multi_head_attention(q, k, v, 2, bias),
+                                  layers.attention(q, k, v, 2, bias=bias))
