@@ -261,6 +261,9 @@ class Optimized:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        jitted = self._jitted  # set once the first call chose to dispatch through jit: nothing else per call
+        if jitted is not None:
+            return jitted(*args, **kwargs)
         if self._dispatches_through_jit():
             return self._dispatcher()(*args, **kwargs)
         return self._call(*args, **kwargs)
