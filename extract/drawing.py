@@ -131,12 +131,7 @@ def _plan_parts(plan, expression_chars: int):
 def _last_modules(path: str, count: int) -> str:
     """`"down_blocks.0.attentions.1.proj_in.weight"` -> `"…attentions.1.proj_in.weight"` (an index
     stays with its module)."""
-    levels: list[str] = []
-    for part in path.split("."):
-        if part.isdigit() and levels:
-            levels[-1] += "." + part
-        else:
-            levels.append(part)
+    levels = _levels(path)
     return path if len(levels) <= count else "…" + ".".join(levels[-count:])
 
 
@@ -215,17 +210,92 @@ def _plan_body(plan, prefix: str, expression_chars: int, inputs: bool | None) ->
 _PLAN_HEADER = "  rankdir=TB; node [fontname=Helvetica, fontsize=10]; edge [fontname=Helvetica, fontsize=9];"
 
 
-def plan_to_dot(plan, *, expression_chars: int = 240, inputs: bool | None = None, title: str | None = None) -> str:
+FOLD_ABOVE = 80    # kernels: a larger plan is drawn folded by component unless `fold=0`
+FOLDED_BOXES = 60  # the deepest component level whose boxes are at most this many
+
+
+def plan_to_dot(plan, *, expression_chars: int = 240, inputs: bool | None = None, title: str | None = None,
+                fold: int | str | None = "auto") -> str:
     """The plan as a DOT digraph: a box per kernel (kind, modeled bytes and time, component, its fused
     expression with tensors by buffer name), an edge per tensor read (name, type, size; dashed for
     statistics computed in a producer's epilogue), program inputs as ellipses (`inputs=None`: only
-    when there are at most 24 of them, else one node stands for all) and the outputs."""
+    when there are at most 24 of them, else one node stands for all) and the outputs.
+
+    `fold=N` draws one box per component N levels deep (`down_blocks.1.attentions.0` is 2 levels:
+    an index stays with its module) with its kernel count by kind, bytes and time, and one edge per
+    pair of components a tensor crosses between; `"auto"` folds plans of more than `FOLD_ABOVE`
+    kernels at the deepest level with at most `FOLDED_BOXES` boxes; 0 or None never folds."""
+    depth = fold_depth(plan) if fold == "auto" else (fold or 0)
     lines = ["digraph plan {", _PLAN_HEADER]
     if title:
         lines.append(f"  labelloc=t; label={quote_dot(title)};")
-    lines += _plan_body(plan, "", expression_chars, inputs)
+    lines += _folded_body(plan, depth) if depth else _plan_body(plan, "", expression_chars, inputs)
     lines.append("}")
     return "\n".join(lines)
+
+
+def _levels(path: str) -> list[str]:
+    levels: list[str] = []
+    for part in path.split(".") if path else ():
+        if part.isdigit() and levels:
+            levels[-1] += "." + part
+        else:
+            levels.append(part)
+    return levels
+
+
+def component_at(path: str, depth: int) -> str:
+    """The first `depth` levels of a component path (`"up_blocks.1.attentions.2.proj"`, 2 ->
+    `"up_blocks.1.attentions.2"`); "(no scope)" for a kernel outside any named scope."""
+    return ".".join(_levels(path)[:depth]) or "(no scope)"
+
+
+def fold_depth(plan) -> int:
+    """The component depth `fold="auto"` draws `plan` at: 0 (no folding) for a plan of at most
+    `FOLD_ABOVE` kernels, else the deepest level with at most `FOLDED_BOXES` components (at least 1)."""
+    if len(plan.kernels) <= FOLD_ABOVE:
+        return 0
+    deepest = max((len(_levels(k.component)) for k in plan.kernels), default=1)
+    fitting = [d for d in range(1, deepest + 1)
+               if len({component_at(k.component, d) for k in plan.kernels}) <= FOLDED_BOXES]
+    return max(fitting, default=1)
+
+
+def _folded_body(plan, depth: int) -> list[str]:
+    """One box per component `depth` levels deep, in plan order; edges aggregate the tensors read
+    across components (count and bytes)."""
+    group_of = {k.index: component_at(k.component, depth) for k in plan.kernels}
+    groups: dict[str, list] = {}
+    for kernel in plan.kernels:
+        groups.setdefault(group_of[kernel.index], []).append(kernel)
+    ids = {name: f"c{i}" for i, name in enumerate(groups)}
+    lines = []
+    for name, kernels in groups.items():
+        kinds: dict[str, int] = {}
+        for kernel in kernels:
+            kinds[kernel.kind] = kinds.get(kernel.kind, 0) + 1
+        main = max(kinds, key=lambda kind: (kinds[kind], kind))
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+        label = (f"{name}\n{len(kernels)} kernels: {counts}\n"
+                 f"{human_bytes(sum(k.bytes for k in kernels))} moved, {sum(k.seconds for k in kernels) * 1e6:,.1f} µs")
+        lines.append(f"  {ids[name]} [shape=box, style=filled, fillcolor={quote_dot(KIND_COLORS.get(main, '#ffffff'))}, "
+                     f"label={quote_dot(label)}];")
+    buffers = {buffer.term: buffer for buffer in plan.buffers}
+    crossing: dict[tuple[str, str], list] = {}
+    for kernel in plan.kernels:
+        for tensor in kernel.inputs:
+            buffer = buffers.get(tensor)
+            if buffer is None or buffer.first < 0:
+                continue
+            source, target = group_of[buffer.first], group_of[kernel.index]
+            if source != target:
+                seen = crossing.setdefault((source, target), [])
+                if buffer not in seen:
+                    seen.append(buffer)
+    for (source, target), read in crossing.items():
+        label = f"{len(read)} tensor{'s' if len(read) > 1 else ''}, {human_bytes(sum(b.bytes for b in read))}"
+        lines.append(f"  {ids[source]} -> {ids[target]} [label={quote_dot(label)}];")
+    return lines
 
 
 def plans_to_dot(plans: dict, *, expression_chars: int = 160, inputs: bool | None = None) -> str:
@@ -268,7 +338,6 @@ def plans_drawing(plans: dict, **options) -> Drawing:
     """`plans_to_dot` and the plans' texts one after the other, for display."""
     text = "\n\n".join(f"{name}:\n{plan_text(plan)}" for name, plan in plans.items())
     return Drawing(plans_to_dot(plans, **options), text)
-
 
 
 def render(kernel, names: dict, limit: int = 4000, node_text=None) -> str:

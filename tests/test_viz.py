@@ -166,3 +166,34 @@ def test_a_plan_drawing_is_written_to_a_file(tmp_path, suffix):
     assert data[:4] == b"\x89PNG" if suffix == "png" else (b"<svg" in data if suffix == "svg" else len(data) > 10)
     with pytest.raises(ValueError, match="cannot tell the format"):
         lowered.show(tmp_path / "plan.xyz")
+
+
+def test_a_large_plan_is_drawn_folded_by_component(monkeypatch):
+    """Over `FOLD_ABOVE` kernels (20 here, to keep the plan small), `fold="auto"` draws one box per component at the deepest level with
+    at most `FOLDED_BOXES` boxes, each with its kernel count; `fold=0` draws every kernel."""
+    def deep(x, ws):
+        for i, w in enumerate(ws):  # components are full paths, as sd15's scopes are
+            with jax.named_scope(f"blocks.{i}.proj"):
+                h = x @ w
+            with jax.named_scope(f"blocks.{i}.norm"):
+                h = h / jnp.max(jnp.abs(h), axis=-1, keepdims=True)
+            with jax.named_scope(f"blocks.{i}"):
+                x = jnp.tanh(h) + x
+        return x
+
+    monkeypatch.setattr(drawing, "FOLD_ABOVE", 20)
+    ws = [_spec(8, 8) for _ in range(32)]
+    lowered = eqsat.optimize(deep, progress=False).lower(_spec(4, 8), ws)
+    plan = lowered.plan
+    assert len(plan.kernels) > drawing.FOLD_ABOVE
+    depth = drawing.fold_depth(plan)
+    boxes = {drawing.component_at(k.component, depth) for k in plan.kernels}
+    assert depth >= 1 and 1 < len(boxes) <= drawing.FOLDED_BOXES
+    source = drawing.plan_to_dot(plan)
+    assert source.count("shape=box") == len(boxes)
+    assert "blocks.7" in source and re.search(r"\d+ kernels: \d+ matmul", source)
+    total = sum(int(n) for n in re.findall(r"(\d+) kernels:", source))
+    assert total == len(plan.kernels)
+    assert drawing.plan_to_dot(plan, fold=0).count("shape=box") == len(plan.kernels)
+    assert drawing.plan_to_dot(plan, fold=1).count("shape=box") == len({drawing.component_at(k.component, 1)
+                                                                        for k in plan.kernels})
