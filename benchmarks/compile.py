@@ -3,8 +3,8 @@
     python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
 
-Per SD 1.5 component (full size, fp16, abstract weights; `sd15.sd15_workloads.workloads`), deployed as
-`sd15 plan` deploys it (`compare.optimized`: the Pallas backend, weights marked as parameters):
+Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloads`), deployed as
+`sd15 plan` deploys it (`measure.compare.optimized`: the Pallas backend, weights marked as parameters):
 
 - plan, cold and warm: `optimize(fn).lower(*args)` wall seconds in a fresh process with an empty
   plan cache (`driver.cache`), then in a second fresh process on the cache the first one wrote;

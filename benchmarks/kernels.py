@@ -5,15 +5,15 @@ the same device model.
     python -m benchmarks.kernels --component unet --json unet.json      # full size, fp16 (minutes)
     python -m benchmarks.kernels --component text_encoder --config tiny --dump /tmp/te
 
-For each component (`sd15.sd15_workloads.workloads`), as `sd15 plan` does: our plan
-(`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `compare.measure_plan`), its per-call
-executable (`compare.emitted_per_call`) compiled for an H100 by `measure.xla_target.compile_for_h100`
+For each component (`sd15.workloads.workloads`), as `sd15 plan` does: our plan
+(`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `measure.compare.measure_plan`), its per-call
+executable (`measure.compare.emitted_per_call`) compiled for an H100 by `measure.xla_target.compile_for_h100`
 with XLA's dump kept (the Triton kernels' PTX, the thunk sequence, the optimized HLO), then
 `ptxas -arch=sm_90a -v` (the pip package nvidia-cuda-nvcc-cu12's, `benchmarks.ptx`) on each
 kernel's PTX. And `jax.jit(fn)` compiled the same way, for XLA's launches.
 
 Per kernel (a row per planned kernel; a Pallas launch is matched to its plan kernel by its Triton
-name, `compare.triton_kernel_names`, or by its named scope where identical kernels share a name,
+name, `measure.compare.triton_kernel_names`, or by its named scope where identical kernels share a name,
 then by output size and order among same-named kernels):
 
 - counted (read from the compiled program): grid, threads (num_warps * 32), registers, spill bytes
@@ -321,7 +321,7 @@ def match_launches(planned: list[PlannedKernel], launches: list[tuple[str, int |
 
 def _launch_name(launch, triton_names: dict[str, str], thunk_kernel: str) -> str:
     """The plan kernel name a Pallas launch is matched by: its Triton name, or where identical
-    kernels share one (`compare.is_shared_kernel_name`) the named scope of its launch."""
+    kernels share one (`measure.compare.is_shared_kernel_name`) the named scope of its launch."""
     from measure import compare
 
     name = triton_names.get(launch.name, re.sub(r"__\d+$", "", thunk_kernel))
