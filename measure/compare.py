@@ -17,10 +17,13 @@ workload's first argument holds its weights (`PARAMS_ARGNUM`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -57,6 +60,30 @@ class Workload:
     description: str
     fn: Callable
     args: tuple
+
+
+@contextlib.contextmanager
+def waiting(what: str, every: float = 1.0):
+    """On a terminal, a spinner with the seconds elapsed while `what` runs (a UNet compile says
+    nothing for minutes); elsewhere nothing."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    start, stop = time.perf_counter(), threading.Event()
+    with Console(stderr=True).status(what) as status:
+        def tick():
+            while not stop.wait(every):
+                status.update(f"{what} ({time.perf_counter() - start:.0f} s)")
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -256,8 +283,9 @@ def measure_emitted(workload: Workload, fast, lowered) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sd15_plan_") as scratch:
         dump = Path(scratch) / "dump"
         try:
-            report = xla_target.compile_for_h100(ft.partial(emitted_per_call, fast), prepared, *workload.args,
-                                                 keep_dump=dump)
+            with waiting(f"{workload.name}: compiling our executable for an H100"):
+                report = xla_target.compile_for_h100(ft.partial(emitted_per_call, fast), prepared, *workload.args,
+                                                     keep_dump=dump)
         except RuntimeError as error:
             message = str(error)
             kernel = _failing_kernel(message, names)
@@ -287,7 +315,8 @@ def measure_xla(workload: Workload) -> tuple[dict[str, Any], str | None]:
     cpu = _children_cpu_seconds()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", xla_target.XlaTargetWarning)
-        report = xla_target.compile_for_h100(workload.fn, *workload.args)
+        with waiting(f"{workload.name}: compiling jax.jit for an H100"):
+            report = xla_target.compile_for_h100(workload.fn, *workload.args)
     if report is None:
         reasons = [str(w.message) for w in caught if issubclass(w.category, xla_target.XlaTargetWarning)]
         return {}, "; ".join(reasons) or "XLA H100 target unavailable"

@@ -257,3 +257,18 @@ def test_optimizer_stats_reach_the_report(monkeypatch, capsys):
     assert row["optimize_seconds"] == {"lift": 0.5, "saturate": 1.0, "extract": 0.25}
     assert row["extractor"] == "greedy" and row["limit_reached"] == "node_limit"
     assert row["xla_kernels"] is None and row["winner_kernels"] is None
+
+
+def test_long_compiles_show_a_ticking_status_on_a_terminal_only(monkeypatch, capsys):
+    import sys
+    import time
+
+    with compare.waiting("compiling", every=0.01):  # not a terminal: nothing printed
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    updates = []
+    monkeypatch.setattr("rich.status.Status.update", lambda self, text: updates.append(text))
+    with compare.waiting("compiling", every=0.01):
+        time.sleep(0.1)
+    assert updates and all(text.startswith("compiling (") and text.endswith(" s)") for text in updates)
