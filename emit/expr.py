@@ -65,6 +65,8 @@ from jax import lax
 
 from eqsat.lift import CONVERT, apply_binary
 from eqsat.term import Term
+from eqsat.tiling.partials import MERGE_BLOCK_ELEMENTS, merge_block_tiles  # shared with the cost model
+from eqsat.tiling.reshape import reshape_groups
 from eqsat.types import ints, parse_type
 
 IndexEntry = Union[int, jax.Array]
@@ -194,22 +196,7 @@ def grid_index(shape: Sequence[int]) -> Index:
         for axis, size in enumerate(shape))
 
 
-def _reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Pair up axes of `src` and `dst` (size-1 axes left out) into groups of equal element count."""
-    a = [i for i, n in enumerate(src) if n != 1]
-    b = [i for i, n in enumerate(dst) if n != 1]
-    groups, i, j = [], 0, 0
-    while i < len(a) or j < len(b):
-        ga, gb = [a[i]], [b[j]]
-        pa, pb = src[a[i]], dst[b[j]]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa < pb:
-                ga.append(a[i]); pa *= src[a[i]]; i += 1
-            else:
-                gb.append(b[j]); pb *= dst[b[j]]; j += 1
-        groups.append((ga, gb))
-    return groups
+_reshape_groups = reshape_groups
 
 
 def reshape_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
@@ -545,18 +532,6 @@ def partials_layout(statistic: Term, size: int) -> tuple[int, int, int] | None:
         raise ValueError(f"a buffer of {size} elements is neither {statistic.ty} nor per-tile partials "
                          f"of that {op} statistic ([tiles, {fields}, {slots}])")
     return size // (fields * slots), fields, slots
-
-
-# Elements (tiles of a block x lanes) a reader's merge of per-tile partials loads at once.
-MERGE_BLOCK_ELEMENTS = 4096
-
-
-def merge_block_tiles(tiles: int, lanes: int, budget: int = MERGE_BLOCK_ELEMENTS) -> int:
-    """TB, the tiles `merge_partials_at` loads per step for a point of `lanes` elements: the largest
-    power of two with TB * lanes <= `budget` (at least 1), no more than `tiles` rounded up to one."""
-    cap = max(1, budget // max(1, lanes))
-    cap = 1 << (cap.bit_length() - 1)
-    return max(1, min(1 << max(0, (tiles - 1).bit_length()), cap))
 
 
 def chan_merge(a, b):

@@ -40,8 +40,8 @@ import json
 from dataclasses import dataclass, field
 
 from eqsat.cost import Cost, get_device, hosted_cost, hosted_reductions, kernel_cost, kernel_reads, kernels as kernel_order
-from eqsat.cost.merges import finalize_cost, finished_statistics, partials_bytes
-from eqsat.cost.roofline import merge_cost
+from eqsat.cost.merges import finalize_cost, partials_bytes
+from eqsat.cost.roofline import finished_statistics, merge_cost
 from extract.drawing import plan_to_dot, render
 
 KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque", "finalize")

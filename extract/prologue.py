@@ -230,7 +230,7 @@ def prologue_charge(graph, costs: NodeCosts, prologue: ConvPrologue,
 def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: float, resolve) -> float:
     """What a conv reading the hosted statistic e-node `statistic` at `lanes` merge lanes pays for
     it: the merge in place, or at most finishing it once (the plan finishes it when that prices
-    lower: `eqsat.cost.merges.finished_statistics`; exact for a statistic with one reader). Its
+    lower: `eqsat.cost.roofline.finished_statistics`; exact for a statistic with one reader). Its
     tiles are those of its producer when that is a conv (`merges.conv_host_tiles`)."""
     children, literals = graph.node_children[statistic], graph.node_literals[statistic]
     op, ty = literals[1], literals[4]

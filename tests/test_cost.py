@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import eqsat
 from eqsat import lang
 from eqsat.conv_params import ConvParams
 from eqsat.cost import (
@@ -50,6 +53,44 @@ def test_the_cost_model_mirrors_the_language_and_never_imports_egglog():
     assert roofline.LEAF_OPS == lang.LEAF_TENSOR_OPS
     assert roofline.KNOWN_OPS == set(lang.OPS) | {"Ref"}
     code = "import eqsat.cost, sys; assert 'egglog' not in sys.modules, 'egglog imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# The cost model's modules, bottom first: each imports only modules before it (issue 21's house).
+COST_LAYERS = ("devices", "hosting", "terms", "tiles", "partials", "work", "prologues", "merges", "roofline")
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, inside a function) for every import statement of the file at `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.module, node.col_offset > 0)] + [(f"{node.module}.{a.name}", node.col_offset > 0)
+                                                             for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.col_offset > 0) for a in node.names]
+    return found
+
+
+def test_the_cost_model_and_the_tilings_import_downward_only():
+    """`eqsat.cost` reads the templates' tilings from `eqsat.tiling` (never from `emit`), its modules
+    import one way (`COST_LAYERS`), and no import hides in a function; `eqsat.tiling` is pure
+    arithmetic on shapes (no jax). Importing both loads neither jax nor the emitters."""
+    root = Path(eqsat.__file__).parent
+    assert sorted(p.stem for p in (root / "cost").glob("*.py") if p.stem != "__init__") == sorted(COST_LAYERS)
+    for package in ("cost", "tiling"):
+        for path in (root / package).glob("*.py"):
+            for module, inside in _imports(path):
+                assert not inside, f"{path.name} imports {module} inside a function"
+                assert not module.startswith(("emit", "extract", "jax", "driver", "measure")), (path.name, module)
+                if package == "tiling":
+                    assert not module.startswith("eqsat.cost"), (path.name, module)
+                if package == "cost" and path.stem != "__init__" and module.startswith("eqsat.cost."):
+                    lower = module.split(".")[2]
+                    if lower in COST_LAYERS:
+                        assert COST_LAYERS.index(lower) < COST_LAYERS.index(path.stem), f"{path.stem} imports {lower}"
+    code = ("import sys, eqsat.cost, eqsat.tiling.conv, eqsat.tiling.matmul, eqsat.tiling.attention, "
+            "eqsat.tiling.partials; bad = [m for m in ('jax', 'emit') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

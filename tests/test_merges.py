@@ -131,7 +131,7 @@ def test_a_statistic_read_by_a_pointwise_kernel_merged_in_place_or_finished_once
 
     if share_limit is not None:
         monkeypatch.setattr(extract.plan, "finished_statistics",
-                            lambda *args: merges.finished_statistics(*args, share_limit=share_limit))
+                            lambda *args: roofline.finished_statistics(*args, share_limit=share_limit))
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(2, 5, 7, 6)).astype(np.float32))
     w = jnp.asarray((0.1 * rng.normal(size=(3, 3, 6, 6))).astype(np.float32))
@@ -222,7 +222,7 @@ def test_a_conv_readers_merge_runs_once_per_program_and_channel_chunk():
     assert merges.merge_lanes(pointwise, statistic) == math.prod(shape)
     assert merges.reader_merge_flops(pointwise, statistic) / roofline.get_device("h100").peak_fp32 \
         > 5 * merges.finalize_cost(statistic).seconds
-    finished = merges.finished_statistics([host, pointwise], {statistic: [host]})
+    finished = roofline.finished_statistics([host, pointwise], {statistic: [host]})
     assert finished == {statistic}
 
 
@@ -286,7 +286,7 @@ def test_a_plan_with_a_finalize_kernel_compiles_for_an_h100_to_its_kernels_only(
     from measure.xla_target import compile_for_h100
 
     monkeypatch.setattr(extract.plan, "finished_statistics",
-                        lambda *args: merges.finished_statistics(*args, share_limit=0.0))
+                        lambda *args: roofline.finished_statistics(*args, share_limit=0.0))
     shapes, dt = jax.ShapeDtypeStruct, jnp.float16
 
     def fn(x, w0, w1):

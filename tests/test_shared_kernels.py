@@ -103,11 +103,11 @@ def test_finalize_kernels_finish_from_partials_when_shared(monkeypatch):
     import emit
     import emit.pallas.partials as partials
     import extract.plan
-    from eqsat.cost import merges
+    from eqsat.cost import roofline
     from jax import lax
 
     monkeypatch.setattr(extract.plan, "finished_statistics",
-                        lambda *a: merges.finished_statistics(*a, share_limit=0.0))
+                        lambda *a: roofline.finished_statistics(*a, share_limit=0.0))
     finalized = []
     original = partials.finalize
     monkeypatch.setattr(partials, "finalize", lambda *a, **k: finalized.append(k["name"]) or original(*a, **k))

@@ -54,45 +54,14 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
-from emit.pallas.matmul import MIN_DOT_BLOCK, check_dot_dtypes, store
+from emit.pallas.matmul import MIN_DOT_BLOCK, check_dot_dtypes, store  # noqa: F401 (importable from here)
+from eqsat.tiling.attention import (  # the tiling, shared with the cost model
+    AttentionBlocks, head_pieces, key_loop_trips, tail_width)
 from eqsat.types import parse_type
 
 Index = tuple[Any, Any, Any, Any]
 OperandFn = Callable[[Sequence[Any], Index, Any], jax.Array]
 EpilogueFn = Callable[[Sequence[Any], jax.Array, Index, Any], jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionBlocks:
-    """Tile sizes (powers of two, >= 16) and launch parameters of one attention kernel."""
-
-    block_q: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-    @classmethod
-    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys
-        and a warpgroup (4 warps) per 64 query rows: 256 rows from 4096 queries (heads up to 128
-        lanes: at 16 warps ptxas has 128 registers, and a 160-lane accumulator spills), 128 from
-        1024 (the k/v loads per score shrink with the rows while the grid still fills the GPU),
-        else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
-        sequences."""
-        width = sum(w for _, w in head_pieces(head_dim))
-        if width > 256:
-            block_q, block_k, warps = 64, 32, 8
-        else:
-            block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
-            block_k, warps = 64, block_q // 16
-        return cls(min(block_q, max(MIN_DOT_BLOCK, tr.next_pow2(q_len))),
-                   min(block_k, max(MIN_DOT_BLOCK, tr.next_pow2(kv_len))), num_warps=warps)
-
-    def validate(self) -> None:
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if value < MIN_DOT_BLOCK or value != tr.next_pow2(value):
-                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,34 +93,11 @@ class AttentionProblem:
 LOG2_E = math.log2(math.e)
 
 
-def key_loop_trips(kv_len: int, block_k: int) -> int:
-    """Key blocks the kernel's loop runs: the full ones (a partial last block runs once after it)."""
-    return kv_len // block_k
-
-
 def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
     """Whether scores go straight to base 2 (`s · scale·log2 e`, one FMA with the max) rather than
     through natural-base scores: without a bias, and when the base-2 scale is at most 1 so that no
     finite `s · scale` overflows (a bias of -3e38 times log2 e would be -inf: those stay natural)."""
     return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
-
-
-def tail_width(kv_len: int, block_k: int) -> int:
-    """Key slots of the partial last block: the leftover keys rounded up to a power of two >= 16
-    (77 keys in blocks of 64: one block of 64 and a tail of 16 slots, not 128)."""
-    return max(MIN_DOT_BLOCK, tr.next_pow2(kv_len % block_k))
-
-
-def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
-    """`(offset, width)` pieces of the head dim, powers of two >= 16 covering it (rounded up to 16):
-    40 -> 32+16, 80 -> 64+16, 160 -> 128+32, 64 -> 64. The dots and the accumulator run per piece,
-    so a head of 160 multiplies and holds 160 lanes, not 256."""
-    total = -(-head_dim // MIN_DOT_BLOCK) * MIN_DOT_BLOCK
-    pieces, offset = [], 0
-    for width in sorted((1 << bit for bit in range(total.bit_length()) if total >> bit & 1), reverse=True):
-        pieces.append((offset, width))
-        offset += width
-    return tuple(pieces)
 
 
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):

@@ -55,9 +55,11 @@ expression computes per (batch, channel) (GroupNorm's scale and shift, the merge
 statistic's partials) does not vary over a tile: it is evaluated once per chunk at pixel (0, 0)
 (`emit.expr.CompiledExpr.hoist`) and reused at every tap, on a [1, block_k] tile.
 
-Cost: per output-channel tile, a 3×3 conv evaluates its per-pixel prologue for each input row
-of each tile at each column tap, and its per-(batch, channel) part once per program and chunk;
-`eqsat.cost.roofline` charges exactly that (`conv_tile`, `conv_prologue_evaluations`,
+Tiling: the geometry (`ConvGeometry`), K ranges (`KRange`), tiles (`ConvConfig`) and grid are
+`eqsat.tiling.conv`'s (importable from here too), which the cost model reads as well. Cost: per
+output-channel tile, a 3×3 conv evaluates its per-pixel prologue for each input row of each tile
+at each column tap, and its per-(batch, channel) part once per program and chunk;
+`eqsat.cost.tiles` charges exactly that (`conv_tile`, `conv_prologue_evaluations`,
 `ConvPrograms`; tests/test_emit_conv.py checks the tile and the count agree).
 """
 
@@ -81,6 +83,9 @@ from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
+from eqsat.tiling.conv import (  # the tiling, shared with the cost model; importable from here too
+    DEFAULT_BLOCK_K, DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, MAX_TILE_ROWS, MIN_BLOCK, ConvConfig,
+    ConvGeometry, KRange, grid, output_channel_tiles, output_tile)
 from eqsat.types import format_type, ints, parse_type
 
 # (refs, index, mask) -> tile: an operand expression evaluated at an index tile. `refs` are the
@@ -89,92 +94,10 @@ OperandFn = Callable[[Sequence, tuple, jax.Array], jax.Array]
 # (refs, acc, index, mask) -> output tile: the epilogue over the fp32 accumulator tile.
 EpilogueFn = Callable[[Sequence, jax.Array, tuple, jax.Array], jax.Array]
 
-DEFAULT_BLOCK_M = 128
-DEFAULT_BLOCK_N = 128
-DEFAULT_BLOCK_K = 64
-DEFAULT_BLOCK_W = 64
-MAX_TILE_ROWS = 4  # each row of a tile is unrolled: more rows, fewer recomputes, longer compiles
-MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
-
-
 next_pow2 = triton.next_pow2
 
 
-# --- geometry ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConvGeometry:
-    """The static shape of one 2-D convolution, read through its dimension numbers."""
-
-    params: ConvParams
-    lhs_shape: tuple[int, ...]
-    rhs_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-
-    def __post_init__(self):
-        p = self.params
-        if len(p.strides) != 2 or len(self.lhs_shape) != 4:
-            raise ValueError(f"the conv template handles 2-D convolutions; got {len(p.strides)} spatial dims")
-        if any(d != 1 for d in p.lhs_dilation):
-            raise ValueError(f"lhs_dilation={p.lhs_dilation} (a transposed conv) is not supported")
-        if p.feature_groups != 1 or p.batch_groups != 1:
-            raise ValueError(f"grouped convs are not supported ({p.feature_groups=}, {p.batch_groups=})")
-        if self.rhs_shape[p.rhs_spec[1]] != self.in_features:
-            raise ValueError(f"weight in-features {self.rhs_shape[p.rhs_spec[1]]} != input features {self.in_features}")
-        expected = [0] * 4
-        expected[p.out_spec[0]], expected[p.out_spec[1]] = self.batch, self.out_features
-        for axis, size in zip(p.out_spec[2:], self._spatial_out()):
-            expected[axis] = size
-        if tuple(expected) != tuple(self.out_shape):
-            raise ValueError(f"output shape {self.out_shape} does not match the conv's {tuple(expected)}")
-
-    def _spatial_out(self) -> tuple[int, int]:
-        p = self.params
-        sizes = []
-        for i in range(2):
-            span = (self.window[i] - 1) * p.rhs_dilation[i] + 1
-            padded = self.in_size[i] + p.padding[i][0] + p.padding[i][1]
-            sizes.append(max((padded - span) // p.strides[i] + 1, 0))
-        return tuple(sizes)
-
-    @property
-    def batch(self) -> int:
-        return self.lhs_shape[self.params.lhs_spec[0]]
-
-    @property
-    def in_features(self) -> int:
-        return self.lhs_shape[self.params.lhs_spec[1]]
-
-    @property
-    def out_features(self) -> int:
-        return self.rhs_shape[self.params.rhs_spec[0]]
-
-    @property
-    def in_size(self) -> tuple[int, int]:
-        return tuple(self.lhs_shape[a] for a in self.params.lhs_spec[2:])
-
-    @property
-    def window(self) -> tuple[int, int]:
-        return tuple(self.rhs_shape[a] for a in self.params.rhs_spec[2:])
-
-    @property
-    def out_size(self) -> tuple[int, int]:
-        return tuple(self.out_shape[a] for a in self.params.out_spec[2:])
-
-    @property
-    def pixels(self) -> int:
-        """Output pixels: the GEMM's M."""
-        return self.batch * self.out_size[0] * self.out_size[1]
-
-    @property
-    def image_pixels(self) -> int:
-        """Output pixels of one image (an M tile never spans two images)."""
-        return math.prod(self.out_size)
-
-    @property
-    def taps(self) -> int:
-        return self.window[0] * self.window[1]
+# --- index placement ------------------------------------------------------------------------
 
 
 def _place(spec: Sequence[int], values: Sequence) -> tuple:
@@ -183,82 +106,6 @@ def _place(spec: Sequence[int], values: Sequence) -> tuple:
     for axis, value in zip(spec, values):
         index[axis] = value
     return tuple(index)
-
-
-# --- K ranges and tiles -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KRange:
-    """Consecutive input channels with their own operand closures.
-
-    `lhs` is evaluated at an index of the conv's lhs axes whose feature entry counts from the
-    range's first channel (0..channels-1); `rhs` at an index of the weight's axes with the same
-    local in-feature and window taps counted from `taps`' first row/column. `taps` is the part of
-    the window with nonzero weights, `((ky0, ky1), (kx0, kx1))` half-open; None is all of it.
-    """
-
-    channels: int
-    lhs: OperandFn
-    rhs: OperandFn
-    taps: tuple[tuple[int, int], tuple[int, int]] | None = None
-    # (refs, index, mask) -> what `lhs` computes per (batch, channel), evaluated once per channel
-    # chunk at pixel (0, 0) and passed to `lhs(..., hoisted=)` at every tap; None: nothing hoisted.
-    hoist: Callable | None = None
-
-    def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
-        (kh, kw) = geometry.window
-        taps = self.taps if self.taps is not None else ((0, kh), (0, kw))
-        (y0, y1), (x0, x1) = taps
-        if not (0 <= y0 < y1 <= kh and 0 <= x0 < x1 <= kw):
-            raise ValueError(f"K range taps {taps} outside the {kh}x{kw} window")
-        return taps
-
-
-@dataclass(frozen=True)
-class ConvConfig:
-    """Tile sizes (powers of two, >= 16) and Triton launch parameters."""
-
-    block_m: int = DEFAULT_BLOCK_M
-    block_n: int = DEFAULT_BLOCK_N
-    block_k: int = DEFAULT_BLOCK_K
-    num_warps: int = 4
-    num_stages: int = 3
-    block_w: int = DEFAULT_BLOCK_W
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "block_w"):
-            value = getattr(self, name)
-            if value < MIN_BLOCK or value != next_pow2(value):
-                raise ValueError(f"{name}={value} must be a power of two >= {MIN_BLOCK}")
-
-    def tile(self, geometry: ConvGeometry) -> tuple[int, int]:
-        """(rows, columns) of a program's output tile: `block_w` columns (a power of two >= 16, the
-        dots' M) and up to block_m // block_w rows (at most `MAX_TILE_ROWS`) of one image, each its
-        own accumulator."""
-        out_h, out_w = geometry.out_size
-        width = min(self.block_m, self.block_w, max(MIN_BLOCK, next_pow2(out_w)))
-        return max(1, min(self.block_m // width, MAX_TILE_ROWS, out_h)), width
-
-    @classmethod
-    def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
-        """128-pixel × 128-channel output tiles and 64-channel K chunks, shrunk to fit small convs.
-        Software pipelining over 2 stages for one K range, none for several: each column tap loads
-        every input row of the tile and the weights of every row tap, and a kernel with a skip
-        concat or a merged shortcut has a loop per K range (with 3 stages everywhere, one of the
-        UNet step's convs asked for 300 KB of shared memory; an H100 has 227 KB)."""
-        widest = max((r.channels for r in ranges), default=geometry.in_features)
-        block_m = DEFAULT_BLOCK_M
-        block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
-        block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
-        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-        return cls(block_m, block_n, block_k, num_warps, num_stages=2 if len(ranges) <= 1 else 1)
-
-
-def output_channel_tiles(out_features: int, block_n: int = DEFAULT_BLOCK_N) -> int:
-    """Output-channel tiles of the default config for `out_features` channels (the template
-    evaluates its input once more per tile; `eqsat.cost.roofline.conv_output_tiles` agrees)."""
-    return -(-out_features // min(block_n, max(MIN_BLOCK, next_pow2(out_features))))
 
 
 # --- kernel -----------------------------------------------------------------------------------
@@ -386,10 +233,7 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
 # --- build ------------------------------------------------------------------------------------
 
 
-def _grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
-    th, tw = config.tile(geometry)
-    out_h, out_w = geometry.out_size
-    return (geometry.batch * pl.cdiv(out_h, th) * pl.cdiv(out_w, tw), pl.cdiv(geometry.out_features, config.block_n))
+_grid = grid
 
 
 def tile_pixels(geometry: ConvGeometry, config: ConvConfig) -> list[np.ndarray]:

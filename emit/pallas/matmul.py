@@ -58,6 +58,8 @@ from emit.pallas.contiguous import ContiguousMemory, masked_store
 from emit.pallas.partials import Partials, copy_prefix
 from eqsat.lift import CONVERT
 from eqsat.term import Term, postorder
+from eqsat.tiling import MIN_DOT_BLOCK  # Triton's tl.dot needs every dimension >= 16
+from eqsat.tiling.matmul import MatmulBlocks  # the tiles, shared with the cost model
 from eqsat.types import ints, parse_type
 
 Index = tuple[Any, Any, Any]
@@ -65,33 +67,6 @@ PrepassFn = Callable[[Sequence[Any], Any, jax.Array, jax.Array], Any]
 LhsFn = Callable[[Sequence[Any], Index, Any, Any], jax.Array]
 RhsFn = Callable[[Sequence[Any], Index, Any], jax.Array]
 EpilogueFn = Callable[[Sequence[Any], jax.Array, Index, Any], jax.Array]
-MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every dimension >= 16
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulBlocks:
-    """Tile sizes (powers of two, >= 16) and launch parameters of one matmul kernel."""
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
-
-    @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> "MatmulBlocks":
-        """64x64x32 tiles (128x128 for large problems), shrunk to small dimensions."""
-        large = m >= 1024 and n >= 256
-        block_m = min(128 if large else 64, max(MIN_DOT_BLOCK, tr.next_pow2(m)))
-        block_n = min(128 if large else 64, max(MIN_DOT_BLOCK, tr.next_pow2(n)))
-        block_k = min(32, max(MIN_DOT_BLOCK, tr.next_pow2(k)))
-        return cls(block_m, block_n, block_k, num_warps=8 if large else 4, num_stages=3 if large else 2)
-
-    def validate(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < MIN_DOT_BLOCK or value != tr.next_pow2(value):
-                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
 
 
 @dataclasses.dataclass(frozen=True)

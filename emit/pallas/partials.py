@@ -52,46 +52,11 @@ from jax.experimental import pallas as pl
 from emit.expr import evaluate_whole, merge_partials_at, partials_layout
 from emit.pallas import triton
 from eqsat.term import Term
+from eqsat.tiling.partials import (  # the merge's blocking, shared with the cost model
+    FINALIZE_BLOCK_TILES, FINALIZE_WARPS, FinalizeConfig)
 from eqsat.types import parse_type
 
 COPY_BLOCK = 1024  # elements a program copies per step of `copy_prefix`
-FINALIZE_BLOCK_TILES = 1024  # tiles a `finalize` program loads per merge step (its merge's budget)
-FINALIZE_WARPS = 4  # warps of a `finalize` program: 1024 tiles / 128 threads = 8 tiles per thread
-
-
-@dataclass(frozen=True)
-class FinalizeConfig:
-    """How `finalize` runs a statistic of `slots` outputs over `tiles` partial rows: one program per
-    slot, `block_tiles` tiles per serial step on `num_warps` warps (the cost model's
-    `eqsat.cost.merges.finalize_cost` prices exactly this)."""
-
-    tiles: int
-    slots: int
-    fields: int
-    block_tiles: int
-    num_warps: int = FINALIZE_WARPS
-
-    @classmethod
-    def of(cls, tiles: int, fields: int, slots: int) -> "FinalizeConfig":
-        from emit.expr import merge_block_tiles
-
-        return cls(tiles, slots, fields, merge_block_tiles(tiles, 1, FINALIZE_BLOCK_TILES))
-
-    @property
-    def programs(self) -> int:
-        return self.slots
-
-    @property
-    def steps(self) -> int:
-        """Serial merge steps of a program."""
-        return -(-self.tiles // self.block_tiles)
-
-    @property
-    def loads_per_thread(self) -> int:
-        """Partial values one thread loads over all its steps (each step: its share of the block's
-        tiles, every field)."""
-        threads = 32 * self.num_warps
-        return self.steps * self.fields * -(-self.block_tiles // threads)
 
 
 @dataclass(frozen=True)

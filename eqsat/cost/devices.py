@@ -14,7 +14,7 @@ the readers merge (`eqsat.cost.roofline`).
 
 `h100-calibrated` and `h200-calibrated` are what our Pallas templates reach of those peaks, fitted
 to the per-kernel times measured on an H200 (`eqsat.cost.work`: `MEMORY_FACTOR` times the
-data-sheet time per byte, `ALU_FACTOR` per vector flop, and per template its MMA factor and
+data-sheet time per byte, `ALU_FACTOR` per vector flop (both here), and per template its MMA factor and
 serial-step time on the MMA instruction and padded tiles its configuration runs). `h100` (what
 planning uses by default) and `h200` are the data sheet alone (useful flops at the peak, every byte
 at full bandwidth): extraction on `h100-calibrated` finds a UNet plan that the calibrated model
@@ -28,6 +28,12 @@ the default until extraction's objective agrees with the plan's pricing there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# A calibrated device's time per byte and per vector flop as multiples of the data sheet's, one
+# number for every kernel (fitted with `eqsat.cost.work.TEMPLATE_FACTORS` by
+# `python -m benchmarks.calibration --fit`: both at their lower bound, the data-sheet rates).
+MEMORY_FACTOR = 1.0
+ALU_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,14 +52,10 @@ class Device:
 
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds to move `nbytes` to or from HBM in our kernels."""
-        from eqsat.cost.work import MEMORY_FACTOR
-
         return nbytes * (MEMORY_FACTOR if self.calibrated else 1.0) / self.hbm_bandwidth
 
     def vector_seconds(self, flops: float) -> float:
         """Seconds of `flops` of elementwise (fp32 vector) work in our kernels."""
-        from eqsat.cost.work import ALU_FACTOR
-
         return flops * (ALU_FACTOR if self.calibrated else 1.0) / self.peak_fp32
 
     def peak(self, dtype: str, dense: bool) -> float:

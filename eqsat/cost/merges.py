@@ -37,8 +37,8 @@ element, against the ~20 of a GroupNorm + SiLU apply; at the UNet's T = 40..512 
 conv template's hoist), a GroupNorm statistic costs its conv reader 5-30 % of the conv. Why not
 only the second: a launch (4 µs on an H100) is more than merging a row statistic of a few N tiles
 in a matmul's pre-pass (0.1 µs) or a GroupNorm statistic in a small conv's hoist (1-3 µs). So the
-model chooses per statistic (`finished_statistics`): it is finished once when that costs less
-than its readers' merges, or when a reader cannot merge (it reads finished values, or the
+plan chooses per statistic (`eqsat.cost.roofline.finished_statistics`, which prices the readers
+with this module): it is finished once when that costs less than its readers' merges, or when a reader cannot merge (it reads finished values, or the
 statistic is a plan output). At full size a pointwise or attention reader's merge always prices
 above a finalize. With `share_limit=MERGE_SHARE_GOAL` it is also finished when a reader would spend
 more than 2 % of its modeled time merging it (the issue's bound on merge work; measured on the
@@ -51,16 +51,18 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterable, Sequence
 
+from eqsat.cost.devices import get_device
+from eqsat.cost.partials import (  # noqa: F401 (the partials' geometry, importable from here as before)
+    INSTRUCTION_FLOPS, MERGE_INSTRUCTIONS, conv_host_tiles, fields, host_tiles, merge_flops_per_lane,
+    partials_bytes, statistic_slots, statistic_tiles)
+from eqsat.cost.prologues import conv_prologue_work
+from eqsat.cost.terms import PARTIAL_FIELDS, Cost, kernel_body, nbytes_of, size_of
+from eqsat.cost.tiles import MatmulShape, matmul_shape  # noqa: F401
+from eqsat.cost.work import finalize_work_of, mma_seconds
+from eqsat.tiling.reshape import reshape_groups
 from eqsat.types import ints, parse_type
 
-# Instructions per (lane, tile) of a reader's merge (`emit.expr.merge_partials_at`): moments load
-# three fields and run the shifted two-pass block reduction and Chan's step (27 in the PTX of the
-# compiled UNet); a sum loads one field and adds it.
-MERGE_INSTRUCTIONS = {"sum": 4, "moments": 27}
-# Flops one instruction costs at the fp32 vector peak (which counts an FMA as two flops).
-INSTRUCTION_FLOPS = 2
 # The issue's bound on merge work: 2 % of a reader's modeled time. `finished_statistics` enforces it
 # when asked (`share_limit`); by default the model finishes a statistic only where that prices lower.
 MERGE_SHARE_GOAL = 0.02
@@ -71,60 +73,11 @@ ATTENTION_BLOCK_Q = 64
 FINISHED_READERS = frozenset({"Gather", "Opaque", "Loop", "AssignScatter", "EpilogueReduce"})
 
 
-def _size(ty) -> int:
-    return parse_type(ty).size if ty else 0
-
-
-def statistic_slots(statistic) -> int:
-    """Outputs (slots) of an `EpilogueReduce`: its kept elements (`moments`: per row pair)."""
-    shape = parse_type(statistic.ty).shape
-    return max(1, math.prod(shape[1:] if statistic.args[1] == "moments" else shape))
-
-
-def fields(statistic) -> int:
-    from eqsat.cost.roofline import PARTIAL_FIELDS
-
-    return PARTIAL_FIELDS.get(statistic.args[1], 1)
-
-
-def host_tiles(host, statistic) -> int:
-    """The partial rows `host` writes for `statistic`, as its template tiles it: a conv writes one
-    row per program (batch · spatial tiles · output-channel tiles), or per output-channel tile when
-    every pixel is its own slot (a row statistic: `emit.pallas.conv._Layout.per_row`); a matmul one
-    per N tile (`emit.pallas.matmul.MatmulBlocks`); other hosts one per `PARTIAL_TILE` elements."""
-    from eqsat.cost import roofline
-
-    if host.op == "Conv":
-        lhs, _rhs, params, _epilogue, ty = host.args
-        return conv_host_tiles(lhs.ty, params, ty, statistic_slots(statistic))
-    if host.op == "Matmul":
-        return matmul_shape(host).n_tiles
-    return roofline.partial_tiles(statistic.args[2].ty)
-
-
-def conv_host_tiles(lhs_ty: str, params: str, out_ty: str, slots: int) -> int:
-    """The partial rows a conv host writes for a statistic of `slots` outputs (`host_tiles`)."""
-    from eqsat.conv_params import ConvParams
-    from eqsat.cost import roofline
-
-    p = ConvParams.parse(params)
-    out = parse_type(out_ty).shape
-    cout = out[p.out_spec[1]]
-    n_tiles = roofline.conv_output_tiles(cout)
-    if slots == math.prod(out) // max(cout, 1):  # every pixel its own slot
-        return n_tiles
-    return out[p.out_spec[0]] * roofline.ConvPrograms.of(lhs_ty, params, out_ty, cout).tiles * n_tiles
-
-
 def finalize_seconds(op: str, statistic_ty: str, tiles: int, device="h100") -> float:
     """`finalize_cost(...).seconds` from types: a statistic of type `statistic_ty` with `tiles` rows."""
-    from eqsat.cost.devices import get_device
-
     device = get_device(device)
     shape = parse_type(statistic_ty).shape
     slots = max(1, math.prod(shape[1:] if op == "moments" else shape))
-    from eqsat.cost.roofline import PARTIAL_FIELDS
-
     nbytes = tiles * PARTIAL_FIELDS.get(op, 1) * slots * 4 + math.prod(shape) * 4
     flops = slots * merge_flops_per_lane(op, tiles)
     return device.launch_overhead + device.memory_seconds(nbytes) + device.vector_seconds(flops) \
@@ -133,66 +86,10 @@ def finalize_seconds(op: str, statistic_ty: str, tiles: int, device="h100") -> f
 
 def _finalize_serial_seconds(tiles: int, fields: int, slots: int, device) -> float:
     """The finalize template's serial steps on a calibrated device (`eqsat.cost.work`)."""
-    from eqsat.cost.work import finalize_work_of, mma_seconds
-
     return mma_seconds(finalize_work_of(tiles, fields, slots), device)
 
 
-def statistic_tiles(statistic) -> int:
-    """`tiles` of a statistic's partials: the rows all its hosts write (`host_tiles`), or the
-    `PARTIAL_TILE` estimate when it is not hosted."""
-    from eqsat.cost.hosting import hosts_of
-
-    hosts = hosts_of(statistic)
-    if not hosts:
-        from eqsat.cost.roofline import partial_tiles
-
-        return partial_tiles(statistic.args[2].ty)
-    return max(1, sum(host_tiles(h, statistic) for h in hosts))
-
-
-def partials_bytes(statistic) -> float:
-    """Bytes of the partials buffer its hosts write: `tiles × fields × slots × 4`."""
-    return float(statistic_tiles(statistic) * fields(statistic) * statistic_slots(statistic) * 4)
-
-
-def merge_flops_per_lane(op: str, tiles: int) -> float:
-    """Flops of one lane merging `tiles` partial rows."""
-    return float(MERGE_INSTRUCTIONS.get(op, MERGE_INSTRUCTIONS["sum"]) * INSTRUCTION_FLOPS * tiles)
-
-
 # --- how many lanes a reader's template merges ---------------------------------------------------
-
-
-class MatmulShape:
-    """batch, M, N, K of a `Matmul` term and the template's tiles (`emit.pallas.matmul.MatmulBlocks`)."""
-
-    def __init__(self, lhs_ty: str, rhs_ty: str, dims: str):
-        lhs_shape, rhs_shape = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape
-        lhs_contract, _rhs_contract, lhs_batch, _rhs_batch = (
-            ints(part) if part else () for part in (dims.split(";") + ["", "", "", ""])[:4])
-        self.lhs_contract = lhs_contract
-        self.batch = math.prod(lhs_shape[a] for a in lhs_batch)
-        self.k = math.prod(lhs_shape[a] for a in lhs_contract)
-        self.m = math.prod(lhs_shape) // max(self.batch * self.k, 1)
-        self.n = math.prod(rhs_shape) // max(self.batch * self.k, 1)
-        from emit.pallas.matmul import MatmulBlocks  # the template's own choice of tiles
-
-        blocks = MatmulBlocks.get_default(max(self.m, 1), max(self.n, 1), max(self.k, 1))
-        self.block_m, self.block_n = blocks.block_m, blocks.block_n
-        self.m_tiles = -(-self.m // self.block_m)
-        self.n_tiles = -(-self.n // self.block_n)
-
-
-_MATMUL_SHAPES: dict[int, tuple] = {}
-
-
-def matmul_shape(term) -> MatmulShape:
-    cached = _MATMUL_SHAPES.get(id(term))
-    if cached is None or cached[0] is not term:
-        lhs, rhs, dims, _epilogue, _ty = term.args
-        cached = _MATMUL_SHAPES[id(term)] = (term, MatmulShape(lhs.ty, rhs.ty, dims))
-    return cached[1]
 
 
 def _loaded_lanes(expr, points: float, found: dict) -> None:
@@ -260,12 +157,10 @@ def _moving_with(expr, axes: frozenset) -> set:
                 inner[in_axis] = deps[out_axis]
             stack.append((x, tuple(inner)))
         elif op == "Reshape":
-            from emit.expr import _reshape_groups
-
             x, ty = node.args
             in_shape = parse_type(x.ty).shape
             inner = [frozenset()] * len(in_shape)
-            for out_axes, in_axes in _reshape_groups(tuple(parse_type(ty).shape), tuple(in_shape)):
+            for out_axes, in_axes in reshape_groups(tuple(parse_type(ty).shape), tuple(in_shape)):
                 union = frozenset().union(*(deps[a] for a in out_axes))
                 for a in in_axes:
                     inner[a] = union
@@ -295,44 +190,42 @@ def _add(total: dict, part: dict) -> None:
 def _reader_lanes(reader) -> dict | None:
     """statistic -> lanes for every hosted statistic `reader` loads (see `merge_lanes`), or None
     when its template reads finished values."""
-    from eqsat.cost import roofline
-
     op = reader.op
     if op in FINISHED_READERS:
         return None
     if op == "Pointwise":
-        return _expr_lanes(reader.args[0], _size(reader.ty))
+        return _expr_lanes(reader.args[0], size_of(reader.ty))
     if op in ("AssignStatic", "AssignDynamic"):
         value = reader.args[2]
-        return _expr_lanes(value, _size(value.ty))
+        return _expr_lanes(value, size_of(value.ty))
     if op == "Reduce":
         _op, body, _axes, epilogue, ty = reader.args
-        lanes = _expr_lanes(body, _size(body.ty))
-        _add(lanes, _expr_lanes(epilogue, _size(ty)))
+        lanes = _expr_lanes(body, size_of(body.ty))
+        _add(lanes, _expr_lanes(epilogue, size_of(ty)))
         return lanes
     if op == "Matmul":
         lhs, rhs, _dims, epilogue, ty = reader.args
         shape = matmul_shape(reader)
-        lanes = _expr_lanes(rhs, _size(rhs.ty) * shape.m_tiles)
-        _add(lanes, _expr_lanes(epilogue, _size(ty)))
+        lanes = _expr_lanes(rhs, size_of(rhs.ty) * shape.m_tiles)
+        _add(lanes, _expr_lanes(epilogue, size_of(ty)))
         in_lhs = _expr_lanes(lhs, 1.0)
         if in_lhs:
             moving = _moving_with(lhs, frozenset(shape.lhs_contract))
-            inline = _expr_lanes(lhs, _size(lhs.ty) * shape.n_tiles) if moving else {}
+            inline = _expr_lanes(lhs, size_of(lhs.ty) * shape.n_tiles) if moving else {}
             pre_pass = shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles  # once per program row
             _add(lanes, {s: inline[s] if s in moving else pre_pass for s in in_lhs})
         return lanes
     if op == "Conv":
-        lanes = dict(roofline.conv_prologue_work(reader)[2])
-        _add(lanes, _expr_lanes(reader.args[3], _size(reader.ty)))
+        lanes = dict(conv_prologue_work(reader)[2])
+        _add(lanes, _expr_lanes(reader.args[3], size_of(reader.ty)))
         return lanes
     if op == "Attention":
         q, k, v, bias, _scale, epilogue, ty = reader.args
         q_len = parse_type(q.ty).shape[-2] if len(parse_type(q.ty).shape) >= 2 else 1
         q_blocks = -(-q_len // ATTENTION_BLOCK_Q)
-        lanes = _expr_lanes(q, _size(q.ty))
-        for part, points in ((k, _size(k.ty) * q_blocks), (v, _size(v.ty) * q_blocks), (bias, _size(bias.ty)),
-                             (epilogue, _size(ty))):
+        lanes = _expr_lanes(q, size_of(q.ty))
+        for part, points in ((k, size_of(k.ty) * q_blocks), (v, size_of(v.ty) * q_blocks), (bias, size_of(bias.ty)),
+                             (epilogue, size_of(ty))):
             _add(lanes, _expr_lanes(part, points))
         return lanes
     return None
@@ -372,11 +265,8 @@ def reader_merge_flops(reader, statistic) -> float | None:
 def finalize_cost(statistic, device="h100"):
     """The cost of finishing `statistic` once (`emit.pallas.partials.finalize`): a launch, the
     partials' read, one merge per slot, the finished statistic's write."""
-    from eqsat.cost.devices import get_device
-    from eqsat.cost.roofline import Cost, _nbytes
-
     device = get_device(device)
-    nbytes = partials_bytes(statistic) + _nbytes(statistic.ty)
+    nbytes = partials_bytes(statistic) + nbytes_of(statistic.ty)
     tiles = statistic_tiles(statistic)
     flops = statistic_slots(statistic) * merge_flops_per_lane(statistic.args[1], tiles)
     serial = _finalize_serial_seconds(tiles, fields(statistic), statistic_slots(statistic), device)
@@ -386,49 +276,10 @@ def finalize_cost(statistic, device="h100"):
 
 def statistics_read(kernel) -> list:
     """The hosted-statistic candidates (`EpilogueReduce` terms) `kernel`'s expressions load."""
-    from eqsat.cost.roofline import _kernel_body
-
     found = {}
-    for node, _parent in _kernel_body(kernel):
+    for node, _parent in kernel_body(kernel):
         if node.op == "Load" and node.args[0].op == "EpilogueReduce":
             found[id(node.args[0])] = node.args[0]
     return list(found.values())
 
 
-def finished_statistics(kernels: Sequence, hosting: dict, device="h100", outputs: Iterable = (),
-                        share_limit: float | None = None) -> frozenset:
-    """The hosted statistics (of `hosting`: statistic -> hosts or None) the plan finishes once,
-    `kernels` being the plan's kernel terms: those read by a kernel that cannot merge or by the
-    plan's outputs, and those whose finalize costs less than their readers' merges; with a
-    `share_limit` (e.g. `MERGE_SHARE_GOAL`), also those a reader would spend more than that share
-    of its modeled time merging."""
-    from eqsat.cost.devices import get_device
-    from eqsat.cost.roofline import kernel_cost
-
-    device = get_device(device)
-    readers: dict = {}
-    for kernel in kernels:
-        for statistic in statistics_read(kernel):
-            readers.setdefault(statistic, []).append(kernel)
-    outputs = set(outputs)
-    finished = set()
-    for statistic, hosts in hosting.items():
-        if hosts is None:
-            continue
-        if statistic in outputs:
-            finished.add(statistic)
-            continue
-        merges, over_limit = 0.0, False
-        for reader in readers.get(statistic, ()):
-            flops = reader_merge_flops(reader, statistic)
-            if flops is None:
-                over_limit = True
-                break
-            seconds = device.vector_seconds(flops)
-            merges += seconds
-            if share_limit is not None and seconds > share_limit * kernel_cost(reader, device).seconds:
-                over_limit = True
-                break
-        if over_limit or finalize_cost(statistic, device).seconds < merges:
-            finished.add(statistic)
-    return frozenset(finished)

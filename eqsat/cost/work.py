@@ -4,9 +4,8 @@ The roofline (`eqsat.cost.roofline`) counts a kernel's distinct bytes and its us
 templates execute more: tiles padded to powers of two, an MMA instruction chosen by the tile
 (`wgmma` for a warpgroup tile of >= 64 rows, `mma.sync` below), a grid that fills the 132 SMs in
 waves. `template_work(kernel)` states that work, from the same config objects the emitters use
-(`emit.pallas.matmul.MatmulBlocks`, `emit.pallas.conv.ConvConfig`,
-`emit.pallas.attention.AttentionBlocks`, `emit.pallas.partials.FinalizeConfig`), so the model
-cannot drift from the templates:
+(`eqsat.tiling`: `MatmulBlocks`, `ConvConfig` and the conv `grid`, `AttentionBlocks`,
+`FinalizeConfig`, which `emit.pallas` runs), so the model cannot drift from the templates:
 
 | template | programs | MMA instruction | MMA flops (what the tiles multiply) | serial steps of a program |
 |---|---|---|---|---|
@@ -25,8 +24,8 @@ CTAS_PER_SM is 1: `benchmarks.kernels` read 1 CTA per SM for 80/84 convs, 60/100
 attention kernels of the UNet from ptxas's register counts; the model does not compile.
 
 The counts the roofline already has come from the same place: a conv's prologue evaluations
-(`roofline.conv_prologue_evaluations` over `roofline.conv_tile`, `ConvConfig.tile`), a matmul's A
-prologue per N tile (`merges.matmul_shape`, `MatmulBlocks`); tests/test_cost_work.py checks both
+(`tiles.conv_prologue_evaluations` over `tiles.conv_tile`, `ConvConfig.tile`), a matmul's A
+prologue per N tile (`tiles.matmul_shape`, `MatmulBlocks`); tests/test_cost_work.py checks both
 against the template configs for every kernel of the SD 1.5 plans.
 """
 
@@ -35,6 +34,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from eqsat.conv_params import ConvParams
+from eqsat.cost.devices import ALU_FACTOR, MEMORY_FACTOR  # noqa: F401 (fitted with the factors below)
+from eqsat.cost.partials import fields, statistic_slots, statistic_tiles
+from eqsat.cost.terms import args_of, nonzero_weight_elements, own_flops
+from eqsat.cost.tiles import MatmulShape, conv_parts
+from eqsat.tiling.attention import AttentionBlocks, head_pieces, key_loop_trips, tail_width
+from eqsat.tiling.conv import ConvConfig, ConvGeometry, KRange
+from eqsat.tiling.conv import grid as conv_grid
+from eqsat.tiling.matmul import MatmulBlocks
+from eqsat.tiling.partials import FinalizeConfig
 from eqsat.types import parse_type
 
 SM_COUNT = 132  # H100 SXM and H200: the same 132 SMs at the same clocks
@@ -86,9 +95,6 @@ def matmul_work(term) -> TemplateWork:
 
 
 def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str) -> TemplateWork:
-    from eqsat.cost.merges import MatmulShape
-    from emit.pallas.matmul import MatmulBlocks
-
     shape = MatmulShape(lhs_ty, rhs_ty, dims)
     blocks = MatmulBlocks.get_default(max(shape.m, 1), max(shape.n, 1), max(shape.k, 1))
     programs = shape.batch * shape.m_tiles * shape.n_tiles
@@ -102,21 +108,15 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str) -> TemplateWork:
 def conv_config(term):
     """The conv template's `ConvConfig` and geometry for a `Conv` term, and its K ranges as
     (channels, taps): what `emit.pallas.conv` builds for it."""
-    from eqsat.conv_params import ConvParams
-    from eqsat.cost.roofline import _conv_parts
-
     lhs, rhs, params, _epilogue, ty = term.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
-    parts = _conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window)
+    parts = conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window)
     ranges = [(round(parse_type(part.ty).shape[p.lhs_spec[1]] * fraction), taps) for part, taps, fraction in parts]
     return _conv_config_of(lhs.ty, rhs.ty, params, ty, ranges)
 
 
 def _conv_config_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges):
-    from eqsat.conv_params import ConvParams
-    from emit.pallas.conv import ConvConfig, ConvGeometry, KRange
-
     geometry = ConvGeometry(ConvParams.parse(params), tuple(parse_type(lhs_ty).shape),
                             tuple(parse_type(rhs_ty).shape), tuple(parse_type(out_ty).shape))
     config = ConvConfig.get_default(geometry, [KRange(channels, None, None) for channels, _ in ranges])
@@ -124,11 +124,9 @@ def _conv_config_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges):
 
 
 def conv_work(term) -> TemplateWork:
-    from eqsat.cost.roofline import _args_of, nonzero_weight_elements, own_flops
-
     config, geometry, ranges = conv_config(term)
     return _conv_work(config, geometry, ranges,
-                      own_flops("Conv", _args_of(term), nonzero_weight_elements(term.args[1])))
+                      own_flops("Conv", args_of(term), nonzero_weight_elements(term.args[1])))
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, weight_elements: int | None = None,
@@ -138,9 +136,6 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, weight_elem
     The template also splits K where only the input is a concat; those ranges differ from the
     weight's only in K padding (none when the parts are multiples of block_k, as in SD 1.5).
     Without `ranges`: one range, its taps the nonzero weight elements per channel pair."""
-    from eqsat.conv_params import ConvParams
-    from eqsat.cost.roofline import own_flops
-
     if ranges is None:
         p = ConvParams.parse(params)
         rhs = parse_type(rhs_ty).shape
@@ -155,23 +150,16 @@ def conv_weight_ranges(term) -> list[tuple[int, int]]:
     """A `Conv` term's K ranges as its weight splits them (`(channels, taps)`, a concat of the
     weight's in-features, a zero-padded window): what the cost model prices its MMA over, the same
     on the term and on its e-node (`conv_work_of`)."""
-    from eqsat.conv_params import ConvParams
-    from eqsat.cost.roofline import _conv_parts
-    from eqsat.term import Term
-
     lhs, rhs, params, _epilogue, _ty = term.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
-    plain = Term("Input", "lhs", lhs.ty)  # the input's own concats do not split the weight
     return [(round(parse_type(lhs.ty).shape[p.lhs_spec[1]] * fraction), taps)
-            for _part, taps, fraction in _conv_parts(plain, rhs, p.lhs_spec[1], p.rhs_spec, window)]
+            for _part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window, split_input=False)]
 
 
 def _conv_work(config, geometry, ranges, useful: float) -> TemplateWork:
-    from emit.pallas.conv import _grid
-
     rows, width = config.tile(geometry)
-    programs = math.prod(_grid(geometry, config))
+    programs = math.prod(conv_grid(geometry, config))
     k_padded = sum(taps * _round_up(channels, config.block_k) for channels, taps in ranges)
     steps = sum(taps * -(-channels // config.block_k) for channels, taps in ranges)
     padded = 2.0 * programs * rows * width * config.block_n * k_padded
@@ -184,9 +172,6 @@ def attention_work(term) -> TemplateWork:
 
 
 def attention_work_of(q_ty: str, k_ty: str) -> TemplateWork:
-    from eqsat.cost.roofline import own_flops
-    from emit.pallas.attention import AttentionBlocks, head_pieces, key_loop_trips, tail_width
-
     q_shape, k_shape = parse_type(q_ty).shape, parse_type(k_ty).shape
     q_len, head_dim, kv_len = q_shape[-2], q_shape[-1], k_shape[-2]
     heads = math.prod(q_shape[:-2])
@@ -205,14 +190,10 @@ def attention_work_of(q_ty: str, k_ty: str) -> TemplateWork:
 
 
 def finalize_work(statistic) -> TemplateWork:
-    from eqsat.cost.merges import fields, statistic_slots, statistic_tiles
-
     return finalize_work_of(statistic_tiles(statistic), fields(statistic), statistic_slots(statistic))
 
 
 def finalize_work_of(tiles: int, fields: int, slots: int) -> TemplateWork:
-    from emit.pallas.partials import FinalizeConfig
-
     config = FinalizeConfig.of(tiles, fields, slots)
     return TemplateWork("finalize", config.programs, steps=config.loads_per_thread)
 
@@ -233,8 +214,6 @@ def priced_work(kernel) -> TemplateWork:
     """The `TemplateWork` the cost model prices a kernel term with: `template_work`, a conv's K
     ranges as its weight splits them (`conv_weight_ranges`), so that a term and its e-node cost the same."""
     if kernel.op == "Conv":
-        from eqsat.cost.roofline import nonzero_weight_elements
-
         lhs, rhs, params, _epilogue, ty = kernel.args
         return conv_work_of(lhs.ty, rhs.ty, params, ty, nonzero_weight_elements(rhs), conv_weight_ranges(kernel))
     return template_work(kernel)
@@ -266,7 +245,8 @@ def node_work(op: str, args, weight_elements: int | None = None, ranges=None) ->
 # ALU_FACTOR are one number for every kernel (a byte or a flop costs the same whichever template
 # runs it, so extraction can price them per e-node); `mma` and `serial` (seconds per step) are per
 # template (`TEMPLATE_FACTORS`). All are fitted to the per-kernel device times measured on an H200
-# (`python -m benchmarks.calibration --fit`, benchmarks/README.md): few constants, no per-kernel
+# (`python -m benchmarks.calibration --fit`, benchmarks/README.md; MEMORY_FACTOR and ALU_FACTOR live
+# in `eqsat.cost.devices`, which applies them): few constants, no per-kernel
 # fudge. The H200 has the H100's 132 SMs and clocks (the same MMA and ALU peaks) and 4.8 TB/s of
 # HBM against 3.35: the fit divides bytes by the H200's bandwidth and the H100 model applies the
 # same factors to its own, so only the memory term scales (by 4.8 / 3.35) from one to the other.
@@ -293,8 +273,6 @@ class TemplateFactors:
 # softmax's instructions and 0.43 µs per key block. The finalize factor was fitted on the measured
 # template (one warp merging 32 slots: 12,288 serial loads per thread at T = 4096, 33 ns each) and
 # applies to today's (one program per slot, 96 loads per thread at T = 4096): an extrapolation.
-MEMORY_FACTOR = 1.0
-ALU_FACTOR = 1.0
 TEMPLATE_FACTORS: dict[str, TemplateFactors] = {
     "matmul": TemplateFactors(mma=8.461, serial=2.662e-07),
     "conv": TemplateFactors(mma=4.272, serial=6.241e-07),
