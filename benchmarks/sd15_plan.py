@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     report = plan_cli.run_plan(
         batch=options.batch, size=options.size, dtype=options.dtype, components=options.components,
         device=options.device, config=options.config, xla=options.xla, optimize=options.optimize,
-        emit=options.emit,
+        emit=options.emit, backend=options.backend,
         log=lambda message: print(message, file=sys.stderr, flush=True),
     )
     report["benchmark_seconds"] = time.perf_counter() - start

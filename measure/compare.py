@@ -8,7 +8,8 @@ a GPU: the measuring side of `sd15 plan` (`sd15/plan_cli.py`), usable for any JA
 For each workload it reports our plan (`eqsat.optimize(fn, params_argnums=0).lower(*args).stats`:
 naive and fused kernel counts, the kernels prepared once per set of weights and those run per
 call, modeled HBM bytes, peak activation memory, seconds per optimizer stage), our emitted
-executable (the per-call stage of `eqsat.optimize(fn, backend="pallas", params_argnums=0)`
+executable (the per-call stage of `eqsat.optimize(fn, backend="pallas", params_argnums=0)`, or the
+`backend` given: `"mosaic"` for the Mosaic GPU templates,
 compiled for an H100 without a GPU, the prepared tensors as its inputs: kernels in its thunk
 sequence, memsets, copies, temporary memory, compile seconds) and XLA's (`jax.jit(fn)` compiled the
 same way, `measure.xla_target`: kernel launches, modeled HBM bytes, temporary memory). A
@@ -110,23 +111,30 @@ def _load_optimize():
         return None, f"eqsat.optimize is not available ({type(error).__name__}: {error})"
 
 
-def optimized(workload: Workload, optimize, device: str):
+EMIT_BACKENDS = ("pallas", "mosaic", "hybrid")  # what compiles for an H100 (`"xla"` is jax.jit's own column)
+
+
+def optimized(workload: Workload, optimize, device: str, backend: str = "pallas"):
     """`optimize(workload.fn, ...)` as we deploy it: weights marked as parameters (prepared once),
-    the Pallas backend, no progress bar (options the given `optimize` does not take are left out)."""
+    the Pallas backend (or `backend`), compiled for the GPU rather than interpreted (`interpret=False`:
+    it is only ever compiled for an H100 here; left to the platform, a Mosaic GPU kernel's interpret
+    branch carries ordered callback effects that JAX 0.10.2's `platform_dependent` cannot lower for
+    CUDA), no progress bar (options the given `optimize` does not take are left out)."""
     accepted = inspect.signature(optimize).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())  # e.g. the callable module
-    options = (("device", device), ("progress", False), ("backend", "pallas"), ("params_argnums", PARAMS_ARGNUM),
+    options = (("device", device), ("progress", False), ("backend", backend), ("interpret", False),
+               ("params_argnums", PARAMS_ARGNUM),
                ("extract_time_limit", EXTRACT_TIME_LIMIT))
     return optimize(workload.fn, **{key: value for key, value in options if takes_any or key in accepted})
 
 
-def measure_plan(workload: Workload, optimize, device: str) -> tuple[dict[str, Any], Any, Any]:
+def measure_plan(workload: Workload, optimize, device: str, backend: str = "pallas") -> tuple[dict[str, Any], Any, Any]:
     """Our plan: `optimize(fn).lower(*args).stats`, as the per-component JSON fields; and the
     optimized function and its lowering (for the emitted compile)."""
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fast = optimized(workload, optimize, device)
+        fast = optimized(workload, optimize, device, backend)
         lowered = fast.lower(*workload.args)
     wall = time.perf_counter() - start
     stats = getattr(lowered, "stats", None)
@@ -239,6 +247,8 @@ def emitted_against_plan(report, names: list[str], triton_names: dict[str, str] 
     planned = collections.Counter(names)
     return {
         "emitted_pallas_kernels": len(pallas),
+        "emitted_mosaic_kernels": sum(launch.category == "Pallas (Mosaic GPU)" for launch in pallas),
+        "emitted_triton_kernels": sum(launch.category == "Pallas (Triton)" for launch in pallas),
         "emitted_kernels_by_category": report.by_category,
         "emitted_non_pallas": [
             {"name": launch.name, "category": launch.category, "kind": launch.kind,
@@ -345,12 +355,15 @@ def compare(
     emit: bool = True,
     log: Callable[[str], None] | None = None,
     report: dict[str, Any] | None = None,
+    backend: str = "pallas",
 ) -> dict[str, Any]:
     """Measure every workload; the result is what `--json` prints (`report`'s fields kept, the rows
     under "components"). A workload whose emitted executable fails to compile keeps its row, with
     `emit_error` naming the kernel (also listed in the report's `errors`)."""
     log = log or (lambda message: None)
-    report = {"device": device, "jax_version": jax.__version__, **(report or {})}
+    if backend not in EMIT_BACKENDS:
+        raise ValueError(f"backend {backend!r}: the emitted executable compiles for an H100 with one of {EMIT_BACKENDS}")
+    report = {"device": device, "backend": backend, "jax_version": jax.__version__, **(report or {})}
     report.setdefault("notes", [])
     report.setdefault("errors", [])
     report.setdefault("components", {})
@@ -376,7 +389,7 @@ def compare(
         if optimize_fn is not None:
             log(f"{name}: optimizing ({workload.description})")
             try:
-                fields, *lowering = measure_plan(workload, optimize_fn, device)
+                fields, *lowering = measure_plan(workload, optimize_fn, device, backend)
                 row.update(fields)
                 log(f"{name}: {row['naive_kernels']} naive -> {row['fused_kernels']} fused kernels "
                     f"({row['planned_kernels']} per call, {row['prepared_kernels']} prepared) "
@@ -386,7 +399,7 @@ def compare(
                 row["optimize_traceback"] = traceback.format_exc()
                 report["notes"].append(f"{name}: optimize failed: {row['optimize_error']}")
         if lowering and emit_reason is None:
-            log(f"{name}: compiling our emitted per-call executable (backend=pallas) for H100")
+            log(f"{name}: compiling our emitted per-call executable (backend={backend}) for H100")
             try:
                 row.update(measure_emitted(workload, *lowering))
                 log(f"{name}: emitted {row['emitted_kernels']} kernels ({row['emitted_pallas_kernels']} Pallas, "
@@ -515,6 +528,8 @@ def _rows(rows: dict[str, Any]):
          lambda r: f"{_count(r.get('planned_kernels'))} / {_count(r.get('prepared_kernels'))}"),
         ("eqsat emitted kernels (H100 executable)", COUNTED, _emitted_cell),
         ("  of which Pallas kernels", COUNTED, lambda r: _count(r.get("emitted_pallas_kernels"))),
+        ("  of those on Mosaic GPU / Triton", COUNTED,
+         lambda r: _pair(r.get("emitted_mosaic_kernels"), r.get("emitted_triton_kernels"))),
         ("XLA kernels (jax.jit, H100)", COUNTED, lambda r: _count(r["xla_kernels"])),
         ("  of which read only weights/inputs", COUNTED, lambda r: _count(r.get("xla_input_only_kernels"))),
         ("memsets (not kernels): eqsat / XLA", COUNTED, lambda r: _pair(r.get("emitted_memsets"), r.get("xla_memsets"))),

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from measure.compare import compare
+from measure.compare import EMIT_BACKENDS, compare
 from measure.compare import render as measure_render
 from sd15.config import VAEConfig
 from sd15.workloads import COMPONENT_TITLES, COMPONENTS, workloads
@@ -35,18 +35,19 @@ def run_plan(
     optimize: bool = True,
     emit: bool = True,
     log: Callable[[str], None] | None = None,
+    backend: str = "pallas",
 ) -> dict[str, Any]:
     """Measure every component; the result is what `--json` prints. A component whose emitted
     executable fails to compile keeps its row, with `emit_error` naming the kernel (also listed in
     the report's `errors`)."""
     log = log or (lambda message: None)
     report: dict[str, Any] = {"batch": batch, "size": size, "dtype": str(jnp.dtype(dtype)), "device": device,
-                              "config": config}
+                              "config": config, "backend": backend}
     work = workloads(batch, size, dtype, config, components)
     report["size"] = size if size is not None else (VAEConfig() if config == "full" else VAEConfig.tiny()).sample_size
 
     report["title"] = _title(report, work)
-    return compare(work, device=device, xla=xla, optimize=optimize, emit=emit, log=log, report=report)
+    return compare(work, device=device, xla=xla, optimize=optimize, emit=emit, log=log, report=report, backend=backend)
 
 
 def render(report: dict[str, Any], console=None) -> None:
@@ -57,7 +58,7 @@ def render(report: dict[str, Any], console=None) -> None:
 def _title(report: dict[str, Any], work) -> str:
     parts = [COMPONENT_TITLES.get(name, name) for name in work]
     return (f"SD 1.5 kernel plans: {', '.join(parts)} ({report['config']} config, {report['dtype']}, "
-            f"target {report['device']})")
+            f"target {report['device']}, backend {report.get('backend', 'pallas')})")
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -81,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--components", type=_components, default=COMPONENTS, help="comma list of unet,vae,text_encoder (default all)"
     )
     parser.add_argument("--device", default="h100", choices=("h100",), help="the device profile and XLA target")
+    parser.add_argument("--backend", default="pallas", choices=EMIT_BACKENDS,
+                        help="how our executable emits its kernels: pallas (Triton templates), mosaic (Mosaic GPU "
+                             "templates for matmul, conv and attention where they cover the kernel, Triton for the "
+                             "rest) or hybrid (convs and matmuls through cuDNN/cuBLAS)")
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's H100 compile")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false", help="skip the eqsat optimizer")
     parser.add_argument("--no-emit", dest="emit", action="store_false",
@@ -102,7 +107,7 @@ def plan_command(options: argparse.Namespace) -> int:
     report = run_plan(
         batch=options.batch, size=options.size, dtype=options.dtype, components=options.components,
         device=options.device, config=options.config, xla=options.xla, optimize=options.optimize,
-        emit=options.emit, log=log,
+        emit=options.emit, log=log, backend=options.backend,
     )
     if options.json:
         print(json.dumps(report, indent=2, default=str))

@@ -71,6 +71,22 @@ def test_emitted_columns_on_the_tiny_text_encoder(capsys):
     assert row["winner_kernels"] is None  # no XLA column to compare with
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(xla_target.unavailable_reason() is not None, reason=str(xla_target.unavailable_reason()))
+def test_the_mosaic_backend_compiles_for_an_h100_and_counts_its_mosaic_kernels(capsys):
+    """`--backend mosaic`: the tiny text encoder's matmuls as Mosaic GPU kernels, the rest Triton,
+    every planned kernel launched; compiled for the GPU, not interpreted (the interpret branch would
+    not lower for CUDA)."""
+    report = json.loads(run_cli(["plan", "--json", "--config", "tiny", "--components", "text_encoder", "--no-xla",
+                                 "--backend", "mosaic"], capsys))
+    row = report["components"]["text_encoder"]
+    assert report["backend"] == "mosaic" and "backend mosaic" in report["title"]
+    assert report["errors"] == [] and "emit_error" not in row
+    assert row["emitted_mosaic_kernels"] > 0 and row["emitted_triton_kernels"] > 0
+    assert row["emitted_mosaic_kernels"] + row["emitted_triton_kernels"] == row["emitted_pallas_kernels"]
+    assert row["emitted_missing"] == []
+
+
 def _launch(name, scope, category="Pallas (Triton)", counted="kernel"):
     return xla_target.Launch(0, "kCustomKernel", name, category, counted, False, 0, scope, False)
 
