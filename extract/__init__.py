@@ -13,9 +13,11 @@ the SD 1.5 UNet found nothing to improve in ~15 regions and cost ~0.5 s each); a
 replaces the plan only if the modeled cost drops. `result.extractor` says what produced the plan: "greedy", "ilp", or
 "greedy+ilp(k/n regions)" when k of the n regions improved it.
 
-Every candidate plan is rated by the roofline model on the terms it builds
-(`eqsat.cost.kernel_cost`, summed over distinct kernels), so all methods are compared on the
-cost the plan reports. Deterministic: ties keep the earlier candidate, the ILP runs under a
+Every candidate plan (each greedy round's, polished; the ILP's; a region's) is rated by the cost
+model on the terms it builds (`score_selection`: `eqsat.cost.dag_cost`, the price `Plan.build`
+reports, finalize kernels included), so all methods are compared on the cost the plan reports;
+the per-node objective the searches minimize (`EGraphData.node_costs`) does not charge a finalize
+kernel or a matmul prologue's recompute per tile, so it only guides them. Deterministic: ties keep the earlier candidate, the ILP runs under a
 branch-and-bound node limit, regions are visited in order under a budget counted in variables.
 
 `time_limit` (seconds) bounds the search, counted once the e-graph is read (reading it and
@@ -34,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from eqsat.cost import get_device, kernel_cost, kernels
+from eqsat.cost import dag_cost, get_device
 from extract.greedy import GreedyResult, cpu_clock, extract_greedy
 from extract.ilp import IlpResult, extract_ilp
 from extract.serialized import EGraphData, Selection, load, reachable_classes
@@ -66,15 +68,12 @@ class Extraction:
 
 
 def score_selection(selection: Selection, device="h100", cutoff: float = math.inf) -> float:
-    """The modeled seconds of the plan a selection builds (`inf` once past `cutoff`)."""
-    device = get_device(device)
+    """The modeled seconds of the plan a selection builds, as `eqsat.cost` prices the finished plan
+    (`dag_cost`, what `Plan.build` reports: every kernel, the statistics it hosts, and the finalize
+    kernels of the statistics the plan finishes once); `inf` once past `cutoff`."""
     terms, _ = selection.to_terms()
-    total = 0.0
-    for kernel in kernels(terms):
-        total += kernel_cost(kernel, device).seconds
-        if total > cutoff:
-            return math.inf
-    return total
+    total = dag_cost(terms, get_device(device)).seconds
+    return math.inf if total > cutoff else total
 
 
 def extract(data, handles=None, *, roots=None, device="h100", method: str = "auto",
@@ -95,7 +94,7 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     deadline = cpu_clock() + time_limit  # CPU seconds: plans do not depend on the machine's load
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:
-        return selection.cost(costs, cutoff)
+        return score_selection(selection, device, cutoff)
 
     details: dict = {"seconds": seconds}
     if method not in ("auto", "greedy", "ilp"):

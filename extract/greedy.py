@@ -29,7 +29,8 @@ whose children (or whose read tensors' costs) changed is re-evaluated, in Kahn o
 class changes: the fixed point (with a budget of evaluations per node). If a stale set lets a
 cycle through, the node closing it is banned and the pass reruns.
 
-Rounds (`ROUNDS`), each scored by the caller's `score` (the plan's roofline cost), the best kept:
+Rounds (`ROUNDS`), each polished (below) and scored by the caller's `score` (the finished plan's
+price, `extract.score_selection`), the best kept:
 
 - "horizontal": tensors read only through slices by several classes (a QKV matmul, stacked norm
   statistics, the shared K/V projection of the text context: horizontal fusions) count as paid.
@@ -49,7 +50,7 @@ polish's contexts stop at as many slots (`MAX_CONTEXT_SLOTS`). A chain whose eve
 to recompute than to store is then cut every few hundred nodes instead of growing one kernel per
 layer by a layer each, which made the plan quadratic in the depth.
 
-Polish (`polish`): local moves on the best round's plan, each kept only if the modeled plan cost
+Polish (`polish`): local moves on each round's plan, each kept only if the modeled plan cost
 drops, with incremental reference counts: switch a kernel's node (a bias add `Pointwise` over a
 matmul -> the matmul with the add in its epilogue); read a tensor the plan materializes anyway
 instead of recomputing it; let a conv read a new tensor holding (part of) its input expression,
@@ -81,7 +82,7 @@ import numpy as np
 from eqsat.cost.roofline import HOSTED_OPS
 from eqsat.lang import KERNEL_OPS
 from eqsat.types import parse_type
-from extract.prologue import prologue_charge
+from extract.prologue import operand_charge, prologue_charge
 from extract.serialized import (
     EPSILON,
     GLOBAL,
@@ -193,6 +194,7 @@ class _Problem:
         # Conv nodes whose template evaluates their input expression more than once, and the Load
         # nodes of each class (what such a conv may read instead of computing the class).
         self.prologue_costs = costs if getattr(costs, "prologues", None) else None
+        self.operand_repeats = getattr(costs, "operand_repeats", None) or {}
         self.prologues = {n: p for n, p in (getattr(costs, "prologues", None) or {}).items()
                           if graph.node_class[n] in self.parents}
         self.loads_of: dict[int, list[int]] = {}
@@ -229,6 +231,11 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
     i_local: dict[int, float] = {}
     i_deps: dict[int, int] = {}
     i_tree: dict[int, int] = {}
+    # The part of an expression class's `local` its template recomputes (not its loads): a matmul
+    # charges its A expression's once per N tile and its B expression's once per M tile.
+    a_compute: dict[int, float] = {}
+    i_compute: dict[int, float] = {}
+    operand_repeats = problem.operand_repeats
 
     def better(local, deps, old_local, old_deps) -> bool:
         delta = (local - old_local
@@ -255,9 +262,11 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         tensor = is_tensor[cls]
         own = mask.get(cls, 0)
         local = costs[node]
+        compute = 0.0 if tensor or node_op[node] == "Load" else local
         deps = 0
         tree = 0 if tensor else 1
         prologue = prologues.get(node)
+        repeats = operand_repeats.get(node)
         for position, child in enumerate(children[node]):
             if child not in a_node:
                 return False
@@ -268,14 +277,19 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
                 found = input_choice(node, prologue, own)
                 if found is None:
                     return False
-                child_local, child_deps, child_tree = found[0], found[1], 1
+                child_local, child_deps, child_tree, child_compute = found[0], found[1], 1, 0.0
             else:
                 child_local, child_deps, child_tree = a_local[child], a_deps[child], a_tree[child]
+                child_compute = a_compute[child]
                 if tensor and child_deps & own:
                     if child not in i_node or i_deps[child] & own:
                         return False
                     child_local, child_deps, child_tree = i_local[child], i_deps[child], i_tree[child]
+                    child_compute = i_compute[child]
+            if repeats is not None and position < 2:  # a matmul's A (per N tile) or B (per M tile)
+                local += (repeats[position] - 1) * child_compute
             local += child_local
+            compute += child_compute
             deps |= child_deps | mask.get(child, 0)
             tree += child_tree
         if deps & own:
@@ -290,6 +304,7 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
         if current is None or (current == node and (local, deps, tree) != (a_local[cls], a_deps[cls], a_tree[cls])) or (
                 current != node and preferred(local, deps, tree, a_local[cls], a_deps[cls], a_tree[cls])):
             a_node[cls], a_local[cls], a_deps[cls], a_tree[cls] = node, local, deps, tree
+            a_compute[cls] = compute
             if tensor:
                 value = local if math.isfinite(local) else 1e300
                 weights.values[problem.bit_of[cls]] = value / share[cls]
@@ -299,6 +314,7 @@ def _pass(problem: _Problem, banned: set[int], paid: frozenset[int], shared: boo
             if current is None or (current == node and (local, deps, tree) != (i_local[cls], i_deps[cls], i_tree[cls])) or (
                     current != node and preferred(local, deps, tree, i_local[cls], i_deps[cls], i_tree[cls])):
                 i_node[cls], i_local[cls], i_deps[cls], i_tree[cls] = node, local, deps, tree
+                i_compute[cls] = compute
                 changed = True
         return changed
 
@@ -517,13 +533,15 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
                    polish_passes: int = 3, banned=(), deadline: float | None = None) -> GreedyResult:
     """A greedy DAG-aware selection for `roots` (class indices) under per-node `costs` (seconds).
 
-    `score(selection, cutoff)` rates a finished selection (default: `Selection.cost`, the plan's
-    modeled seconds); it may return `inf` once past `cutoff`. The best-scoring round wins (the
-    first on ties) and is then improved by `polish` (`polish_passes=0` skips that). Deterministic:
-    the same graph, roots and costs give the same selection, unless `deadline` (a
+    `score(selection, cutoff)` rates a finished selection (default: `Selection.cost`, the sum of
+    node costs; `extract.extract` passes the finished plan's price); it may return `inf` once past
+    `cutoff`. Each distinct round's selection is improved by `polish`, the best-scoring first, and
+    the best-scoring result wins (the first on ties; `polish_passes=0`: the best round, unpolished).
+    Deterministic: the same graph, roots and costs give the same selection, unless `deadline` (a
     `cpu_clock()` value) comes first: a round after the first runs only if it and the polish
-    (each timed like the last round) fit before it, the polish stops between two moves at it, and
-    `stopped` says "time_limit" when either happened.
+    (each timed like the last round) fit before it, a polish after the first only if it fits (timed
+    like the last one), a polish stops between two moves at it, and `stopped` says "time_limit"
+    when any of these happened. `polish` in the result is the winning polish's report.
     """
     started = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -532,12 +550,11 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     if score is None:
         def score(selection: Selection, cutoff: float) -> float:
             return selection.cost(costs, cutoff)
-    best: Selection | None = None
-    best_score = math.inf
     total_sweeps = 0.0
     history: list[tuple[str, float]] = []
     seen: dict[tuple, float] = {}
     materialized: dict[str, frozenset[int]] = {}
+    candidates: list[tuple[float, int, str, Selection]] = []  # distinct round selections
     stopped = None
     last_round = 0.0
     for name in rounds:
@@ -556,7 +573,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             paid = materialized["horizontal"]
         else:
             raise ValueError(f"unknown greedy round {name!r}; known: plain, {', '.join(ROUNDS)}")
-        if best is not None and deadline is not None and cpu_clock() + 2 * last_round > deadline:
+        if candidates and deadline is not None and cpu_clock() + 2 * last_round > deadline:
             stopped = "time_limit"  # another round and the polish would not fit: polish what we have
             break
         began, began_cpu = time.perf_counter(), cpu_clock()
@@ -565,35 +582,53 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         materialized[name] = frozenset(
             cls for cls, context in selection.nodes if context == GLOBAL and problem.is_tensor[cls])
         key = tuple(sorted(selection.nodes.items()))
-        value = seen[key] if key in seen else score(selection, best_score)
+        fresh = key not in seen
+        value = seen[key] if not fresh else score(selection, math.inf if polish_passes else
+                                                   min((c[0] for c in candidates), default=math.inf))
         seen[key] = value
         history.append((name, value))
         seconds[name] = time.perf_counter() - began
         last_round = cpu_clock() - began_cpu
-        if best is None or value < best_score * (1 - 1e-12):  # a later round must be strictly better
-            best, best_score = selection, value
-    assert best is not None
+        if fresh:
+            candidates.append((value, len(candidates), name, selection))
+    assert candidates
+    # Each distinct round's plan is polished, the best unpolished first, and the best polished plan
+    # kept (a later one must be strictly better): the polish moves a round's plan to a local optimum,
+    # and which round reaches the better one is not what their unpolished scores say (the UNet on
+    # `h100-calibrated`: "shared" scores below "horizontal" unpolished, above it polished).
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    best, best_score = candidates[0][3], candidates[0][0]
     report = None
     if polish_passes and deadline is not None and cpu_clock() > deadline:
         stopped = "time_limit"  # no time left for the polish: the best round's plan as it is
         report = PolishReport(stopped="time_limit")
-    elif polish_passes:
-        began = time.perf_counter()
+        candidates = []
+    elif not polish_passes:
+        candidates = []
+    last_polish = 0.0
+    for index, (value, _, name, selection) in enumerate(candidates):
+        if index and deadline is not None and cpu_clock() + last_polish > deadline:
+            stopped = "time_limit"  # another polish would not fit: keep the best so far
+            break
+        began, began_cpu = time.perf_counter(), cpu_clock()
         try:
-            polished, report = polish(best, costs, fallback=best.fallback, max_passes=polish_passes,
-                                      deadline=deadline)
+            polished, polish_report = polish(selection, costs, fallback=selection.fallback, max_passes=polish_passes,
+                                             deadline=deadline)
         except ValueError:  # a move closed a cycle the checks missed: keep the unpolished plan
-            polished = best
-        stopped = stopped or (report.stopped if report else None)
-        if report is not None and not report.moves:  # nothing changed: nothing to score again
-            value = best_score
+            polished, polish_report = selection, None
+        stopped = stopped or (polish_report.stopped if polish_report else None)
+        if polish_report is not None and not polish_report.moves:  # nothing changed: nothing to score again
+            polished_value = value
         else:
-            value = score(polished, math.inf)
-        history.append(("polish", value))
-        if value < best_score * (1 - 1e-12):
-            polished.fallback = best.fallback
-            best, best_score = polished, value
-        seconds["polish"] = time.perf_counter() - began
+            polished_value = score(polished, math.inf)
+        history.append(("polish" if len(candidates) == 1 else f"polish {name}", polished_value))
+        if report is None or polished_value < best_score * (1 - 1e-12):
+            report = polish_report if polish_report is not None else report
+        if polished_value < best_score * (1 - 1e-12):
+            polished.fallback = selection.fallback
+            best, best_score = polished, polished_value
+        seconds["polish" if len(candidates) == 1 else f"polish {name}"] = time.perf_counter() - began
+        last_polish = cpu_clock() - began_cpu
     return GreedyResult(best, best_score, total_sweeps, history, report, stopped, seconds)
 
 
@@ -615,7 +650,7 @@ class PolishReport:
     kernel_switches: int = 0   # move 1: another node for a kernel
     reuses: int = 0            # move 2: a slot reads a tensor the plan materializes anyway
     retirements: int = 0       # move 3: every reader of a tensor stops reading it
-    materializations: int = 0  # move 2b: a conv reads a new tensor instead of recomputing its input
+    materializations: int = 0  # move 2b: a conv (matmul) reads a new tensor instead of recomputing its input (operand)
     walks: int = 0             # kernel contexts walked
     slots_visited: int = 0     # expression slots those walks visited
     memo_hits: int = 0         # contexts answered without a walk (the kernel's slots had not changed)
@@ -678,6 +713,7 @@ class _Polish:
                 self.inner.setdefault(ctx, {})[cls] = node
         self.memo: dict[int, dict] = {}
         self.prologues = getattr(costs, "prologues", None) or {}
+        self.operand_repeats = getattr(costs, "operand_repeats", None) or {}
         self.load_nodes: dict[int, list[int]] = {}
         for node, op in enumerate(graph.node_op):
             if op == "Load":
@@ -752,7 +788,8 @@ class _Polish:
         default = self.default
         covered: set[int] = set()
         prologue = self.prologues.get(kernel_node)
-        if prologue is not None:  # a conv's input expression, as often as its template computes it
+        repeated = kernel_node in self.operand_repeats
+        if prologue is not None or repeated:  # a conv's input / a matmul's operands, as often as computed
 
             def resolve(cls: int) -> int | None:
                 node = local.get(cls)
@@ -760,7 +797,10 @@ class _Polish:
                     node = inner.get(cls)
                 return default.get(cls) if node is None else node
 
-            charge, covered = prologue_charge(graph, costs, prologue, resolve)
+            if prologue is not None:
+                charge, covered = prologue_charge(graph, costs, prologue, resolve)
+            else:
+                charge, covered = operand_charge(graph, costs, kernel_node, resolve)
             total += charge
             if not math.isfinite(total):
                 return _Context(math.inf, frozenset(), ())
@@ -981,14 +1021,15 @@ class _Polish:
                         self.report.reuses += 1
                         improved = True
                         break
-            if node in self.prologues:
+            if node in self.prologues or node in self.operand_repeats:
                 improved = self.materialize(owner, node) or improved
         return improved
 
     def materialize(self, owner: int, node: int) -> bool:
-        """Move 2b: a conv computes its input expression per tap and per output-channel tile; store
-        a tensor of it the plan does not have yet (one kernel more) and read that instead, when
-        the two kernels cost less than the recompute. The new kernel may read only tensors the
+        """Move 2b: a conv computes its input expression per tap and per output-channel tile (a
+        matmul its A expression per N tile, its B per M tile); store a tensor of it the plan does
+        not have yet (one kernel more) and read that instead, when the two kernels cost less than
+        the recompute. The new kernel may read only tensors the
         plan has (or leaves) that do not depend on the conv."""
         graph, nodes, node_op = self.graph, self.nodes, self.graph.node_op
         for cls, loaded, _ in self.context(owner, node).slots:

@@ -27,8 +27,10 @@ Objective: the sum of node costs (`EGraphData.node_costs`) over chosen `x` and `
 output write and dense flops for each kernel, each read once per kernel, each expression node's
 flops once per kernel, a conv input's as often as the template evaluates them (the K-range part
 of a class is the first a breadth-first walk from the input reaches it by); the roofline model of
-`eqsat.cost.kernel_cost`, up to partial reads through slices and a class shared by two K ranges
-(charged once here).
+`eqsat.cost.kernel_cost`, up to partial reads through slices, a class shared by two K ranges
+(charged once here) and a matmul's operand expressions (once here, once per N or M tile in
+`Selection.cost`: `extract.prologue.operand_charge`); `extract.extract` compares the ILP's plan with
+the greedy one on the finished plan's price.
 
 A region: only tensor classes in `region` are free; the rest keep the `incumbent` selection.
 An outside tensor may be read if the incumbent materializes it (or it is an input); region

@@ -21,6 +21,10 @@ charges instead inside a conv, the same way in every extractor:
   costs more, one finalize (`eqsat.cost.merges`; the plan's choice for a statistic with one
   reader). This is `roofline.conv_prologue_flops` and `roofline.merge_cost` on the built term.
 
+A matmul's template computes its A expression once per N tile and its B expression once per M tile
+(`NodeCosts.operand_repeats`, `operand_charge`), as `eqsat.cost.kernel_cost` charges it
+(`eqsat.cost.prologues.matmul_prologue_flops`).
+
 A plain list of costs (no `prologues`) charges every node once, as before.
 """
 
@@ -35,6 +39,7 @@ from eqsat.cost import get_device
 from eqsat.cost.merges import conv_host_tiles, finalize_seconds, merge_flops_per_lane
 from eqsat.cost.roofline import (ConvPrograms, conv_prologue_evaluations, partial_tiles, prologue_node_flops,
                                  reduction_flops, zero_pad_taps)
+from eqsat.cost.tiles import MatmulShape
 from eqsat.types import parse_type
 
 
@@ -68,9 +73,14 @@ class NodeCosts(list):
     template repeats (see the module docstring)."""
 
     def __init__(self, seconds, prologues: dict[int, ConvPrologue], point_seconds: list[float],
-                 evaluation_seconds: list[float], flop_seconds: float = 0.0, device="h100"):
+                 evaluation_seconds: list[float], flop_seconds: float = 0.0, device="h100",
+                 operand_repeats: dict[int, tuple[int, int]] | None = None, row_lanes: dict[int, int] | None = None):
         super().__init__(seconds)
         self.prologues = prologues
+        # Matmul node -> (N tiles, M tiles): its A expression runs once per N tile, B once per M tile;
+        # and the lanes of its pre-pass, which merges a row statistic's partials once per program row.
+        self.operand_repeats = operand_repeats or {}
+        self.row_lanes = row_lanes or {}
         self.point_seconds = point_seconds
         self.evaluation_seconds = evaluation_seconds
         self.flop_seconds = flop_seconds  # seconds of one vector flop
@@ -97,6 +107,8 @@ def node_costs(graph, device="h100") -> NodeCosts:
     evaluation_seconds: list[float] = []
     prologues: dict[int, ConvPrologue] = {}
     prologue_cache: dict[tuple, ConvPrologue | None] = {}
+    operand_repeats: dict[int, tuple[int, int]] = {}
+    row_lanes: dict[int, int] = {}
     for node, op in enumerate(graph.node_op):
         weights = graph.nonzero_weight_elements(graph.node_children[node][1]) if op == "Conv" else None
         key = (op, graph.node_args(node), weights)
@@ -112,6 +124,11 @@ def node_costs(graph, device="h100") -> NodeCosts:
             evaluation_seconds.append(reduction_flops(graph.node_literals[node][0], reduced) * vector)
         else:
             evaluation_seconds.append(0.0)
+        if op == "Matmul":
+            args = graph.node_args(node)
+            shape = MatmulShape(args[0], args[1], args[2])
+            operand_repeats[node] = (shape.n_tiles, shape.m_tiles)
+            row_lanes[node] = shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles
         if op == "Conv":
             lhs, rhs = graph.node_children[node][0], graph.node_children[node][1]
             key = (lhs, rhs, graph.node_literals[node][2], graph.node_literals[node][4])
@@ -128,7 +145,7 @@ def node_costs(graph, device="h100") -> NodeCosts:
                 if range_key not in cache:
                     cache[range_key] = node_cost(op, args, device, weights, ranges).seconds
                 seconds[-1] = cache[range_key]
-    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector, device)
+    return NodeCosts(seconds, prologues, point_seconds, evaluation_seconds, vector, device, operand_repeats, row_lanes)
 
 
 def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPrologue | None:
@@ -231,7 +248,7 @@ def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: flo
     """What a conv reading the hosted statistic e-node `statistic` at `lanes` merge lanes pays for
     it: the merge in place, or at most finishing it once (the plan finishes it when that prices
     lower: `eqsat.cost.roofline.finished_statistics`; exact for a statistic with one reader). Its
-    tiles are those of its producer when that is a conv (`merges.conv_host_tiles`)."""
+    tiles are those of its producer when that is a conv (`merges.conv_host_tiles`) or a matmul (its N tiles)."""
     children, literals = graph.node_children[statistic], graph.node_literals[statistic]
     op, ty = literals[1], literals[4]
     shape = parse_type(ty).shape
@@ -240,7 +257,46 @@ def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: flo
     if producer is not None and graph.node_op[producer] == "Conv":
         tiles = conv_host_tiles(graph.class_type[graph.node_children[producer][0]], graph.node_literals[producer][2],
                                 graph.node_literals[producer][4], slots)
+    elif producer is not None and graph.node_op[producer] == "Matmul":
+        tiles = costs.operand_repeats[producer][0]  # a row per N tile (`eqsat.cost.merges.host_tiles`)
     else:
         tiles = partial_tiles(graph.class_type[children[2]])
     merge = lanes * merge_flops_per_lane(op, tiles) * costs.flop_seconds
     return min(merge, finalize_seconds(op, ty, tiles, costs.device))
+
+
+def operand_charge(graph, costs: NodeCosts, node: int, resolve: Callable[[int], int | None]) -> tuple[float, set[int]]:
+    """The seconds matmul `node` spends on its operand expressions when each class `c` of them is
+    computed by node `resolve(c)`, and the classes charged: every node of the A expression (not
+    entering the tensors it loads) once per N tile, then every node of the B expression not in A
+    once per M tile, each at its own cost (`eqsat.cost.prologues.matmul_prologue_flops` on the built
+    term), and a hosted statistic it loads merged as the template does (A: once per program row in
+    its pre-pass, a row statistic; B: per element and M tile), or at most one finalize
+    (`_statistic_merge_seconds`); `inf` if a class has no node. A `Load`'s read is left to the
+    caller (one read per kernel)."""
+    n_tiles, m_tiles = costs.operand_repeats[node]
+    node_op, node_children = graph.node_op, graph.node_children
+    lhs, rhs = node_children[node][0], node_children[node][1]
+    total, covered, merged = 0.0, set(), set()
+    for operand, repeats in ((lhs, n_tiles), (rhs, m_tiles)):
+        stack = [operand]
+        while stack:
+            cls = stack.pop()
+            if cls in covered or graph.class_sort[cls] != "Expr":
+                continue
+            chosen = resolve(cls)
+            if chosen is None:
+                return math.inf, covered
+            if node_op[chosen] == "Load":  # its read is charged by the caller, once (not covered)
+                tensor_cls = node_children[chosen][0]
+                tensor = resolve(tensor_cls)
+                if tensor is not None and node_op[tensor] == "EpilogueReduce" and tensor_cls not in merged:
+                    merged.add(tensor_cls)  # a hosted statistic: A's pre-pass merges it per program row,
+                    lanes = costs.row_lanes[node] if operand == lhs else \
+                        _size(graph.class_type[cls]) * m_tiles  # B's every element per M tile
+                    total += _statistic_merge_seconds(graph, costs, tensor, lanes, resolve)
+                continue
+            covered.add(cls)
+            total += costs[chosen] * repeats
+            stack.extend(c for c in node_children[chosen] if c >= 0)
+    return total, covered

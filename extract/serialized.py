@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from eqsat.lang import KERNEL_OPS, OPS
 from eqsat.serialized import parse_serialized
 from eqsat.types import parse_type
-from extract.prologue import prologue_charge
+from extract.prologue import operand_charge, prologue_charge
 
 PRIMITIVE_SORTS = ("String", "i64", "f64", "bool", "Unit")
 
@@ -433,11 +433,13 @@ class Selection:
         """The plan's modeled seconds, from node `costs` (`EGraphData.node_costs`) without building
         terms: each kernel pays its own node and, once per kernel, each expression slot it computes
         (so an expression inlined into two kernels is paid twice), a conv's input expression as
-        often as its template evaluates it (`extract.prologue`); a tensor read only through slices
+        often as its template evaluates it and a matmul's operands once per tile (`extract.prologue`);
+        a tensor read only through slices
         pays the slices (as `eqsat.cost.kernel_reads`). Returns `inf` once past `cutoff`."""
         graph = self.graph
         node_op, sort = graph.node_op, graph.class_sort
         prologues = getattr(costs, "prologues", None) or {}
+        repeats = getattr(costs, "operand_repeats", None) or {}
         total = 0.0
         for cls, context in self.postorder():
             if context != GLOBAL or sort[cls] != "Tensor":
@@ -450,6 +452,9 @@ class Selection:
             if node in prologues:  # a conv's input expression, as often as its template computes it
                 charge, covered = prologue_charge(graph, costs, prologues[node],
                                                   lambda c, owner=cls: self.node_of((c, owner)))
+                total += charge
+            elif node in repeats:  # a matmul's operand expressions, once per N (A) or M (B) tile
+                charge, covered = operand_charge(graph, costs, node, lambda c, owner=cls: self.node_of((c, owner)))
                 total += charge
             seen = {(cls, GLOBAL)}
             stack = [(cls, GLOBAL)]

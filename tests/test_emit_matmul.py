@@ -431,7 +431,8 @@ def test_sd15_transformer_block_runs_as_pallas_kernels():
 def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
     """SD 1.5's down_blocks.1 width (640 channels, 8 heads of 80, 1,024 tokens, 77x768 context, fp16)
     compiled for an H100: the thunk sequence launches exactly the plan's kernels, all Pallas, and
-    every kernel multiplies on tensor cores (wgmma/mma in its PTX)."""
+    every kernel but a stored matmul operand (pointwise) multiplies on tensor cores (wgmma/mma in
+    its PTX)."""
     from measure.xla_target import compile_for_h100
 
     args = transformer_block_args(640, 768, 8, 1024, 77, jnp.float16, abstract=True)
@@ -449,6 +450,8 @@ def test_sd15_width_transformer_block_compiles_to_pallas_kernels_only(tmp_path):
     names = {re.sub(r"__\d+$", "", entry.split("(")[0]) for entry in entries}  # XLA suffixes same-named bodies
     assert names == {_entry_name(name) for name in emit.kernel_names(plan)}
     for entry in entries:
+        if entry.split("(")[0].endswith("_pointwise"):
+            continue  # a matmul operand the plan stores (norm3: cheaper than recomputing it per N tile)
         assert re.search(r"\b(wgmma\.mma_async|mma\.sync)\.\S*f16", entry), f"no tensor cores in {entry[:60]}"
 
 

@@ -34,7 +34,12 @@ from sd15.workloads import workloads
 # (`eqsat.cost.merges`). 224 when the cost model charged no reader's merges; 250 before the conv
 # template computed each input row once per column tap for all the output rows reading it; 217 before
 # extraction charged the template's recompute of its input at all.
-MAX_UNET_KERNELS = 290
+# 305 since extraction charges a matmul's A prologue once per N tile, as the plan does
+# (`extract.prologue.operand_charge`): 10 feed-forward blocks (32x32 and 16x16 latents) store their
+# LayerNorm apply (norm3, read by the GEGLU projection's 40-80 N tiles) and 6 (16x16, 8x8) GEGLU's
+# value * gelu(gate) (read by ff.net.2), 4.503 ms on `h100` against 4.632 ms for the 289-kernel plan (30.08 against 30.24 ms
+# on `h100-calibrated`).
+MAX_UNET_KERNELS = 305
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def test_unet_step_stores_only_conv_inputs_cheaper_stored(unet_step):
     # epilogue: different output indices); it has no UNet scope.
     assert sum(kernel.component == "" for kernel in pointwise) <= 1
     stored = [kernel for kernel in pointwise if kernel.component]
-    assert 0 < len(stored) <= 40, len(stored)
+    assert 0 < len(stored) <= 48, len(stored)  # 32 conv inputs, 16 matmul A operands (MAX_UNET_KERNELS)
     for kernel in stored:
         # Read by convs or matmuls only, as their input (A operand), and the kernel computing it
         # instead would cost more (a conv's template evaluates its input per tap and output-channel
