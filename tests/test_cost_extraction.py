@@ -120,7 +120,7 @@ def test_the_calibrated_extraction_is_the_plan_the_calibrated_model_prices_best(
     """Full size, fp16: extracting on `h100-calibrated` gives a plan that model prices no higher than
     the plan extracted on the data-sheet `h100` (the UNet's was 0.7 % slower while extraction
     compared its rounds unpolished and its objective missed the matmul prologues' recompute)."""
-    from sd15.plan_cli import workloads
+    from sd15.workloads import workloads
 
     workload = workloads(batch=2, dtype="float16", components=(component,))[component]
     calibrated = get_device("h100-calibrated")
