@@ -190,9 +190,10 @@ def read_kernel(ptx: str, entry: str = "attention") -> KernelPtx:
 
 
 def ptxas_path() -> str:
-    import nvidia.cuda_nvcc
+    """`benchmarks.ptx.ptxas_path`: the pip package's ptxas, in this environment or eqsat's CUDA target dir."""
+    from benchmarks.ptx import ptxas_path as find
 
-    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+    return str(find())
 
 
 def ptxas_usage(ptx_path: str, entry: str = "attention") -> dict[str, int]:

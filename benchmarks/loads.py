@@ -48,9 +48,10 @@ BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "f16": 16, "
 
 
 def ptxas_path() -> str:
-    import nvidia.cuda_nvcc
+    """`benchmarks.ptx.ptxas_path`: the pip package's ptxas, in this environment or eqsat's CUDA target dir."""
+    from benchmarks.ptx import ptxas_path as find
 
-    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+    return str(find())
 
 
 def load_widths(ptx: str, pattern: re.Pattern = LOAD) -> dict[str, int]:

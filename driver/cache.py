@@ -48,7 +48,7 @@ import warnings
 from pathlib import Path
 
 FORMAT = 1
-PACKAGES = ("eqsat", "extract", "emit")  # their source is part of every key
+PACKAGES = ("eqsat", "extract", "emit", "driver")  # their source is part of every key
 
 
 class PlanCacheWarning(UserWarning):

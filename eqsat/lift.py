@@ -1050,7 +1050,7 @@ def _is_complex(dtype) -> bool:
 
 # Frames a warning never points at: eqsat's own packages and JAX's (a call under `jax.jit`).
 _OWN_PACKAGES = tuple(str(Path(module.__file__).resolve().parent) + os.sep for module in (jax,)) + tuple(
-    str(Path(__file__).resolve().parent.parent / package) + os.sep for package in ("eqsat", "extract", "emit"))
+    str(Path(__file__).resolve().parent.parent / package) + os.sep for package in ("eqsat", "extract", "emit", "driver", "measure"))
 
 
 def user_stacklevel() -> int:
