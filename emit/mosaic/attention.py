@@ -1,0 +1,360 @@
+"""The Mosaic GPU flash-attention template (FA3-style): `epilogue(softmax(q kᵀ · scale + bias) v)` on
+Hopper tensor cores, K/V fed by TMA into an SMEM ring, warp-specialized, the online softmax in
+registers; the scores never reach memory.
+
+    build      the kernel: grid, SMEM, the memory warpgroup's TMA ring, the compute warpgroups' loop
+    reference  the same problem in plain `jax.numpy`
+    emit       a plan's `Attention(q, k, v, bias, scale, epilogue, ty)` kernel as this template
+
+One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
+`pallas/ops/gpu/attention_mgpu.py`:
+
+- a memory warpgroup (40 registers) copies `[block_kv, head]` K and V tiles (and the bias tiles of
+  both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots, and refills a slot as
+  soon as both compute warpgroups have arrived on its "consumed" barrier;
+- each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
+  block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
+  registers (running max m in base 2, `p = 2^(s·scale·log2 e - m)`: one FMA and one `ex2` per
+  score, FlashAttention-2's rescaling of the output by `2^(m_old - m_new)`), and issues `wgmma`
+  P·V with P (fp16/bf16) from registers. With two compute warpgroups a shared "schedule" barrier
+  alternates their Q·Kᵀ and softmax phases (FA3's ping-pong) so that one's MMAs overlap the
+  other's exponentials;
+- at the end one reciprocal per row, the plan's epilogue (`emit.expr`) on the `[block_q, head]`
+  output tile in registers, and a TMA store (through the Q tile's SMEM slot).
+
+Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
+they are), the SMEM tiles swizzled as far as the padded width allows (48 and 80 halves: 32-byte
+swizzle; 160: 32; 64/128: 128). Keys are masked on the last block only: the loop runs the full
+`block_kv` blocks unmasked and a key count that `block_kv` does not divide (77 = 64 + 13) runs
+one more step whose scores past the last key are -inf. A bias (CLIP's causal mask, or any
+additive bias) is materialized as a float32 `[batch', heads', q, kv]` array (`'`: 1 when the
+bias does not vary along that axis) and arrives with the K tiles, `[block_q, block_kv]` per
+compute warpgroup and step; with a bias the scores stay natural and only their difference to the
+max goes to base 2 (a bias of finfo.min stays finite, as in `jax.nn.softmax`).
+
+Operands are given as `[batch, seq, heads, head]` arrays (the `[B, S, H·D]` layout a projection
+writes, viewed per head). `emit` evaluates the plan's q/k/v expressions as XLA fusions into that
+layout, zero-padded along the head dim to the wgmma width and along the sequence to the tiles
+(padded keys are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype);
+anything else raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas
+Triton template instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
+
+LOG2_E = math.log2(math.e)
+HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Tiles of one Mosaic attention kernel: `block_q` query rows per compute warpgroup (64: one
+    wgmma M), `compute_wgs` of them per CTA, `block_kv` keys per step, `stages` K/V slots in the ring."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2
+    compute_wgs: int = 2
+
+    @classmethod
+    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
+        """64 x 64 tiles (the wgmma M of one warpgroup; 64 keys: a 77-key context is one full block
+        and a masked one); two compute warpgroups when the queries fill 128-row CTAs (one for 64 or
+        fewer); a ring as deep as the key blocks, at most 3 (2 when the padded head exceeds 128
+        lanes: SMEM)."""
+        steps = -(-kv_len // 64)
+        head = padded_head(head_dim)
+        return cls(64, 64, stages=max(2, min(3 if head <= 128 else 2, steps)),
+                   compute_wgs=1 if q_len <= 64 else 2)
+
+    def validate(self) -> None:
+        if self.block_q != 64:
+            raise ValueError(f"block_q={self.block_q}: one warpgroup's wgmma covers 64 rows")
+        if self.block_kv % 64:
+            raise ValueError(f"block_kv={self.block_kv} must be a multiple of 64")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+
+
+def padded_head(head_dim: int) -> int:
+    """The head dim rounded up to wgmma's 16-element K step: 40 -> 48, 80 -> 80, 160 -> 160."""
+    return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+    """SMEM transforms for a tile whose minor dimension holds `minor` elements of `dtype`: the widest
+    swizzle (128, 64 or 32 bytes) that divides a row."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = minor * itemsize
+    swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+    if swizzle is None:
+        raise NotImplementedError(f"a tile row of {row_bytes} bytes (swizzles need a multiple of 32)")
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
+    """Whether scores go straight to base 2 (`s · scale·log2 e - m`, one FMA): without a bias and
+    when the base-2 scale is at most 1 (no finite `s · scale` overflows)."""
+    return not has_bias and 0.0 < scale * LOG2_E <= 1.0
+
+
+# (o [block_q, head] f32, already divided by the row sums) -> [block_q, head] values to store
+EpilogueFn = Callable[[jax.Array], jax.Array]
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, scale: float,
+            has_bias: bool, bias_shared: tuple[bool, bool], epilogue: EpilogueFn, interpreted: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bias_ref = refs[0] if has_bias else None
+    out_ref = refs[-1]
+    bq, bk, wgs, stages = blocks.block_q, blocks.block_kv, blocks.compute_wgs, blocks.stages
+    head = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    full_steps, tail = divmod(kv_len, bk)
+    kv_steps = full_steps + (1 if tail else 0)
+    ring = min(stages, kv_steps)
+    base2 = folds_scale_into_exp2(scale, has_bias)
+    operand_transforms = _swizzled(head, dtype)
+    bias_transforms = _swizzled(bk, jnp.float32)
+
+    scratch = dict(
+        qo_smem=plgpu.SMEM((wgs, bq, head), dtype, transforms=operand_transforms),
+        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=_swizzled(bk, dtype)),
+        p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=_swizzled(bk, dtype)),
+        v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
+        bias_smem=plgpu.SMEM((ring, wgs * bq, bk), jnp.float32, transforms=bias_transforms) if has_bias else None,
+        k_barriers=plgpu.Barrier(num_barriers=ring),
+        v_barriers=plgpu.Barrier(num_barriers=ring),
+        bias_barriers=plgpu.Barrier(num_barriers=ring) if has_bias else None,
+        q_barriers=plgpu.Barrier(num_barriers=wgs),
+        k_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+        v_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+        schedule=plgpu.Barrier(num_arrivals=wgs) if wgs > 1 else None,
+    )
+
+    @functools.partial(pl.run_scoped, **{k: v for k, v in scratch.items() if v is not None}, collective_axes="wg")
+    def _scope(qo_smem, k_smem, p_smem, v_smem, k_barriers, v_barriers, q_barriers, k_consumed, v_consumed,
+               bias_smem=None, bias_barriers=None, schedule=None):
+        b_idx, h_idx, q_idx = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+        wg = lax.axis_index("wg")
+        bias_b = 0 if bias_shared[0] else b_idx
+        bias_h = 0 if bias_shared[1] else h_idx
+
+        def in_layout(x, layout):
+            # GPU interpret mode has no layout_cast (nor layout-typed iota and loads): layouts are the
+            # compiler's business, the values are the same.
+            return x if interpreted else plgpu.layout_cast(x, layout)
+
+        def schedule_barrier():
+            if schedule is not None:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < wgs)
+        def _compute():
+            if not interpreted:
+                plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
+            q_smem = qo_smem.at[wg]
+            row0 = q_idx * (wgs * bq) + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(row0, bq), h_idx], q_smem, q_barriers.at[wg])
+            plgpu.barrier_wait(q_barriers.at[wg])
+            m = in_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = in_layout(jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = in_layout(jnp.full((bq, head), 0, jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(k_barriers.at[0])
+            if wgs > 1:
+                pl.when(wg == 1)(schedule_barrier)
+
+            def step(t, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(t, jnp.array(ring, t.dtype))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if has_bias:
+                    plgpu.barrier_wait(bias_barriers.at[slot])
+                    bias = plgpu.load(bias_smem.at[slot], (pl.ds(wg * bq, bq), slice(None)),
+                                      layout=plgpu.Layout.WGMMA) if not interpreted else \
+                        bias_smem[slot, pl.ds(wg * bq, bq), :]
+                    s = s * scale + bias
+                elif not base2:
+                    s = s * scale
+                if masked:
+                    cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1) if interpreted else \
+                        plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols + t * bk < kv_len, s, -jnp.inf)
+                block_max = s.max(axis=1)
+                m_next = jnp.maximum(m, block_max * (scale * LOG2_E) if base2 else block_max)
+                m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
+                m_rows = lax.broadcast_in_dim(m_safe, s.shape, [0])
+                if base2:
+                    p = jnp.exp2(s * (scale * LOG2_E) - m_rows)
+                    alpha = jnp.exp2(m - m_safe)
+                else:  # natural scores: the difference first (finite for a bias of -3e38), then base 2
+                    p = jnp.exp2((s - m_rows) * LOG2_E)
+                    alpha = jnp.exp2((m - m_safe) * LOG2_E)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                if schedule is not None:
+                    acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+                    plgpu.barrier_arrive(schedule)  # done with the softmax
+                plgpu.barrier_wait(v_barriers.at[slot])
+                if schedule is not None:
+                    plgpu.barrier_wait(schedule)  # the other warpgroup's MMAs are issued
+
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()  # P's stores become visible to the async proxy wgmma reads through
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    following = t + 1
+
+                    @pl.when(following < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_barriers.at[lax.rem(following, jnp.array(ring, t.dtype))])
+
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, head), jnp.float32))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_next, l
+
+            carry = (acc, m, l)
+            if full_steps:
+                carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+            if tail:
+                carry = step(jnp.int32(full_steps), carry, masked=True)
+            acc, _, l = carry
+            if wgs > 1:
+                pl.when(wg == 0)(schedule_barrier)
+            out = epilogue(acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0]))  # 0 * inf: NaN, as 0 / 0
+            q_smem[...] = out.astype(out_ref.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b_idx, pl.ds(row0, bq), h_idx])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            if not interpreted:
+                plgpu.set_max_registers(40, action="decrease")
+            q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
+
+            def issue(t, slot):
+                keys = (b_idx, pl.ds(t * bk, bk), h_idx)
+                plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
+                                        k_barriers.at[slot])
+                if has_bias:
+                    plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
+                                            bias_smem.at[slot], bias_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
+
+            for t in range(ring):
+                issue(t, t)
+
+            @pl.loop(0, kv_steps - ring)
+            def _refill(t):
+                slot = lax.rem(t, jnp.array(ring, t.dtype))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])  # the bias slot is read before v's
+                issue(t + ring, slot)
+
+    del scratch
+
+
+def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.Array | None = None,
+          epilogue: EpilogueFn = lambda o: o, out_dtype=None, blocks: AttentionBlocks | None = None,
+          interpret: Any = None, name: str = "attention") -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, q_len, heads, head_dim]`,
+    `k, v [batch, kv_len, heads, head_dim]` (fp16 or bf16, the same) and a float `bias`
+    broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
+    returns `[batch, q_len, heads, head_dim]` of `out_dtype` (default q's). `interpret`: True runs
+    GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[2], q.shape[3]) != \
+            (k.shape[0], k.shape[2], k.shape[3]):
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} are not [batch, seq, heads, head_dim]")
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype).name not in MMA_DTYPES:
+        raise NotImplementedError(f"wgmma operands {q.dtype}, {k.dtype}, {v.dtype} (the template multiplies "
+                                  "fp16 or bf16 operands of one dtype)")
+    batch, q_len, heads, head_dim = q.shape
+    kv_len = k.shape[1]
+    if min(batch, q_len, heads, head_dim, kv_len) == 0:
+        raise NotImplementedError("an empty attention")
+    blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    blocks.validate()
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    if out_dtype.itemsize != 2:
+        raise NotImplementedError(f"a {out_dtype} result (stored through the Q tile's 16-bit SMEM)")
+    head = padded_head(head_dim)
+    rows_per_cta = blocks.block_q * blocks.compute_wgs
+    q_padded = -(-q_len // rows_per_cta) * rows_per_cta
+    kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
+    qp = pad_to(q, (batch, q_padded, heads, head))
+    kp = pad_to(jnp.transpose(k, (0, 2, 3, 1)), (batch, heads, head, kv_padded))
+    vp = pad_to(v, (batch, kv_padded, heads, head))
+    inputs = [qp, kp, vp]
+    shared = (True, True)
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+        bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+        shared = (bias.shape[0] == 1, bias.shape[1] == 1)
+        target = (bias.shape[0], bias.shape[1], q_padded, kv_padded)
+        bias = pad_to(jnp.broadcast_to(bias, (bias.shape[0], bias.shape[1], q_len, kv_len)), target)
+        inputs.append(bias)
+    grid = (batch, heads, q_padded // rows_per_cta)
+
+    def call(interpret_here):
+        return plgpu.kernel(
+            functools.partial(_kernel, blocks=blocks, kv_len=kv_len, scale=float(scale), has_bias=bias is not None,
+                              bias_shared=shared, epilogue=epilogue, interpreted=interpret_here),
+            out_type=jax.ShapeDtypeStruct((batch, q_padded, heads, head), out_dtype),
+            grid=grid,
+            grid_names=("batch", "heads", "q_seq"),
+            num_threads=blocks.compute_wgs + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            kernel_name=_kernel_name(name),
+            interpret=interpret_params() if interpret_here else None,
+        )
+
+    if interpret is None:
+        out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
+    else:
+        out = call(bool(interpret))(*inputs)
+    return out[:, :q_len, :, :head_dim]
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None,
+              epilogue: EpilogueFn = lambda o: o, out_dtype=None) -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, seq, heads, head_dim]`, in float32."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        scores = scores + jnp.asarray(bias, jnp.float32)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = epilogue(jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32)))
+    return out.astype(out_dtype or q.dtype)
