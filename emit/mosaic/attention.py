@@ -95,17 +95,20 @@ def padded_head(head_dim: int) -> int:
     return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
 
 
-def _swizzled(minor: int, dtype) -> tuple:
-    """SMEM transforms for a tile whose minor dimension holds `minor` elements of `dtype`: the widest
-    swizzle (128, 64 or 32 bytes) that divides a row."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    itemsize = jnp.dtype(dtype).itemsize
-    row_bytes = minor * itemsize
+def swizzle_bytes(minor: int, dtype) -> int:
+    """The widest swizzle (128, 64 or 32 bytes) that divides a tile row of `minor` elements."""
+    row_bytes = minor * jnp.dtype(dtype).itemsize
     swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
     if swizzle is None:
         raise NotImplementedError(f"a tile row of {row_bytes} bytes (swizzles need a multiple of 32)")
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+    return swizzle
+
+
+def _swizzled(swizzle: int, dtype) -> tuple:
+    """SMEM transforms for an MMA tile swizzled by `swizzle` bytes."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
@@ -132,13 +135,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
     kv_steps = full_steps + (1 if tail else 0)
     ring = min(stages, kv_steps)
     base2 = folds_scale_into_exp2(scale, has_bias)
-    operand_transforms = _swizzled(head, dtype)
-    bias_transforms = _swizzled(bk, jnp.float32)
+    # wgmma wants both operands of an MMA swizzled alike: the head's rows set the swizzle of all four
+    operand_transforms = _swizzled(swizzle_bytes(head, dtype), dtype)
+    bias_transforms = _swizzled(swizzle_bytes(bk, jnp.float32), jnp.float32)
 
     scratch = dict(
         qo_smem=plgpu.SMEM((wgs, bq, head), dtype, transforms=operand_transforms),
-        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=_swizzled(bk, dtype)),
-        p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=_swizzled(bk, dtype)),
+        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=operand_transforms),
+        p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=operand_transforms),
         v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
         bias_smem=plgpu.SMEM((ring, wgs * bq, bk), jnp.float32, transforms=bias_transforms) if has_bias else None,
         k_barriers=plgpu.Barrier(num_barriers=ring),
