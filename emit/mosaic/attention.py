@@ -52,7 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from emit import expr as ex
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
+from eqsat.term import Term
+from eqsat.types import parse_type
 
 LOG2_E = math.log2(math.e)
 HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
@@ -141,6 +144,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
 
     scratch = dict(
         qo_smem=plgpu.SMEM((wgs, bq, head), dtype, transforms=operand_transforms),
+        # the output leaves through the Q tile's slot when it has Q's dtype, else through its own
+        o_smem=None if out_ref.dtype == dtype else plgpu.SMEM(
+            (wgs, bq, head), out_ref.dtype, transforms=_swizzled(swizzle_bytes(head, out_ref.dtype), out_ref.dtype)),
         k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=operand_transforms),
         p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=operand_transforms),
         v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
@@ -156,7 +162,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
 
     @functools.partial(pl.run_scoped, **{k: v for k, v in scratch.items() if v is not None}, collective_axes="wg")
     def _scope(qo_smem, k_smem, p_smem, v_smem, k_barriers, v_barriers, q_barriers, k_consumed, v_consumed,
-               bias_smem=None, bias_barriers=None, schedule=None):
+               o_smem=None, bias_smem=None, bias_barriers=None, schedule=None):
         b_idx, h_idx, q_idx = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
         wg = lax.axis_index("wg")
         bias_b = 0 if bias_shared[0] else b_idx
@@ -256,9 +262,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             if wgs > 1:
                 pl.when(wg == 0)(schedule_barrier)
             out = epilogue(acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0]))  # 0 * inf: NaN, as 0 / 0
-            q_smem[...] = out.astype(out_ref.dtype)
+            out_smem = q_smem if o_smem is None else o_smem.at[wg]
+            out_smem[...] = out.astype(out_ref.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b_idx, pl.ds(row0, bq), h_idx])
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b_idx, pl.ds(row0, bq), h_idx])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -312,8 +319,8 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or q.dtype)
-    if out_dtype.itemsize != 2:
-        raise NotImplementedError(f"a {out_dtype} result (stored through the Q tile's 16-bit SMEM)")
+    if out_dtype.itemsize not in (2, 4) or out_dtype.kind != "f":
+        raise NotImplementedError(f"a {out_dtype} result")
     head = padded_head(head_dim)
     rows_per_cta = blocks.block_q * blocks.compute_wgs
     q_padded = -(-q_len // rows_per_cta) * rows_per_cta
@@ -362,3 +369,97 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.
     weights = jax.nn.softmax(scores, axis=-1)
     out = epilogue(jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32)))
     return out.astype(out_dtype or q.dtype)
+
+
+# --- emit: a plan's Attention term --------------------------------------------------------------
+
+EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
+
+
+def _is_zero(bias: Term) -> bool:
+    return bias.op == "Lit" and bias.args[0] == 0.0
+
+
+def _reads_accumulator_at(index):
+    def check(at):
+        if len(at) != len(index) or any(a is not o for a, o in zip(at, index)):
+            raise NotImplementedError("the epilogue reads the accumulator through a view")
+
+    return check
+
+
+def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
+    """The bias expression as a float32 `[batch', heads', q_len, kv_len]` array, `batch'`/`heads'` 1
+    where it does not depend on that index (CLIP's causal mask: `[1, 1, S, S]`), found by which index
+    entries its traced evaluation uses."""
+    from jax._src.interpreters import partial_eval as pe
+
+    from emit.pallas import loaded_tensors
+
+    batch, heads, q_len, kv_len = shape
+    compiled = ex.compile_expr(bias)
+    tensors = loaded_tensors(bias)
+    arrays = [values(t) for t in tensors]
+    rows, cols = np.arange(q_len).reshape(q_len, 1), np.arange(kv_len).reshape(1, kv_len)
+
+    def at(b, h, *arrays):
+        return compiled(ex.ArrayMemory(dict(zip(tensors, arrays))), (b, h, rows, cols), True)
+
+    closed = jax.make_jaxpr(at)(jnp.int32(0), jnp.int32(0), *arrays)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True])
+    b = np.arange(batch).reshape(batch, 1, 1, 1) if used[0] else 0
+    h = np.arange(heads).reshape(1, heads, 1, 1) if used[1] else 0
+    value = compiled(ex.ArrayMemory(dict(zip(tensors, arrays))), (b, h, rows[None, None], cols[None, None]), True)
+    return jnp.broadcast_to(value.astype(jnp.float32), (batch if used[0] else 1, heads if used[1] else 1, q_len, kv_len))
+
+
+def emit(kernel, ctx) -> dict:
+    """`{kernel.term: value}` for a plan's `Attention` kernel (`emit.pallas.KernelCall`) in `ctx`, as
+    one Mosaic GPU kernel. q, k and v (views of a projection's `[B, S, H·D]` output, slices of a fused
+    QKV) are evaluated as XLA fusions into the kernel's layouts; the bias as a float32 array broadcast
+    over what it does not depend on; the epilogue in registers. Forms not covered raise
+    `NotImplementedError` (`emit.mosaic` then runs the Triton template)."""
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    q, k, v, bias, scale, epilogue, ty = term.args
+    q_type, k_type, v_type, out_type = (parse_type(x) for x in (q.ty, k.ty, v.ty, ty))
+    if not (len(q_type.shape) == len(k_type.shape) == len(v_type.shape) == 4):
+        raise NotImplementedError(f"attention over operands of rank {len(q_type.shape)}, {len(k_type.shape)}, "
+                                  f"{len(v_type.shape)}")
+    batch, heads, q_len, head_dim = q_type.shape
+    if k_type.shape != v_type.shape or k_type.shape[:2] != (batch, heads) or k_type.shape[3] != head_dim:
+        raise NotImplementedError(f"attention with q {q_type.shape}, k {k_type.shape}, v {v_type.shape}")
+    kv_len = k_type.shape[2]
+    if min(batch, heads, q_len, head_dim, kv_len) == 0:
+        raise NotImplementedError("an empty attention")
+    if not (q_type.dtype == k_type.dtype == v_type.dtype) or q_type.dtype not in MMA_DTYPES:
+        raise NotImplementedError(f"{q_type.dtype}, {k_type.dtype}, {v_type.dtype} operands (wgmma here multiplies "
+                                  "fp16 or bf16 operands of one dtype)")
+    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or jnp.dtype(out_type.dtype).kind != "f":
+        raise NotImplementedError(f"a {out_type.dtype} result")
+    missing = sorted({node.op for node in ex.expr_nodes(epilogue)} - EPILOGUE_OPS)
+    if missing:
+        raise NotImplementedError(f"an epilogue with {', '.join(missing)} (the Mosaic attention epilogue is "
+                                  "elementwise on the output tile)")
+    compiled_epilogue = ex.compile_expr(epilogue)
+
+    def tile_epilogue(o):
+        rows, width = o.shape
+        index = (0, 0, np.arange(rows).reshape(rows, 1), np.arange(width).reshape(1, width))
+        check = _reads_accumulator_at(index)
+
+        def accumulator(acc_ty, at, mask):
+            check(at)
+            return o
+
+        return jnp.broadcast_to(compiled_epilogue(None, index, True, accumulator), o.shape)
+
+    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known.values = ctx.values
+    q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
+    q_value, k_value, v_value = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q_value, k_value, v_value))
+    bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
+    out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
+                out_dtype=out_type.dtype, interpret=ctx.interpret, name=kernel.name)
+    return {term: jnp.transpose(out, (0, 2, 1, 3)).reshape(out_type.shape)}

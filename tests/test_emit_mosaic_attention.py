@@ -1,0 +1,254 @@
+"""The Mosaic GPU attention template (`emit/mosaic/attention.py`) in GPU interpret mode (simulated
+SMEM, warpgroups, barriers, TMA): the template against a float64 softmax on adversarial values
+(logits ~1e4, all-equal scores, rows masked by -inf or finfo.min, keys finite only in the masked
+tail block), plans emitted with `backend="mosaic"` against the XLA emitter and `jax.jit` (77 tokens,
+heads of 40, CLIP's causal bias, batch 1-2), the Triton fallback, and one compile for sm_90a
+without a GPU at an SD 1.5 shape (PTX: wgmma, TMA, no spills).
+
+One interpreted kernel costs ~10 s here: shapes are tiny and the slowest cases are marked `slow`."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import emit
+import eqsat
+from emit.mosaic import TritonFallbackWarning
+from emit.mosaic import attention as ma
+from emit.pallas import XlaFallbackWarning
+
+# --- the template against float64 ------------------------------------------------------------------
+
+
+def causal(q_len, kv_len, fill=np.finfo(np.float32).min):
+    return np.where(np.arange(q_len)[:, None] >= np.arange(kv_len)[None, :], 0.0, fill).astype(np.float32)
+
+
+def float64_attention(q, k, v, scale, bias):
+    """softmax(q kᵀ scale + bias) v in float64 over `[batch, seq, heads, head]` (a row with no finite
+    score is NaN, as `jax.nn.softmax` gives) and the largest |q kᵀ scale|."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    logits = scores if bias is None else scores + np.asarray(bias, np.float64)
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights = weights / weights.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", weights, v), float(np.abs(scores).max())
+
+
+def adversarial_bias(rng, q_len, kv_len):
+    """Random finite logits with rows of -inf (NaN out), of finfo.min (uniform weights), finite only
+    at the last key (in the masked tail block) and finite only at the first key."""
+    bias = rng.normal(size=(q_len, kv_len)).astype(np.float32) * 3
+    for row, fill in zip(range(0, q_len, 4), [-np.inf, np.finfo(np.float32).min, "last", "first"] * q_len):
+        if fill == "last":
+            bias[row, :-1] = -np.inf
+        elif fill == "first":
+            bias[row, 1:] = -np.inf
+        else:
+            bias[row] = fill
+    return bias[None, None]
+
+
+def check_against_float64(q, k, v, scale, bias, blocks, dtype):
+    out = np.asarray(ma.build(q, k, v, scale=scale, bias=bias, blocks=blocks, interpret=True), np.float64)
+    assert out.shape == q.shape
+    expected, max_logit = float64_attention(q, k, v, scale, bias)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    atol = 2e-2 + 16 * np.finfo(np.float32).eps * max_logit * float(np.abs(np.asarray(v, np.float64)).max())
+    np.testing.assert_allclose(out, expected, rtol=2e-2, atol=atol, equal_nan=True)
+
+
+def operands(rng, batch, q_len, kv_len, heads, head_dim, dtype, values):
+    q = rng.standard_normal((batch, q_len, heads, head_dim))
+    k = rng.standard_normal((batch, kv_len, heads, head_dim))
+    v = rng.standard_normal((batch, kv_len, heads, head_dim))
+    if values == "huge":  # logits ~1e4: q, k ~ 100
+        q, k = 100 * q, 100 * k
+    elif values == "equal":  # every key equal: uniform weights over exactly the real keys
+        k = np.broadcast_to(k[:, :1], k.shape)
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def test_77_tokens_heads_of_40_causal_two_warpgroups():
+    """CLIP's shape, tiny: 77 queries (two compute warpgroups of 64 rows, the second mostly padding),
+    77 keys (one full block, one masked tail of 13), 2 heads of 40 (padded to 48), causal finfo.min bias."""
+    rng = np.random.default_rng(0)
+    q, k, v = operands(rng, 1, 77, 77, 2, 40, jnp.float16, "normal")
+    check_against_float64(q, k, v, 40**-0.5, causal(77, 77)[None, None], ma.AttentionBlocks(64, 64, 2, 2),
+                          jnp.float16)
+
+
+@pytest.mark.parametrize("values", ["huge", "equal"])
+def test_adversarial_scores_without_bias(values):
+    """Base-2 path (no bias, scale·log2 e <= 1): logits ~1e4, or all-equal scores over 77 keys whose
+    padded slots must get no weight; one compute warpgroup, bf16."""
+    rng = np.random.default_rng(1)
+    q, k, v = operands(rng, 1, 40, 77, 1, 40, jnp.bfloat16, values)
+    check_against_float64(q, k, v, 40**-0.5, None, ma.AttentionBlocks(64, 64, 2, 1), jnp.bfloat16)
+
+
+@pytest.mark.slow
+def test_adversarial_bias_rows_natural_scale():
+    """A bias with -inf rows (NaN, as softmax), finfo.min rows (uniform), rows finite only at the last
+    key (in the tail block) or the first; a scale of 3e3 (scores stay natural); 2 batches, 130 keys
+    (two full blocks through a 2-slot ring, then the tail)."""
+    rng = np.random.default_rng(2)
+    q, k, v = operands(rng, 2, 20, 130, 1, 40, jnp.float16, "normal")
+    check_against_float64(q, k, v, 3e3, adversarial_bias(rng, 20, 130), ma.AttentionBlocks(64, 64, 2, 1),
+                          jnp.float16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [80, 160])
+def test_heads_of_80_and_160(head_dim):
+    """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result."""
+    rng = np.random.default_rng(3)
+    q, k, v = operands(rng, 1, 64, 77, 1, head_dim, jnp.float16, "normal")
+    out = ma.build(q, k, v, scale=head_dim**-0.5, out_dtype=jnp.float32, interpret=True)
+    assert out.dtype == jnp.float32
+    expected, _ = float64_attention(q, k, v, head_dim**-0.5, None)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_blocks_and_padding():
+    assert [ma.padded_head(d) for d in (40, 80, 160, 64, 8)] == [48, 80, 160, 64, 16]
+    assert [ma.swizzle_bytes(d, jnp.float16) for d in (48, 80, 160, 64)] == [32, 32, 64, 128]
+    assert ma.AttentionBlocks.get_default(77, 77, 40) == ma.AttentionBlocks(64, 64, 2, 2)
+    assert ma.AttentionBlocks.get_default(4096, 4096, 40) == ma.AttentionBlocks(64, 64, 3, 2)
+    assert ma.AttentionBlocks.get_default(4096, 4096, 160) == ma.AttentionBlocks(64, 64, 2, 2)
+    assert ma.AttentionBlocks.get_default(10, 10, 40) == ma.AttentionBlocks(64, 64, 2, 1)
+    with pytest.raises(ValueError, match="64 rows"):
+        ma.AttentionBlocks(block_q=128).validate()
+    with pytest.raises(NotImplementedError, match="fp16 or bf16"):
+        x = jnp.zeros((1, 8, 1, 16), jnp.float32)
+        ma.build(x, x, x, scale=1.0, interpret=True)
+
+
+# --- plans through backend="mosaic" -----------------------------------------------------------------
+
+
+def emitted(fn, args):
+    plan = eqsat.optimize(fn, progress=False).lower(*args).plan
+    assert "Attention" in [k.term.op for k in plan.kernels]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        mosaic = emit.emit(plan, "mosaic", interpret=True)(*args)
+    return plan, mosaic, emit.emit(plan, "xla")(*args), jax.jit(fn)(*args)
+
+
+def assert_close(actual, expected):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_plan_clip_causal_attention(batch):
+    """sd15's multi-head attention with CLIP's causal bias: q/k/v are [B, 77, 2·40] fp16 tensors read
+    per head through reshape/transpose views, the bias a [1, 1, 77, 77] constant the template keeps
+    unbroadcast."""
+    from sd15.clip import causal_bias
+    from sd15.layers import attention
+
+    rng = np.random.default_rng(4 + batch)
+    args = tuple((3 * rng.standard_normal((batch, 77, 2 * 40))).astype(np.float16) for _ in range(3))
+    plan, mosaic, xla, jit = emitted(lambda q, k, v: attention(q, k, v, 2, bias=causal_bias(77)), args)
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
+    assert term.args[3].op != "Lit", "the causal bias was dropped"
+    assert_close(mosaic, xla)
+    assert_close(mosaic, jit)
+
+
+def sdpa(q, k, v):
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+
+@pytest.mark.slow
+def test_plan_sdpa_huge_logits_cross_lengths():
+    """No bias, 20 queries x 77 keys, logits ~1e3 (q, k ~ 30), fp16, batch 2."""
+    rng = np.random.default_rng(6)
+    args = (30 * rng.standard_normal((2, 2, 20, 40)), 30 * rng.standard_normal((2, 2, 77, 40)),
+            rng.standard_normal((2, 2, 77, 40)))
+    args = tuple(x.astype(np.float16) for x in args)
+    _, mosaic, xla, jit = emitted(sdpa, args)
+    assert_close(mosaic, xla)
+    assert_close(mosaic, jit)
+
+
+def test_bias_is_kept_unbroadcast_over_what_it_does_not_read():
+    """CLIP's causal mask broadcast to [B, H, S, S] in the plan is materialized as [1, 1, S, S]; a
+    per-head bias keeps its head axis."""
+    from eqsat.term import postorder
+
+    mask = causal(12, 12)[None, None]
+    per_head = np.arange(2 * 12 * 12, dtype=np.float32).reshape(1, 2, 12, 12)
+
+    def fn(q, k, v, per_head):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) + mask + per_head
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+    args = (*(np.ones((2, 2, 12, 16), np.float16) for _ in range(3)), per_head)
+    plan = eqsat.optimize(fn, progress=False).lower(*args).plan
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
+    env = plan.program.environment(*args)
+    values = {t: jnp.asarray(env[t.args[0]]) for t in postorder([term.args[3]]) if t.op == "Input"}
+    values.update({t: jnp.asarray(plan.program.constants[t.args[0]]) for t in postorder([term.args[3]])
+                   if t.op == "Constant"})
+    bias = ma.bias_value(term.args[3], (2, 2, 12, 12), lambda t: values[t])
+    assert bias.shape == (1, 2, 12, 12)
+    np.testing.assert_array_equal(np.asarray(bias)[0], mask[0] + per_head[0])
+
+
+def test_float32_attention_runs_through_the_triton_template_with_a_warning():
+    rng = np.random.default_rng(7)
+    args = tuple(rng.standard_normal((1, 1, 20, 16)).astype(np.float32) for _ in range(3))
+    plan = eqsat.optimize(sdpa, progress=False).lower(*args).plan
+    with pytest.warns(TritonFallbackWarning, match="float32"):
+        out = emit.emit(plan, "mosaic", interpret=True)(*args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(emit.emit(plan, "xla")(*args)), rtol=1e-5, atol=1e-5)
+
+
+# --- compiled for an H100 without a GPU ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_len", [77, 4096])
+def test_compiles_for_sm90a_with_wgmma_tma_and_no_spills(tmp_path, monkeypatch, kv_len):
+    """SD 1.5's 64x64-latent attention (4096 queries, 8 heads of 40, fp16; 77 text keys or 4096
+    image keys) through `backend="mosaic"`: one Mosaic GPU kernel whose PTX issues wgmma, TMA copies
+    in (K, V, Q) and out, and ptxas reports no spills."""
+    from benchmarks import ptx
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no deviceless H100 compile here: {reason}")
+    args = (jax.ShapeDtypeStruct((2, 8, 4096, 40), jnp.float16),
+            *[jax.ShapeDtypeStruct((2, 8, kv_len, 40), jnp.float16)] * 2)
+    plan = eqsat.optimize(sdpa, progress=False).lower(*args).plan
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
+    (ptx_path,) = tmp_path.glob("*.ptx")
+    (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()
+    assert counts.tensor_core == "wgmma", counts
+    assert counts.tma_loads >= 3, counts
+    assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx_path.read_text()), "no TMA store"
+    resources = ptx.parse_ptxas_verbose(ptx_path.with_suffix(".ptxas").read_text())[name]
+    assert resources.spill_bytes == 0, resources
