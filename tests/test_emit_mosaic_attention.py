@@ -144,10 +144,13 @@ def emitted(fn, args):
     return plan, mosaic, emit.emit(plan, "xla")(*args), jax.jit(fn)(*args)
 
 
-def assert_close(actual, expected):
+def assert_close(actual, expected, v):
+    """fp16/bf16 outputs: each side rounds p (or the scores) to 16 bits, an error of a few 16-bit eps
+    of the largest |v| they average."""
     actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
     np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
-    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2, equal_nan=True)
+    atol = 2e-2 + 8 * np.finfo(np.float16).eps * float(np.abs(np.asarray(v, np.float32)).max())
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=atol, equal_nan=True)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -163,8 +166,8 @@ def test_plan_clip_causal_attention(batch):
     plan, mosaic, xla, jit = emitted(lambda q, k, v: attention(q, k, v, 2, bias=causal_bias(77)), args)
     (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
     assert term.args[3].op != "Lit", "the causal bias was dropped"
-    assert_close(mosaic, xla)
-    assert_close(mosaic, jit)
+    assert_close(mosaic, xla, args[2])
+    assert_close(mosaic, jit, args[2])
 
 
 def sdpa(q, k, v):
@@ -180,8 +183,8 @@ def test_plan_sdpa_huge_logits_cross_lengths():
             rng.standard_normal((2, 2, 77, 40)))
     args = tuple(x.astype(np.float16) for x in args)
     _, mosaic, xla, jit = emitted(sdpa, args)
-    assert_close(mosaic, xla)
-    assert_close(mosaic, jit)
+    assert_close(mosaic, xla, args[2])
+    assert_close(mosaic, jit, args[2])
 
 
 def test_bias_is_kept_unbroadcast_over_what_it_does_not_read():
@@ -193,7 +196,7 @@ def test_bias_is_kept_unbroadcast_over_what_it_does_not_read():
     per_head = np.arange(2 * 12 * 12, dtype=np.float32).reshape(1, 2, 12, 12)
 
     def fn(q, k, v, per_head):
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) + mask + per_head
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * 0.25 + (mask + per_head)
         return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
 
     args = (*(np.ones((2, 2, 12, 16), np.float16) for _ in range(3)), per_head)

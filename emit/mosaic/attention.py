@@ -319,7 +319,7 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or q.dtype)
-    if out_dtype.itemsize not in (2, 4) or out_dtype.kind != "f":
+    if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
         raise NotImplementedError(f"a {out_dtype} result")
     head = padded_head(head_dim)
     rows_per_cta = blocks.block_q * blocks.compute_wgs
@@ -436,7 +436,7 @@ def emit(kernel, ctx) -> dict:
     if not (q_type.dtype == k_type.dtype == v_type.dtype) or q_type.dtype not in MMA_DTYPES:
         raise NotImplementedError(f"{q_type.dtype}, {k_type.dtype}, {v_type.dtype} operands (wgmma here multiplies "
                                   "fp16 or bf16 operands of one dtype)")
-    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or jnp.dtype(out_type.dtype).kind != "f":
+    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or not jnp.issubdtype(out_type.dtype, jnp.floating):
         raise NotImplementedError(f"a {out_type.dtype} result")
     missing = sorted({node.op for node in ex.expr_nodes(epilogue)} - EPILOGUE_OPS)
     if missing:
