@@ -125,7 +125,8 @@ EpilogueFn = Callable[[jax.Array], jax.Array]
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, scale: float,
-            has_bias: bool, bias_shared: tuple[bool, bool], epilogue: EpilogueFn, interpreted: bool):
+            has_bias: bool, bias_shared: tuple[bool, bool], epilogue: EpilogueFn, layouts: "Layouts",
+            interpreted: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -184,7 +185,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
             q_smem = qo_smem.at[wg]
             row0 = q_idx * (wgs * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b_idx, pl.ds(row0, bq), h_idx], q_smem, q_barriers.at[wg])
+            q_tile = (b_idx, pl.ds(row0, bq), h_idx) if layouts.q_seq_major else (b_idx, h_idx, pl.ds(row0, bq))
+            plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem, q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
             m = in_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = in_layout(jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -265,7 +267,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             out_smem = q_smem if o_smem is None else o_smem.at[wg]
             out_smem[...] = out.astype(out_ref.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b_idx, pl.ds(row0, bq), h_idx])
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_tile])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -275,7 +277,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
 
             def issue(t, slot):
-                keys = (b_idx, pl.ds(t * bk, bk), h_idx)
+                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
                 plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
                                         k_barriers.at[slot])
                 if has_bias:
@@ -293,27 +295,49 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.barrier_wait(v_consumed.at[slot])  # the bias slot is read before v's
                 issue(t + ring, slot)
 
+            for t in range(max(0, kv_steps - ring), kv_steps):  # the last use of each slot: every phase of a
+                plgpu.barrier_wait(k_consumed.at[t % ring])      # barrier is observed (the interpreter checks it)
+                plgpu.barrier_wait(v_consumed.at[t % ring])
+
     del scratch
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+    """How the kernel reads q (and writes the output) and v in global memory: `seq_major` as
+    `[batch, seq, heads, head]` (a projection's `[B, S, H·D]` output viewed per head: read in place),
+    else `[batch, heads, seq, head]`. K is always read as Kᵀ `[batch, heads, head, kv]` (the wgmma B
+    operand with the keys along its rows' minor axis; GPU interpret mode has no transposed SMEM
+    operand for wgmma), one XLA transpose of K per call."""
+
+    q_seq_major: bool = True
+    v_seq_major: bool = True
+
+
+def _seq_major(x: jax.Array, yes: bool) -> jax.Array:
+    return jnp.transpose(x, (0, 2, 1, 3)) if yes else x
 
 
 def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.Array | None = None,
           epilogue: EpilogueFn = lambda o: o, out_dtype=None, blocks: AttentionBlocks | None = None,
-          interpret: Any = None, name: str = "attention") -> jax.Array:
-    """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, q_len, heads, head_dim]`,
-    `k, v [batch, kv_len, heads, head_dim]` (fp16 or bf16, the same) and a float `bias`
+          layouts: Layouts = Layouts(), interpret: Any = None, name: str = "attention") -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, heads, q_len, head_dim]`,
+    `k, v [batch, heads, kv_len, head_dim]` (fp16 or bf16, the same) and a float `bias`
     broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
-    returns `[batch, q_len, heads, head_dim]` of `out_dtype` (default q's). `interpret`: True runs
-    GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets)."""
+    returns `[batch, heads, q_len, head_dim]` of `out_dtype` (default q's). `layouts`: the order the
+    kernel reads q and v in (the transposes here cancel against a view of that order). `interpret`:
+    True runs GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU
+    interprets)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[2], q.shape[3]) != \
-            (k.shape[0], k.shape[2], k.shape[3]):
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} are not [batch, seq, heads, head_dim]")
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != \
+            (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} are not [batch, heads, seq, head_dim]")
     if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype).name not in MMA_DTYPES:
         raise NotImplementedError(f"wgmma operands {q.dtype}, {k.dtype}, {v.dtype} (the template multiplies "
                                   "fp16 or bf16 operands of one dtype)")
-    batch, q_len, heads, head_dim = q.shape
-    kv_len = k.shape[1]
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
     if min(batch, q_len, heads, head_dim, kv_len) == 0:
         raise NotImplementedError("an empty attention")
     blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
@@ -325,9 +349,11 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     rows_per_cta = blocks.block_q * blocks.compute_wgs
     q_padded = -(-q_len // rows_per_cta) * rows_per_cta
     kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
-    qp = pad_to(q, (batch, q_padded, heads, head))
-    kp = pad_to(jnp.transpose(k, (0, 2, 3, 1)), (batch, heads, head, kv_padded))
-    vp = pad_to(v, (batch, kv_padded, heads, head))
+    q_shape = (batch, q_padded, heads, head) if layouts.q_seq_major else (batch, heads, q_padded, head)
+    qp = pad_to(_seq_major(q, layouts.q_seq_major), q_shape)
+    kp = pad_to(jnp.transpose(k, (0, 1, 3, 2)), (batch, heads, head, kv_padded))
+    vp = pad_to(_seq_major(v, layouts.v_seq_major),
+                (batch, kv_padded, heads, head) if layouts.v_seq_major else (batch, heads, kv_padded, head))
     inputs = [qp, kp, vp]
     shared = (True, True)
     if bias is not None:
@@ -342,8 +368,8 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     def call(interpret_here):
         return plgpu.kernel(
             functools.partial(_kernel, blocks=blocks, kv_len=kv_len, scale=float(scale), has_bias=bias is not None,
-                              bias_shared=shared, epilogue=epilogue, interpreted=interpret_here),
-            out_type=jax.ShapeDtypeStruct((batch, q_padded, heads, head), out_dtype),
+                              bias_shared=shared, epilogue=epilogue, layouts=layouts, interpreted=interpret_here),
+            out_type=jax.ShapeDtypeStruct(q_shape, out_dtype),
             grid=grid,
             grid_names=("batch", "heads", "q_seq"),
             num_threads=blocks.compute_wgs + 1,
@@ -357,17 +383,17 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
         out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
     else:
         out = call(bool(interpret))(*inputs)
-    return out[:, :q_len, :, :head_dim]
+    return _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None,
               epilogue: EpilogueFn = lambda o: o, out_dtype=None) -> jax.Array:
-    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, seq, heads, head_dim]`, in float32."""
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, heads, seq, head_dim]`, in float32."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if bias is not None:
         scores = scores + jnp.asarray(bias, jnp.float32)
     weights = jax.nn.softmax(scores, axis=-1)
-    out = epilogue(jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32)))
+    out = epilogue(jnp.einsum("bhqk,bhkd->bhqd", weights, v.astype(jnp.float32)))
     return out.astype(out_dtype or q.dtype)
 
 
@@ -386,6 +412,37 @@ def _reads_accumulator_at(index):
             raise NotImplementedError("the epilogue reads the accumulator through a view")
 
     return check
+
+
+class _IndexRecorder:
+    """A memory that records where an expression reads (NumPy index tables), returning zeros."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self):
+        self.loads: list[tuple[Term, tuple]] = []
+
+    def load(self, tensor: Term, index, mask):
+        self.loads.append((tensor, tuple(index)))
+        return jnp.zeros((), parse_type(tensor.ty).dtype)
+
+
+def reads_seq_major(operand: Term) -> bool:
+    """Whether an operand expression `[batch, heads, seq, head]` is a view of one tensor in which
+    consecutive sequence positions lie further apart than consecutive heads (a `[B, S, H·D]`
+    projection read per head, a fused QKV slice): the kernel then reads it `[B, S, H, D]` and the
+    transpose XLA sees cancels against the view. Anything else (a computed operand, a head-major
+    tensor) is read `[B, H, S, D]`, the term's own order."""
+    _, heads, seq, _ = parse_type(operand.ty).shape
+    if heads == 1 or seq == 1:
+        return False  # both orders are the same bytes
+    memory = _IndexRecorder()
+    ex.compile_expr(operand)(memory, (0, np.array([[0], [1]]), np.array([[0, 1]]), 0), True)
+    if len(memory.loads) != 1 or not all(ex.is_static(e) or isinstance(e, np.ndarray) for e in memory.loads[0][1]):
+        return False
+    tensor, index = memory.loads[0]
+    flat = np.broadcast_to(np.asarray(ex.linearize(index, parse_type(tensor.ty).shape)), (2, 2))
+    return abs(int(flat[0, 1] - flat[0, 0])) > abs(int(flat[1, 0] - flat[0, 0]))
 
 
 def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
@@ -458,8 +515,8 @@ def emit(kernel, ctx) -> dict:
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
-    q_value, k_value, v_value = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q_value, k_value, v_value))
     bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
     out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
-                out_dtype=out_type.dtype, interpret=ctx.interpret, name=kernel.name)
-    return {term: jnp.transpose(out, (0, 2, 1, 3)).reshape(out_type.shape)}
+                out_dtype=out_type.dtype, layouts=Layouts(reads_seq_major(q), reads_seq_major(v)),
+                interpret=ctx.interpret, name=kernel.name)
+    return {term: out.reshape(out_type.shape)}
