@@ -9,8 +9,9 @@ GPU templates (`emit/mosaic/matmul.py`, `emit/mosaic/attention.py`) and the Pall
     python -m benchmarks.mosaic_ptx --json out.json --dump DIR
 
 A matmul case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with
-a bias epilogue); an attention case the plan of `softmax(q kᵀ / sqrt(d)) v` over fp16
-`[batch, heads, seq, head_dim]` operands (one `Attention` kernel), with CLIP's causal mask as an
+a bias epilogue); an attention case the plan of sd15's multi-head attention over fp16
+`[batch, seq, heads·head_dim]` projections (one `Attention` kernel reading them per head, and the
+`Pointwise` kernel that writes the result back as `[B, S, H·D]`), with CLIP's causal mask as an
 additive bias where the case says so. Each is emitted with `backend="mosaic"` and with
 `backend="pallas"`, each compiled by
 `measure.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
@@ -94,10 +95,11 @@ def dense(x, w, b):
 
 
 def attention_fn(shape: AttentionShape):
-    """`softmax(q kᵀ / sqrt(d) [+ causal mask]) v` over `[batch, heads, seq, head_dim]`."""
-    import jax
-    import jax.numpy as jnp
+    """sd15's multi-head attention (`sd15.layers.attention`): q, k, v `[batch, seq, heads·head_dim]`
+    projections read per head, `softmax(q kᵀ / sqrt(d) [+ causal mask]) v`, back to `[B, S, H·D]`."""
     import numpy as np
+
+    from sd15.layers import attention
 
     mask = None
     if shape.causal:
@@ -105,10 +107,7 @@ def attention_fn(shape: AttentionShape):
                         np.finfo(np.float32).min).astype(np.float32)
 
     def attend(q, k, v):
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * shape.head_dim**-0.5
-        if mask is not None:
-            scores = scores + mask
-        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+        return attention(q, k, v, shape.heads, bias=mask)
 
     return attend
 
@@ -119,8 +118,8 @@ def case_program(shape):
     import jax.numpy as jnp
 
     if isinstance(shape, AttentionShape):
-        q = jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.q_len, shape.head_dim), jnp.float16)
-        kv = jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.kv_len, shape.head_dim), jnp.float16)
+        q = jax.ShapeDtypeStruct((shape.batch, shape.q_len, shape.heads * shape.head_dim), jnp.float16)
+        kv = jax.ShapeDtypeStruct((shape.batch, shape.kv_len, shape.heads * shape.head_dim), jnp.float16)
         return attention_fn(shape), (q, kv, kv), "attention"
     args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
             jax.ShapeDtypeStruct((shape.n,), jnp.float16))
