@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import emit
 import eqsat
@@ -72,6 +74,10 @@ def operands(rng, batch, q_len, kv_len, heads, head_dim, dtype, values):
     v = rng.standard_normal((batch, heads, kv_len, head_dim))
     if values == "huge":  # logits ~1e4: q, k ~ 100
         q, k = 100 * q, 100 * k
+    elif values == "tiny":  # scores ~1e-6, v near fp16's smallest normal
+        q, k, v = 1e-3 * q, 1e-3 * k, 1e-4 * v
+    elif values == "offset":  # every score offset by ~1e3 against a spread of ~1
+        q, k = q + 30.0, k + 30.0
     elif values == "equal":  # every key equal: uniform weights over exactly the real keys
         k = np.broadcast_to(k[:, :, :1], k.shape)
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
@@ -113,6 +119,32 @@ def test_heads_of_80_and_160(head_dim):
     assert out.dtype == jnp.float32
     expected, _ = float64_attention(q, k, v, head_dim**-0.5, None)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_adversarial_property(data):
+    """Random forms against float64: fp16/bf16; 1, 20 or 77 queries (one or two compute warpgroups);
+    10 (a tail only), 64 (no tail), 77 or 130 keys (a tail after one or two full blocks, a ring of
+    2 refilled); heads of 16, 24 (padded to 32), 40 (to 48) and 80; logits ~1e4, offset by ~1e3, tiny,
+    or all equal; no bias, causal with -inf or finfo.min, or rows masked whole / but one key; scales
+    1/sqrt(d) (base-2 path) or 3e3 (natural); either layout of q and v."""
+    dtype = data.draw(st.sampled_from([jnp.float16, jnp.bfloat16]), "dtype")
+    q_len = data.draw(st.sampled_from([1, 20, 77]), "q_len")
+    kv_len = data.draw(st.sampled_from([10, 64, 77, 130]), "kv_len")
+    head_dim = data.draw(st.sampled_from([16, 24, 40, 80]), "head_dim")
+    values = data.draw(st.sampled_from(["normal", "huge", "tiny", "offset", "equal"]), "values")
+    bias_kind = data.draw(st.sampled_from(["none", "causal_inf", "causal_min", "rows"]), "bias")
+    scale = data.draw(st.sampled_from([head_dim**-0.5, 3e3]), "scale")
+    layouts = ma.Layouts(data.draw(st.booleans(), "q_seq_major"), data.draw(st.booleans(), "v_seq_major"))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), "seed"))
+    q, k, v = operands(rng, 1, q_len, kv_len, 2, head_dim, dtype, values)
+    bias = {"none": None, "causal_inf": causal(q_len, kv_len, -np.inf)[None, None],
+            "causal_min": causal(q_len, kv_len)[None, None]}.get(bias_kind)
+    if bias_kind == "rows":
+        bias = adversarial_bias(rng, q_len, kv_len)
+    check_against_float64(q, k, v, scale, bias, None, layouts)
 
 
 def test_blocks_and_padding():
