@@ -150,10 +150,18 @@ def test_adversarial_property(data):
 def test_blocks_and_padding():
     assert [ma.padded_head(d) for d in (40, 80, 160, 64, 8)] == [48, 80, 160, 64, 16]
     assert [ma.swizzle_bytes(d, jnp.float16) for d in (48, 80, 160, 64)] == [32, 32, 64, 128]
-    assert ma.AttentionBlocks.get_default(77, 77, 40) == ma.AttentionBlocks(64, 64, 2, 2)
+    assert [ma.key_quantum(h) for h in (48, 80, 160, 64)] == [16, 16, 32, 64]
+    # a short context in one step, rounded to the key quantum: 77 keys -> 80 slots (96 at 160 lanes)
+    assert ma.AttentionBlocks.get_default(77, 77, 40) == ma.AttentionBlocks(64, 80, 2, 2)
+    assert ma.AttentionBlocks.get_default(4096, 77, 160) == ma.AttentionBlocks(64, 96, 2, 2)
+    assert ma.AttentionBlocks.get_default(77, 77, 64) == ma.AttentionBlocks(64, 128, 2, 2)
     assert ma.AttentionBlocks.get_default(4096, 4096, 40) == ma.AttentionBlocks(64, 64, 3, 2)
     assert ma.AttentionBlocks.get_default(4096, 4096, 160) == ma.AttentionBlocks(64, 64, 2, 2)
-    assert ma.AttentionBlocks.get_default(10, 10, 40) == ma.AttentionBlocks(64, 64, 2, 1)
+    assert ma.AttentionBlocks.get_default(10, 10, 40) == ma.AttentionBlocks(64, 16, 2, 1)
+    assert ma.AttentionBlocks.get_default(20, 130, 40) == ma.AttentionBlocks(64, 64, 3, 1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        x = jnp.zeros((1, 1, 8, 64), jnp.float16)
+        ma.build(x, x, x, scale=1.0, blocks=ma.AttentionBlocks(64, 80, 2, 1), interpret=True)
     with pytest.raises(ValueError, match="64 rows"):
         ma.AttentionBlocks(block_q=128).validate()
     with pytest.raises(NotImplementedError, match="fp16 or bf16"):

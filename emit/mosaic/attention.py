@@ -73,20 +73,24 @@ class AttentionBlocks:
 
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """64 x 64 tiles (the wgmma M of one warpgroup; 64 keys: a 77-key context is one full block
-        and a masked one); two compute warpgroups when the queries fill 128-row CTAs (one for 64 or
-        fewer); a ring as deep as the key blocks, at most 3 (2 when the padded head exceeds 128
-        lanes: SMEM)."""
-        steps = -(-kv_len // 64)
+        """64-row query tiles (the wgmma M of one warpgroup), two compute warpgroups when the queries
+        fill 128-row CTAs (one for 64 or fewer); 64 keys per step, or a short context (<= 128 keys)
+        in one step of its length rounded up to the key quantum (77 keys: 80 slots at heads of 40
+        or 80, 96 at 160, 128 at 64; not 128 everywhere); a ring as deep as the key blocks, at most
+        3 (2 when the padded head exceeds 128 lanes: SMEM)."""
         head = padded_head(head_dim)
-        return cls(64, 64, stages=max(2, min(3 if head <= 128 else 2, steps)),
+        quantum = key_quantum(head)
+        block_kv = -(-kv_len // quantum) * quantum if kv_len <= 128 else 64
+        steps = -(-kv_len // block_kv)
+        return cls(64, block_kv, stages=max(2, min(3 if head <= 128 else 2, steps)),
                    compute_wgs=1 if q_len <= 64 else 2)
 
     def validate(self) -> None:
         if self.block_q != 64:
             raise ValueError(f"block_q={self.block_q}: one warpgroup's wgmma covers 64 rows")
-        if self.block_kv % 64:
-            raise ValueError(f"block_kv={self.block_kv} must be a multiple of 64")
+        if self.block_kv % HEAD_QUANTUM or self.block_kv > 256:
+            raise ValueError(f"block_kv={self.block_kv} must be a multiple of {HEAD_QUANTUM} up to 256 (wgmma's K "
+                             "step for P·V, its N limit for Q·Kᵀ)")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
         if self.compute_wgs not in (1, 2):
@@ -96,6 +100,13 @@ class AttentionBlocks:
 def padded_head(head_dim: int) -> int:
     """The head dim rounded up to wgmma's 16-element K step: 40 -> 48, 80 -> 80, 160 -> 160."""
     return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
+
+
+def key_quantum(head: int) -> int:
+    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: Kᵀ and P
+    tiles (keys along their rows) are swizzled like the head's tiles, so a row holds whole swizzle
+    groups (16 keys at a 32-byte swizzle, 32 at 64, 64 at 128)."""
+    return swizzle_bytes(head, jnp.float16) // 2
 
 
 def swizzle_bytes(minor: int, dtype) -> int:
@@ -342,6 +353,9 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
         raise NotImplementedError("an empty attention")
     blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
     blocks.validate()
+    if blocks.block_kv % key_quantum(padded_head(head_dim)):
+        raise ValueError(f"block_kv={blocks.block_kv} at a head of {padded_head(head_dim)} lanes must be a multiple "
+                         f"of {key_quantum(padded_head(head_dim))} (Kᵀ and P rows swizzled like the head's)")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
         raise NotImplementedError(f"a {out_dtype} result")
