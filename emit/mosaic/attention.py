@@ -9,35 +9,45 @@ registers; the scores never reach memory.
 One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
 `pallas/ops/gpu/attention_mgpu.py`:
 
-- a memory warpgroup (40 registers) copies `[block_kv, head]` K and V tiles (and the bias tiles of
-  both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots, and refills a slot as
-  soon as both compute warpgroups have arrived on its "consumed" barrier;
+- a memory warpgroup (40 registers) copies `[head, block_kv]` Kᵀ and `[block_kv, head]` V tiles
+  (and the bias tiles of both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
+  and refills a slot once both compute warpgroups have arrived on its "consumed" barriers;
 - each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
   block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
   registers (running max m in base 2, `p = 2^(s·scale·log2 e - m)`: one FMA and one `ex2` per
-  score, FlashAttention-2's rescaling of the output by `2^(m_old - m_new)`), and issues `wgmma`
-  P·V with P (fp16/bf16) from registers. With two compute warpgroups a shared "schedule" barrier
-  alternates their Q·Kᵀ and softmax phases (FA3's ping-pong) so that one's MMAs overlap the
-  other's exponentials;
+  score, FlashAttention-2's rescaling of the output by `2^(m_old - m_new)`), stores P (fp16/bf16)
+  to SMEM and issues `wgmma` P·V into a fresh accumulator that is added to the rescaled output.
+  With two compute warpgroups a shared "schedule" barrier alternates their Q·Kᵀ and softmax phases
+  (FA3's ping-pong) so that one's MMAs overlap the other's exponentials;
 - at the end one reciprocal per row, the plan's epilogue (`emit.expr`) on the `[block_q, head]`
-  output tile in registers, and a TMA store (through the Q tile's SMEM slot).
+  output tile in registers, and a TMA store (through the Q tile's SMEM slot, or a slot of its own
+  when the result's dtype differs).
+
+FA3 proper keeps P in registers as wgmma's A operand and accumulates P·V into the live output
+(`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`run_state` is "Higher-order
+primitive run_state", a register A operand is looked up as an SMEM allocation), nor a transposed
+SMEM operand (`transpose_ref` fails in its wgmma), so this template takes the forms it can check
+there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
+layout-typed iota and loads) apply only when compiled; the interpreter has no rule for them.
 
 Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
-they are), the SMEM tiles swizzled as far as the padded width allows (48 and 80 halves: 32-byte
-swizzle; 160: 32; 64/128: 128). Keys are masked on the last block only: the loop runs the full
-`block_kv` blocks unmasked and a key count that `block_kv` does not divide (77 = 64 + 13) runs
-one more step whose scores past the last key are -inf. A bias (CLIP's causal mask, or any
-additive bias) is materialized as a float32 `[batch', heads', q, kv]` array (`'`: 1 when the
-bias does not vary along that axis) and arrives with the K tiles, `[block_q, block_kv]` per
-compute warpgroup and step; with a bias the scores stay natural and only their difference to the
-max goes to base 2 (a bias of finfo.min stays finite, as in `jax.nn.softmax`).
+they are), all SMEM tiles of an MMA swizzled alike, as far as the padded head allows (48 and 80
+halves: 32 bytes; 160: 64; 64 and 128: 128). Keys are masked on the last block only: the loop
+runs the full `block_kv` blocks unmasked and a key count that `block_kv` does not divide runs one
+more step whose scores past the last key are -inf; a short context (<= 128 keys) is that one
+step alone, its length rounded up to the key quantum (77 keys: 80 slots at heads of 40 or 80). A
+bias (CLIP's causal mask, or any additive bias) is materialized as a float32
+`[batch', heads', q, kv]` array (`'`: 1 when the bias expression does not read that index) and
+arrives with the K tiles, `[block_q, block_kv]` per compute warpgroup and step; with a bias the
+scores stay natural and only their difference to the max goes to base 2 (a bias of finfo.min
+stays finite, as in `jax.nn.softmax`).
 
-Operands are given as `[batch, seq, heads, head]` arrays (the `[B, S, H·D]` layout a projection
-writes, viewed per head). `emit` evaluates the plan's q/k/v expressions as XLA fusions into that
-layout, zero-padded along the head dim to the wgmma width and along the sequence to the tiles
-(padded keys are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype);
-anything else raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas
-Triton template instead.
+`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output) and v in
+the order `Layouts` says: `[B, S, H, D]` when the plan's view comes from a `[B, S, H·D]`
+projection (the transposes cancel against the view: read in place), else `[B, H, S, D]`. Heads
+are zero-padded to the wgmma width and sequences to the tiles by XLA around the kernel (padded keys
+are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype); anything else
+raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
 """
 
 from __future__ import annotations
