@@ -24,10 +24,11 @@ One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt
   when the result's dtype differs).
 
 FA3 proper keeps P in registers as wgmma's A operand and accumulates P·V into the live output
-(`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`run_state` is "Higher-order
-primitive run_state", a register A operand is looked up as an SMEM allocation), nor a transposed
-SMEM operand (`transpose_ref` fails in its wgmma), so this template takes the forms it can check
-there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
+(`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`NotImplementedError: Higher-order
+primitive run_state`; a register A operand fails in its wgmma callback, "Expected shape (5,) but
+got (64, 64)": it reads A as an SMEM allocation key), nor a transposed SMEM operand (its wgmma:
+"'TransposeTransform' object has no attribute 'indices'"), so this template takes the forms it can
+check there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
 layout-typed iota and loads) apply only when compiled; the interpreter has no rule for them.
 
 Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
