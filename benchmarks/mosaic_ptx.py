@@ -163,7 +163,8 @@ def compile_case(shape, backend: str, dump: Path, ptxas: Path) -> dict:
             kernels[name] = (path, counts)
     found = {name: entry for name, entry in kernels.items() if entry_kind in name}
     if len(found) != 1:
-        raise RuntimeError(f"{shape.name} {backend}: expected one {entry_kind} entry in the PTX, found {sorted(kernels)}")
+        raise RuntimeError(f"{shape.name} {backend}: expected one {entry_kind} entry in the PTX, "
+                           f"found {sorted(kernels)}")
     (name, (path, counts)), = found.items()
     if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
         resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)

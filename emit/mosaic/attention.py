@@ -492,7 +492,8 @@ def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[T
     b = np.arange(batch).reshape(batch, 1, 1, 1) if used[0] else 0
     h = np.arange(heads).reshape(1, heads, 1, 1) if used[1] else 0
     value = compiled(ex.ArrayMemory(dict(zip(tensors, arrays))), (b, h, rows[None, None], cols[None, None]), True)
-    return jnp.broadcast_to(value.astype(jnp.float32), (batch if used[0] else 1, heads if used[1] else 1, q_len, kv_len))
+    kept = (batch if used[0] else 1, heads if used[1] else 1, q_len, kv_len)
+    return jnp.broadcast_to(value.astype(jnp.float32), kept)
 
 
 def emit(kernel, ctx) -> dict:
