@@ -110,6 +110,14 @@ def test_adversarial_bias_rows_natural_scale():
                           ma.Layouts(True, False))
 
 
+def test_a_one_slot_ring():
+    """130 keys through a ring of one slot (what `build` falls back to when SMEM is short): the memory
+    warpgroup refills the slot only after both MMAs of the step have read it."""
+    rng = np.random.default_rng(9)
+    q, k, v = operands(rng, 1, 20, 130, 1, 40, jnp.float16, "normal")
+    check_against_float64(q, k, v, 40**-0.5, causal(20, 130)[None, None], ma.AttentionBlocks(64, 64, 1, 1))
+
+
 @pytest.mark.parametrize("head_dim", [80, 160])
 def test_heads_of_80_and_160(head_dim):
     """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result."""
@@ -323,3 +331,32 @@ def test_compiles_for_sm90a_with_wgmma_tma_and_no_spills(tmp_path, monkeypatch, 
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx_path.read_text()), "no TMA store"
     resources = ptx.parse_ptxas_verbose(ptx_path.with_suffix(".ptxas").read_text())[name]
     assert resources.spill_bytes == 0, resources
+
+
+@pytest.mark.parametrize("head_dim,q_len,kv_len,layouts", [
+    (80, 300, 130, ma.Layouts(True, False)),   # ring of 3 with bias tiles and a float32 output tile: 232 KB
+    (160, 256, 256, ma.Layouts(False, True)),  # fits only with a 1-slot ring
+])
+def test_compiles_with_a_bias_and_a_float32_result_within_smem(head_dim, q_len, kv_len, layouts):
+    """The forms GPU interpret mode cannot check the layouts of (a per-head bias loaded in the WGMMA
+    layout, a float32 output tile, either operand order, an elementwise epilogue) lower and compile
+    for sm_90a; the ring shrinks until the CTA's SMEM fits an H100."""
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
+    blocks = ma.AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    head = ma.padded_head(head_dim)
+    assert ma.smem_bytes(blocks, blocks.stages, head, jnp.float16, jnp.float32, True) > ma.SMEM_BYTES
+    args = (jax.ShapeDtypeStruct((2, 4, q_len, head_dim), jnp.float16),
+            *[jax.ShapeDtypeStruct((2, 4, kv_len, head_dim), jnp.float16)] * 2,
+            jax.ShapeDtypeStruct((1, 4, q_len, kv_len), jnp.float32))
+
+    def attend(q, k, v, bias):
+        return ma.build(q, k, v, scale=head_dim**-0.5, bias=bias, layouts=layouts, out_dtype=jnp.float32,
+                        epilogue=lambda o: jnp.tanh(o) * 2, interpret=False)
+
+    report = compile_for_h100(attend, *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category

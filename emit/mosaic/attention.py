@@ -102,8 +102,8 @@ class AttentionBlocks:
         if self.block_kv % HEAD_QUANTUM or self.block_kv > 256:
             raise ValueError(f"block_kv={self.block_kv} must be a multiple of {HEAD_QUANTUM} up to 256 (wgmma's K "
                              "step for P·V, its N limit for Q·Kᵀ)")
-        if self.stages < 2:
-            raise ValueError(f"stages={self.stages} must be >= 2")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1 (one slot: loads and MMAs take turns)")
         if self.compute_wgs not in (1, 2):
             raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
 
@@ -136,6 +136,21 @@ def _swizzled(swizzle: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+SMEM_BYTES = 232448 - 1024  # an H100 CTA's dynamic shared memory (Mosaic's limit), less room for barriers
+
+
+def smem_bytes(blocks: AttentionBlocks, ring: int, head: int, dtype, out_dtype, has_bias: bool) -> int:
+    """Shared memory of one CTA: Q tiles (also the output's when it has Q's dtype), the ring's Kᵀ,
+    V (and bias) slots, P tiles."""
+    item, wgs, bq, bk = jnp.dtype(dtype).itemsize, blocks.compute_wgs, blocks.block_q, blocks.block_kv
+    total = wgs * bq * head * item + 2 * ring * bk * head * item + wgs * bq * bk * item
+    if jnp.dtype(out_dtype) != jnp.dtype(dtype):
+        total += wgs * bq * head * jnp.dtype(out_dtype).itemsize
+    if has_bias:
+        total += ring * wgs * bq * bk * 4
+    return total
+
+
 def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
     """Whether scores go straight to base 2 (`s · scale·log2 e - m`, one FMA): without a bias and
     when the base-2 scale is at most 1 (no finite `s · scale` overflows)."""
@@ -159,7 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
     dtype = q_ref.dtype
     full_steps, tail = divmod(kv_len, bk)
     kv_steps = full_steps + (1 if tail else 0)
-    ring = min(stages, kv_steps)
+    ring = min(stages, kv_steps)  # `build` fitted it to SMEM
     base2 = folds_scale_into_exp2(scale, has_bias)
     # wgmma wants both operands of an MMA swizzled alike: the head's rows set the swizzle of all four
     operand_transforms = _swizzled(swizzle_bytes(head, dtype), dtype)
@@ -227,12 +242,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                if has_bias:
+                if has_bias:  # read before the slot is released: the memory warpgroup refills Kᵀ and bias together
                     plgpu.barrier_wait(bias_barriers.at[slot])
                     bias = plgpu.load(bias_smem.at[slot], (pl.ds(wg * bq, bq), slice(None)),
                                       layout=plgpu.Layout.WGMMA) if not interpreted else \
                         bias_smem[slot, pl.ds(wg * bq, bq), :]
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if has_bias:
                     s = s * scale + bias
                 elif not base2:
                     s = s * scale
@@ -298,24 +314,30 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(40, action="decrease")
             q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
 
-            def issue(t, slot):
-                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
+            def issue_k(t, slot):  # Kᵀ and the bias tiles: free once Q·Kᵀ and the bias are read
                 plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
                                         k_barriers.at[slot])
                 if has_bias:
                     plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
                                             bias_smem.at[slot], bias_barriers.at[slot])
+
+            def issue_v(t, slot):  # free once P·V is read
+                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
 
             for t in range(ring):
-                issue(t, t)
+                issue_k(t, t)
+                issue_v(t, t)
 
             @pl.loop(0, kv_steps - ring)
             def _refill(t):
+                # K's slot refills as soon as it is consumed, before V's: with a one-slot ring the
+                # compute warpgroups wait for the next Kᵀ before they release V
                 slot = lax.rem(t, jnp.array(ring, t.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])  # the bias slot is read before v's
-                issue(t + ring, slot)
+                issue_k(t + ring, slot)
+                plgpu.barrier_wait(v_consumed.at[slot])
+                issue_v(t + ring, slot)
 
             for t in range(max(0, kv_steps - ring), kv_steps):  # the last use of each slot: every phase of a
                 plgpu.barrier_wait(k_consumed.at[t % ring])      # barrier is observed (the interpreter checks it)
@@ -388,6 +410,13 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
         target = (bias.shape[0], bias.shape[1], q_padded, kv_padded)
         bias = pad_to(jnp.broadcast_to(bias, (bias.shape[0], bias.shape[1], q_len, kv_len)), target)
         inputs.append(bias)
+    ring = min(blocks.stages, -(-kv_len // blocks.block_kv))
+    while ring > 1 and smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
+        ring -= 1  # a shallower ring before no kernel (heads of 160 with a bias and a float32 result)
+    if smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
+        raise NotImplementedError(f"{smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None)} bytes "
+                                  f"of SMEM at {blocks} and a head of {head} lanes")
+    blocks = dataclasses.replace(blocks, stages=ring)
     grid = (batch, heads, q_padded // rows_per_cta)
 
     def call(interpret_here):
