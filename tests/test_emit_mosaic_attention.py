@@ -172,6 +172,9 @@ def test_blocks_and_padding():
         ma.build(x, x, x, scale=1.0, blocks=ma.AttentionBlocks(64, 80, 2, 1), interpret=True)
     with pytest.raises(ValueError, match="64 rows"):
         ma.AttentionBlocks(block_q=128).validate()
+    with pytest.raises(NotImplementedError, match="a head of 512 lanes"):  # the VAE's single head
+        x = jnp.zeros((1, 1, 64, 512), jnp.float16)
+        ma.build(x, x, x, scale=1.0, interpret=True)
     with pytest.raises(NotImplementedError, match="fp16 or bf16"):
         x = jnp.zeros((1, 8, 1, 16), jnp.float32)
         ma.build(x, x, x, scale=1.0, interpret=True)

@@ -70,6 +70,7 @@ from eqsat.types import parse_type
 
 LOG2_E = math.log2(math.e)
 HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
+MAX_HEAD = 192  # padded head lanes whose two fp32 accumulators fit a compute warpgroup's registers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +394,9 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
         raise NotImplementedError(f"a {out_dtype} result")
     head = padded_head(head_dim)
+    if head > MAX_HEAD:
+        raise NotImplementedError(f"a head of {head_dim} lanes (up to {MAX_HEAD}: the output and P·V accumulators "
+                                  "of 256 lanes spill, 772 bytes at sm_90a; the VAE's 512 exceed wgmma's N of 256)")
     rows_per_cta = blocks.block_q * blocks.compute_wgs
     q_padded = -(-q_len // rows_per_cta) * rows_per_cta
     kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
