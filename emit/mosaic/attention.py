@@ -33,9 +33,10 @@ layout-typed iota and loads) apply only when compiled; the interpreter has no ru
 
 Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
 they are), all SMEM tiles of an MMA swizzled alike, as far as the padded head allows (48 and 80
-halves: 32 bytes; 160: 64; 64 and 128: 128); heads wider than 192 lanes go to Triton (`MAX_HEAD`). Keys are masked on the last block only: the loop
-runs the full `block_kv` blocks unmasked and a key count that `block_kv` does not divide runs one
-more step whose scores past the last key are -inf; a short context (<= 128 keys) is that one
+halves: 32 bytes; 160: 64; 64 and 128: 128); heads wider than 192 lanes go to Triton
+(`MAX_HEAD`). Keys are masked on the last block only: the loop runs the full `block_kv` blocks
+unmasked and a key count that `block_kv` does not divide runs one more step whose scores past the
+last key are -inf; a short context (<= 128 keys) is that one
 step alone, its length rounded up to the key quantum (77 keys: 80 slots at heads of 40 or 80). A
 bias (CLIP's causal mask, or any additive bias) is materialized as a float32
 `[batch', heads', q, kv]` array (`'`: 1 when the bias expression does not read that index) and
