@@ -1,19 +1,26 @@
-"""The matmul templates compiled for an H100 without a GPU, side by side: the Mosaic GPU template
-(`emit/mosaic/matmul.py`) and the Pallas Triton one (`emit/pallas/matmul.py`), read from their PTX
-and `ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul shapes.
+"""The matmul and attention templates compiled for an H100 without a GPU, side by side: the Mosaic
+GPU templates (`emit/mosaic/matmul.py`, `emit/mosaic/attention.py`) and the Pallas Triton ones
+(`emit/pallas/matmul.py`, `emit/pallas/attention.py`), read from their PTX and
+`ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul and attention shapes.
 
     python -m benchmarks.mosaic_ptx                   # every shape, a table
     python -m benchmarks.mosaic_ptx --only unet64     # shapes whose name starts with unet64
+    python -m benchmarks.mosaic_ptx --only attn       # the attention shapes
     python -m benchmarks.mosaic_ptx --json out.json --dump DIR
 
-Each case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with a
-bias epilogue) emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
+A matmul case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with
+a bias epilogue); an attention case the plan of sd15's multi-head attention over fp16
+`[batch, seq, heads·head_dim]` projections (one `Attention` kernel reading them per head, and the
+`Pointwise` kernel that writes the result back as `[B, S, H·D]`), with CLIP's causal mask as an
+additive bias where the case says so. Each is emitted with `backend="mosaic"` and with
+`backend="pallas"`, each compiled by
 `measure.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
 `MOSAIC_GPU_DUMP_PTX`/`MOSAIC_GPU_DUMP_TO`, the Triton kernel's by XLA's dump). Counted, per template:
 
-- `launches`: kernels of the whole executable (the matmul plus whatever XLA launches around it: a
-  pad of an operand whose rows the tile does not divide), by category;
-- from the PTX of the matmul's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
+- `launches`: kernels of the whole executable (the matmul or attention plus whatever XLA launches
+  around it: a pad of an operand whose rows the tile does not divide, the Mosaic attention's Kᵀ),
+  by category;
+- from the PTX of the template's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
   tensor-core instruction, `wgmma` instructions, the deepest `wgmma.wait_group N` (N >= 1: the next
   MMA is issued before the previous one is waited for), TMA copies (`cp.async.bulk.tensor`
   global -> shared) and the vector-load share of global-load bytes;
@@ -56,6 +63,30 @@ SHAPES = (
     Shape("unet64.ff_out", 4096, 1280, 320),
     Shape("unet64.cross_kv", 154, 768, 320),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    causal: bool = False
+
+
+# SD 1.5 at 512x512, batch 2: the 64x64-latent transformer's self-attention (4096 tokens, 8 heads of
+# 40) and cross-attention (4096 queries over the 77 text tokens); the 32x32 level's self-attention
+# (1024 tokens, 8 heads of 80) and the 16x16 level's (256 tokens, 8 heads of 160); CLIP's causal
+# self-attention (77 tokens, 12 heads of 64, the mask an additive bias).
+ATTENTION_SHAPES = (
+    AttentionShape("attn.unet64.self", 2, 8, 4096, 4096, 40),
+    AttentionShape("attn.unet64.cross", 2, 8, 4096, 77, 40),
+    AttentionShape("attn.unet32.self", 2, 8, 1024, 1024, 80),
+    AttentionShape("attn.unet16.self", 2, 8, 256, 256, 160),
+    AttentionShape("attn.clip.causal", 2, 12, 77, 77, 64, causal=True),
+)
 BACKENDS = ("mosaic", "pallas")
 
 
@@ -63,20 +94,53 @@ def dense(x, w, b):
     return x @ w + b
 
 
-def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
-    """Plan `dense` at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
+def attention_fn(shape: AttentionShape):
+    """sd15's multi-head attention (`sd15.layers.attention`): q, k, v `[batch, seq, heads·head_dim]`
+    projections read per head, `softmax(q kᵀ / sqrt(d) [+ causal mask]) v`, back to `[B, S, H·D]`."""
+    import numpy as np
+
+    from sd15.layers import attention
+
+    mask = None
+    if shape.causal:
+        mask = np.where(np.arange(shape.q_len)[:, None] >= np.arange(shape.kv_len)[None, :], 0.0,
+                        np.finfo(np.float32).min).astype(np.float32)
+
+    def attend(q, k, v):
+        return attention(q, k, v, shape.heads, bias=mask)
+
+    return attend
+
+
+def case_program(shape):
+    """(function, argument shapes, what its kernel's entry is called) of a matmul or attention case."""
     import jax
     import jax.numpy as jnp
 
+    if isinstance(shape, AttentionShape):
+        q = jax.ShapeDtypeStruct((shape.batch, shape.q_len, shape.heads * shape.head_dim), jnp.float16)
+        kv = jax.ShapeDtypeStruct((shape.batch, shape.kv_len, shape.heads * shape.head_dim), jnp.float16)
+        return attention_fn(shape), (q, kv, kv), "attention"
+    args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
+            jax.ShapeDtypeStruct((shape.n,), jnp.float16))
+    return dense, args, "matmul"
+
+
+def describe(shape) -> dict:
+    """The case's sizes, as the row reports them."""
+    return {key: value for key, value in dataclasses.asdict(shape).items() if key != "name"}
+
+
+def compile_case(shape, backend: str, dump: Path, ptxas: Path) -> dict:
+    """Plan the case's function at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
     import emit
     import eqsat
     from measure.xla_target import compile_for_h100
 
-    args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
-            jax.ShapeDtypeStruct((shape.n,), jnp.float16))
+    fn, args, entry_kind = case_program(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = eqsat.optimize(dense, progress=False).lower(*args).plan
+        plan = eqsat.optimize(fn, progress=False).lower(*args).plan
     ops = [k.term.op for k in plan.kernels]
     mosaic_dump = dump / "mosaic"
     mosaic_dump.mkdir(parents=True, exist_ok=True)
@@ -97,16 +161,17 @@ def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
     for path in files:
         for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
             kernels[name] = (path, counts)
-    matmuls = {name: entry for name, entry in kernels.items() if "matmul" in name}
-    if len(matmuls) != 1:
-        raise RuntimeError(f"{shape.name} {backend}: expected one matmul entry in the PTX, found {sorted(kernels)}")
-    (name, (path, counts)), = matmuls.items()
+    found = {name: entry for name, entry in kernels.items() if entry_kind in name}
+    if len(found) != 1:
+        raise RuntimeError(f"{shape.name} {backend}: expected one {entry_kind} entry in the PTX, "
+                           f"found {sorted(kernels)}")
+    (name, (path, counts)), = found.items()
     if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
         resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)
     else:
         resources = ptx.run_ptxas(path, ptxas=ptxas).get(name)
     return {
-        "shape": shape.name, "m": shape.m, "k": shape.k, "n": shape.n, "backend": backend, "plan_ops": ops,
+        "shape": shape.name, **describe(shape), "backend": backend, "plan_ops": ops,
         "entry": name, "launches": report.kernels, "by_category": report.by_category,
         "tensor_core": counts.tensor_core, "wgmma": counts.wgmma, "wgmma_wait_depth": counts.wgmma_wait_depth,
         "tma_loads": counts.tma_loads, "vector_load_fraction": counts.vector_load_fraction,
@@ -116,7 +181,7 @@ def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
     }
 
 
-def run(shapes=SHAPES, backends=BACKENDS, dump: Path | None = None) -> list[dict]:
+def run(shapes=SHAPES + ATTENTION_SHAPES, backends=BACKENDS, dump: Path | None = None) -> list[dict]:
     ptxas = ptx.ptxas_path()
     root = Path(dump) if dump is not None else Path(tempfile.mkdtemp(prefix="mosaic_ptx_"))
     rows = []
@@ -149,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--dump", help="keep the PTX and XLA dumps here")
     args = parser.parse_args(argv)
-    shapes = [s for s in SHAPES if s.name.startswith(args.only)]
+    shapes = [s for s in SHAPES + ATTENTION_SHAPES if s.name.startswith(args.only)]
     try:
         rows = run(shapes, tuple(args.backend or BACKENDS), args.dump)
     except ptx.PtxasMissing as error:

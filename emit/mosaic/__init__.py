@@ -22,6 +22,7 @@ from eqsat.term import Term
 
 TEMPLATES: dict[str, str] = {
     "Matmul": "emit.mosaic.matmul",
+    "Attention": "emit.mosaic.attention",
 }
 
 

@@ -1,0 +1,582 @@
+"""The Mosaic GPU flash-attention template (FA3-style): `epilogue(softmax(q kᵀ · scale + bias) v)` on
+Hopper tensor cores, K/V fed by TMA into an SMEM ring, warp-specialized, the online softmax in
+registers; the scores never reach memory.
+
+    build      the kernel: grid, SMEM, the memory warpgroup's TMA ring, the compute warpgroups' loop
+    reference  the same problem in plain `jax.numpy`
+    emit       a plan's `Attention(q, k, v, bias, scale, epilogue, ty)` kernel as this template
+
+One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
+`pallas/ops/gpu/attention_mgpu.py`:
+
+- a memory warpgroup (40 registers) copies `[head, block_kv]` Kᵀ and `[block_kv, head]` V tiles
+  (and the bias tiles of both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
+  and refills a slot once both compute warpgroups have arrived on its "consumed" barriers;
+- each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
+  block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
+  registers (running max m in base 2, `p = 2^(s·scale·log2 e - m)`: one FMA and one `ex2` per
+  score, FlashAttention-2's rescaling of the output by `2^(m_old - m_new)`), stores P (fp16/bf16)
+  to SMEM and issues `wgmma` P·V into a fresh accumulator that is added to the rescaled output.
+  With two compute warpgroups a shared "schedule" barrier alternates their Q·Kᵀ and softmax phases
+  (FA3's ping-pong) so that one's MMAs overlap the other's exponentials;
+- at the end one reciprocal per row, the plan's epilogue (`emit.expr`) on the `[block_q, head]`
+  output tile in registers, and a TMA store (through the Q tile's SMEM slot, or a slot of its own
+  when the result's dtype differs).
+
+FA3 proper keeps P in registers as wgmma's A operand and accumulates P·V into the live output
+(`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`NotImplementedError: Higher-order
+primitive run_state`; a register A operand fails in its wgmma callback, "Expected shape (5,) but
+got (64, 64)": it reads A as an SMEM allocation key), nor a transposed SMEM operand (its wgmma:
+"'TransposeTransform' object has no attribute 'indices'"), so this template takes the forms it can
+check there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
+layout-typed iota and loads) apply only when compiled; the interpreter has no rule for them.
+
+Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
+they are), all SMEM tiles of an MMA swizzled alike, as far as the padded head allows (48 and 80
+halves: 32 bytes; 160: 64; 64 and 128: 128); heads wider than 192 lanes go to Triton
+(`MAX_HEAD`). Keys are masked on the last block only: the loop runs the full `block_kv` blocks
+unmasked and a key count that `block_kv` does not divide runs one more step whose scores past the
+last key are -inf; a short context (<= 128 keys) is that one
+step alone, its length rounded up to the key quantum (77 keys: 80 slots at heads of 40 or 80). A
+bias (CLIP's causal mask, or any additive bias) is materialized as a float32
+`[batch', heads', q, kv]` array (`'`: 1 when the bias expression does not read that index) and
+arrives with the K tiles, `[block_q, block_kv]` per compute warpgroup and step; with a bias the
+scores stay natural and only their difference to the max goes to base 2 (a bias of finfo.min
+stays finite, as in `jax.nn.softmax`).
+
+`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output) and v in
+the order `Layouts` says: `[B, S, H, D]` when the plan's view comes from a `[B, S, H·D]`
+projection (the transposes cancel against the view: read in place), else `[B, H, S, D]`. Heads
+are zero-padded to the wgmma width and sequences to the tiles by XLA around the kernel (padded keys
+are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype); anything else
+raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from emit import expr as ex
+from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
+from eqsat.term import Term
+from eqsat.types import parse_type
+
+LOG2_E = math.log2(math.e)
+HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
+MAX_HEAD = 192  # padded head lanes whose two fp32 accumulators fit a compute warpgroup's registers
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Tiles of one Mosaic attention kernel: `block_q` query rows per compute warpgroup (64: one
+    wgmma M), `compute_wgs` of them per CTA, `block_kv` keys per step, `stages` K/V slots in the ring."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2
+    compute_wgs: int = 2
+
+    @classmethod
+    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
+        """64-row query tiles (the wgmma M of one warpgroup), two compute warpgroups when the queries
+        fill 128-row CTAs (one for 64 or fewer); 64 keys per step, or a short context (<= 128 keys)
+        in one step of its length rounded up to the key quantum (77 keys: 80 slots at heads of 40
+        or 80, 96 at 160, 128 at 64; not 128 everywhere); a ring as deep as the key blocks, at most
+        3 (2 when the padded head exceeds 128 lanes: SMEM)."""
+        head = padded_head(head_dim)
+        quantum = key_quantum(head)
+        block_kv = -(-kv_len // quantum) * quantum if kv_len <= 128 else 64
+        steps = -(-kv_len // block_kv)
+        return cls(64, block_kv, stages=max(2, min(3 if head <= 128 else 2, steps)),
+                   compute_wgs=1 if q_len <= 64 else 2)
+
+    def validate(self) -> None:
+        if self.block_q != 64:
+            raise ValueError(f"block_q={self.block_q}: one warpgroup's wgmma covers 64 rows")
+        if self.block_kv % HEAD_QUANTUM or self.block_kv > 256:
+            raise ValueError(f"block_kv={self.block_kv} must be a multiple of {HEAD_QUANTUM} up to 256 (wgmma's K "
+                             "step for P·V, its N limit for Q·Kᵀ)")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1 (one slot: loads and MMAs take turns)")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+
+
+def padded_head(head_dim: int) -> int:
+    """The head dim rounded up to wgmma's 16-element K step: 40 -> 48, 80 -> 80, 160 -> 160."""
+    return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
+
+
+def key_quantum(head: int) -> int:
+    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: Kᵀ and P
+    tiles (keys along their rows) are swizzled like the head's tiles, so a row holds whole swizzle
+    groups (16 keys at a 32-byte swizzle, 32 at 64, 64 at 128)."""
+    return swizzle_bytes(head, jnp.float16) // 2
+
+
+def swizzle_bytes(minor: int, dtype) -> int:
+    """The widest swizzle (128, 64 or 32 bytes) that divides a tile row of `minor` elements."""
+    row_bytes = minor * jnp.dtype(dtype).itemsize
+    swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+    if swizzle is None:
+        raise NotImplementedError(f"a tile row of {row_bytes} bytes (swizzles need a multiple of 32)")
+    return swizzle
+
+
+def _swizzled(swizzle: int, dtype) -> tuple:
+    """SMEM transforms for an MMA tile swizzled by `swizzle` bytes."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+SMEM_BYTES = 232448 - 1024  # an H100 CTA's dynamic shared memory (Mosaic's limit), less room for barriers
+
+
+def smem_bytes(blocks: AttentionBlocks, ring: int, head: int, dtype, out_dtype, has_bias: bool) -> int:
+    """Shared memory of one CTA: Q tiles (also the output's when it has Q's dtype), the ring's Kᵀ,
+    V (and bias) slots, P tiles."""
+    item, wgs, bq, bk = jnp.dtype(dtype).itemsize, blocks.compute_wgs, blocks.block_q, blocks.block_kv
+    total = wgs * bq * head * item + 2 * ring * bk * head * item + wgs * bq * bk * item
+    if jnp.dtype(out_dtype) != jnp.dtype(dtype):
+        total += wgs * bq * head * jnp.dtype(out_dtype).itemsize
+    if has_bias:
+        total += ring * wgs * bq * bk * 4
+    return total
+
+
+def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
+    """Whether scores go straight to base 2 (`s · scale·log2 e - m`, one FMA): without a bias and
+    when the base-2 scale is at most 1 (no finite `s · scale` overflows)."""
+    return not has_bias and 0.0 < scale * LOG2_E <= 1.0
+
+
+# (o [block_q, head] f32, already divided by the row sums) -> [block_q, head] values to store
+EpilogueFn = Callable[[jax.Array], jax.Array]
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, scale: float,
+            has_bias: bool, bias_shared: tuple[bool, bool], epilogue: EpilogueFn, layouts: "Layouts",
+            interpreted: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bias_ref = refs[0] if has_bias else None
+    out_ref = refs[-1]
+    bq, bk, wgs, stages = blocks.block_q, blocks.block_kv, blocks.compute_wgs, blocks.stages
+    head = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    full_steps, tail = divmod(kv_len, bk)
+    kv_steps = full_steps + (1 if tail else 0)
+    ring = min(stages, kv_steps)  # `build` fitted it to SMEM
+    base2 = folds_scale_into_exp2(scale, has_bias)
+    # wgmma wants both operands of an MMA swizzled alike: the head's rows set the swizzle of all four
+    operand_transforms = _swizzled(swizzle_bytes(head, dtype), dtype)
+    bias_transforms = _swizzled(swizzle_bytes(bk, jnp.float32), jnp.float32)
+
+    scratch = dict(
+        qo_smem=plgpu.SMEM((wgs, bq, head), dtype, transforms=operand_transforms),
+        # the output leaves through the Q tile's slot when it has Q's dtype, else through its own
+        o_smem=None if out_ref.dtype == dtype else plgpu.SMEM(
+            (wgs, bq, head), out_ref.dtype, transforms=_swizzled(swizzle_bytes(head, out_ref.dtype), out_ref.dtype)),
+        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=operand_transforms),
+        p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=operand_transforms),
+        v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
+        bias_smem=plgpu.SMEM((ring, wgs * bq, bk), jnp.float32, transforms=bias_transforms) if has_bias else None,
+        k_barriers=plgpu.Barrier(num_barriers=ring),
+        v_barriers=plgpu.Barrier(num_barriers=ring),
+        bias_barriers=plgpu.Barrier(num_barriers=ring) if has_bias else None,
+        q_barriers=plgpu.Barrier(num_barriers=wgs),
+        k_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+        v_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+        schedule=plgpu.Barrier(num_arrivals=wgs) if wgs > 1 else None,
+    )
+
+    @functools.partial(pl.run_scoped, **{k: v for k, v in scratch.items() if v is not None}, collective_axes="wg")
+    def _scope(qo_smem, k_smem, p_smem, v_smem, k_barriers, v_barriers, q_barriers, k_consumed, v_consumed,
+               o_smem=None, bias_smem=None, bias_barriers=None, schedule=None):
+        b_idx, h_idx, q_idx = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+        wg = lax.axis_index("wg")
+        bias_b = 0 if bias_shared[0] else b_idx
+        bias_h = 0 if bias_shared[1] else h_idx
+
+        def in_layout(x, layout):
+            # GPU interpret mode has no layout_cast (nor layout-typed iota and loads): layouts are the
+            # compiler's business, the values are the same.
+            return x if interpreted else plgpu.layout_cast(x, layout)
+
+        def schedule_barrier():
+            if schedule is not None:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < wgs)
+        def _compute():
+            if not interpreted:
+                plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
+            q_smem = qo_smem.at[wg]
+            row0 = q_idx * (wgs * bq) + wg * bq
+            q_tile = (b_idx, pl.ds(row0, bq), h_idx) if layouts.q_seq_major else (b_idx, h_idx, pl.ds(row0, bq))
+            plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem, q_barriers.at[wg])
+            plgpu.barrier_wait(q_barriers.at[wg])
+            m = in_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = in_layout(jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = in_layout(jnp.full((bq, head), 0, jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(k_barriers.at[0])
+            if wgs > 1:
+                pl.when(wg == 1)(schedule_barrier)
+
+            def step(t, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(t, jnp.array(ring, t.dtype))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                if has_bias:  # read before the slot is released: the memory warpgroup refills Kᵀ and bias together
+                    plgpu.barrier_wait(bias_barriers.at[slot])
+                    bias = plgpu.load(bias_smem.at[slot], (pl.ds(wg * bq, bq), slice(None)),
+                                      layout=plgpu.Layout.WGMMA) if not interpreted else \
+                        bias_smem[slot, pl.ds(wg * bq, bq), :]
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if has_bias:
+                    s = s * scale + bias
+                elif not base2:
+                    s = s * scale
+                if masked:
+                    cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1) if interpreted else \
+                        plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols + t * bk < kv_len, s, -jnp.inf)
+                block_max = s.max(axis=1)
+                m_next = jnp.maximum(m, block_max * (scale * LOG2_E) if base2 else block_max)
+                m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
+                m_rows = lax.broadcast_in_dim(m_safe, s.shape, [0])
+                if base2:
+                    p = jnp.exp2(s * (scale * LOG2_E) - m_rows)
+                    alpha = jnp.exp2(m - m_safe)
+                else:  # natural scores: the difference first (finite for a bias of -3e38), then base 2
+                    p = jnp.exp2((s - m_rows) * LOG2_E)
+                    alpha = jnp.exp2((m - m_safe) * LOG2_E)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                if schedule is not None:
+                    acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+                    plgpu.barrier_arrive(schedule)  # done with the softmax
+                plgpu.barrier_wait(v_barriers.at[slot])
+                if schedule is not None:
+                    plgpu.barrier_wait(schedule)  # the other warpgroup's MMAs are issued
+
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()  # P's stores become visible to the async proxy wgmma reads through
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    following = t + 1
+
+                    @pl.when(following < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_barriers.at[lax.rem(following, jnp.array(ring, t.dtype))])
+
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, head), jnp.float32))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_next, l
+
+            carry = (acc, m, l)
+            if full_steps:
+                carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+            if tail:
+                carry = step(jnp.int32(full_steps), carry, masked=True)
+            acc, _, l = carry
+            if wgs > 1:
+                pl.when(wg == 0)(schedule_barrier)
+            out = epilogue(acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0]))  # 0 * inf: NaN, as 0 / 0
+            out_smem = q_smem if o_smem is None else o_smem.at[wg]
+            out_smem[...] = out.astype(out_ref.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_tile])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            if not interpreted:
+                plgpu.set_max_registers(40, action="decrease")
+            q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
+
+            def issue_k(t, slot):  # Kᵀ and the bias tiles: free once Q·Kᵀ and the bias are read
+                plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
+                                        k_barriers.at[slot])
+                if has_bias:
+                    plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
+                                            bias_smem.at[slot], bias_barriers.at[slot])
+
+            def issue_v(t, slot):  # free once P·V is read
+                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
+
+            for t in range(ring):
+                issue_k(t, t)
+                issue_v(t, t)
+
+            @pl.loop(0, kv_steps - ring)
+            def _refill(t):
+                # K's slot refills as soon as it is consumed, before V's: with a one-slot ring the
+                # compute warpgroups wait for the next Kᵀ before they release V
+                slot = lax.rem(t, jnp.array(ring, t.dtype))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                issue_k(t + ring, slot)
+                plgpu.barrier_wait(v_consumed.at[slot])
+                issue_v(t + ring, slot)
+
+            for t in range(max(0, kv_steps - ring), kv_steps):  # the last use of each slot: every phase of a
+                plgpu.barrier_wait(k_consumed.at[t % ring])      # barrier is observed (the interpreter checks it)
+                plgpu.barrier_wait(v_consumed.at[t % ring])
+
+    del scratch
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+    """How the kernel reads q (and writes the output) and v in global memory: `seq_major` as
+    `[batch, seq, heads, head]` (a projection's `[B, S, H·D]` output viewed per head: read in place),
+    else `[batch, heads, seq, head]`. K is always read as Kᵀ `[batch, heads, head, kv]` (the wgmma B
+    operand with the keys along its rows' minor axis; GPU interpret mode has no transposed SMEM
+    operand for wgmma), one XLA transpose of K per call."""
+
+    q_seq_major: bool = True
+    v_seq_major: bool = True
+
+
+def _seq_major(x: jax.Array, yes: bool) -> jax.Array:
+    return jnp.transpose(x, (0, 2, 1, 3)) if yes else x
+
+
+def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.Array | None = None,
+          epilogue: EpilogueFn = lambda o: o, out_dtype=None, blocks: AttentionBlocks | None = None,
+          layouts: Layouts = Layouts(), interpret: Any = None, name: str = "attention") -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, heads, q_len, head_dim]`,
+    `k, v [batch, heads, kv_len, head_dim]` (fp16 or bf16, the same) and a float `bias`
+    broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
+    returns `[batch, heads, q_len, head_dim]` of `out_dtype` (default q's). `layouts`: the order the
+    kernel reads q and v in (the transposes here cancel against a view of that order). `interpret`:
+    True runs GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU
+    interprets)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != \
+            (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} are not [batch, heads, seq, head_dim]")
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype).name not in MMA_DTYPES:
+        raise NotImplementedError(f"wgmma operands {q.dtype}, {k.dtype}, {v.dtype} (the template multiplies "
+                                  "fp16 or bf16 operands of one dtype)")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    if min(batch, q_len, heads, head_dim, kv_len) == 0:
+        raise NotImplementedError("an empty attention")
+    blocks = blocks or AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    blocks.validate()
+    if blocks.block_kv % key_quantum(padded_head(head_dim)):
+        raise ValueError(f"block_kv={blocks.block_kv} at a head of {padded_head(head_dim)} lanes must be a multiple "
+                         f"of {key_quantum(padded_head(head_dim))} (Kᵀ and P rows swizzled like the head's)")
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
+        raise NotImplementedError(f"a {out_dtype} result")
+    head = padded_head(head_dim)
+    if head > MAX_HEAD:
+        raise NotImplementedError(f"a head of {head_dim} lanes (up to {MAX_HEAD}: the output and P·V accumulators "
+                                  "of 256 lanes spill, 772 bytes at sm_90a; the VAE's 512 exceed wgmma's N of 256)")
+    rows_per_cta = blocks.block_q * blocks.compute_wgs
+    q_padded = -(-q_len // rows_per_cta) * rows_per_cta
+    kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
+    q_shape = (batch, q_padded, heads, head) if layouts.q_seq_major else (batch, heads, q_padded, head)
+    qp = pad_to(_seq_major(q, layouts.q_seq_major), q_shape)
+    kp = pad_to(jnp.transpose(k, (0, 1, 3, 2)), (batch, heads, head, kv_padded))
+    vp = pad_to(_seq_major(v, layouts.v_seq_major),
+                (batch, kv_padded, heads, head) if layouts.v_seq_major else (batch, heads, kv_padded, head))
+    inputs = [qp, kp, vp]
+    shared = (True, True)
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+        bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+        shared = (bias.shape[0] == 1, bias.shape[1] == 1)
+        target = (bias.shape[0], bias.shape[1], q_padded, kv_padded)
+        bias = pad_to(jnp.broadcast_to(bias, (bias.shape[0], bias.shape[1], q_len, kv_len)), target)
+        inputs.append(bias)
+    ring = min(blocks.stages, -(-kv_len // blocks.block_kv))
+    while ring > 1 and smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
+        ring -= 1  # a shallower ring before no kernel (heads of 160 with a bias and a float32 result)
+    if smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
+        raise NotImplementedError(f"{smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None)} bytes "
+                                  f"of SMEM at {blocks} and a head of {head} lanes")
+    blocks = dataclasses.replace(blocks, stages=ring)
+    grid = (batch, heads, q_padded // rows_per_cta)
+
+    def call(interpret_here):
+        return plgpu.kernel(
+            functools.partial(_kernel, blocks=blocks, kv_len=kv_len, scale=float(scale), has_bias=bias is not None,
+                              bias_shared=shared, epilogue=epilogue, layouts=layouts, interpreted=interpret_here),
+            out_type=jax.ShapeDtypeStruct(q_shape, out_dtype),
+            grid=grid,
+            grid_names=("batch", "heads", "q_seq"),
+            num_threads=blocks.compute_wgs + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            kernel_name=_kernel_name(name),
+            interpret=interpret_params() if interpret_here else None,
+        )
+
+    if interpret is None:
+        out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
+    else:
+        out = call(bool(interpret))(*inputs)
+    return _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None,
+              epilogue: EpilogueFn = lambda o: o, out_dtype=None) -> jax.Array:
+    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, heads, seq, head_dim]`, in float32."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        scores = scores + jnp.asarray(bias, jnp.float32)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = epilogue(jnp.einsum("bhqk,bhkd->bhqd", weights, v.astype(jnp.float32)))
+    return out.astype(out_dtype or q.dtype)
+
+
+# --- emit: a plan's Attention term --------------------------------------------------------------
+
+EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
+
+
+def _is_zero(bias: Term) -> bool:
+    return bias.op == "Lit" and bias.args[0] == 0.0
+
+
+def _reads_accumulator_at(index):
+    def check(at):
+        if len(at) != len(index) or any(a is not o for a, o in zip(at, index)):
+            raise NotImplementedError("the epilogue reads the accumulator through a view")
+
+    return check
+
+
+class _IndexRecorder:
+    """A memory that records where an expression reads (NumPy index tables), returning zeros."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self):
+        self.loads: list[tuple[Term, tuple]] = []
+
+    def load(self, tensor: Term, index, mask):
+        self.loads.append((tensor, tuple(index)))
+        return jnp.zeros((), parse_type(tensor.ty).dtype)
+
+
+def reads_seq_major(operand: Term) -> bool:
+    """Whether an operand expression `[batch, heads, seq, head]` is a view of one tensor in which
+    consecutive sequence positions lie further apart than consecutive heads (a `[B, S, H·D]`
+    projection read per head, a fused QKV slice): the kernel then reads it `[B, S, H, D]` and the
+    transpose XLA sees cancels against the view. Anything else (a computed operand, a head-major
+    tensor) is read `[B, H, S, D]`, the term's own order."""
+    _, heads, seq, _ = parse_type(operand.ty).shape
+    if heads == 1 or seq == 1:
+        return False  # both orders are the same bytes
+    memory = _IndexRecorder()
+    ex.compile_expr(operand)(memory, (0, np.array([[0], [1]]), np.array([[0, 1]]), 0), True)
+    if len(memory.loads) != 1 or not all(ex.is_static(e) or isinstance(e, np.ndarray) for e in memory.loads[0][1]):
+        return False
+    tensor, index = memory.loads[0]
+    flat = np.broadcast_to(np.asarray(ex.linearize(index, parse_type(tensor.ty).shape)), (2, 2))
+    return abs(int(flat[0, 1] - flat[0, 0])) > abs(int(flat[1, 0] - flat[0, 0]))
+
+
+def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
+    """The bias expression as a float32 `[batch', heads', q_len, kv_len]` array, `batch'`/`heads'` 1
+    where it does not depend on that index (CLIP's causal mask: `[1, 1, S, S]`), found by which index
+    entries its traced evaluation uses."""
+    from jax._src.interpreters import partial_eval as pe
+
+    from emit.pallas import loaded_tensors
+
+    batch, heads, q_len, kv_len = shape
+    compiled = ex.compile_expr(bias)
+    tensors = loaded_tensors(bias)
+    arrays = [values(t) for t in tensors]
+    rows, cols = np.arange(q_len).reshape(q_len, 1), np.arange(kv_len).reshape(1, kv_len)
+
+    def at(b, h, *arrays):
+        return compiled(ex.ArrayMemory(dict(zip(tensors, arrays))), (b, h, rows, cols), True)
+
+    closed = jax.make_jaxpr(at)(jnp.int32(0), jnp.int32(0), *arrays)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True])
+    b = np.arange(batch).reshape(batch, 1, 1, 1) if used[0] else 0
+    h = np.arange(heads).reshape(1, heads, 1, 1) if used[1] else 0
+    value = compiled(ex.ArrayMemory(dict(zip(tensors, arrays))), (b, h, rows[None, None], cols[None, None]), True)
+    kept = (batch if used[0] else 1, heads if used[1] else 1, q_len, kv_len)
+    return jnp.broadcast_to(value.astype(jnp.float32), kept)
+
+
+def emit(kernel, ctx) -> dict:
+    """`{kernel.term: value}` for a plan's `Attention` kernel (`emit.pallas.KernelCall`) in `ctx`, as
+    one Mosaic GPU kernel. q, k and v (views of a projection's `[B, S, H·D]` output, slices of a fused
+    QKV) are evaluated as XLA fusions into the kernel's layouts; the bias as a float32 array broadcast
+    over what it does not depend on; the epilogue in registers. Forms not covered raise
+    `NotImplementedError` (`emit.mosaic` then runs the Triton template)."""
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    q, k, v, bias, scale, epilogue, ty = term.args
+    q_type, k_type, v_type, out_type = (parse_type(x) for x in (q.ty, k.ty, v.ty, ty))
+    if not (len(q_type.shape) == len(k_type.shape) == len(v_type.shape) == 4):
+        raise NotImplementedError(f"attention over operands of rank {len(q_type.shape)}, {len(k_type.shape)}, "
+                                  f"{len(v_type.shape)}")
+    batch, heads, q_len, head_dim = q_type.shape
+    if k_type.shape != v_type.shape or k_type.shape[:2] != (batch, heads) or k_type.shape[3] != head_dim:
+        raise NotImplementedError(f"attention with q {q_type.shape}, k {k_type.shape}, v {v_type.shape}")
+    kv_len = k_type.shape[2]
+    if min(batch, heads, q_len, head_dim, kv_len) == 0:
+        raise NotImplementedError("an empty attention")
+    if not (q_type.dtype == k_type.dtype == v_type.dtype) or q_type.dtype not in MMA_DTYPES:
+        raise NotImplementedError(f"{q_type.dtype}, {k_type.dtype}, {v_type.dtype} operands (wgmma here multiplies "
+                                  "fp16 or bf16 operands of one dtype)")
+    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or not jnp.issubdtype(out_type.dtype, jnp.floating):
+        raise NotImplementedError(f"a {out_type.dtype} result")
+    missing = sorted({node.op for node in ex.expr_nodes(epilogue)} - EPILOGUE_OPS)
+    if missing:
+        raise NotImplementedError(f"an epilogue with {', '.join(missing)} (the Mosaic attention epilogue is "
+                                  "elementwise on the output tile)")
+    compiled_epilogue = ex.compile_expr(epilogue)
+
+    def tile_epilogue(o):
+        rows, width = o.shape
+        index = (0, 0, np.arange(rows).reshape(rows, 1), np.arange(width).reshape(1, width))
+        check = _reads_accumulator_at(index)
+
+        def accumulator(acc_ty, at, mask):
+            check(at)
+            return o
+
+        return jnp.broadcast_to(compiled_epilogue(None, index, True, accumulator), o.shape)
+
+    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known.values = ctx.values
+    q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
+    bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
+    out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
+                out_dtype=out_type.dtype, layouts=Layouts(reads_seq_major(q), reads_seq_major(v)),
+                interpret=ctx.interpret, name=kernel.name)
+    return {term: out.reshape(out_type.shape)}
