@@ -449,7 +449,7 @@ def emit(kernel, ctx) -> dict:
     if lhs_type.dtype != rhs_type.dtype or lhs_type.dtype not in MMA_DTYPES:
         raise NotImplementedError(f"{lhs_type.dtype} x {rhs_type.dtype} operands (wgmma here multiplies two "
                                   f"fp16 or two bf16 operands)")
-    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or jnp.dtype(out_type.dtype).kind != "f":
+    if jnp.dtype(out_type.dtype).itemsize not in (2, 4) or not jnp.issubdtype(out_type.dtype, jnp.floating):
         raise NotImplementedError(f"a {out_type.dtype} result")
     missing = sorted({node.op for node in ex.expr_nodes(epilogue)} - EPILOGUE_OPS)
     if missing:
