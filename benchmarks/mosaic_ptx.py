@@ -1,19 +1,22 @@
-"""The matmul templates compiled for an H100 without a GPU, side by side: the Mosaic GPU template
-(`emit/mosaic/matmul.py`) and the Pallas Triton one (`emit/pallas/matmul.py`), read from their PTX
-and `ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul shapes.
+"""The matmul and conv templates compiled for an H100 without a GPU, side by side: the Mosaic GPU
+templates (`emit/mosaic/matmul.py`, `emit/mosaic/conv.py`) and the Pallas Triton ones
+(`emit/pallas/matmul.py`, `emit/pallas/conv.py`), read from their PTX and `ptxas -arch=sm_90a -v`,
+at SD 1.5 UNet shapes.
 
     python -m benchmarks.mosaic_ptx                   # every shape, a table
     python -m benchmarks.mosaic_ptx --only unet64     # shapes whose name starts with unet64
+    python -m benchmarks.mosaic_ptx --only unet64.conv --backend mosaic
     python -m benchmarks.mosaic_ptx --json out.json --dump DIR
 
-Each case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with a
-bias epilogue) emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
+Each matmul case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel
+with a bias epilogue), each conv case the plan of a 3x3 conv + bias (NHWC, fp16, `sd15.layers.conv2d`;
+`.gn_silu`: its input through GroupNorm(32) + SiLU first: one `Conv` kernel with that prologue), emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
 `eqsat.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
 `MOSAIC_GPU_DUMP_PTX`/`MOSAIC_GPU_DUMP_TO`, the Triton kernel's by XLA's dump). Counted, per template:
 
 - `launches`: kernels of the whole executable (the matmul plus whatever XLA launches around it: a
   pad of an operand whose rows the tile does not divide), by category;
-- from the PTX of the matmul's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
+- from the PTX of the matmul's or conv's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
   tensor-core instruction, `wgmma` instructions, the deepest `wgmma.wait_group N` (N >= 1: the next
   MMA is issued before the previous one is waited for), TMA copies (`cp.async.bulk.tensor`
   global -> shared) and the vector-load share of global-load bytes;
@@ -46,6 +49,46 @@ class Shape:
     m: int
     k: int
     n: int
+    kind = "matmul"
+
+    def case(self):
+        import jax
+        import jax.numpy as jnp
+
+        f16 = jnp.float16
+        return dense, (jax.ShapeDtypeStruct((self.m, self.k), f16), jax.ShapeDtypeStruct((self.k, self.n), f16),
+                       jax.ShapeDtypeStruct((self.n,), f16))
+
+    def describe(self) -> dict:
+        return {"m": self.m, "k": self.k, "n": self.n}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """A 3x3 conv (padding 1) + bias over `[batch, size, size, cin]` NHWC, GroupNorm(32) + SiLU first
+    when `gn_silu`."""
+
+    name: str
+    batch: int
+    size: int
+    cin: int
+    cout: int
+    gn_silu: bool = False
+    kind = "conv"
+
+    def case(self):
+        import jax
+        import jax.numpy as jnp
+
+        f16 = jnp.float16
+        args = (jax.ShapeDtypeStruct((self.batch, self.size, self.size, self.cin), f16),
+                jax.ShapeDtypeStruct((self.cout, self.cin, 3, 3), f16), jax.ShapeDtypeStruct((self.cout,), f16))
+        if not self.gn_silu:
+            return conv3x3, args
+        return gn_silu_conv3x3, (*args, jax.ShapeDtypeStruct((self.cin,), f16), jax.ShapeDtypeStruct((self.cin,), f16))
+
+    def describe(self) -> dict:
+        return {"m": self.batch * self.size * self.size, "k": 9 * self.cin, "n": self.cout}
 
 
 # SD 1.5 at 512x512, batch 2: the 64x64-latent transformer's GEGLU half (320 -> 1280), its FF out
@@ -55,6 +98,9 @@ SHAPES = (
     Shape("unet64.ff_in", 4096, 320, 1280),
     Shape("unet64.ff_out", 4096, 1280, 320),
     Shape("unet64.cross_kv", 154, 768, 320),
+    # The 64x64 latent's ResNet conv (320 -> 320, batch 2), plain and with its GroupNorm + SiLU input.
+    ConvShape("unet64.conv", 2, 64, 320, 320),
+    ConvShape("unet64.conv.gn_silu", 2, 64, 320, 320, gn_silu=True),
 )
 BACKENDS = ("mosaic", "pallas")
 
@@ -63,20 +109,29 @@ def dense(x, w, b):
     return x @ w + b
 
 
-def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
-    """Plan `dense` at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
-    import jax
-    import jax.numpy as jnp
+def conv3x3(x, w, b):
+    from sd15 import layers
 
+    return layers.conv2d({"c.weight": w, "c.bias": b}, "c", x)
+
+
+def gn_silu_conv3x3(x, w, b, gamma, beta):
+    from sd15 import layers
+
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5)))
+
+
+def compile_case(shape: Shape | ConvShape, backend: str, dump: Path, ptxas: Path) -> dict:
+    """Plan the case's function at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
     import emit
     import eqsat
     from eqsat.xla_target import compile_for_h100
 
-    args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
-            jax.ShapeDtypeStruct((shape.n,), jnp.float16))
+    fn, args = shape.case()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = eqsat.optimize(dense, progress=False).lower(*args).plan
+        plan = eqsat.optimize(fn, progress=False).lower(*args).plan
     ops = [k.term.op for k in plan.kernels]
     mosaic_dump = dump / "mosaic"
     mosaic_dump.mkdir(parents=True, exist_ok=True)
@@ -97,16 +152,16 @@ def compile_case(shape: Shape, backend: str, dump: Path, ptxas: Path) -> dict:
     for path in files:
         for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
             kernels[name] = (path, counts)
-    matmuls = {name: entry for name, entry in kernels.items() if "matmul" in name}
-    if len(matmuls) != 1:
-        raise RuntimeError(f"{shape.name} {backend}: expected one matmul entry in the PTX, found {sorted(kernels)}")
-    (name, (path, counts)), = matmuls.items()
+    matching = {name: entry for name, entry in kernels.items() if shape.kind in name}
+    if len(matching) != 1:
+        raise RuntimeError(f"{shape.name} {backend}: expected one {shape.kind} entry in the PTX, found {sorted(kernels)}")
+    (name, (path, counts)), = matching.items()
     if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
         resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)
     else:
         resources = ptx.run_ptxas(path, ptxas=ptxas).get(name)
     return {
-        "shape": shape.name, "m": shape.m, "k": shape.k, "n": shape.n, "backend": backend, "plan_ops": ops,
+        "shape": shape.name, **shape.describe(), "backend": backend, "plan_ops": ops,
         "entry": name, "launches": report.kernels, "by_category": report.by_category,
         "tensor_core": counts.tensor_core, "wgmma": counts.wgmma, "wgmma_wait_depth": counts.wgmma_wait_depth,
         "tma_loads": counts.tma_loads, "vector_load_fraction": counts.vector_load_fraction,

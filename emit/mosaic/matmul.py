@@ -342,12 +342,28 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         )
 
     operands_in = (a_flat, b_flat, *arrays)
+    out_type = jax.ShapeDtypeStruct((batch * mp, np_), out_dtype)
     if interpret is None:  # decided where it is lowered: interpreted on a CPU, compiled for the GPU elsewhere
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: call(True)(*xs),
+        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
                                      default=lambda *xs: call(False)(*xs))
+    elif interpret:
+        out = one_at_a_time(call(True), out_type, operands_in)
     else:
-        out = call(bool(interpret))(*operands_in)
+        out = call(False)(*operands_in)
     return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]) -> jax.Array:
+    """An interpreted kernel run as an ordered host callback: it starts once its operands exist and no
+    other interpreted kernel runs beside it. jax 0.10.2's GPU interpret mode keeps one global
+    simulated GPU, created by the first kernel that starts and cleared by the first that ends; XLA
+    runs the part of a kernel that reads no operand (that creation) as soon as it can, so in one
+    program two kernels overlapped and the later one waited forever in a barrier (a 3x3 conv feeding
+    a stride-2 conv; the matmul stalls noted above may be the same)."""
+    from jax.experimental import io_callback
+
+    jitted = jax.jit(interpreted)
+    return io_callback(lambda *xs: np.asarray(jitted(*xs)), out_type, *operands, ordered=True)
 
 
 def _kernel_name(name: str) -> str:
