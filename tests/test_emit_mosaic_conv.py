@@ -45,7 +45,7 @@ def _template_conv(x, w, params, taps, blocks):
     grid = mc.FlatGrid(ConvGeometry(params, x.shape, w.shape, out_shape))
     (r,) = mc.plan_taps(grid, [(x.shape[params.lhs_spec[1]], taps)])
     n_padded = -(-w.shape[params.rhs_spec[0]] // blocks.cta_tile_n) * blocks.cta_tile_n
-    flat = mc.build([mc.layout_input(x, grid, params.lhs_spec, r.chunks * mc.CHUNK)],
+    flat = mc.build([mc.layout_input(x, grid, params.lhs_spec, r)],
                     [mc.layout_weights(w, params.rhs_spec, r, n_padded)], [r], grid, out_dtype=jnp.float32,
                     blocks=blocks, interpret=True)
     return mc.unflatten(flat, grid, w.shape[params.rhs_spec[0]])
@@ -66,20 +66,20 @@ def test_the_flat_grid_matches_lax_conv(shape, window, strides, padding, dilatio
 
 
 def test_tap_offsets_are_shifts_of_the_flat_grid():
-    """Tap (ky, kx) of a stride-2 conv reads phase (ky % 2, kx % 2) shifted by (ky // 2) rows of
-    the phase image and kx // 2 pixels; the halo is the largest shift."""
+    """Tap (ky, kx) of a stride-2 conv reads phase (ky % 2, kx % 2), the copy shifted by kx // 2
+    pixels, at ky // 2 rows of the phase image (its pitch rounded up to 8: TMA fills 8-row tiles)."""
     params = _params((1, 9, 7, 4), (3, 3, 4, 8), (2, 2), ((1, 1), (1, 1)))
     grid = mc.FlatGrid(ConvGeometry(params, (1, 9, 7, 4), (3, 3, 4, 8), (1, 5, 4, 8)))
-    assert grid.phase_size == (6, 5) and grid.phases == 4
-    assert grid.tap_shift(0, 0) == (0, 0) and grid.tap_shift(2, 1) == (1, 5) and grid.tap_shift(1, 2) == (2, 1)
-    assert grid.halo == 6
+    assert grid.phase_size == (6, 8) and grid.phases == 4
+    assert grid.tap_shift(0, 0) == (0, 0, 0) and grid.tap_shift(2, 1) == (1, 0, 8)
+    assert grid.tap_shift(1, 2) == (2, 1, 0) and grid.halo == 8
     ranges = mc.plan_taps(grid, [(4, ((0, 3), (0, 3))), (70, ((1, 2), (1, 2)))])
-    assert [(r.first_step, r.column_block, r.steps) for r in ranges] == [(0, 0, 9), (9, 4, 2)]
+    assert [(r.first_step, r.column_block, r.steps, r.shifts) for r in ranges] == [(0, 0, 9, (0, 2)), (9, 8, 2, (0, 1))]
     offset = mc.step_offset(grid, ranges)
     rows = [tuple(int(v) for v in offset(jnp.int32(t))) for t in range(11)]
-    # range 0: taps in row-major order, one chunk each; range 1: the centre tap, chunks 0 and 1 of phase 3
-    assert rows[5] == (grid.tap_shift(1, 2)[1], grid.tap_shift(1, 2)[0])
-    assert rows[9:] == [(0, 4 + 3 * 2), (0, 4 + 3 * 2 + 1)]
+    assert rows[5] == (0, 1 * 4 + 2)  # tap (1, 2): shift 1, phase 2
+    assert rows[7] == (8, 0 * 4 + 1)  # tap (2, 1): shift 0, phase 1, one phase row down
+    assert rows[9:] == [(0, 8 + 3 * 2), (0, 8 + 3 * 2 + 1)]  # the 1x1 range: phase 3, chunks 0 and 1
 
 
 # --- plans through backend="mosaic" ------------------------------------------------------------------

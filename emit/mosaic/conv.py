@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.mosaic import matmul as mm
@@ -68,6 +69,7 @@ class RangeTaps:
     taps: tuple[tuple[int, int], tuple[int, int]]
     column_block: int
     first_step: int
+    shifts: tuple[int, int] = (0, 1)  # the column shifts [j0, j1) its taps read (`FlatGrid.tap_shift`)
 
     @property
     def chunks(self) -> int:
@@ -81,6 +83,9 @@ class RangeTaps:
     @property
     def steps(self) -> int:
         return len(self.tap_list) * self.chunks
+
+    def column_blocks(self, phases: int) -> int:
+        return (self.shifts[1] - self.shifts[0]) * phases * self.chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +101,12 @@ class FlatGrid:
 
     @property
     def phase_size(self) -> tuple[int, int]:
+        """(rows, row pitch) of a phase image: the pitch rounded up to 8 pixels, so a row shift is
+        a whole number of the SMEM tiles (8 rows) a TMA copy fills."""
         (pad_y, pad_y1), (pad_x, pad_x1) = self.geometry.params.padding
         (h, w), (sy, sx) = self.geometry.in_size, self.strides
-        return -(-(h + pad_y + pad_y1) // sy), -(-(w + pad_x + pad_x1) // sx)
+        width = -(-(w + pad_x + pad_x1) // sx)
+        return -(-(h + pad_y + pad_y1) // sy), -(-width // 8) * 8
 
     @property
     def phases(self) -> int:
@@ -109,16 +117,17 @@ class FlatGrid:
         hi, wq = self.phase_size
         return self.geometry.batch * hi * wq
 
-    def tap_shift(self, ky: int, kx: int) -> tuple[int, int]:
-        """(phase, row offset on the flat grid) of tap (ky, kx)."""
+    def tap_shift(self, ky: int, kx: int) -> tuple[int, int, int]:
+        """(phase, column shift j, row offset on the flat grid: a multiple of 8) of tap (ky, kx): it
+        reads the phase's copy shifted by j pixels at that row offset."""
         (dy, dx), (sy, sx) = self.geometry.params.rhs_dilation, self.strides
         ry, rx = ky * dy, kx * dx
-        return (ry % sy) * sx + rx % sx, (ry // sy) * self.phase_size[1] + rx // sx
+        return (ry % sy) * sx + rx % sx, rx // sx, (ry // sy) * self.phase_size[1]
 
     @property
     def halo(self) -> int:
         (kh, kw) = self.geometry.window
-        return max(self.tap_shift(ky, kx)[1] for ky in range(kh) for kx in range(kw))
+        return max(self.tap_shift(ky, kx)[2] for ky in range(kh) for kx in range(kw))
 
     def output_index(self, q: np.ndarray, n: np.ndarray) -> tuple[tuple, np.ndarray]:
         """The conv output's index at flat rows `q` and channels `n` (NumPy, clamped to (0, 0) off the
@@ -132,13 +141,16 @@ class FlatGrid:
 
 
 def plan_taps(grid: FlatGrid, ranges: Sequence[tuple[int, tuple]]) -> list[RangeTaps]:
-    """The pipeline steps of K ranges `(channels, taps)`: each range's taps × its channel chunks."""
+    """The pipeline steps of K ranges `(channels, taps)`: each range's taps × its channel chunks, and
+    the column shifts its taps read."""
     out, step, block = [], 0, 0
     for channels, taps in ranges:
-        r = RangeTaps(channels, taps, block, step)
+        (y0, y1), (x0, x1) = taps
+        shifts = [grid.tap_shift(ky, kx)[1] for ky in range(y0, y1) for kx in range(x0, x1)]
+        r = RangeTaps(channels, taps, block, step, (min(shifts), max(shifts) + 1))
         out.append(r)
         step += r.steps
-        block += grid.phases * r.chunks
+        block += r.column_blocks(grid.phases)
     return out
 
 
@@ -156,8 +168,8 @@ def step_offset(grid: FlatGrid, ranges: Sequence[RangeTaps]):
         ky, kx = y0 + lax.div(tap, x1 - x0), x0 + lax.rem(tap, x1 - x0)
         ry, rx = ky * dy, kx * dx
         phase = lax.rem(ry, sy) * sx + lax.rem(rx, sx)
-        row = lax.div(ry, sy) * wq + lax.div(rx, sx)
-        return row, r.column_block + phase * r.chunks + chunk
+        shift = lax.div(rx, sx) - r.shifts[0]
+        return lax.div(ry, sy) * wq, r.column_block + (shift * grid.phases + phase) * r.chunks + chunk
 
     def offset(t):
         row, column = of_range(ranges[0], t)
@@ -165,7 +177,7 @@ def step_offset(grid: FlatGrid, ranges: Sequence[RangeTaps]):
             later = t >= r.first_step
             r_row, r_column = of_range(r, t)
             row, column = lax.select(later, r_row, row), lax.select(later, r_column, column)
-        return row, column
+        return pl.multiple_of(row, 8), column  # the A tile's SMEM tiling (8 rows) needs it
 
     return offset
 
@@ -173,10 +185,12 @@ def step_offset(grid: FlatGrid, ranges: Sequence[RangeTaps]):
 # --- operand layouts --------------------------------------------------------------------------------
 
 
-def layout_input(x: jax.Array, grid: FlatGrid, spec: Sequence[int], channels_padded: int) -> jax.Array:
-    """One K range's input `x` (axes in `spec` order: batch, feature, spatial) as `[rows, phases *
-    channels_padded]`: NHWC, zero-padded by the conv's padding (after the prologue that made `x`),
-    split into stride phases, channels zero-padded."""
+def layout_input(x: jax.Array, grid: FlatGrid, spec: Sequence[int], r: RangeTaps) -> jax.Array:
+    """One K range's input `x` (axes in `spec` order: batch, feature, spatial) as `[rows, shifts *
+    phases * 64 * chunks]`: NHWC, zero-padded by the conv's padding (after the prologue that made `x`),
+    split into stride phases, channels zero-padded, one copy per column shift j its taps read (rows
+    moved up by j: a TMA copy starts on an 8-row tile, so a tap one pixel right cannot be a view)."""
+    channels_padded = r.chunks * CHUNK
     p = grid.geometry.params
     x = jnp.transpose(x, (spec[0], spec[2], spec[3], spec[1]))
     b, h, w, c = x.shape
@@ -184,7 +198,9 @@ def layout_input(x: jax.Array, grid: FlatGrid, spec: Sequence[int], channels_pad
     (pad_y, _), (pad_x, _) = p.padding
     x = jnp.pad(x, ((0, 0), (pad_y, hi * sy - h - pad_y), (pad_x, wq * sx - w - pad_x), (0, channels_padded - c)))
     x = x.reshape(b, hi, sy, wq, sx, channels_padded).transpose(0, 1, 3, 2, 4, 5)
-    return x.reshape(b * hi * wq, sy * sx * channels_padded)
+    x = x.reshape(b * hi * wq, sy * sx * channels_padded)
+    copies = [jnp.pad(x[j:], ((0, j), (0, 0))) for j in range(*r.shifts)]
+    return jnp.concatenate(copies, axis=1) if len(copies) > 1 else copies[0]
 
 
 def layout_weights(w: jax.Array, spec: Sequence[int], r: RangeTaps, n_padded: int) -> jax.Array:
@@ -305,7 +321,7 @@ def emit(kernel, ctx) -> dict:
         if w_window != (y1 - y0, x1 - x0):  # the full window: keep the taps the range runs
             w = lax.slice_in_dim(w, y0, y1, axis=params.rhs_spec[2])
             w = lax.slice_in_dim(w, x0, x1, axis=params.rhs_spec[3])
-        inputs.append(layout_input(x.astype(dot_dtype), grid, params.lhs_spec, r.chunks * CHUNK))
+        inputs.append(layout_input(x.astype(dot_dtype), grid, params.lhs_spec, r))
         weights.append(layout_weights(w.astype(dot_dtype), params.rhs_spec, r, n_padded))
 
     compiled = ex.compile_expr(epilogue)
