@@ -9,14 +9,17 @@ swizzled SMEM ring by a memory warpgroup, wgmma by compute warpgroups, the epilo
 
 The GEMM's M is the output pixels on a *flat padded grid*: each image's input, zero-padded by the
 conv's padding and split into its stride phases (`phase (py, px)` holds padded rows `py::sy`,
-columns `px::sx`), is stored NHWC as `[batch * Hi * Wq, channels]` rows; output pixel `(b, oy,
-ox)` is row `q = (b * Hi + oy) * Wq + ox` of the output, and the tap `(ky, kx)` of it reads row
-`q + (ky·dy // sy) * Wq + (kx·dx // sx)` of phase `(ky·dy % sy, kx·dx % sx)`. So every tap is the
-input shifted by a constant number of rows: one `[tile_m, 64]` TMA copy at an element offset
+columns `px::sx`), is stored NHWC as `[batch * Hi * Wq, channels]` rows, the row pitch `Wq` rounded
+up to 8 pixels; output pixel `(b, oy, ox)` is row `q = (b * Hi + oy) * Wq + ox` of the output, and
+tap `(ky, kx)` reads row `q + (ky·dy // sy) * Wq` of phase `(ky·dy % sy, kx·dx % sx)` in the copy of
+the input moved up by `j = kx·dx // sx` rows. So every tap is a shift by whole 8-row SMEM tiles (a
+TMA copy into the swizzled tile layout must start on one; Mosaic's layout inference refuses a
+dynamic row start it cannot prove a multiple of 8): one `[tile_m, 64]` TMA copy at an element offset
 (`pl.Element`) per (tap, 64-channel chunk), wgmma over it, with output tiles spanning rows and
-images (>= 64 pixels at every resolution). Rows `ox >= Wo` and `oy >= Ho` of the grid are computed
-and dropped (6 % of a 64x64 image; 36 % of an 8x8 one). Weights are laid out per step as
-`[steps * 64, Cout]` so step t reads B block t, as a matmul's K does.
+images (>= 64 pixels at every resolution). The column shifts cost one input copy each (3 for a 3x3
+at stride 1, 2 at stride 2), written by the XLA fusion that lays the input out. Rows `ox >= Wo` and
+`oy >= Ho` of the grid are computed and dropped (14 % of a 64x64 image; 60 % of an 8x8 one).
+Weights are laid out per step as `[steps * 64, Cout]` so step t reads B block t, as a matmul's K does.
 
 K ranges (`emit.pallas.conv.k_ranges`): `concat(h, skip)` inputs and a merged 1x1 shortcut
 (`concat(pad(w1x1), w3x3)`) are ranges side by side along the input's channels; a range runs
@@ -26,9 +29,9 @@ channel block; a nearest-2x upsample is part of the input expression.
 The input expression of each range (a GroupNorm apply + SiLU from hosted statistics, an upsample
 view, an NCHW permute) is evaluated whole before the kernel as one XLA fusion that writes the
 laid-out input (padding applied after it, so a tap in the padding reads 0, not prologue(0)):
-each input element is computed once, but it costs one HBM write and read of the input, and each
-tap re-reads its rows through L2 (9 copies of the input tile per output tile for a 3x3, not one
-haloed tile; see the report of issue 17). The epilogue (bias, time-embedding row, residual, cast)
+each input element is computed once, but it costs HBM writes of the shifted copies and a read, and
+each tap re-reads its rows through L2 (9 input tiles per output tile for a 3x3, not one haloed tile
+in SMEM with the prologue applied there, which issue 17 asks for and this does not do yet). The epilogue (bias, time-embedding row, residual, cast)
 is mapped onto the flat grid on the host (`emit.mosaic.matmul.mapped_operands`). Statistics the
 plan hosts on the conv are left to the driver (its own reduce kernel), as the matmul template does.
 
