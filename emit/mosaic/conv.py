@@ -216,8 +216,11 @@ def layout_weights(w: jax.Array, spec: Sequence[int], r: RangeTaps, n_padded: in
 
 
 def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> mm.MosaicBlocks:
-    """The matmul template's default tiles for the flat grid (M = its rows, K = the steps)."""
-    return mm.MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
+    """The matmul template's default tiles for the flat grid (M = its rows, K = the steps), with
+    128-row tiles from 2048 rows on (the grid's rows are many; a 64-row tile halves the MMA work per
+    B tile loaded to save < 3 % of padded rows)."""
+    blocks = mm.MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
+    return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
 
 
 def build(inputs: Sequence[jax.Array], weights: Sequence[jax.Array], ranges: Sequence[RangeTaps], grid: FlatGrid,
