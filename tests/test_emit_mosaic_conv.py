@@ -45,10 +45,14 @@ def _template_conv(x, w, params, taps, blocks):
     grid = mc.FlatGrid(ConvGeometry(params, x.shape, w.shape, out_shape))
     (r,) = mc.plan_taps(grid, [(x.shape[params.lhs_spec[1]], taps)])
     n_padded = -(-w.shape[params.rhs_spec[0]] // blocks.cta_tile_n) * blocks.cta_tile_n
-    flat = mc.build([mc.layout_input(x, grid, params.lhs_spec, r)],
-                    [mc.layout_weights(w, params.rhs_spec, r, n_padded)], [r], grid, out_dtype=jnp.float32,
-                    blocks=blocks, interpret=True)
-    return mc.unflatten(flat, grid, w.shape[params.rhs_spec[0]])
+    @jax.jit
+    def run(x, w):
+        flat = mc.build([mc.layout_input(x, grid, params.lhs_spec, r)],
+                        [mc.layout_weights(w, params.rhs_spec, r, n_padded)], [r], grid, out_dtype=jnp.float32,
+                        blocks=blocks, interpret=True)
+        return mc.unflatten(flat, grid, w.shape[params.rhs_spec[0]])
+
+    return run(x, w)
 
 
 @pytest.mark.parametrize("shape,window,strides,padding,dilation", [
