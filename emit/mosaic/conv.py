@@ -43,7 +43,6 @@ convs, negative padding, epilogues that select by index, and a tap offset past a
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
