@@ -1,25 +1,27 @@
-"""The matmul and attention templates compiled for an H100 without a GPU, side by side: the Mosaic
-GPU templates (`emit/mosaic/matmul.py`, `emit/mosaic/attention.py`) and the Pallas Triton ones
-(`emit/pallas/matmul.py`, `emit/pallas/attention.py`), read from their PTX and
-`ptxas -arch=sm_90a -v`, at the SD 1.5 UNet's matmul and attention shapes.
+"""The matmul, conv and attention templates compiled for an H100 without a GPU, side by side: the
+Mosaic GPU templates (`emit/mosaic/matmul.py`, `emit/mosaic/conv.py`, `emit/mosaic/attention.py`)
+and the Pallas Triton ones (`emit/pallas/matmul.py`, `emit/pallas/conv.py`,
+`emit/pallas/attention.py`), read from their PTX and `ptxas -arch=sm_90a -v`, at SD 1.5 UNet shapes.
 
     python -m benchmarks.mosaic_ptx                   # every shape, a table
     python -m benchmarks.mosaic_ptx --only unet64     # shapes whose name starts with unet64
+    python -m benchmarks.mosaic_ptx --only unet64.conv --backend mosaic
     python -m benchmarks.mosaic_ptx --only attn       # the attention shapes
     python -m benchmarks.mosaic_ptx --json out.json --dump DIR
 
 A matmul case is the plan of `x @ w + bias` (fp16, `[M, K] x [K, N] + [N]`: one `Matmul` kernel with
-a bias epilogue); an attention case the plan of sd15's multi-head attention over fp16
-`[batch, seq, heads·head_dim]` projections (one `Attention` kernel reading them per head, and the
-`Pointwise` kernel that writes the result back as `[B, S, H·D]`), with CLIP's causal mask as an
-additive bias where the case says so. Each is emitted with `backend="mosaic"` and with
-`backend="pallas"`, each compiled by
+a bias epilogue); a conv case the plan of a 3x3 conv + bias (NHWC, fp16, `sd15.layers.conv2d`;
+`.gn_silu`: its input through GroupNorm(32) + SiLU first: one `Conv` kernel with that prologue); an
+attention case the plan of sd15's multi-head attention over fp16 `[batch, seq, heads·head_dim]`
+projections (one `Attention` kernel reading them per head, and the `Pointwise` kernel that writes
+the result back as `[B, S, H·D]`), with CLIP's causal mask as an additive bias where the case says
+so. Each is emitted with `backend="mosaic"` and with `backend="pallas"`, each compiled by
 `measure.xla_target.compile_for_h100` (the Mosaic kernel's PTX dumped by Mosaic itself:
 `MOSAIC_GPU_DUMP_PTX`/`MOSAIC_GPU_DUMP_TO`, the Triton kernel's by XLA's dump). Counted, per template:
 
-- `launches`: kernels of the whole executable (the matmul or attention plus whatever XLA launches
-  around it: a pad of an operand whose rows the tile does not divide, the Mosaic attention's Kᵀ),
-  by category;
+- `launches`: kernels of the whole executable (the template's plus whatever XLA launches around it:
+  a pad of an operand whose rows the tile does not divide, the Mosaic conv's input layout, the
+  Mosaic attention's Kᵀ), by category;
 - from the PTX of the template's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
   tensor-core instruction, `wgmma` instructions, the deepest `wgmma.wait_group N` (N >= 1: the next
   MMA is issued before the previous one is waited for), TMA copies (`cp.async.bulk.tensor`
@@ -53,6 +55,46 @@ class Shape:
     m: int
     k: int
     n: int
+    kind = "matmul"
+
+    def case(self):
+        import jax
+        import jax.numpy as jnp
+
+        f16 = jnp.float16
+        return dense, (jax.ShapeDtypeStruct((self.m, self.k), f16), jax.ShapeDtypeStruct((self.k, self.n), f16),
+                       jax.ShapeDtypeStruct((self.n,), f16))
+
+    def describe(self) -> dict:
+        return {"m": self.m, "k": self.k, "n": self.n}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """A 3x3 conv (padding 1) + bias over `[batch, size, size, cin]` NHWC, GroupNorm(32) + SiLU first
+    when `gn_silu`."""
+
+    name: str
+    batch: int
+    size: int
+    cin: int
+    cout: int
+    gn_silu: bool = False
+    kind = "conv"
+
+    def case(self):
+        import jax
+        import jax.numpy as jnp
+
+        f16 = jnp.float16
+        args = (jax.ShapeDtypeStruct((self.batch, self.size, self.size, self.cin), f16),
+                jax.ShapeDtypeStruct((self.cout, self.cin, 3, 3), f16), jax.ShapeDtypeStruct((self.cout,), f16))
+        if not self.gn_silu:
+            return conv3x3, args
+        return gn_silu_conv3x3, (*args, jax.ShapeDtypeStruct((self.cin,), f16), jax.ShapeDtypeStruct((self.cin,), f16))
+
+    def describe(self) -> dict:
+        return {"m": self.batch * self.size * self.size, "k": 9 * self.cin, "n": self.cout}
 
 
 # SD 1.5 at 512x512, batch 2: the 64x64-latent transformer's GEGLU half (320 -> 1280), its FF out
@@ -62,6 +104,9 @@ SHAPES = (
     Shape("unet64.ff_in", 4096, 320, 1280),
     Shape("unet64.ff_out", 4096, 1280, 320),
     Shape("unet64.cross_kv", 154, 768, 320),
+    # The 64x64 latent's ResNet conv (320 -> 320, batch 2), plain and with its GroupNorm + SiLU input.
+    ConvShape("unet64.conv", 2, 64, 320, 320),
+    ConvShape("unet64.conv.gn_silu", 2, 64, 320, 320, gn_silu=True),
 )
 
 
@@ -74,6 +119,18 @@ class AttentionShape:
     kv_len: int
     head_dim: int
     causal: bool = False
+    kind = "attention"
+
+    def case(self):
+        import jax
+        import jax.numpy as jnp
+
+        q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads * self.head_dim), jnp.float16)
+        kv = jax.ShapeDtypeStruct((self.batch, self.kv_len, self.heads * self.head_dim), jnp.float16)
+        return attention_fn(self), (q, kv, kv)
+
+    def describe(self) -> dict:
+        return {key: value for key, value in dataclasses.asdict(self).items() if key != "name"}
 
 
 # SD 1.5 at 512x512, batch 2: the 64x64-latent transformer's self-attention (4096 tokens, 8 heads of
@@ -112,32 +169,26 @@ def attention_fn(shape: AttentionShape):
     return attend
 
 
-def case_program(shape):
-    """(function, argument shapes, what its kernel's entry is called) of a matmul or attention case."""
-    import jax
-    import jax.numpy as jnp
+def conv3x3(x, w, b):
+    from sd15 import layers
 
-    if isinstance(shape, AttentionShape):
-        q = jax.ShapeDtypeStruct((shape.batch, shape.q_len, shape.heads * shape.head_dim), jnp.float16)
-        kv = jax.ShapeDtypeStruct((shape.batch, shape.kv_len, shape.heads * shape.head_dim), jnp.float16)
-        return attention_fn(shape), (q, kv, kv), "attention"
-    args = (jax.ShapeDtypeStruct((shape.m, shape.k), jnp.float16), jax.ShapeDtypeStruct((shape.k, shape.n), jnp.float16),
-            jax.ShapeDtypeStruct((shape.n,), jnp.float16))
-    return dense, args, "matmul"
+    return layers.conv2d({"c.weight": w, "c.bias": b}, "c", x)
 
 
-def describe(shape) -> dict:
-    """The case's sizes, as the row reports them."""
-    return {key: value for key, value in dataclasses.asdict(shape).items() if key != "name"}
+def gn_silu_conv3x3(x, w, b, gamma, beta):
+    from sd15 import layers
+
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5)))
 
 
-def compile_case(shape, backend: str, dump: Path, ptxas: Path) -> dict:
+def compile_case(shape: Shape | ConvShape | AttentionShape, backend: str, dump: Path, ptxas: Path) -> dict:
     """Plan the case's function at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
     import emit
     import eqsat
     from measure.xla_target import compile_for_h100
 
-    fn, args, entry_kind = case_program(shape)
+    fn, args = shape.case()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = eqsat.optimize(fn, progress=False).lower(*args).plan
@@ -161,17 +212,16 @@ def compile_case(shape, backend: str, dump: Path, ptxas: Path) -> dict:
     for path in files:
         for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
             kernels[name] = (path, counts)
-    found = {name: entry for name, entry in kernels.items() if entry_kind in name}
-    if len(found) != 1:
-        raise RuntimeError(f"{shape.name} {backend}: expected one {entry_kind} entry in the PTX, "
-                           f"found {sorted(kernels)}")
-    (name, (path, counts)), = found.items()
+    matching = {name: entry for name, entry in kernels.items() if shape.kind in name}
+    if len(matching) != 1:
+        raise RuntimeError(f"{shape.name} {backend}: expected one {shape.kind} entry in the PTX, found {sorted(kernels)}")
+    (name, (path, counts)), = matching.items()
     if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
         resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)
     else:
         resources = ptx.run_ptxas(path, ptxas=ptxas).get(name)
     return {
-        "shape": shape.name, **describe(shape), "backend": backend, "plan_ops": ops,
+        "shape": shape.name, **shape.describe(), "backend": backend, "plan_ops": ops,
         "entry": name, "launches": report.kernels, "by_category": report.by_category,
         "tensor_core": counts.tensor_core, "wgmma": counts.wgmma, "wgmma_wait_depth": counts.wgmma_wait_depth,
         "tma_loads": counts.tma_loads, "vector_load_fraction": counts.vector_load_fraction,

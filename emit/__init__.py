@@ -12,9 +12,9 @@ Backends:
   made at lowering, so `measure.xla_target.compile_for_h100` compiles the Triton kernels from a CPU
   machine; force it with `interpret=True/False`). A kernel no template covers runs through the
   XLA emitter with an `emit.pallas.XlaFallbackWarning` naming it.
-- `mosaic`: as `pallas`, but matmuls through the Mosaic GPU template (`emit.mosaic`: TMA-fed,
-  warp-specialized wgmma; Hopper only), run in GPU interpret mode where lowered for a CPU; a matmul
-  it does not cover goes to its Triton template with an `emit.mosaic.TritonFallbackWarning`.
+- `mosaic`: as `pallas`, but matmuls and convs through the Mosaic GPU templates (`emit.mosaic`:
+  TMA-fed, warp-specialized wgmma; Hopper only), run in GPU interpret mode where lowered for a CPU;
+  a kernel they do not cover goes to its Triton template with an `emit.mosaic.TritonFallbackWarning`.
 - `xla`: every kernel in jax.numpy/lax (`emit.xla`), the reference for the templates and the fast
   path on a CPU.
 - `hybrid`: convs and matmuls through the XLA emitter (cuDNN / cuBLAS with XLA's fusions around

@@ -134,6 +134,17 @@ class EpilogueOperand:
             raise ValueError(f"epilogue operand kind {self.kind!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class AWindow:
+    """A-side blocks at element offsets (the conv template's taps): the CTA reads `tile_m + halo`
+    rows of A from its first row, and pipeline step `k` TMA-copies the `[tile_m, tile_k]` block
+    `offset(k) -> (first row within that window, column block)`. Without one, step k reads column
+    block k of the CTA's own `tile_m` rows (a plain matmul)."""
+
+    halo: int
+    offset: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+
+
 # (acc [em, en] f32, each operand's values at the sub-tile, broadcast to [em, en]) -> out [em, en]
 EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
 
@@ -154,7 +165,8 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
-            m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool):
+            m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
+            a_window: AWindow | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -172,6 +184,8 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
+                                memory_space=plgpu.SMEM, delay_release=1) if a_window is None else
+                plgpu.BlockSpec((pl.Element(tile_m), tile_k), a_window.offset, transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=1),
                 plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=1),
@@ -248,8 +262,9 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
             return acc_ref
 
+        a_rows = tile_m if a_window is None else tile_m + a_window.halo
         pipeline(mma, compute_context)(
-            a_gmem.at[pl.ds(rows0, tile_m), :],
+            a_gmem.at[pl.ds(rows0, a_rows), :],
             b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n_idx * cta_n, cta_n)],
             allocations=pipeline_allocs,
         )
@@ -259,27 +274,39 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
 def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
-          interpret: Any = None, name: str = "matmul") -> jax.Array:
+          interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None) -> jax.Array:
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
-    the call is lowered for (a CPU interprets)."""
+    the call is lowered for (a CPU interprets).
+
+    With `a_window` (batch 1), `a` is `[1, m + halo, columns]` laid out by the caller (`m` a multiple
+    of `blocks.tile_m`, `columns` of `tile_k`) and read through the window's offsets; `b`'s K is the
+    steps times `tile_k`."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or (a_window is None and a.shape[2] != b.shape[1]):
         raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
     if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
         raise NotImplementedError(f"wgmma operands {a.dtype} x {b.dtype} (the template multiplies two fp16 or "
                                   "two bf16 operands)")
     batch, m, k = a.shape
     n = b.shape[2]
+    if a_window is not None:
+        m, k = m - a_window.halo, b.shape[1]
     blocks = blocks or MosaicBlocks.get_default(m, n, k)
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
-    a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
+    if a_window is None:
+        a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
+    elif batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
+        raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
+                         f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
+    else:
+        a_flat = a[0]
     b_flat = pad_to(b, (batch, kp, np_)).reshape(batch * kp, np_)
     arrays, kinds, shared = [], [], []
     for operand in operands:
@@ -302,7 +329,8 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
             run_blocks = dataclasses.replace(blocks, tile_n=blocks.cta_tile_n, compute_wgs=1)
         return plgpu.kernel(
             functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
-                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here),
+                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
+                              a_window=a_window),
             out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
             grid=grid,
             grid_names=("n", "m", "b"),
@@ -314,12 +342,28 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         )
 
     operands_in = (a_flat, b_flat, *arrays)
+    out_type = jax.ShapeDtypeStruct((batch * mp, np_), out_dtype)
     if interpret is None:  # decided where it is lowered: interpreted on a CPU, compiled for the GPU elsewhere
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: call(True)(*xs),
+        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
                                      default=lambda *xs: call(False)(*xs))
+    elif interpret:
+        out = one_at_a_time(call(True), out_type, operands_in)
     else:
-        out = call(bool(interpret))(*operands_in)
+        out = call(False)(*operands_in)
     return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]) -> jax.Array:
+    """An interpreted kernel run as an ordered host callback: it starts once its operands exist and no
+    other interpreted kernel runs beside it. jax 0.10.2's GPU interpret mode keeps one global
+    simulated GPU, created by the first kernel that starts and cleared by the first that ends; XLA
+    runs the part of a kernel that reads no operand (that creation) as soon as it can, so in one
+    program two kernels overlapped and the later one waited forever in a barrier (a 3x3 conv feeding
+    a stride-2 conv; the matmul stalls noted above may be the same)."""
+    from jax.experimental import io_callback
+
+    jitted = jax.jit(interpreted)
+    return io_callback(lambda *xs: np.asarray(jitted(*xs)), out_type, *operands, ordered=True)
 
 
 def _kernel_name(name: str) -> str:
@@ -389,7 +433,14 @@ def epilogue_operands(epilogue: Term, axes, values: Callable[[Term], jax.Array])
     batch, m, n = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape))
     b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
     rows, cols = np.arange(m).reshape(1, m, 1), np.arange(n).reshape(1, 1, n)
-    memory, out_index = _RecordingMemory(), axes.out_index(b, rows, cols)
+    return mapped_operands(epilogue, axes.out_index(b, rows, cols), (batch, m, n), values)
+
+
+def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int], values: Callable[[Term], jax.Array]):
+    """`epilogue_operands` for any output layout: `out_index` is the epilogue's index (NumPy arrays
+    broadcasting to `shape` `[batch, m, n]`) at each element of the kernel's output."""
+    batch, m, n = shape
+    memory = _RecordingMemory()
     check = _reads_accumulator_at(out_index)
 
     def accumulator(acc_ty, at, mask):

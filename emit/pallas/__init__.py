@@ -55,6 +55,8 @@ from typing import Iterable
 
 import jax
 
+# Shared with `emit.mosaic` through `emit.backends` (below both packages); importable from here as before.
+from emit.backends import EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors
 from eqsat.term import Term
 
 TEMPLATES: dict[str, str] = {
@@ -74,16 +76,6 @@ TEMPLATES: dict[str, str] = {
 
 class XlaFallbackWarning(UserWarning):
     """A kernel ran through the XLA emitter because no Pallas template covers it (yet)."""
-
-
-class EmitError(RuntimeError):
-    """The plan cannot be emitted as given (a broken contract between extraction and emission: a
-    bug in eqsat, never the user's). The message names the kernel or tensor and the reason."""
-
-
-class TemplateError(EmitError):
-    """A template failed on a kernel the plan gave it. The message names the kernel, its op and the
-    unmet condition."""
 
 
 @dataclass(frozen=True)
@@ -160,22 +152,6 @@ def name_of(component: str, kind: str) -> str:
     return f"{component}:{kind}" if component else kind
 
 
-def loaded_tensors(*exprs: Term) -> list[Term]:
-    """The distinct tensors `Load`ed by `exprs` (Expr terms), in first-seen order: a kernel's operands."""
-    from emit.expr import expr_nodes
-
-    seen: dict[int, Term] = {}
-    for node in expr_nodes(*exprs):
-        if node.op == "Load" and id(node.args[0]) not in seen:
-            seen[id(node.args[0])] = node.args[0]
-    return list(seen.values())
-
-
-def kernel_exprs(term: Term) -> list[Term]:
-    """The Expr arguments of a kernel term (operands, epilogue, bias ...)."""
-    return [arg for arg in term.args if isinstance(arg, Term) and arg.sort == "Expr"]
-
-
 def template_for(op: str):
     """The template module for kernel op `op`, or None when it has none (yet)."""
     name = TEMPLATES.get(op)
@@ -223,14 +199,6 @@ def emit_with_xla(kernel: KernelCall, ctx: EmitContext) -> dict:
         if tensor in ctx.partials:
             ctx.value(tensor)  # the XLA emitter reads finished statistics
     return xla.emit_kernel(kernel, ctx)
-
-
-def is_empty(kernel: KernelCall) -> bool:
-    """Whether the kernel writes no element or reads an operand with none (a zero-size axis)."""
-    from eqsat.types import parse_type
-
-    tensors = [kernel.term, *kernel.hosted, *loaded_tensors(*kernel_exprs(kernel.term))]
-    return any(0 in parse_type(t.ty).shape for t in tensors if t.sort == "Tensor")
 
 
 def kernel_structure(call: KernelCall, table: dict, reads: list | None = None) -> tuple:
@@ -359,7 +327,6 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     from emit.pallas.partials import Partials
 
     from emit.library import runs_in_library
-    from emit.mosaic import emit_kernel as emit_mosaic_kernel, runs_on_mosaic
 
     calls = list(calls)
     names = shared_names(calls)
@@ -380,10 +347,10 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
                     # reduced by the driver after their last host (its partials are not written here).
                     own = tuple(r for r in call.hosted if host_count[r] == 1)
                     produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
-                elif ctx.backend == "mosaic" and runs_on_mosaic(call.term):
-                    produced = emit_mosaic_kernel(call, ctx)
                 else:
-                    produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
+                    produced = emit_on_mosaic(call, ctx) if ctx.backend == "mosaic" else None
+                    if produced is None:
+                        produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
                 for term, value in produced.items():
                     if isinstance(value, Partials):
                         ctx.pending[term] = value.buffer

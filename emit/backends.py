@@ -1,0 +1,88 @@
+"""The per-kernel backend choice and what every template backend shares: the emission errors, a
+kernel's operands, and whether a kernel launches anything.
+
+Both template packages sit above this module: `emit.pallas` (its emission loop, `run_kernels`,
+asks `emit_on_mosaic` here for the kernels of `backend="mosaic"`) and `emit.mosaic` (whose
+templates reuse `emit.pallas`'s helpers). Nothing here imports either package at import time; a
+Mosaic template module is loaded by name when a kernel first needs it.
+
+    produced = emit_on_mosaic(call, ctx)     # None: not a Mosaic kernel, or its template declined
+    if produced is None: produced = <its Triton template>
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from eqsat.term import Term
+
+# Kernel op -> its Mosaic GPU template module (`backend="mosaic"`).
+MOSAIC_TEMPLATES: dict[str, str] = {
+    "Matmul": "emit.mosaic.matmul",
+    "Conv": "emit.mosaic.conv",
+    "Attention": "emit.mosaic.attention",
+}
+
+
+class EmitError(RuntimeError):
+    """The plan cannot be emitted as given (a broken contract between extraction and emission: a
+    bug in eqsat, never the user's). The message names the kernel or tensor and the reason."""
+
+
+class TemplateError(EmitError):
+    """A template failed on a kernel the plan gave it. The message names the kernel, its op and the
+    unmet condition."""
+
+
+class TritonFallbackWarning(UserWarning):
+    """A kernel of the `mosaic` backend ran through its Pallas Triton template instead."""
+
+
+def loaded_tensors(*exprs: Term) -> list[Term]:
+    """The distinct tensors `Load`ed by `exprs` (Expr terms), in first-seen order: a kernel's operands."""
+    from emit.expr import expr_nodes
+
+    seen: dict[int, Term] = {}
+    for node in expr_nodes(*exprs):
+        if node.op == "Load" and id(node.args[0]) not in seen:
+            seen[id(node.args[0])] = node.args[0]
+    return list(seen.values())
+
+
+def kernel_exprs(term: Term) -> list[Term]:
+    """The Expr arguments of a kernel term (operands, epilogue, bias ...)."""
+    return [arg for arg in term.args if isinstance(arg, Term) and arg.sort == "Expr"]
+
+
+def is_empty(kernel) -> bool:
+    """Whether the kernel writes no element or reads an operand with none (a zero-size axis)."""
+    from eqsat.types import parse_type
+
+    tensors = [kernel.term, *kernel.hosted, *loaded_tensors(*kernel_exprs(kernel.term))]
+    return any(0 in parse_type(t.ty).shape for t in tensors if t.sort == "Tensor")
+
+
+def runs_on_mosaic(term: Term) -> bool:
+    """Whether the `mosaic` backend tries the kernel `term` with a Mosaic GPU template."""
+    return term.op in MOSAIC_TEMPLATES
+
+
+def emit_on_mosaic(kernel, ctx) -> dict | None:
+    """The values of `kernel.term` from its Mosaic template, or None when the caller should run its
+    Triton template: the kernel has no Mosaic template or launches nothing (silently), or the
+    template does not cover its form (`NotImplementedError`: a `TritonFallbackWarning` names the
+    kernel and the reason). Any other exception is a broken contract: `TemplateError`."""
+    if not runs_on_mosaic(kernel.term) or is_empty(kernel):
+        return None
+    module = importlib.import_module(MOSAIC_TEMPLATES[kernel.term.op])
+    try:
+        return module.emit(kernel, ctx)
+    except NotImplementedError as error:
+        reason = str(error) or f"{module.__name__} does not cover this {kernel.term.op}"
+    except (KeyError, AssertionError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise TemplateError(f"{kernel.name} ({kernel.term.op}): {module.__name__} failed on a kernel the plan "
+                            f"gave it: {type(error).__name__}: {str(error) or type(error).__name__}") from error
+    warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through its Triton template: {reason}",
+                  TritonFallbackWarning, stacklevel=3)
+    return None
