@@ -220,16 +220,14 @@ def test_plan_clip_causal_attention(batch):
     assert_close(mosaic, jit, args[2])
 
 
-def test_plan_cross_attention_block_reads_projections_in_place(monkeypatch):
+def test_plan_cross_attention_block_reads_projections_in_place():
     """sd15's cross-attention block (to_q/to_k/to_v projections, attention, to_out with a bias), fp16,
     77 image tokens over a 10-token context, 2 heads of 40: the Attention kernel reads the
-    projections' [B, S, H·D] outputs per head in place. The matmuls run on their Triton template
-    here (`TEMPLATES` narrowed to Attention): with the Mosaic matmul this plan stalls in GPU
-    interpret mode (0% CPU for minutes; each matmul alone runs)."""
-    import emit.mosaic as mosaic
+    projections' [B, S, H·D] outputs per head in place; the projections run on the Mosaic matmul
+    (this plan stalled in GPU interpret mode until each interpreted Mosaic kernel ran one at a time,
+    `emit.mosaic.matmul.one_at_a_time`)."""
     from sd15.unet import cross_attention
 
-    monkeypatch.setattr(mosaic, "TEMPLATES", {"Attention": mosaic.TEMPLATES["Attention"]})
     width, context_width, heads = 80, 48, 2
     rng = np.random.default_rng(8)
 
