@@ -149,9 +149,16 @@ class PlannedVJP:
         residuals = Residuals()
 
         def forward_with_residuals(*leaves):
-            outputs, pullback = jax.vjp(flat_fn, *leaves)
-            pullback_leaves, residuals.pullback_tree = jax.tree_util.tree_flatten(pullback)
+            # Integer leaves are closed over, not differentiated: no float0 cotangents in the backward.
             residuals.differentiable = [_differentiable(leaf) for leaf in leaves]
+
+            def of_differentiable(*values):
+                values = iter(values)
+                return flat_fn(*(next(values) if d else leaf for leaf, d in zip(leaves, residuals.differentiable)))
+
+            outputs, pullback = jax.vjp(of_differentiable,
+                                        *(leaf for leaf, d in zip(leaves, residuals.differentiable) if d))
+            pullback_leaves, residuals.pullback_tree = jax.tree_util.tree_flatten(pullback)
             positions = {id(leaf): i for i, leaf in enumerate(leaves)}
             kept, residuals.sources = [], []
             for leaf in pullback_leaves:
@@ -163,8 +170,7 @@ class PlannedVJP:
             return outputs, kept
 
         def backward(kept, inputs, cotangents):
-            cotangents_in = residuals.pullback(inputs, kept)(cotangents)
-            return [ct for ct, d in zip(cotangents_in, residuals.differentiable) if d]
+            return list(residuals.pullback(inputs, kept)(cotangents))
 
         return cls(optimize(forward_with_residuals), optimize(backward), residuals)
 
