@@ -216,7 +216,7 @@ class PlannedVJP:
         used = {i for kind, i in self.residuals.sources if kind == "input"}
         return [leaf if i in used else None for i, leaf in enumerate(leaves)]
 
-    def cotangents(self, planned: Sequence, leaves: Sequence) -> tuple:
+    def cotangents(self, planned: Sequence) -> tuple:
         """The backward plan's cotangents of the differentiable leaves, None for the others."""
         planned = iter(planned)
         return tuple(next(planned) if d else None for d in self.residuals.differentiable)
@@ -237,7 +237,7 @@ def with_planned_backward(vjp: PlannedVJP, args: Sequence, kwargs: dict, is_stat
 
     def planned_backward(saved, cotangents):
         kept, inputs = saved
-        return vjp.cotangents(vjp.backward(kept, inputs, cotangents), inputs)
+        return vjp.cotangents(vjp.backward(kept, inputs, cotangents))
 
     planned.defvjp(planned_forward, planned_backward)
     return planned(*arguments.leaves)

@@ -18,6 +18,7 @@ def test_tiny_training_step_report(capsys):
     assert training.main(["--tiny", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["config"], report["batch"], report["latent"], report["dtype"]) == ("tiny", 2, 8, "float16")
+    assert report["ours_error"] is None and report["backend"] == "pallas"
     plans, ours, theirs = report["plans"], report["ours"], report["xla"]
     # The backward is planned from the forward's residuals, and both fuse.
     assert 0 < plans["forward_plan_kernels"] < plans["forward_naive_kernels"]
@@ -27,9 +28,10 @@ def test_tiny_training_step_report(capsys):
     for side in (ours, theirs):
         assert set(side) >= {"kernels", "copies", "memsets", "temp_bytes", "compile_seconds", "kernels_by_category"}
         assert side["kernels"] == sum(side["kernels_by_category"].values()) > 0
-    # Our executable launches at least one kernel per planned kernel that is not a view
-    # (identical kernels share one compiled body but each is launched).
-    assert ours["kernels"] >= plans["backward_plan_kernels"]
+    # Every planned kernel is launched (identical kernels share a compiled body, each launches) and
+    # XLA may fuse only the few that fall back to its emitter with their neighbours.
+    assert ours["kernels_by_category"].get("Pallas (Triton)", 0) >= 0.9 * (
+        plans["forward_plan_kernels"] + plans["backward_plan_kernels"])
     assert report["fewer_kernels"] == (ours["kernels"] < theirs["kernels"])
     assert report["temp_no_larger"] == (ours["temp_bytes"] <= theirs["temp_bytes"])
     table = training.table(report)
