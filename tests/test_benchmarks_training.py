@@ -28,10 +28,13 @@ def test_tiny_training_step_report(capsys):
     for side in (ours, theirs):
         assert set(side) >= {"kernels", "copies", "memsets", "temp_bytes", "compile_seconds", "kernels_by_category"}
         assert side["kernels"] == sum(side["kernels_by_category"].values()) > 0
-    # Every planned kernel is launched (identical kernels share a compiled body, each launches) and
-    # XLA may fuse only the few that fall back to its emitter with their neighbours.
-    assert ours["kernels_by_category"].get("Pallas (Triton)", 0) >= 0.9 * (
-        plans["forward_plan_kernels"] + plans["backward_plan_kernels"])
+    # Each Pallas launch is one planned kernel (identical kernels share a compiled body, each
+    # launches); the planned kernels no template covers (transposed and grouped convs of the
+    # backward, opaque ops) run through XLA and are launched as cuDNN convs, gemms or fusions.
+    pallas = ours["kernels_by_category"].get("Pallas (Triton)", 0)
+    assert 0.5 * (plans["forward_plan_kernels"] + plans["backward_plan_kernels"]) < pallas
+    assert pallas <= plans["forward_plan_kernels"] + plans["backward_plan_kernels"]
+    assert ours["kernels"] > pallas  # the fallbacks
     assert report["fewer_kernels"] == (ours["kernels"] < theirs["kernels"])
     assert report["temp_no_larger"] == (ours["temp_bytes"] <= theirs["temp_bytes"])
     table = training.table(report)
