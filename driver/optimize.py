@@ -64,7 +64,9 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from driver.differentiate import any_tracer, with_original_derivatives
+from driver.differentiate import (
+    PlannedVJP, any_tracer, differentiation_mode, flat_function, with_original_derivatives, with_planned_backward,
+)
 
 STAGES = ("lift", "build", "saturate", "extract")
 PREPARE_STAGE = "prepare"  # after extract, when parameters are marked
@@ -256,12 +258,15 @@ class Optimized:
         self.interpret = interpret
         self.cache = cache
         self._cache: dict = {}
+        self._planned_vjps: dict = {}  # argument signature -> driver.differentiate.PlannedVJP
         self._jitted = None  # the jax.jit every call goes through (see _dispatches_through_jit)
         self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        jitted = self._jitted  # set once the first call chose to dispatch through jit: nothing else per call
+        if differentiation_mode((args, kwargs)) == "reverse":
+            return self._call_with_planned_backward(args, kwargs)
+        jitted = self._jitted  # set once the first call chose to dispatch through jit
         if jitted is not None:
             return jitted(*args, **kwargs)
         if self._dispatches_through_jit():
@@ -301,6 +306,31 @@ class Optimized:
                                              self.static_argnames)
         return run(*args, **kwargs)
 
+    def _call_with_planned_backward(self, args, kwargs):
+        """Under reverse-mode differentiation: a custom_vjp of the planned forward (with residuals) and
+        the planned backward (`driver.differentiate`), one pair per argument signature."""
+        self._check_static_hashable(args, kwargs)
+        is_static = lambda i: self._is_static(i, len(args))
+        key = self._signature(args, kwargs)
+        planned_vjps = self.__dict__.setdefault("_planned_vjps", {})  # unpickled from before it existed
+        if key not in planned_vjps:
+            fn = flat_function(self.fn, args, kwargs, is_static, self.static_argnames)
+            planned_vjps[key] = PlannedVJP.of(fn, lambda f: Optimized(f, **self._planning_options()))
+        return with_planned_backward(planned_vjps[key], args, kwargs, is_static, self.static_argnames)
+
+    def _planning_options(self) -> dict:
+        """The options a derived function (the planned forward and backward) is optimized with."""
+        return dict(device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
+                    iteration_limit=self.iteration_limit, time_limit=self.time_limit, extractor=self.extractor,
+                    extract_time_limit=self.extract_time_limit, progress=self.progress, backend=self.backend,
+                    interpret=self.interpret, cache=getattr(self, "cache", True))
+
+    @property
+    def planned_vjps(self) -> list:
+        """The planned forward and backward pairs made so far (`driver.differentiate.PlannedVJP`), one
+        per argument signature differentiated in reverse mode."""
+        return list(self.__dict__.get("_planned_vjps", {}).values())
+
     @property
     def lowerings(self) -> list[Lowered]:
         """The lowerings made so far, one per argument signature (calls with a known signature reuse them)."""
@@ -310,6 +340,7 @@ class Optimized:
         """Pickled without its lowerings (e-graphs and opaque primitives do not pickle): it re-plans."""
         state = dict(self.__dict__)
         state["_cache"] = {}
+        state["_planned_vjps"] = {}
         state["_jitted"] = None
         return state
 

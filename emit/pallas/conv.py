@@ -85,7 +85,7 @@ from eqsat.conv_params import ConvParams
 from eqsat.term import Term
 from eqsat.tiling.conv import (  # the tiling, shared with the cost model; importable from here too
     DEFAULT_BLOCK_K, DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, MAX_TILE_ROWS, MIN_BLOCK, ConvConfig,
-    ConvGeometry, KRange, grid, output_channel_tiles, output_tile)
+    ConvGeometry, KRange, UncoveredConv, grid, output_channel_tiles, output_tile)
 from eqsat.types import format_type, ints, parse_type
 
 # (refs, index, mask) -> tile: an operand expression evaluated at an index tile. `refs` are the

@@ -23,6 +23,11 @@ MAX_TILE_ROWS = 4  # each row of a tile is unrolled: more rows, fewer recomputes
 MIN_BLOCK = MIN_DOT_BLOCK  # Triton's dot needs every dimension >= 16
 
 
+class UncoveredConv(NotImplementedError, ValueError):
+    """A conv form the template does not cover (a transposed or grouped conv: the input and weight
+    gradients of a strided conv): the dispatcher runs it with the XLA emitter and warns."""
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """The static shape of one 2-D convolution, read through its dimension numbers."""
@@ -37,9 +42,9 @@ class ConvGeometry:
         if len(p.strides) != 2 or len(self.lhs_shape) != 4:
             raise ValueError(f"the conv template handles 2-D convolutions; got {len(p.strides)} spatial dims")
         if any(d != 1 for d in p.lhs_dilation):
-            raise ValueError(f"lhs_dilation={p.lhs_dilation} (a transposed conv) is not supported")
+            raise UncoveredConv(f"lhs_dilation={p.lhs_dilation} (a transposed conv) is not supported")
         if p.feature_groups != 1 or p.batch_groups != 1:
-            raise ValueError(f"grouped convs are not supported ({p.feature_groups=}, {p.batch_groups=})")
+            raise UncoveredConv(f"grouped convs are not supported ({p.feature_groups=}, {p.batch_groups=})")
         if self.rhs_shape[p.rhs_spec[1]] != self.in_features:
             raise ValueError(f"weight in-features {self.rhs_shape[p.rhs_spec[1]]} != input features {self.in_features}")
         expected = [0] * 4
