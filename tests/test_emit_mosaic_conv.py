@@ -273,7 +273,7 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     """A 3x3 conv + bias at a 16x16x128 -> 128 shape, fp16, `backend="mosaic"`: one Mosaic GPU
     kernel whose PTX issues wgmma with a wait depth of 1, TMA copies in and out, no spills."""
     from benchmarks import ptx
-    from eqsat.xla_target import compile_for_h100, unavailable_reason
+    from measure.xla_target import compile_for_h100, unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
