@@ -5,6 +5,7 @@ benchmark's default)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -12,7 +13,22 @@ from benchmarks import training
 from measure import xla_target
 
 
+def test_tiny_training_step_plans_a_fused_forward_and_backward(capsys):
+    """`--no-compile`: the two plans only (the compiled comparison below takes ~10 minutes on 2 cores)."""
+    assert training.main(["--tiny", "--json", "--no-compile"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plans = report["plans"]
+    assert 0 < plans["forward_plan_kernels"] < plans["forward_naive_kernels"]
+    assert 0 < plans["backward_plan_kernels"] < plans["backward_naive_kernels"]
+    assert plans["residual_outputs"] > 0 and plans["residual_bytes"] > 0
+    assert "conv" in plans["backward_kinds"] and "conv" in plans["forward_kinds"]
+    assert report["ours"] is None and report["xla"] is None and "--no-compile" in report["unavailable"]
+    assert "compiled columns empty: compiles skipped (--no-compile)" in training.table(report)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EQSAT_LONG_TESTS"),
+                    reason="~10 min on 2 cores (a deviceless compile of ~800 Triton kernels): EQSAT_LONG_TESTS=1 runs it")
 @pytest.mark.skipif(xla_target.unavailable_reason() is not None, reason=str(xla_target.unavailable_reason()))
 def test_tiny_training_step_report(capsys):
     assert training.main(["--tiny", "--json"]) == 0
