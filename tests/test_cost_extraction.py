@@ -11,29 +11,17 @@ e-graphs are built by hand: `matmul(gelu(x), w)` with the GELU one kernel per op
 from __future__ import annotations
 
 import pytest
-from egglog import StringLike, rewrite, ruleset
 
 import eqsat
-from eqsat import lang as L
 from eqsat.cost import count_kernels, dag_cost, get_device
-from eqsat.egraph import Builder
 from eqsat.term import Term
 from eqsat.types import format_type
-from extract import extract, load, score_selection
+from extract import extract, score_selection
 from extract.greedy import extract_greedy
 from extract.plan import Plan
-from extract.serialized import GLOBAL, Selection
-
-inline = ruleset(name="test_cost_extraction_inline")
-
-
-@inline.register
-def _inline(e: L.Expr, ty: StringLike):
-    yield rewrite(L.Load(L.Pointwise(e, ty), ty)).to(e)  # inline an elementwise producer
-
-
-def ld(t: Term) -> Term:
-    return Term("Load", t, t.ty)
+# The prologue-cost tests' inline-only rule set, its saturation and their exhaustive enumeration of
+# selections.
+from tests.test_extract_prologue_cost import every_selection, ld, saturated
 
 
 def gelu_matmul(m: int, k: int, n: int):
@@ -45,36 +33,6 @@ def gelu_matmul(m: int, k: int, n: int):
     gated = Term("Pointwise", Term("Binary", "mul", ld(x), ld(erf), ty), ty)
     out = format_type("float16", (m, n))
     return Term("Matmul", ld(gated), ld(w), "1;0;;", Term("Acc", out), out)
-
-
-def saturated(outputs):
-    builder = Builder()
-    handles = builder.add(outputs)
-    builder.egraph.run(inline.saturate())
-    graph = load(builder.egraph._serialize())
-    return graph, graph.roots_of_handles(handles), handles
-
-
-def every_selection(graph, roots):
-    """Every complete, acyclic selection of the slots reached from `roots`."""
-    stack = [({}, [(r, GLOBAL) for r in roots])]
-    while stack:
-        assigned, pending = stack.pop()
-        pending = [slot for slot in pending if slot not in assigned]
-        if not pending:
-            selection = Selection(graph, dict(assigned), list(roots))
-            try:
-                selection.postorder()
-            except ValueError:
-                continue
-            yield selection
-            continue
-        slot, rest = pending[-1], pending[:-1]
-        for node in graph.class_nodes[slot[0]]:
-            trial = dict(assigned)
-            trial[slot] = node
-            children = Selection(graph, trial, list(roots)).child_slots(slot)
-            stack.append((trial, rest + [c for c in children if c not in trial]))
 
 
 # M = 2048 rows, K = 320; N = 4096 is 32 N tiles of 128: the A expression runs 32 times per element
