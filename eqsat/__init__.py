@@ -5,8 +5,11 @@
     lowered = fast.lower(*example_args)       # ShapeDtypeStructs are fine
     lowered.plan.summary(); lowered.stats; lowered.egraph
 
-Attributes are imported on first use, so `import eqsat.cost` (or `eqsat.types`) stays free of
-egglog and jax tracing machinery. On a machine without a GPU, an installed CUDA plugin is kept
+This module is the public face: it hands on names from every floor of the house (`optimize` and
+`Lowered` from `driver`, `Plan` from `extract`, the stages from `eqsat`), imported on first use, so
+`import eqsat.cost` (or `eqsat.types`) stays free of egglog and jax tracing machinery and nothing
+on the ground floor imports the driver. Modules that moved in 0.2 keep their old paths for a
+release (`eqsat.moved`). On a machine without a GPU, an installed CUDA plugin is kept
 from loading, so JAX prints no CUDA errors (`eqsat.quiet_cuda`; a GPU machine is untouched).
 """
 
