@@ -223,12 +223,28 @@ def _dense_bias(x, w, b):
 
 
 @pytest.mark.slow
+def compile_mosaic(plan, args, tmp_path, monkeypatch):
+    """`plan` emitted with `backend="mosaic"` and compiled for an H100, its one Mosaic kernel's PTX
+    dumped into `tmp_path`: (the thunk report, the PTX path, its counts, ptxas's resources)."""
+    from benchmarks import ptx
+    from measure.xla_target import compile_for_h100
+
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    (ptx_path,) = tmp_path.glob("*.ptx")
+    (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()
+    return report, ptx_path, counts, ptx.parse_ptxas_verbose(ptx_path.with_suffix(".ptxas").read_text())[name]
+
+
 def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     """The plan of `x @ w + b` at SD 1.5's cross-attention K/V shape (154 x 768 -> 320, fp16) with
     `backend="mosaic"` compiles for an H100: one Mosaic GPU kernel whose PTX issues wgmma with a
     wait depth of 1, TMA copies in and out, and ptxas reports no spills."""
-    from benchmarks import ptx
-    from measure.xla_target import compile_for_h100, unavailable_reason
+    from measure.xla_target import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -236,17 +252,9 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     args = (jax.ShapeDtypeStruct((154, 768), jnp.float16), jax.ShapeDtypeStruct((768, 320), jnp.float16),
             jax.ShapeDtypeStruct((320,), jnp.float16))
     plan = eqsat.optimize(_dense_bias, progress=False).lower(*args).plan
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
-    report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
-    if report is None:
-        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    report, ptx_path, counts, resources = compile_mosaic(plan, args, tmp_path, monkeypatch)
     assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-    (ptx_path,) = tmp_path.glob("*.ptx")
-    (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()
     assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
     assert counts.tma_loads >= 2, counts
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx_path.read_text()), "no TMA store"
-    resources = ptx.parse_ptxas_verbose(ptx_path.with_suffix(".ptxas").read_text())[name]
     assert resources.spill_bytes == 0, resources

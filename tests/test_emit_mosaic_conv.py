@@ -29,6 +29,7 @@ from emit.pallas import XlaFallbackWarning
 from emit.pallas.conv import ConvGeometry
 from eqsat.conv_params import ConvParams
 from sd15 import layers
+from tests.test_emit_mosaic import compile_mosaic
 
 NHWC_HWIO = ("NHWC", "HWIO", "NHWC")
 
@@ -272,8 +273,7 @@ def _conv_bias(x, w, b):
 def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
     """A 3x3 conv + bias at a 16x16x128 -> 128 shape, fp16, `backend="mosaic"`: one Mosaic GPU
     kernel whose PTX issues wgmma with a wait depth of 1, TMA copies in and out, no spills."""
-    from benchmarks import ptx
-    from measure.xla_target import compile_for_h100, unavailable_reason
+    from measure.xla_target import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -282,17 +282,9 @@ def test_compiles_for_sm90a_with_pipelined_wgmma_and_tma(tmp_path, monkeypatch):
             jax.ShapeDtypeStruct((128,), jnp.float16))
     plan = eqsat.optimize(_conv_bias, progress=False).lower(*args).plan
     assert [k.kind for k in plan.kernels] == ["conv"]
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
-    report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
-    if report is None:
-        pytest.skip("the H100 compile target is not installed: python -m eqsat.cuda_target install")
+    report, ptx_path, counts, resources = compile_mosaic(plan, args, tmp_path, monkeypatch)
     assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-    (ptx_path,) = tmp_path.glob("*.ptx")
-    (name, counts), = ptx.read_ptx(ptx_path.read_text()).items()
     assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
     assert counts.tma_loads >= 2, counts
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx_path.read_text()), "no TMA store"
-    resources = ptx.parse_ptxas_verbose(ptx_path.with_suffix(".ptxas").read_text())[name]
     assert resources.spill_bytes == 0, resources

@@ -3,7 +3,7 @@ Hopper tensor cores, K/V fed by TMA into an SMEM ring, warp-specialized, the onl
 registers; the scores never reach memory.
 
     build      the kernel: grid, SMEM, the memory warpgroup's TMA ring, the compute warpgroups' loop
-    reference  the same problem in plain `jax.numpy`
+    reference  the same problem in plain `jax.numpy` (the Triton template's, `emit.pallas.attention.reference`)
     emit       a plan's `Attention(q, k, v, bias, scale, epilogue, ty)` kernel as this template
 
 One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
@@ -66,6 +66,7 @@ from jax import lax
 
 from emit import expr as ex
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
+from emit.pallas.attention import reference  # noqa: F401  one reference for both templates
 from eqsat.term import Term
 from eqsat.types import parse_type
 
@@ -443,17 +444,6 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     else:
         out = call(bool(interpret))(*inputs)
     return _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
-
-
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None,
-              epilogue: EpilogueFn = lambda o: o, out_dtype=None) -> jax.Array:
-    """`epilogue(softmax(q kᵀ scale + bias) v)` over `[batch, heads, seq, head_dim]`, in float32."""
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        scores = scores + jnp.asarray(bias, jnp.float32)
-    weights = jax.nn.softmax(scores, axis=-1)
-    out = epilogue(jnp.einsum("bhqk,bhkd->bhqd", weights, v.astype(jnp.float32)))
-    return out.astype(out_dtype or q.dtype)
 
 
 # --- emit: a plan's Attention term --------------------------------------------------------------
