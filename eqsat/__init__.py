@@ -10,7 +10,8 @@ This module is the public face: it hands on names from every floor of the house 
 `import eqsat.cost` (or `eqsat.types`) stays free of egglog and jax tracing machinery and nothing
 on the ground floor imports the driver. Modules that moved in 0.2 keep their old paths for a
 release (`eqsat.moved`). On a machine without a GPU, an installed CUDA plugin is kept
-from loading, so JAX prints no CUDA errors (`eqsat.quiet_cuda`; a GPU machine is untouched).
+from loading, so JAX prints no CUDA errors (`eqsat.quiet_cuda`; a GPU machine is untouched), and
+JAX's CPU client is asked for enough worker threads to interpret GPU kernels (`eqsat.host_threads`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import importlib
 
 from eqsat import moved
+from eqsat import host_threads
 from eqsat.quiet_cuda import hide_plugin_without_gpu
 
 hide_plugin_without_gpu()
+host_threads.reserve()
 moved.install()
 
 _EXPORTS = {

@@ -58,6 +58,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.types import parse_type
 
@@ -71,6 +72,7 @@ def interpret_params():
     """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
+    host_threads.check()
     return InterpretGPUParams()
 
 
