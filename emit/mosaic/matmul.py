@@ -34,11 +34,10 @@ the host) with a memory that answers each `Load`, in the order the host met them
 tile of its operand. Epilogue nodes whose value depends on the index itself (`Iota`) or that select
 by index (`Concat`, `Pad`, `DynamicSlice`) are left to the Triton template.
 
-In GPU interpret mode a CTA tile of two compute warpgroups is interpreted as one warpgroup when the
-epilogue reads operands: that combination stalled now and then in the operands' barrier waits in
-jax 0.10.2's interpreter (not diagnosed: an interpreter limit or a missing synchronization in this
-kernel; the compiled kernel keeps two warpgroups; two warpgroups without operands are tested in
-interpret mode).
+In GPU interpret mode every warpgroup is a thread of the interpreter, blocked in barrier waits on
+XLA's CPU worker pool; `import eqsat` sizes that pool (`eqsat.host_threads`; too small a pool
+deadlocked one run in two on 2 cores), so the interpreted kernel is the compiled one, two compute
+warpgroups and all.
 
 Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
 writes the normalized A once (`emit` materializes every operand expression that is more than a
@@ -324,11 +323,6 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
 
     def call(interpret_here):
         run_blocks = blocks
-        if interpret_here and blocks.compute_wgs > 1 and operands:
-            # GPU interpret mode (jax 0.10.2) stalls now and then in the epilogue operands' barrier
-            # waits with two compute warpgroups (never seen with one): interpret the same CTA tile
-            # with one warpgroup.
-            run_blocks = dataclasses.replace(blocks, tile_n=blocks.cta_tile_n, compute_wgs=1)
         return plgpu.kernel(
             functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
                               k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
