@@ -2,12 +2,17 @@
 
 `moments(x, axes)` is float32 `[2, *kept_shape]`:
 
-    [0] = sum(x)                      over `axes`
-    [1] = M2 = sum((x - mean)^2)      mean = sum(x) / n, n the number of elements reduced
+    [0] = mean = sum(x) / n           over `axes`, n the number of elements reduced
+    [1] = M2 = sum((x - mean)^2)
 
-so a variance is `[1] / n` and a mean `[0] / n`. `two_pass` is the reference value (what the
-interpreter computes): the mean first, then the centred squares, like `jnp.var`. Nothing cancels:
-its error is relative to the spread of x, not to its offset, unlike E[x^2] - E[x]^2.
+so a variance is `[1] / n`, and the mean is `[0]` itself (a sum is `[0] * n`). Row 0 is the mean,
+not the sum, so a kernel hands its readers the mean it holds: a constant row's mean is exactly
+that constant (kernels compute it in a frame shifted by an element of the row), and x - mean is
+exactly 0, where a sum rebuilt as mean * n and divided by n again is off by an ulp of x (an ulp
+that `(x - mean) * rsqrt(var + eps)` magnifies a thousandfold). `two_pass` is the reference value
+(what the interpreter computes): the mean first (sum / n, as `jnp.mean`), then the centred squares,
+like `jnp.var`. Nothing cancels: its error is relative to the spread of x, not to its offset,
+unlike E[x^2] - E[x]^2.
 
 Kernels compute it in pieces (a matmul's K strips for row statistics, a producer's output tiles
 for statistics computed in an epilogue). Each piece keeps its partial moments (count, mean, M2),
@@ -37,7 +42,8 @@ PARTIAL_FIELDS = 3
 
 
 def two_pass(x, axes: tuple[int, ...]):
-    """`[sum(x), sum((x - sum(x)/n)^2)]` over `axes` in float32, stacked on a new leading axis."""
+    """`[mean(x), sum((x - mean(x))^2)]` over `axes` in float32 (mean = sum(x) / n), stacked on a new
+    leading axis."""
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         x = lax.convert_element_type(x, jnp.float32)
@@ -48,7 +54,7 @@ def two_pass(x, axes: tuple[int, ...]):
     mean = total / jnp.float32(n) if n else total
     centered = x - lax.broadcast_in_dim(mean, x.shape, [a for a in range(x.ndim) if a not in axes])
     m2 = lax.reduce_sum(centered * centered, axes)
-    return jnp.stack([total, m2]).reshape((2, *kept))
+    return jnp.stack([mean, m2]).reshape((2, *kept))
 
 
 def _rows(x, axes: tuple[int, ...]):
@@ -79,7 +85,7 @@ def partial_moments(x, axes: tuple[int, ...], piece: int):
 
 
 def merge_partials(partials):
-    """Chan's merge of `partial_moments` pieces in piece order -> `[sum, M2]` (float32 `[2, *kept]`)."""
+    """Chan's merge of `partial_moments` pieces in piece order -> `[mean, M2]` (float32 `[2, *kept]`)."""
     partials = jnp.asarray(partials, jnp.float32)
     count, mean, m2 = partials[0, 0], partials[0, 1], partials[0, 2]
     for part in partials[1:]:
@@ -90,4 +96,4 @@ def merge_partials(partials):
         mean = mean + delta * (n_b / safe)
         m2 = m2 + m2_b + delta * delta * (count * n_b / safe)
         count = n
-    return jnp.stack([mean * count, m2])
+    return jnp.stack([mean, m2])

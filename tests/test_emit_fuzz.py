@@ -33,10 +33,6 @@ def test_random_programs_run_the_same_on_every_backend(case):
             assert problem is None or problem[0] == "arbitrated", f"backend={backend} steps={steps}: {problem}"
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (found by the random programs above): the interpreted Pallas plan "
-                   "normalizes a constant row to +-0.004..0.009 instead of 0 when the program has a second "
-                   "output (alone it gives 0, as jax.jit, backend='xla' and jax.disable_jit() do): the moments "
-                   "kernel rebuilds its sum as mean * count and the reader divides it again, 1 ulp off x")
 def test_constant_rows_normalize_to_zero_beside_another_output():
     x = np.array([[141.8948] * 3, [-288.94873] * 3], np.float32)
 

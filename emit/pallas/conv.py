@@ -502,7 +502,7 @@ def _write_row_partials(layout: _Layout, partial_ref, body, valid, rows_ok, slot
 def merge_partials(partials: jax.Array, op: str) -> jax.Array:
     """A statistic from its tiles' partials (`[tiles, fields, slots]`, see `TileStatistic`): merged
     pairwise in a fixed order, Chan et al.'s formula for moments. Returns `[slots]` (sum) or
-    `[2, slots]` (moments: sum, M2)."""
+    `[2, slots]` (moments: mean, M2)."""
     parts = jnp.asarray(partials, jnp.float32)
     while parts.shape[0] > 1:
         if parts.shape[0] % 2:
@@ -521,7 +521,7 @@ def merge_partials(partials: jax.Array, op: str) -> jax.Array:
         parts = jnp.stack([n, mean_a + delta * weight, m2_a + m2_b + spread], axis=1)
     if op == "sum":
         return parts[0, 0]
-    return jnp.stack([parts[0, 1] * parts[0, 0], parts[0, 2]])
+    return jnp.stack([parts[0, 1], parts[0, 2]])
 
 
 # --- reference --------------------------------------------------------------------------------

@@ -594,7 +594,7 @@ def emit(kernel, ctx) -> dict:
         def value_at(placeholder, index):
             key = (placeholder, tuple(("i", int(e)) if ex.is_static(e) else ("a", id(e)) for e in index))
             if key not in computed:
-                kept = index[1:] if placeholders[placeholder].args[0] == "moments" else index  # [sum, M2] rows
+                kept = index[1:] if placeholders[placeholder].args[0] == "moments" else index  # [mean, M2] rows
                 bound = {q: value_at(q, kept) for q in inners[placeholder]}
                 source = _BoundMemory(memory(refs), bound) if bound else memory(refs)
                 computed[key] = prepass_fns[placeholder](source, index, statistic_mask(index))
