@@ -44,7 +44,7 @@ from egglog import String, f64, ne, relation, rule, ruleset, union
 
 from eqsat.lang import Acc, Binary, Concat, Expr, Lit, Load, Pointwise, Reduce, Reshape, Slice, Tensor, Transpose, Unary
 from eqsat.lang import Broadcast
-from eqsat.rules.functionalize import py_float
+from eqsat.rules.dsl import py_int
 from eqsat.rules.horizontal import py_string
 from eqsat.types import format_type, ints, ints_key, parse_type
 
@@ -257,7 +257,7 @@ def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, 
     tm, t1 = py_string(_part, layout, String("0")), py_string(_part, layout, String("1"))
     both = Load(Reduce("moments", x, axes, Acc(tm), tm), tm)
     mean = Reshape(Slice(both, 0, 0, 1, 1, t1), ts)
-    n = py_float(_count, tx, axes)
+    n = f64.from_i64(py_int(_count, tx, axes))
     yield rule(
         v == Reduce("sum", body, axes, Acc(ts), ts),
         SquareOf(body, d, tx),
