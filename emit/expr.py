@@ -548,6 +548,23 @@ def chan_merge(a, b):
     return merged, mean + delta * weight, m2 + jnp.where(has, m2_b, 0.0) + spread
 
 
+def piece_moments(values, valid, axis: int):
+    """(count, mean, M2) of `values` where `valid`, over `axis` (kept, size 1): what a host's tile
+    writes as its partial. Two-pass about a rough mean (sum / count), corrected once by the mean of
+    the deviations (Chan, Golub and LeVeque's corrected two-pass): the deviations from the rough
+    mean are exact, so a piece of one value has exactly that value as its mean (where sum / count
+    may be an ulp off) and M2 exactly 0."""
+    live = lambda v: jnp.where(valid, v, 0.0)  # noqa: E731
+    count = jnp.sum(live(1.0), axis=axis, keepdims=True)
+    safe = jnp.maximum(count, 1.0)
+    rough = jnp.sum(live(values), axis=axis, keepdims=True) / safe
+    deviation = live(values - rough)
+    drift = jnp.sum(deviation, axis=axis, keepdims=True)
+    correction = drift / safe
+    m2 = jnp.sum(deviation * deviation, axis=axis, keepdims=True) - drift * correction
+    return count, rough + correction, jnp.maximum(m2, 0.0)
+
+
 def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: int, slots: int,
                       slot: IndexEntry, *, budget: int = MERGE_BLOCK_ELEMENTS):
     """A statistic at flat output `slot` (an int or int32 array) from `tiles` per-tile partials:

@@ -16,9 +16,10 @@ unlike E[x^2] - E[x]^2.
 
 Kernels compute it in pieces (a matmul's K strips for row statistics, a producer's output tiles
 for statistics computed in an epilogue). Each piece keeps its partial moments (count, mean, M2),
-computed two-pass over the piece, and the reader merges the pieces in a fixed order with Chan,
-Golub and LeVeque's parallel formula ("Updating formulae and a pairwise algorithm for computing
-sample variances", 1979):
+computed two-pass over the piece about its rough mean sum / count, then corrected by the mean of
+the deviations (they are exact, so a piece of one value has exactly that value as its mean and M2
+0), and the reader merges the pieces in a fixed order with Chan, Golub and LeVeque's parallel
+formula ("Updating formulae and a pairwise algorithm for computing sample variances", 1979):
 
     n = n_a + n_b,   delta = mean_b - mean_a
     mean = mean_a + delta * n_b / n
@@ -77,10 +78,13 @@ def partial_moments(x, axes: tuple[int, ...], piece: int):
     out = []
     for start in range(0, max(n, 1), piece):
         chunk = rows[..., start:start + piece]
-        count = chunk.shape[-1]
-        mean = jnp.sum(chunk, axis=-1) / jnp.float32(max(count, 1))
-        m2 = jnp.sum(jnp.square(chunk - mean[..., None]), axis=-1)
-        out.append(jnp.stack([jnp.full_like(mean, count), mean, m2]))
+        count = jnp.float32(max(chunk.shape[-1], 1))
+        rough = jnp.sum(chunk, axis=-1) / count
+        deviation = chunk - rough[..., None]
+        drift = jnp.sum(deviation, axis=-1)
+        m2 = jnp.maximum(jnp.sum(jnp.square(deviation), axis=-1) - drift * (drift / count), 0.0)
+        mean = rough + drift / count
+        out.append(jnp.stack([jnp.full_like(mean, chunk.shape[-1]), mean, m2]))
     return jnp.stack(out)
 
 
