@@ -439,6 +439,29 @@ def test_a_statistic_read_by_a_pointwise_kernel_and_returned():
     assert len(_hosting_convs(plan)) == 1, [(k.kind, len(k.outputs)) for k in plan.kernels]
 
 
+def test_constant_groups_hosted_by_their_conv_normalize_to_exactly_the_bias():
+    """GroupNorm (3 channels per group, 8 x 8 pixels: 2 x 4 pixel tiles straddle groups) of a conv
+    whose output is its bias, one value per group far from zero (141.8948, -288.94873, 1e6 + 0.5,
+    -3.3: their float32 sum / n rounds): the conv hosts the moments, each tile's mean is exactly the
+    group's value (`emit.expr.piece_moments`), the merge keeps it, and the normalized output is
+    exactly the GroupNorm's bias through backend="pallas"."""
+    values = np.array([141.8948, -288.94873, 1e6 + 0.5, -3.3], np.float32)
+    args = (_normal(np.random.default_rng(9), 1, 8, 8, 3), jnp.zeros((1, 1, 3, 12), jnp.float32),
+            jnp.asarray(np.repeat(values, 3)))
+    gn_bias = np.float32(0.1) * np.arange(12, dtype=np.float32) - np.float32(0.5)
+
+    def fn(x, w, bias):
+        h = _conv(x, w) + bias
+        return _group_norm(h, 4) * 1.5 + gn_bias
+
+    plan = eqsat.optimize(fn, **PLANNING).lower(*args).plan
+    assert len(_hosting_convs(plan)) == 1, [(k.kind, len(k.outputs)) for k in plan.kernels]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XlaFallbackWarning)
+        got = emit.emit(plan, "pallas", interpret=True)(*args)
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(got)[0]), np.broadcast_to(gn_bias, (1, 8, 8, 12)))
+
+
 def test_a_host_that_cannot_compute_its_statistic_leaves_it_to_the_driver(monkeypatch):
     """GroupNorm over concat(h, skip) (4 + 5 channels in groups of 3: one group straddles the
     boundary) where the first conv cannot compute its part: the second host's partials alone are
