@@ -16,7 +16,8 @@ moves `(x - mean) * rsqrt(var + eps) * w + b` into the next conv/matmul prologue
   Only on float32 statistics (the moments are float32; SD's norms upcast to fp32 before reducing).
   The program's mean (a view of sum(x), divided by n: `MeanTimes`) becomes that view of `M[0]`
   itself, so a kernel's mean reaches the apply unchanged (a constant row's mean is its value, and
-  x - mean is 0); a bare sum(x) is `M[0] * n`.
+  x - mean is 0). A sum read as such keeps its own reduction: `M[0] * n` divided by n again (which
+  an extraction could pick) is an ulp of the mean off, and x - mean magnifies that ulp by 1/std.
 - stacking: sum(x) and sum(x*x) over the same axes are the two rows of one reduction of
   stack(x, x*x) along a new leading axis: `Reduce(Concat(Reshape(x), Reshape(x*x)), axes + 1)`;
   each statistic is a Slice of it. It only stacks two sums the program itself computes (a
@@ -251,8 +252,8 @@ def _reciprocal(c: str, k: str) -> str:
 
 @norm_split.register
 def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, tx: String, ts: String):
-    """sum(x) = M[0] * n and sum((x - sum(x)/n)^2) = M[1] for M = moments(x, axes): one stable
-    statistics kernel, whose mean row M[0] is the program's sum(x)/n (`_means`)."""
+    """sum(x)/n = M[0] (`_means`, where the program divides its sum) and sum((x - sum(x)/n)^2) = M[1]
+    for M = moments(x, axes): one stable statistics kernel."""
     layout = py_string(_moments_layout, ts)
     tm, t1 = py_string(_part, layout, String("0")), py_string(_part, layout, String("1"))
     both = Load(Reduce("moments", x, axes, Acc(tm), tm), tm)
@@ -265,7 +266,6 @@ def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, 
         s == Reduce("sum", x, axes, Acc(ts), ts),
         ne(py_string(_float32, ts)).to(String("")),
     ).then(
-        union(Load(s, ts)).with_(Binary("mul", mean, Lit(n, ts), ts)),
         MeanTimes(Load(s, ts), mean, n),
         union(Load(v, ts)).with_(Reshape(Slice(both, 0, 1, 2, 1, t1), ts)),
     )
@@ -355,6 +355,17 @@ def _sum_of_centered_squares(x):
     return jnp.sum(centered * centered, axis=-1)
 
 
+def _normalized_by_reciprocals(x):
+    """Mean and variance written as sums times 1/n (no division): the mean is still the moments' row 0."""
+    from jax import lax
+
+    import jax.numpy as jnp
+
+    inverse = 1.0 / x.shape[-1]
+    centered = x - jnp.sum(x, axis=-1, keepdims=True) * inverse
+    return centered * lax.rsqrt(jnp.sum(centered * centered, axis=-1, keepdims=True) * inverse + 1e-5)
+
+
 def _variance16_args(draw):
     from eqsat.rules import dim, tensor
 
@@ -386,8 +397,9 @@ def _examples():
     from eqsat.rules import Example
 
     return [
-        Example(_group_norm, _group_norm_args, ("variance",)),
-        Example(_layer_norm, _layer_norm_args, ("variance",)),
+        Example(_group_norm, _group_norm_args, ("variance", "means")),
+        Example(_layer_norm, _layer_norm_args, ("variance", "means")),
+        Example(_normalized_by_reciprocals, _rank3_args, ("variance", "means")),
         Example(_mean_and_mean_of_squares, _rank3_args, ("stack_statistics",)),
         Example(_layer_norm, _layer_norm_args, ("stack_statistics",), fires=False,
                 name="layer norm (no sum of squares is introduced)"),
