@@ -89,7 +89,8 @@ def _lowered_norm(norm, width, beside):
             return (out, jnp.exp(-jnp.abs(x))) if beside else (out,)
 
         rng = np.random.default_rng(width)
-        params = ((1 + 0.1 * rng.normal(size=width)).astype(np.float32), (0.1 * rng.normal(size=width)).astype(np.float32))
+        weight, bias = 1 + 0.1 * rng.normal(size=width), 0.1 * rng.normal(size=width)
+        params = (weight.astype(np.float32), bias.astype(np.float32))
         x = _constant_input(norm, width, [141.8948] * 8)
         _lowered_norms[key] = fn, params, eqsat.optimize(fn, progress=False, cache=False).lower(x, *params)
     return _lowered_norms[key]

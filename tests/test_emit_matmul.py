@@ -255,8 +255,9 @@ def test_torch_layout_weight_and_batched_product():
 # --- statistics of the output, computed in the epilogue (EpilogueReduce) ------------------------------
 
 
-@pytest.mark.parametrize("op,offset,spread", [("moments", 1e4, 1e-2), ("moments", -300.0, 1.0), ("moments", 5.0, 0.0), ("moments", 141.8948, 0.0),
-                                               ("moments", 0.0, 1e-20), ("moments", 0.0, 1e18), ("sum", 1e4, 1e-2)])
+@pytest.mark.parametrize("op,offset,spread", [("moments", 1e4, 1e-2), ("moments", -300.0, 1.0), ("moments", 5.0, 0.0),
+                                               ("moments", 141.8948, 0.0), ("moments", 0.0, 1e-20), ("moments", 0.0, 1e18),
+                                               ("sum", 1e4, 1e-2)])
 def test_row_statistics_of_the_output_are_stable(op, offset, spread):
     """`out = x @ I + offset` (exact in fp32), moments of each output row from three N tiles'
     partials merged with Chan's formula, against the two-pass reference: offsets large against the
