@@ -31,7 +31,7 @@ compiler cannot emit, so a dispatcher can fall back before tracing.
 `RowReduce(op, body, axis, epilogue, ty)` is a reduction inside the kernel: for each point it
 walks `body`'s `axis` in power-of-two chunks (`lax.fori_loop`), in a fixed order: `sum`, `max`,
 `min`, `prod`, `and`/`or`/`xor`, `argmax`/`argmin` (first index wins, NaN counts as largest) and
-`moments` (`f32[2, ...]`: `[0]` the sum, `[1]` M2 = sum((x - mean)^2), from per-chunk count/mean/M2
+`moments` (`f32[2, ...]`: `[0]` the mean, `[1]` M2 = sum((x - mean)^2), from per-chunk count/mean/M2
 merged with Chan's parallel formula). `reduce_at` is the same machinery for templates whose
 accumulator is a reduction (the `Reduce` template's `Acc`).
 
@@ -39,10 +39,10 @@ Evaluation memoizes per point: a subterm read twice at the same index arrays (`x
 both rows of one `moments`) is computed once.
 
 A statistic computed in its producers' epilogues (`Load(EpilogueReduce)`, a GroupNorm's or
-LayerNorm's sum and M2) usually reaches a kernel as its hosts' per-tile partials
+LayerNorm's mean and M2) usually reaches a kernel as its hosts' per-tile partials
 (`[tiles, fields, slots]`: each tile's sum, or count, mean and M2), not as finished values: the
 memory reads it with `read_partials`, which merges the tiles of the slot the index names and
-memoizes the merge by the kept index, so a reader's sum and M2 at one point merge once.
+memoizes the merge by the kept index, so a reader's mean and M2 at one point merge once.
 `merge_partials_at` loads TB tiles per step (a power of two, TB x the point's lanes <= 4096
 elements) and reduces them with vector reductions (sums added; moments two-pass over the block's
 tiles in a frame shifted by a tile's mean), then merges the ceil(tiles / TB) blocks in order
@@ -374,9 +374,10 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
     offsets, unravelled). Chunks are powers of two walked in order by `lax.fori_loop`; a lane
     holds at most `budget` // lanes elements at once. Sums and products accumulate in `out_dtype`
     (the `Acc` dtype); `value_dtype` is the dtype `body` returns. Returns an array of `kept`'s
-    point shape, or for `moments` the pair `(sum, m2)` in float32 (Chan's merge of per-chunk
+    point shape, or for `moments` the pair `(mean, m2)` in float32 (Chan's merge of per-chunk
     count/mean/M2, in a frame shifted by each lane's first element, so data at an offset large
-    against its spread loses nothing to cancellation). Float sums add their chunks with Neumaier's
+    against its spread loses nothing to cancellation, and a constant row's mean is exactly its
+    value: the shift plus a mean of zeros). Float sums add their chunks with Neumaier's
     compensation (a chunk itself is a tree sum): no less accurate than XLA's own reductions.
     """
     if op not in REDUCE_OPS:
@@ -426,7 +427,7 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
                 n_c = jnp.full(lane_shape, float(chunk), jnp.float32)
             else:
                 n_c = jnp.sum(jnp.where(in_range, 1.0, 0.0), axis=-1) + jnp.zeros(lane_shape, jnp.float32)
-            n, shifted_total, d, m2, shift = carry
+            n, d, m2, shift = carry
             first = jnp.sum(jnp.where(iota == 0, x, 0.0), axis=-1)  # x[..., 0] (Triton has no slice)
             shift = jnp.where(n > 0, shift, first)
             y = neutral(x - shift[..., None], in_range, 0.0)
@@ -436,7 +437,7 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
             merged = n + n_c
             delta = d_c - d
             weight = n_c / jnp.maximum(merged, 1.0)
-            return merged, shifted_total + s_c, d + delta * weight, m2 + m2_c + jnp.square(delta) * n * weight, shift
+            return merged, d + delta * weight, m2 + m2_c + jnp.square(delta) * n * weight, shift
         if op == "sum" and jnp.issubdtype(acc_type, jnp.floating):  # chunks added with Neumaier's compensation
             total, compensation = carry
             part = jnp.sum(neutral(values.astype(acc_type), in_range, 0), axis=-1).astype(acc_type)
@@ -474,7 +475,7 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
 
     if op == "moments":
         zeros = jnp.zeros(lane_shape, jnp.float32)
-        init = (zeros, zeros, zeros, zeros, zeros)
+        init = (zeros, zeros, zeros, zeros)
     elif op == "sum" and jnp.issubdtype(acc_type, jnp.floating):
         init = (jnp.zeros(lane_shape, acc_type), jnp.zeros(lane_shape, acc_type))
     elif op in ("argmax", "argmin"):
@@ -488,8 +489,8 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
     else:
         result = lax.fori_loop(0, steps, lambda step, carry: fold(carry, step * chunk), init)
     if op == "moments":
-        count, shifted_total, _d, m2, shift = result
-        return jnp.where(count > 0, shift * count + shifted_total, 0.0), m2
+        count, d_mean, m2, shift = result
+        return jnp.where(count > 0, shift + d_mean, 0.0), m2
     if op == "sum" and jnp.issubdtype(acc_type, jnp.floating):
         total, compensation = result
         return jnp.where(jnp.abs(compensation) < jnp.inf, total + compensation, total).astype(out_dtype)
@@ -499,11 +500,11 @@ def reduce_at(op: str, body: Callable[[Index, Mask], jax.Array], kept: Index, ma
 
 
 def select_moment(row: IndexEntry, moments) -> jax.Array:
-    """Row `row` (0: the sum, 1: M2) of a `(sum, m2)` pair, for a static or an array index."""
-    total, m2 = moments
+    """Row `row` (0: the mean, 1: M2) of a `(mean, m2)` pair, for a static or an array index."""
+    mean, m2 = moments
     if is_static(row):
-        return total if row == 0 else m2
-    return jnp.where(row == 0, total, m2)
+        return mean if row == 0 else m2
+    return jnp.where(row == 0, mean, m2)
 
 
 # --- statistics read from their hosts' per-tile partials ---------------------------------------------
@@ -547,11 +548,28 @@ def chan_merge(a, b):
     return merged, mean + delta * weight, m2 + jnp.where(has, m2_b, 0.0) + spread
 
 
+def piece_moments(values, valid, axis: int):
+    """(count, mean, M2) of `values` where `valid`, over `axis` (kept, size 1): what a host's tile
+    writes as its partial. Two-pass about a rough mean (sum / count), corrected once by the mean of
+    the deviations (Chan, Golub and LeVeque's corrected two-pass): the deviations from the rough
+    mean are exact, so a piece of one value has exactly that value as its mean (where sum / count
+    may be an ulp off) and M2 exactly 0."""
+    live = lambda v: jnp.where(valid, v, 0.0)  # noqa: E731
+    count = jnp.sum(live(1.0), axis=axis, keepdims=True)
+    safe = jnp.maximum(count, 1.0)
+    rough = jnp.sum(live(values), axis=axis, keepdims=True) / safe
+    deviation = live(values - rough)
+    drift = jnp.sum(deviation, axis=axis, keepdims=True)
+    correction = drift / safe
+    m2 = jnp.sum(deviation * deviation, axis=axis, keepdims=True) - drift * correction
+    return count, rough + correction, jnp.maximum(m2, 0.0)
+
+
 def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: int, slots: int,
                       slot: IndexEntry, *, budget: int = MERGE_BLOCK_ELEMENTS):
     """A statistic at flat output `slot` (an int or int32 array) from `tiles` per-tile partials:
     `load(offsets)` reads the partials buffer (`[tiles, fields, slots]`) at flat int32 offsets of
-    any shape and returns values of that shape. Returns the sum, or `(sum, M2)`, of `slot`'s shape.
+    any shape and returns values of that shape. Returns the sum, or `(mean, M2)`, of `slot`'s shape.
 
     The tiles merge in blocks of TB (`merge_block_tiles`: a power of two, TB x the point's lanes
     <= `budget` elements, no more than the tiles need). A step loads a block's fields at once (a
@@ -639,15 +657,14 @@ def merge_partials_at(op: str, load: Callable[[IndexEntry], jax.Array], tiles: i
         n, shift, d_mean, m2 = block_moments(0)
     else:
         n, shift, d_mean, m2 = lax.fori_loop(0, steps, merge_block, (zeros, zeros, zeros, zeros))
-    mean = shift + d_mean
-    return jnp.reshape(mean * n, point), jnp.reshape(m2, point)
+    return jnp.reshape(shift + d_mean, point), jnp.reshape(m2, point)
 
 
 def read_partials(statistic: Term, index: Index, layout: tuple[int, int, int],
                   load: Callable[[IndexEntry], jax.Array], memo=None) -> jax.Array:
     """`Load(statistic)` at `index` from its per-tile partials (`partials_layout`): the slot the
     index names merged over every tile (`merge_partials_at`). With a `memo` (a mapping the caller
-    scopes to one trace) the merge is kept by the kept index, so a moments reader's sum and M2 at
+    scopes to one trace) the merge is kept by the kept index, so a moments reader's mean and M2 at
     the same point merge once. Every lane is computed (indices clamped, loads unmasked): masked
     lanes hold some slot's value, never an out-of-range read."""
     op = statistic.args[1]

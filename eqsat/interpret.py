@@ -14,7 +14,7 @@ Semantics, per constructor (the rest of the stack relies on these):
   the scores), computed in float32.
 - `RowReduce` (an Expr) is `Reduce` over its one `axis`, with the same epilogue semantics;
   `EpilogueReduce` is `Reduce` with the identity epilogue (its producer only says who computes it).
-- The `moments` reduction is `eqsat.moments.two_pass`: float32 `[sum, sum((x - sum/n)^2)]`
+- The `moments` reduction is `eqsat.moments.two_pass`: float32 `[mean, sum((x - mean)^2)]` (mean = sum/n)
   stacked on a new leading axis, in every form (`Reduce`, `RowReduce`, `EpilogueReduce`).
 - `DynamicSlice` and `AssignDynamic` clamp starts as the `dynamic_slice`/`dynamic_update_slice`
   primitives do (no negative-index wrapping; the lift makes wrapping explicit).

@@ -60,8 +60,8 @@ def Pointwise(body: Expr, ty: StringLike) -> Tensor:
 def Reduce(op: StringLike, body: Expr, axes: StringLike, epilogue: Expr, ty: StringLike) -> Tensor:
     """`op` in sum/max/min/prod/argmax/argmin over `axes` of `body`; `epilogue` maps `Acc` to the output.
 
-    `op` "moments" (made by `norm_split`) is float32 `[2, *kept]`: `[0]` = sum(body), `[1]` =
-    sum((body - mean)^2) with mean = sum/n, both statistics of a norm in one stable reduction
+    `op` "moments" (made by `norm_split`) is float32 `[2, *kept]`: `[0]` = mean = sum(body)/n,
+    `[1]` = sum((body - mean)^2), both statistics of a norm in one stable reduction
     (`eqsat.moments`: two-pass in the interpreter, per-tile partials merged by Chan's formula in kernels).
     """
 

@@ -142,7 +142,7 @@ REDUCE_OPS: dict[str, Callable] = {
     "and": lax.reduce_and, "or": lax.reduce_or, "xor": lax.reduce_xor,
     "argmax": lambda x, axes, dtype: lax.argmax(x, axes[0], dtype),
     "argmin": lambda x, axes, dtype: lax.argmin(x, axes[0], dtype),
-    "moments": two_pass,  # [sum, sum of centred squares] (eqsat.moments); not a jaxpr primitive
+    "moments": two_pass,  # [mean, sum of centred squares] (eqsat.moments); not a jaxpr primitive
 }
 
 

@@ -2,18 +2,24 @@
 
 `moments(x, axes)` is float32 `[2, *kept_shape]`:
 
-    [0] = sum(x)                      over `axes`
-    [1] = M2 = sum((x - mean)^2)      mean = sum(x) / n, n the number of elements reduced
+    [0] = mean = sum(x) / n           over `axes`, n the number of elements reduced
+    [1] = M2 = sum((x - mean)^2)
 
-so a variance is `[1] / n` and a mean `[0] / n`. `two_pass` is the reference value (what the
-interpreter computes): the mean first, then the centred squares, like `jnp.var`. Nothing cancels:
-its error is relative to the spread of x, not to its offset, unlike E[x^2] - E[x]^2.
+so a variance is `[1] / n`, and the mean is `[0]` itself (a sum is `[0] * n`). Row 0 is the mean,
+not the sum, so a kernel hands its readers the mean it holds: a constant row's mean is exactly
+that constant (kernels compute it in a frame shifted by an element of the row), and x - mean is
+exactly 0, where a sum rebuilt as mean * n and divided by n again is off by an ulp of x (an ulp
+that `(x - mean) * rsqrt(var + eps)` magnifies a thousandfold). `two_pass` is the reference value
+(what the interpreter computes): the mean first (sum / n, as `jnp.mean`), then the centred squares,
+like `jnp.var`. Nothing cancels: its error is relative to the spread of x, not to its offset,
+unlike E[x^2] - E[x]^2.
 
 Kernels compute it in pieces (a matmul's K strips for row statistics, a producer's output tiles
 for statistics computed in an epilogue). Each piece keeps its partial moments (count, mean, M2),
-computed two-pass over the piece, and the reader merges the pieces in a fixed order with Chan,
-Golub and LeVeque's parallel formula ("Updating formulae and a pairwise algorithm for computing
-sample variances", 1979):
+computed two-pass over the piece about its rough mean sum / count, then corrected by the mean of
+the deviations (they are exact, so a piece of one value has exactly that value as its mean and M2
+0), and the reader merges the pieces in a fixed order with Chan, Golub and LeVeque's parallel
+formula ("Updating formulae and a pairwise algorithm for computing sample variances", 1979):
 
     n = n_a + n_b,   delta = mean_b - mean_a
     mean = mean_a + delta * n_b / n
@@ -37,7 +43,8 @@ PARTIAL_FIELDS = 3
 
 
 def two_pass(x, axes: tuple[int, ...]):
-    """`[sum(x), sum((x - sum(x)/n)^2)]` over `axes` in float32, stacked on a new leading axis."""
+    """`[mean(x), sum((x - mean(x))^2)]` over `axes` in float32 (mean = sum(x) / n), stacked on a new
+    leading axis."""
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         x = lax.convert_element_type(x, jnp.float32)
@@ -48,7 +55,7 @@ def two_pass(x, axes: tuple[int, ...]):
     mean = total / jnp.float32(n) if n else total
     centered = x - lax.broadcast_in_dim(mean, x.shape, [a for a in range(x.ndim) if a not in axes])
     m2 = lax.reduce_sum(centered * centered, axes)
-    return jnp.stack([total, m2]).reshape((2, *kept))
+    return jnp.stack([mean, m2]).reshape((2, *kept))
 
 
 def _rows(x, axes: tuple[int, ...]):
@@ -71,15 +78,18 @@ def partial_moments(x, axes: tuple[int, ...], piece: int):
     out = []
     for start in range(0, max(n, 1), piece):
         chunk = rows[..., start:start + piece]
-        count = chunk.shape[-1]
-        mean = jnp.sum(chunk, axis=-1) / jnp.float32(max(count, 1))
-        m2 = jnp.sum(jnp.square(chunk - mean[..., None]), axis=-1)
-        out.append(jnp.stack([jnp.full_like(mean, count), mean, m2]))
+        count = jnp.float32(max(chunk.shape[-1], 1))
+        rough = jnp.sum(chunk, axis=-1) / count
+        deviation = chunk - rough[..., None]
+        drift = jnp.sum(deviation, axis=-1)
+        m2 = jnp.maximum(jnp.sum(jnp.square(deviation), axis=-1) - drift * (drift / count), 0.0)
+        mean = rough + drift / count
+        out.append(jnp.stack([jnp.full_like(mean, chunk.shape[-1]), mean, m2]))
     return jnp.stack(out)
 
 
 def merge_partials(partials):
-    """Chan's merge of `partial_moments` pieces in piece order -> `[sum, M2]` (float32 `[2, *kept]`)."""
+    """Chan's merge of `partial_moments` pieces in piece order -> `[mean, M2]` (float32 `[2, *kept]`)."""
     partials = jnp.asarray(partials, jnp.float32)
     count, mean, m2 = partials[0, 0], partials[0, 1], partials[0, 2]
     for part in partials[1:]:
@@ -90,4 +100,4 @@ def merge_partials(partials):
         mean = mean + delta * (n_b / safe)
         m2 = m2 + m2_b + delta * delta * (count * n_b / safe)
         count = n
-    return jnp.stack([mean * count, m2])
+    return jnp.stack([mean, m2])

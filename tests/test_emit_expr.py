@@ -255,6 +255,7 @@ def _row_reduce(op, x: Term, axis: int, acc_dtype="float32"):
 ROWS = {
     "offset": lambda rng, shape: 1e4 + rng.normal(size=shape),
     "constant": lambda rng, shape: np.full(shape, 3.25),
+    "constant far from zero": lambda rng, shape: np.full(shape, 141.8948),  # its float32 sum / n rounds
     "huge": lambda rng, shape: rng.normal(size=shape) * 1e18,
     "tiny": lambda rng, shape: rng.normal(size=shape) * 1e-20,
     "zeros": lambda rng, shape: np.zeros(shape),
@@ -265,7 +266,8 @@ ROWS = {
 @pytest.mark.parametrize("kind", sorted(ROWS))
 @pytest.mark.parametrize("length", [1, 77, 300])
 def test_moments_are_stable_for_adversarial_rows(kind, length):
-    """[sum, M2] from chunked Chan merges: relative to the spread, never to the offset."""
+    """[mean, M2] from chunked Chan merges: relative to the spread, never to the offset; a constant
+    row's mean is exactly its value (the shift plus a mean of zeros) and its M2 exactly 0."""
     rng = np.random.default_rng(length)
     data = ROWS[kind](rng, (3, length)).astype(np.float32)
     x = _input("x", (3, length))
@@ -275,7 +277,9 @@ def test_moments_are_stable_for_adversarial_rows(kind, length):
     exact = data.astype(np.float64)
     want_m2 = ((exact - exact.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
     scale = np.abs(exact).max(axis=1) + 1e-45
-    np.testing.assert_allclose(got[0], exact.sum(axis=1), rtol=1e-5, atol=1e-5 * length * scale.max())
+    np.testing.assert_allclose(got[0], exact.mean(axis=1), rtol=1e-5, atol=1e-5 * scale.max())
+    if kind.startswith("constant"):
+        np.testing.assert_array_equal(got, np.stack([data[:, 0], np.zeros(3)]))
     assert np.all(got[1] >= 0)
     rounding = length * (scale * 2.0**-23) ** 2 * 64 + 1e-37  # float32 rounding of the values themselves
     assert np.all(np.abs(got[1] - want_m2) <= 1e-4 * want_m2 + rounding), (got[1], want_m2)

@@ -230,7 +230,7 @@ def _adversarial_rows():
 
 
 @pytest.mark.parametrize("index", range(6))
-def test_moments_are_the_float64_sum_and_centred_squares(index):
+def test_moments_are_the_float64_mean_and_centred_squares(index):
     """Two-pass moments (the interpreter's) are off by the mean's rounding, squared: second order in
     eps * offset. Merged per-piece partials (the kernels') carry each piece's mean rounding into the
     merge: first order in eps * offset * spread, still relative to the spread, never to offset^2."""
@@ -238,7 +238,7 @@ def test_moments_are_the_float64_sum_and_centred_squares(index):
 
     x = np.asarray(_adversarial_rows()[index], np.float32)
     x64 = x.astype(np.float64)
-    exact = np.stack([x64.sum(-1), ((x64 - x64.mean(-1, keepdims=True)) ** 2).sum(-1)])
+    exact = np.stack([x64.mean(-1), ((x64 - x64.mean(-1, keepdims=True)) ** 2).sum(-1)])
     n, scale = x.shape[-1], np.abs(x64).max(-1)
     spread = np.abs(x64 - x64.mean(-1, keepdims=True)).max(-1)
     mean_rounding = n * (4 * EPS32 * scale) ** 2
@@ -246,7 +246,7 @@ def test_moments_are_the_float64_sum_and_centred_squares(index):
     merged = np.asarray(merge_partials(partial_moments(x, (1,), 8)), np.float64)
     for value in (two, merged):
         assert value.shape == (2, x.shape[0]) and np.all(value[1] >= 0)
-        np.testing.assert_allclose(value[0], exact[0], rtol=1e-5, atol=1e-5 * np.abs(x64).sum(-1).max())
+        np.testing.assert_allclose(value[0], exact[0], rtol=1e-5, atol=1e-5 * np.abs(x64).mean(-1).max())
     assert np.all(np.abs(two[1] - exact[1]) <= 1e-5 * exact[1] + mean_rounding)
     assert np.all(np.abs(merged[1] - exact[1]) <= 1e-5 * exact[1] + 2 * EPS32 * n * scale * spread + mean_rounding)
 

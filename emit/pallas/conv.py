@@ -76,7 +76,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from emit.expr import chan_merge, compile_expr, expr_nodes, linearize, reshape_index
+from emit.expr import chan_merge, compile_expr, expr_nodes, linearize, piece_moments, reshape_index
 from emit.pallas import loaded_tensors, triton
 from emit.pallas.contiguous import ContiguousMemory
 from emit.pallas.partials import Partials, copy_prefix
@@ -455,12 +455,14 @@ def _tile_partials(layout: _Layout, body, valid, rows_ok, cols_ok, row_part, col
         hit = ((part + part_of_rank) == slot) & (count > 0)                                 # [cols, slots]
         if layout.statistic.op == "sum":
             parts = (total,)
-        else:  # two-pass over the tile: the part's mean, then the squares about it
-            mean = total / jnp.maximum(count, 1.0)
-            column_mean = jnp.sum(jnp.where(in_part, mean, 0.0), axis=0, keepdims=True)  # [1, bn]
+        else:  # two-pass over the tile about the part's rough mean, corrected once (`piece_moments`)
+            rough = total / jnp.maximum(count, 1.0)
+            column_mean = jnp.sum(jnp.where(in_part, rough, 0.0), axis=0, keepdims=True)  # [1, bn]
             centred = jnp.where(rows_r, body - column_mean, 0.0)
-            m2 = per_part(jnp.sum(centred * centred, axis=0, keepdims=True))
-            parts = (count, mean, m2)
+            drift = per_part(jnp.sum(centred, axis=0, keepdims=True))
+            correction = drift / jnp.maximum(count, 1.0)
+            m2 = per_part(jnp.sum(centred * centred, axis=0, keepdims=True)) - drift * correction
+            parts = (count, rough + correction, jnp.maximum(m2, 0.0))
         fields = [f + jnp.sum(jnp.where(hit, part, 0.0), axis=0, keepdims=True) for f, part in zip(fields, parts)]
     return fields
 
@@ -487,13 +489,10 @@ def _write_row_partials(layout: _Layout, partial_ref, body, valid, rows_ok, slot
     two-pass over the row's columns. A row with no valid column writes 0, 0, 0 (an empty tile)."""
     valid = jnp.broadcast_to(valid, body.shape)
     body = jnp.where(valid, body, 0.0)
-    count = jnp.sum(jnp.where(valid, 1.0, 0.0), axis=1, keepdims=True)
-    total = jnp.sum(body, axis=1, keepdims=True)
     if layout.statistic.op == "sum":
-        fields = (total,)
+        fields = (jnp.sum(body, axis=1, keepdims=True),)
     else:
-        mean = total / jnp.maximum(count, 1.0)
-        fields = (count, mean, jnp.sum(jnp.where(valid, jnp.square(body - mean), 0.0), axis=1, keepdims=True))
+        fields = piece_moments(body, valid, 1)
     for f, value in enumerate(fields):
         offset = (tile * layout.fields + f) * layout.slots + slot
         triton.store(partial_ref, jnp.where(rows_ok, offset, partial_ref.shape[0]), value, rows_ok)
@@ -502,7 +501,7 @@ def _write_row_partials(layout: _Layout, partial_ref, body, valid, rows_ok, slot
 def merge_partials(partials: jax.Array, op: str) -> jax.Array:
     """A statistic from its tiles' partials (`[tiles, fields, slots]`, see `TileStatistic`): merged
     pairwise in a fixed order, Chan et al.'s formula for moments. Returns `[slots]` (sum) or
-    `[2, slots]` (moments: sum, M2)."""
+    `[2, slots]` (moments: mean, M2)."""
     parts = jnp.asarray(partials, jnp.float32)
     while parts.shape[0] > 1:
         if parts.shape[0] % 2:
@@ -521,7 +520,7 @@ def merge_partials(partials: jax.Array, op: str) -> jax.Array:
         parts = jnp.stack([n, mean_a + delta * weight, m2_a + m2_b + spread], axis=1)
     if op == "sum":
         return parts[0, 0]
-    return jnp.stack([parts[0, 1] * parts[0, 0], parts[0, 2]])
+    return jnp.stack([parts[0, 1], parts[0, 2]])
 
 
 # --- reference --------------------------------------------------------------------------------

@@ -139,13 +139,12 @@ def _write_row_partials(statistic: RowStatistic, partial_ref, inputs, out, index
     body, ok = statistic.value(inputs, out, index, mask)
     valid = jnp.broadcast_to(mask & ok if ok is not True else mask, body.shape)
     body = jnp.where(valid, body, 0.0)
-    count = jnp.sum(jnp.where(valid, 1.0, 0.0), axis=1, keepdims=True)
-    total = jnp.sum(body, axis=1, keepdims=True)
     if statistic.op == "sum":
-        fields = (total,)
-    else:  # two-pass over the tile's columns: their mean, then the squares about it
-        mean = total / jnp.maximum(count, 1.0)
-        fields = (count, mean, jnp.sum(jnp.where(valid, jnp.square(body - mean), 0.0), axis=1, keepdims=True))
+        count = jnp.sum(jnp.where(valid, 1.0, 0.0), axis=1, keepdims=True)
+        fields = (jnp.sum(body, axis=1, keepdims=True),)
+    else:  # two-pass over the tile's columns, the mean corrected once
+        fields = ex.piece_moments(body, valid, 1)
+        count = fields[0]
     slot = jnp.broadcast_to(statistic.slot(b, rows), count.shape)
     written = count > 0  # rows past M have no valid element
     tile = first_tile + pl.program_id(2)
@@ -594,7 +593,7 @@ def emit(kernel, ctx) -> dict:
         def value_at(placeholder, index):
             key = (placeholder, tuple(("i", int(e)) if ex.is_static(e) else ("a", id(e)) for e in index))
             if key not in computed:
-                kept = index[1:] if placeholders[placeholder].args[0] == "moments" else index  # [sum, M2] rows
+                kept = index[1:] if placeholders[placeholder].args[0] == "moments" else index  # [mean, M2] rows
                 bound = {q: value_at(q, kept) for q in inners[placeholder]}
                 source = _BoundMemory(memory(refs), bound) if bound else memory(refs)
                 computed[key] = prepass_fns[placeholder](source, index, statistic_mask(index))

@@ -96,7 +96,7 @@ def merged(statistic: Term, buffer: jax.Array) -> jax.Array:
 
 
 def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool | None) -> jax.Array:
-    """The finished `statistic` (its type: `[2, *kept]` sum and M2 for moments, else `[*kept]`) from
+    """The finished `statistic` (its type: `[2, *kept]` mean and M2 for moments, else `[*kept]`) from
     its hosts' per-tile partials `buffer`, as one Pallas kernel: program `i` merges slot `i` over
     every tile (`merge_partials_at`, `FinalizeConfig`)."""
     op = statistic.args[1]

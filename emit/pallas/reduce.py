@@ -6,7 +6,7 @@ order), the kept axes are tiled in flat power-of-two blocks, masked past the end
 prologue `Expr` evaluated at (kept block × chunk) index tiles, so a reduction over a transposed,
 sliced or elementwise-transformed tensor reads it in place. Ops: sum, max, min, prod, and/or/xor,
 argmax/argmin (one axis; first index wins, NaN is largest, as `lax.argmax`), and `moments`
-(`f32[2, *kept]`: the sum and M2 = sum((x - mean)²), per-chunk count/mean/M2 merged with Chan's
+(`f32[2, *kept]`: the mean and M2 = sum((x - mean)²), per-chunk count/mean/M2 merged with Chan's
 formula: no cancellation, deterministic).
 
 An `EpilogueReduce` its hosts computed as partials (in `ctx.partials`) is finished from them
@@ -33,6 +33,7 @@ from emit.expr import CompiledExpr, acc_dtype, compile_expr, reduce_at, select_m
 from emit.pallas import EmitContext, KernelCall, loaded_tensors
 from emit.pallas.triton import RefMemory, next_pow2, pallas_call, store
 from eqsat.lift import apply_reduce
+from eqsat.moments import two_pass
 from eqsat.term import Term
 from eqsat.types import ints, parse_type
 
@@ -148,12 +149,7 @@ def reference(op: str, body: jax.Array, axes, acc_type, epilogue: Callable = lam
     """The reduction in plain jax: `epilogue(apply_reduce(op, body, axes))` (moments two-pass)."""
     axes = tuple(sorted(axes))
     if op == "moments":
-        x = body.astype(jnp.float32)
-        total = jnp.sum(x, axis=axes)
-        n = math.prod(body.shape[a] for a in axes)
-        mean = total / n if n else total
-        m2 = jnp.sum(jnp.square(x - jnp.expand_dims(mean, axes)), axis=axes)
-        return epilogue(jnp.stack([total, m2]))
+        return epilogue(two_pass(body, axes))
     return epilogue(apply_reduce(op, body, axes, jnp.dtype(acc_type)))
 
 

@@ -8,12 +8,16 @@ GroupNorm and LayerNorm are written (sd15/layers.py, jnp.var) as two dependent p
 Two laws make statistics one kernel and leave the apply elementwise (the absorb family then
 moves `(x - mean) * rsqrt(var + eps) * w + b` into the next conv/matmul prologue):
 
-- variance: sum(x) and sum((x - sum(x)/n)^2) are the two rows of ONE `moments` reduction of x
-  (`eqsat.moments`): `M = Reduce("moments", x, axes)`, `M[0] = sum(x)`, `M[1] = M2`. Exact: the
-  moments are defined as those two sums, computed two-pass by the interpreter and from per-tile
-  partial moments merged with Chan's formula by kernels. Nothing cancels, whatever the offset of
-  x (this replaces sum(x^2) - sum(x)^2/n, which is wrong or NaN when |mean| >> std). Only on float32
-  statistics (the moments are float32; SD's norms upcast to fp32 before reducing).
+- variance: sum(x)/n and sum((x - sum(x)/n)^2) are the two rows of ONE `moments` reduction of x
+  (`eqsat.moments`): `M = Reduce("moments", x, axes)`, `M[0] = mean(x)`, `M[1] = M2`. Exact: the
+  moments are defined as those two statistics, computed two-pass by the interpreter and from
+  per-tile partial moments merged with Chan's formula by kernels. Nothing cancels, whatever the
+  offset of x (this replaces sum(x^2) - sum(x)^2/n, which is wrong or NaN when |mean| >> std).
+  Only on float32 statistics (the moments are float32; SD's norms upcast to fp32 before reducing).
+  The program's mean (a view of sum(x), divided by n: `MeanTimes`) becomes that view of `M[0]`
+  itself, so a kernel's mean reaches the apply unchanged (a constant row's mean is its value, and
+  x - mean is 0). A sum read as such keeps its own reduction: `M[0] * n` divided by n again (which
+  an extraction could pick) is an ulp of the mean off, and x - mean magnifies that ulp by 1/std.
 - stacking: sum(x) and sum(x*x) over the same axes are the two rows of one reduction of
   stack(x, x*x) along a new leading axis: `Reduce(Concat(Reshape(x), Reshape(x*x)), axes + 1)`;
   each statistic is a Slice of it. It only stacks two sums the program itself computes (a
@@ -28,6 +32,8 @@ the lifted form (`Load(Pointwise(...))` between every primitive) and the absorbe
                                 that indexes it ("-": a size-1 axis of s, always index 0)
     Centered(e, x, s)           e = x - s/n broadcast back, s = sum(x) over the axes the view drops
     SquareOf(e, x)              e = x * x
+    MeanTimes(e, m, c)          e = m * c, m a view of a moments reduction's mean row: dividing e
+                                by c (or multiplying it by 1/c) is m
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from egglog import String, f64, ne, relation, rule, ruleset, union
 
 from eqsat.lang import Acc, Binary, Concat, Expr, Lit, Load, Pointwise, Reduce, Reshape, Slice, Tensor, Transpose, Unary
 from eqsat.lang import Broadcast
+from eqsat.rules.dsl import py_int
 from eqsat.rules.horizontal import py_string
 from eqsat.types import format_type, ints, ints_key, parse_type
 
@@ -48,6 +55,7 @@ Scalar = relation("NormScalar", Expr, f64)
 StatView = relation("NormStatView", Expr, String, Tensor, f64, String)
 Centered = relation("NormCentered", Expr, Expr, Tensor, String)
 SquareOf = relation("NormSquareOf", Expr, Expr, String)
+MeanTimes = relation("NormMeanTimes", Expr, Expr, f64)
 
 REDUCTIONS_WITH_VIEWS = ("sum", "max")
 
@@ -230,12 +238,27 @@ def _moments_layout(ts: str) -> str:
     return f"{format_type('float32', (2, *s.shape))}|{format_type('float32', (1, *s.shape))}"
 
 
+@lru_cache(maxsize=None)
+def _count(tx: str, axes: str) -> str:
+    """How many elements of x (type `tx`) a reduction over `axes` reduces, as a decimal string."""
+    return str(math.prod(_shape(tx)[a] for a in ints(axes)))
+
+
+@lru_cache(maxsize=None)
+def _reciprocal(c: str, k: str) -> str:
+    """"ok" when c * k = 1 (a multiplication by a float32 1/c divides by c)."""
+    return "ok" if math.isclose(float(c) * float(k), 1.0, rel_tol=1e-6) else ""
+
+
 @norm_split.register
 def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, tx: String, ts: String):
-    """sum(x) = M[0] and sum((x - sum(x)/n)^2) = M[1] for M = moments(x, axes): one stable statistics kernel."""
+    """sum(x)/n = M[0] (`_means`, where the program divides its sum) and sum((x - sum(x)/n)^2) = M[1]
+    for M = moments(x, axes): one stable statistics kernel."""
     layout = py_string(_moments_layout, ts)
     tm, t1 = py_string(_part, layout, String("0")), py_string(_part, layout, String("1"))
     both = Load(Reduce("moments", x, axes, Acc(tm), tm), tm)
+    mean = Reshape(Slice(both, 0, 0, 1, 1, t1), ts)
+    n = f64.from_i64(py_int(_count, tx, axes))
     yield rule(
         v == Reduce("sum", body, axes, Acc(ts), ts),
         SquareOf(body, d, tx),
@@ -243,9 +266,27 @@ def _variance(v: Tensor, s: Tensor, body: Expr, d: Expr, x: Expr, axes: String, 
         s == Reduce("sum", x, axes, Acc(ts), ts),
         ne(py_string(_float32, ts)).to(String("")),
     ).then(
-        union(Load(s, ts)).with_(Reshape(Slice(both, 0, 0, 1, 1, t1), ts)),
+        MeanTimes(Load(s, ts), mean, n),
         union(Load(v, ts)).with_(Reshape(Slice(both, 0, 1, 2, 1, t1), ts)),
     )
+
+
+@norm_split.register
+def _means(e: Expr, x: Expr, k: Expr, m: Expr, c: f64, c2: f64, ty: String, dims: String):
+    """MeanTimes(e, m, c): e = m * c through views and copies; e / c = m and e * (1/c) = m.
+
+    Views of the mean row are made only where the program views its sum, so the e-graph grows by
+    the program's own views of that sum."""
+    yield rule(e == Broadcast(x, dims, ty), MeanTimes(x, m, c)).then(MeanTimes(e, Broadcast(m, dims, ty), c))
+    yield rule(e == Reshape(x, ty), MeanTimes(x, m, c)).then(MeanTimes(e, Reshape(m, ty), c))
+    yield rule(e == Transpose(x, dims, ty), MeanTimes(x, m, c)).then(MeanTimes(e, Transpose(m, dims, ty), c))
+    yield rule(e == Load(Pointwise(x, ty), ty), MeanTimes(x, m, c)).then(MeanTimes(e, m, c))
+    yield rule(e == Binary("div", x, k, ty), MeanTimes(x, m, c), Scalar(k, c)).then(union(e).with_(m))
+    reciprocal = py_string(_reciprocal, c.to_string(), c2.to_string())
+    yield rule(e == Binary("mul", x, k, ty), MeanTimes(x, m, c), Scalar(k, c2), ne(reciprocal).to(String(""))).then(
+        union(e).with_(m))
+    yield rule(e == Binary("mul", k, x, ty), MeanTimes(x, m, c), Scalar(k, c2), ne(reciprocal).to(String(""))).then(
+        union(e).with_(m))
 
 
 @lru_cache(maxsize=None)
@@ -314,6 +355,17 @@ def _sum_of_centered_squares(x):
     return jnp.sum(centered * centered, axis=-1)
 
 
+def _normalized_by_reciprocals(x):
+    """Mean and variance written as sums times 1/n (no division): the mean is still the moments' row 0."""
+    from jax import lax
+
+    import jax.numpy as jnp
+
+    inverse = 1.0 / x.shape[-1]
+    centered = x - jnp.sum(x, axis=-1, keepdims=True) * inverse
+    return centered * lax.rsqrt(jnp.sum(centered * centered, axis=-1, keepdims=True) * inverse + 1e-5)
+
+
 def _variance16_args(draw):
     from eqsat.rules import dim, tensor
 
@@ -345,8 +397,9 @@ def _examples():
     from eqsat.rules import Example
 
     return [
-        Example(_group_norm, _group_norm_args, ("variance",)),
-        Example(_layer_norm, _layer_norm_args, ("variance",)),
+        Example(_group_norm, _group_norm_args, ("variance", "means")),
+        Example(_layer_norm, _layer_norm_args, ("variance", "means")),
+        Example(_normalized_by_reciprocals, _rank3_args, ("variance", "means")),
         Example(_mean_and_mean_of_squares, _rank3_args, ("stack_statistics",)),
         Example(_layer_norm, _layer_norm_args, ("stack_statistics",), fires=False,
                 name="layer norm (no sum of squares is introduced)"),
