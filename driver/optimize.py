@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 import types
 import warnings
@@ -207,6 +208,10 @@ class Lowered:
             lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; driver.cache): "
                          f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
                          f"planning run's")
+        if s.get("auto") is not None:
+            from driver.auto_choice import report_line
+
+            lines.append(report_line(s["auto"]))
         from driver.explain import format_explanation
 
         lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
@@ -260,6 +265,8 @@ class Optimized:
         self._cache: dict = {}
         self._planned_vjps: dict = {}  # argument signature -> driver.differentiate.PlannedVJP
         self._jitted = None  # the jax.jit every call goes through (see _dispatches_through_jit)
+        self._arguments = None  # backend "auto" on a CPU: a thread's concrete call arguments (see _auto_choice)
+        self._original_jits: dict = {}  # donating or not -> jax.jit(fn): the other candidate of "auto" on a CPU
         self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
@@ -267,11 +274,19 @@ class Optimized:
         if differentiation_mode((args, kwargs)) == "reverse":
             return self._call_with_planned_backward(args, kwargs)
         jitted = self._jitted  # set once the first call chose to dispatch through jit
-        if jitted is not None:
+        if jitted is None:
+            if not self._dispatches_through_jit():
+                return self._call(*args, **kwargs)
+            jitted = self._dispatcher()
+        arguments = self._arguments
+        if arguments is None:
             return jitted(*args, **kwargs)
-        if self._dispatches_through_jit():
-            return self._dispatcher()(*args, **kwargs)
-        return self._call(*args, **kwargs)
+        # backend "auto" on a CPU: a new signature's trace times the plan against jax.jit on these.
+        arguments.call = (args, kwargs)
+        try:
+            return jitted(*args, **kwargs)
+        finally:
+            arguments.call = None
 
     def _dispatches_through_jit(self) -> bool:
         """Calls go through one `jax.jit` of the whole call (its C++ fast path checks the signature,
@@ -285,6 +300,10 @@ class Optimized:
         if self._jitted is None:
             import jax
 
+            from driver.auto_choice import times_choice
+
+            self._arguments = threading.local() if times_choice(self.backend) else None
+
             @functools.wraps(self.fn)
             def call(*args, **kwargs):
                 return self._call(*args, **kwargs)
@@ -295,8 +314,12 @@ class Optimized:
 
     def _call(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)
+        traced = any_tracer((args, kwargs))
+        if self._auto_choice(lowered, args, kwargs, traced) == "jit":
+            # Under this object's own jit the original function is traced into it: that jit is jax.jit(fn).
+            return self.fn(*args, **kwargs) if traced else self._original_jit(donating=True)(*args, **kwargs)
         # Traced (under this object's own jit or the user's), donation is that jit's to do.
-        donate = () if any_tracer((args, kwargs)) else self._donated_inputs(lowered.program, args, kwargs)
+        donate = () if traced else self._donated_inputs(lowered.program, args, kwargs)
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
@@ -305,6 +328,43 @@ class Optimized:
             return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
                                              self.static_argnames)
         return run(*args, **kwargs)
+
+    def _auto_choice(self, lowered, args, kwargs, traced: bool) -> str:
+        """"plan" or "jit": with backend "auto" on a CPU, the faster of the plan and jax.jit for this
+        signature, timed on its first call with concrete arguments and kept in `lowered.stats["auto"]`
+        (`driver.auto_choice`); otherwise, and under an outer trace, "plan"."""
+        from driver.auto_choice import choose, not_timed, times_choice, untimeable
+
+        if not times_choice(self.backend):
+            return "plan"
+        if traced:
+            # Concrete arguments only when this trace is this object's own jit of a concrete call.
+            stash = getattr(getattr(self, "_arguments", None), "call", None)
+            if stash is None or any_tracer(stash):
+                return "plan"
+            args, kwargs = stash
+        record = lowered.stats.get("auto")
+        if record is None:
+            why = untimeable(lowered.program, args, kwargs)
+            if why is not None:
+                record = not_timed(why)
+            else:
+                plan = lowered.executable(self.backend, self.interpret)
+                record = choose(plan, self._original_jit(donating=False), args, kwargs)
+            lowered.stats["auto"] = record
+        return record["chose"]
+
+    def _original_jit(self, donating: bool):
+        """`jax.jit` of the original function with this object's static arguments (and donation)."""
+        import jax
+
+        jits = self.__dict__.setdefault("_original_jits", {})
+        donating = donating and bool(self.donate_argnums or self.donate_argnames)
+        if donating not in jits:
+            donate = dict(donate_argnums=self.donate_argnums, donate_argnames=self.donate_argnames) if donating else {}
+            jits[donating] = jax.jit(self.fn, static_argnums=self.static_argnums,
+                                     static_argnames=self.static_argnames, **donate)
+        return jits[donating]
 
     def _call_with_planned_backward(self, args, kwargs):
         """Under reverse-mode differentiation: a custom_vjp of the planned forward (with residuals) and
@@ -342,6 +402,8 @@ class Optimized:
         state["_cache"] = {}
         state["_planned_vjps"] = {}
         state["_jitted"] = None
+        state["_arguments"] = None
+        state["_original_jits"] = {}
         return state
 
     def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:

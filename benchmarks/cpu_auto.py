@@ -1,0 +1,98 @@
+"""On this CPU: the emitted plan (`backend="xla"`) made for the H100 and for the CPU, against `jax.jit`,
+steady state, on a ResNet block, an MLP with LayerNorm and SD 1.5's tiny UNet step; and what
+`backend="auto"` chose for each (it times the plan against `jax.jit` on a signature's first call).
+
+    python -m benchmarks.cpu_auto                    # every program, 2 s per pair
+    python -m benchmarks.cpu_auto --only mlp --seconds 4
+
+Times are the best per-call seconds over alternating rounds (`benchmarks.emit.steady_pair`), float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.emit import Case, _concrete, _f32, _sd15_tiny, steady_pair
+
+
+def resnet_block(params, x):
+    from sd15.layers import resnet_block as block
+
+    return block(params, "block", x, None, groups=8, eps=1e-5)
+
+
+def _resnet_params(channels: int, out: int) -> dict:
+    shapes = {"block.norm1.weight": (channels,), "block.norm1.bias": (channels,),
+              "block.conv1.weight": (out, channels, 3, 3), "block.conv1.bias": (out,),
+              "block.norm2.weight": (out,), "block.norm2.bias": (out,),
+              "block.conv2.weight": (out, out, 3, 3), "block.conv2.bias": (out,),
+              "block.conv_shortcut.weight": (out, channels, 1, 1), "block.conv_shortcut.bias": (out,)}
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+
+
+def mlp(params, x):
+    from sd15.layers import gelu, layer_norm, linear
+
+    h = layer_norm(params, "norm", x, 1e-5)
+    return x + linear(params, "fc2", gelu(linear(params, "fc1", h)))
+
+
+def _mlp_params(width: int, hidden: int) -> dict:
+    shapes = {"norm.weight": (width,), "norm.bias": (width,), "fc1.weight": (hidden, width), "fc1.bias": (hidden,),
+              "fc2.weight": (width, hidden), "fc2.bias": (width,)}
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+
+
+def cases() -> list[Case]:
+    unet = next(case for case in _sd15_tiny() if case.name == "unet_tiny")
+    return [Case("resnet_block", resnet_block, (_resnet_params(64, 128), _f32(2, 32, 32, 64)), True),
+            Case("mlp_layernorm", mlp, (_mlp_params(320, 1280), _f32(2, 256, 320)), True),
+            unet]
+
+
+def measure(case: Case, seconds: float) -> dict:
+    import eqsat
+
+    args = _concrete(case.args)
+    jitted = jax.jit(case.fn, static_argnums=case.static_argnums)
+    row = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for device in ("h100", "cpu"):
+            emitted = eqsat.optimize(case.fn, device=device, backend="xla", static_argnums=case.static_argnums,
+                                     progress=False).lower(*args).executable("xla")
+            ours, theirs = steady_pair(emitted, jitted, args, seconds)
+            row[device] = (ours, theirs)
+        auto = eqsat.optimize(case.fn, static_argnums=case.static_argnums, progress=False)
+        jax.block_until_ready(auto(*args))
+    row["auto"] = auto.lower(*args).stats.get("auto")
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="program names (default: all)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="timing budget per pair")
+    options = parser.parse_args(argv)
+    print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    print(f"{'program':<14} {'h100 plan':>10} {'jit':>9} {'ratio':>6} {'cpu plan':>10} {'jit':>9} {'ratio':>6}  auto chose")
+    for case in cases():
+        if options.only and case.name not in options.only:
+            continue
+        row = measure(case, options.seconds)
+        (h, hj), (c, cj) = row["h100"], row["cpu"]
+        auto = row["auto"]
+        chose = "-" if auto is None else f"{auto['chose']} (plan {auto['plan_s'] * 1e3:.2f} ms, jit {auto['jit_s'] * 1e3:.2f} ms)"
+        print(f"{case.name:<14} {h * 1e3:>8.2f}ms {hj * 1e3:>7.2f}ms {h / hj:>5.2f}x {c * 1e3:>8.2f}ms {cj * 1e3:>7.2f}ms "
+              f"{c / cj:>5.2f}x  {chose}", flush=True)
+    print(f"load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

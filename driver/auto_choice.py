@@ -1,0 +1,76 @@
+"""On a CPU, `backend="auto"` runs the faster of the emitted plan and `jax.jit` of the original function.
+
+The first call of a signature, with concrete arguments, compiles and runs both once, then times them
+in alternating rounds (at most `CALLS` timed calls, stopping after `SECONDS` once a round is done)
+and keeps the one with the smaller best time for that signature. The choice is recorded in the
+signature's `Lowered.stats["auto"]`:
+
+    {"chose": "plan" | "jit", "plan_s": best seconds per call, "jit_s": ..., "calls": timed calls}
+
+Nothing is timed on a GPU (`auto` is `hybrid` there), for an explicit backend, under an outer trace
+(`jit`, `vmap`, `grad`: the plan runs, as before), or when a call has effects (debug prints,
+callbacks) or mutable `Ref` arguments a timing run would repeat; those record
+`{"chose": "plan", "plan_s": None, "jit_s": None, "why": ...}`. Both candidates compute the same
+function: they differ in float rounding only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+CALLS = 10      # timed calls in all, both candidates together, after each has compiled and run once
+SECONDS = 2.0   # no new round starts after this many seconds of timed calls
+CANDIDATES = ("plan", "jit")
+
+
+def times_choice(backend: str) -> bool:
+    """Whether calls with `backend` choose between the plan and `jax.jit` by timing: `auto` on a CPU."""
+    return backend == "auto" and jax.default_backend() == "cpu"
+
+
+def untimeable(program, args, kwargs) -> str | None:
+    """Why a call cannot be run again for timing (None when it can)."""
+    if program.effect_outputs:
+        return "the function has effects (a timing run would repeat them)"
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    if any(not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) for leaf in leaves):
+        return "an argument is not an array (a mutable Ref would be updated by a timing run)"
+    return None
+
+
+def not_timed(why: str) -> dict:
+    return {"chose": "plan", "plan_s": None, "jit_s": None, "calls": 0, "why": why}
+
+
+def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECONDS) -> dict:
+    """Compile and run `plan` and `jitted` once each on `(args, kwargs)`, then time them in alternating
+    rounds (the first of a round alternates); the record of the module docstring. Runs eagerly even
+    while a jit traces the caller (`jax.ensure_compile_time_eval`), so that `args` are concrete."""
+    fns = {"plan": plan, "jit": jitted}
+    best = dict.fromkeys(CANDIDATES, float("inf"))
+    with jax.ensure_compile_time_eval():
+        for fn in fns.values():
+            jax.block_until_ready(fn(*args, **kwargs))
+        timed, began = 0, time.perf_counter()
+        while timed + len(fns) <= max(calls, len(fns)) and (timed == 0 or time.perf_counter() - began < seconds):
+            order = CANDIDATES if (timed // len(fns)) % 2 == 0 else CANDIDATES[::-1]
+            for name in order:
+                start = time.perf_counter()
+                jax.block_until_ready(fns[name](*args, **kwargs))
+                best[name] = min(best[name], time.perf_counter() - start)
+                timed += 1
+    chose = "plan" if best["plan"] <= best["jit"] else "jit"
+    return {"chose": chose, "plan_s": best["plan"], "jit_s": best["jit"], "calls": timed}
+
+
+def report_line(record: dict) -> str:
+    """One line of `Lowered.report()` for a signature's `stats["auto"]`."""
+    if record["plan_s"] is None:
+        return f"backend auto on this CPU: ran the plan untimed ({record['why']})"
+    ran = "the plan" if record["chose"] == "plan" else "jax.jit of the original function"
+    return (f"backend auto on this CPU: runs {ran} (measured on the first call, best of {record['calls'] // 2} "
+            f"alternating rounds: plan {record['plan_s'] * 1e3:,.3f} ms, jax.jit {record['jit_s'] * 1e3:,.3f} ms "
+            f"per call)")
