@@ -379,10 +379,15 @@ class Optimized:
         return with_planned_backward(planned_vjps[key], args, kwargs, is_static, self.static_argnames)
 
     def _planning_options(self) -> dict:
-        """The options a derived function (the planned forward and backward) is optimized with."""
+        """The options a derived function (the planned forward and backward) is optimized with: "auto"
+        resolved here, since a derived function's calls are inside a differentiation of this one's
+        (no timing against jax.jit, see `_auto_choice`)."""
+        import emit
+
+        backend = emit.resolve_backend(self.backend) if self.backend == "auto" else self.backend
         return dict(device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
                     iteration_limit=self.iteration_limit, time_limit=self.time_limit, extractor=self.extractor,
-                    extract_time_limit=self.extract_time_limit, progress=self.progress, backend=self.backend,
+                    extract_time_limit=self.extract_time_limit, progress=self.progress, backend=backend,
                     interpret=self.interpret, cache=getattr(self, "cache", True))
 
     @property
