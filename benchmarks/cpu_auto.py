@@ -1,6 +1,7 @@
 """On this CPU: the emitted plan (`backend="xla"`) made for the H100 and for the CPU, against `jax.jit`,
-steady state, on a ResNet block, an MLP with LayerNorm and SD 1.5's tiny UNet step; and what
-`backend="auto"` chose for each (it times the plan against `jax.jit` on a signature's first call).
+steady state, on a ResNet block (GroupNorm, SiLU), an MLP with LayerNorm, a ResNet-18 (BatchNorm, 32x32
+input) and SD 1.5's tiny UNet step and VAE decode; and what `backend="auto"` chose for each (it times the
+plan against `jax.jit` on a signature's first call, `driver.auto_choice`).
 
     python -m benchmarks.cpu_auto                    # every program, 2 s per pair
     python -m benchmarks.cpu_auto --only mlp --seconds 4
@@ -48,11 +49,69 @@ def _mlp_params(width: int, hidden: int) -> dict:
     return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
 
 
+def resnet18(params, x):
+    """torchvision's ResNet-18 on NHWC input, BatchNorm in inference form, max pool by reduce_window."""
+    from jax import lax
+
+    def conv(name, h, stride=1):
+        w = params[f"{name}.weight"]
+        pad = w.shape[0] // 2
+        return lax.conv_general_dilated(h, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def norm(name, h):
+        scale = params[f"{name}.scale"] * lax.rsqrt(params[f"{name}.var"] + 1e-5)
+        return (h - params[f"{name}.mean"]) * scale + params[f"{name}.bias"]
+
+    h = jax.nn.relu(norm("bn1", conv("conv1", x, 2)))
+    h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    for stage, _ in enumerate(RESNET18_WIDTHS):
+        for block in range(2):
+            name, stride = f"layer{stage + 1}.{block}", 2 if stage and not block else 1
+            out = jax.nn.relu(norm(f"{name}.bn1", conv(f"{name}.conv1", h, stride)))
+            out = norm(f"{name}.bn2", conv(f"{name}.conv2", out))
+            if f"{name}.downsample.weight" in params:
+                h = norm(f"{name}.downsample.bn", conv(f"{name}.downsample", h, stride))
+            h = jax.nn.relu(out + h)
+    return h.mean(axis=(1, 2)) @ params["fc.weight"] + params["fc.bias"]
+
+
+RESNET18_WIDTHS = (64, 128, 256, 512)
+
+
+def _resnet18_params(classes: int = 1000) -> dict:
+    shapes = {}
+
+    def conv(name, k, cin, cout):
+        shapes[f"{name}.weight"] = (k, k, cin, cout)
+
+    def norm(name, c):
+        shapes.update({f"{name}.{stat}": (c,) for stat in ("scale", "bias", "mean", "var")})
+
+    conv("conv1", 7, 3, 64)
+    norm("bn1", 64)
+    cin = 64
+    for stage, width in enumerate(RESNET18_WIDTHS):
+        for block in range(2):
+            name = f"layer{stage + 1}.{block}"
+            conv(f"{name}.conv1", 3, cin if not block else width, width)
+            norm(f"{name}.bn1", width)
+            conv(f"{name}.conv2", 3, width, width)
+            norm(f"{name}.bn2", width)
+            if stage and not block:
+                conv(f"{name}.downsample", 1, cin, width)
+                norm(f"{name}.downsample.bn", width)
+        cin = width
+    shapes.update({"fc.weight": (512, classes), "fc.bias": (classes,)})
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+
+
 def cases() -> list[Case]:
-    unet = next(case for case in _sd15_tiny() if case.name == "unet_tiny")
+    sd15 = {case.name: case for case in _sd15_tiny()}
     return [Case("resnet_block", resnet_block, (_resnet_params(64, 128), _f32(2, 32, 32, 64)), True),
             Case("mlp_layernorm", mlp, (_mlp_params(320, 1280), _f32(2, 256, 320)), True),
-            unet]
+            Case("resnet18", resnet18, (_resnet18_params(), _f32(1, 32, 32, 3)), True),
+            sd15["unet_tiny"], sd15["vae_tiny"]]
 
 
 def measure(case: Case, seconds: float) -> dict:
