@@ -31,7 +31,10 @@ interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls 
 libraries and the rest as Pallas kernels (`emit.library`: our conv and matmul templates are still
 slower than cuDNN/cuBLAS, measured), `"mosaic"` matmuls through the Mosaic GPU template (Hopper;
 GPU interpret mode on a CPU) and the rest as `"pallas"` (`emit.mosaic`), `"xla"` as jax.numpy (the fast path on a CPU), `"auto"`
-(default) picks `hybrid` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
+(default) picks `hybrid` on a GPU and on a CPU the faster of `xla` and `jax.jit` of the original
+function, timed on each signature's first call with concrete arguments and said in
+`lowered.stats["auto"]` and `report()` (`driver.auto_choice`; calls under an outer trace run the
+plan, untimed; `lowered(*args)` runs the plan), and `"interpret"` evaluates the
 plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
 `measure.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the

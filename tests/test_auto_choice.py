@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,9 @@ def test_the_choice_is_made_once_per_signature_and_recorded(choices):
         assert 2 <= record["calls"] <= auto_choice.CALLS
         assert record["chose"] == ("plan" if record["plan_s"] <= record["jit_s"] else "jit")
         assert "backend auto on this CPU: runs" in fast.lower(*args).report()
+    again = pickle.loads(pickle.dumps(fast))  # without its lowerings and choices: it chooses anew
+    close(again(*small), jax.jit(block)(*small))
+    assert len(choices) == 3
 
 
 @pytest.mark.parametrize("chose", ["plan", "jit"])
@@ -88,6 +93,7 @@ def test_either_candidate_computes_what_jit_computes(monkeypatch, chose):
     assert fast.lower(*args).stats["auto"]["chose"] == chose
 
 
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize("chose", ["plan", "jit"])
 def test_the_choice_holds_with_prepared_parameters_and_donation(monkeypatch, chose):
     forced(monkeypatch, chose)
