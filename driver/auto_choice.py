@@ -11,11 +11,13 @@ Nothing is timed on a GPU (`auto` is `hybrid` there), for an explicit backend, u
 (`jit`, `vmap`, `grad`: the plan runs, as before), or when a call has effects (debug prints,
 callbacks) or mutable `Ref` arguments a timing run would repeat; those record
 `{"chose": "plan", "plan_s": None, "jit_s": None, "why": ...}`. Both candidates compute the same
-function: they differ in float rounding only.
+function: they differ in float rounding only. `EQSAT_AUTO_CHOICE=plan` in the environment turns the
+timing off (the plan runs, untimed): the test suite sets it, so that a test of the plan tests the plan.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -24,11 +26,16 @@ import numpy as np
 CALLS = 10      # timed calls in all, both candidates together, after each has compiled and run once
 SECONDS = 2.0   # no new round starts after this many seconds of timed calls
 CANDIDATES = ("plan", "jit")
+ENVIRONMENT = "EQSAT_AUTO_CHOICE"
 
 
 def times_choice(backend: str) -> bool:
-    """Whether calls with `backend` choose between the plan and `jax.jit` by timing: `auto` on a CPU."""
-    return backend == "auto" and jax.default_backend() == "cpu"
+    """Whether calls with `backend` choose between the plan and `jax.jit` by timing: `auto` on a CPU,
+    unless `EQSAT_AUTO_CHOICE=plan` (the plan, untimed, as `backend="xla"`; the tests' setting)."""
+    setting = os.environ.get(ENVIRONMENT, "timed")
+    if setting not in ("timed", "plan"):
+        raise ValueError(f"{ENVIRONMENT}={setting!r}: expected 'timed' (the default) or 'plan'")
+    return backend == "auto" and setting == "timed" and jax.default_backend() == "cpu"
 
 
 def untimeable(program, args, kwargs) -> str | None:

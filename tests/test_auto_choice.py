@@ -29,6 +29,12 @@ def block_args(rows=6, seed=0):
     return [x, (rng.standard_normal((20, 12)) * 0.2).astype(np.float32), np.linspace(-2, 2, 12, dtype=np.float32)]
 
 
+@pytest.fixture(autouse=True)
+def timed(monkeypatch):
+    """The timed choice on (the suite's conftest turns it off)."""
+    monkeypatch.delenv(auto_choice.ENVIRONMENT, raising=False)
+
+
 def close(got, want, tol=2e-4):
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
@@ -163,3 +169,14 @@ def test_timing_is_bounded_by_calls_and_seconds():
     calls.clear()
     record = auto_choice.choose(counted("plan"), counted("jit"), (jnp.ones(3),), {}, calls=10, seconds=0.0)
     assert record["calls"] == 2 and len(calls) == 4  # one round, whatever the time
+
+
+def test_the_environment_turns_timing_off(choices, monkeypatch):
+    monkeypatch.setenv(auto_choice.ENVIRONMENT, "plan")
+    fast = eqsat.optimize(block, progress=False)
+    args = block_args()
+    close(fast(*args), jax.jit(block)(*args))
+    assert choices == [] and "auto" not in fast.lower(*args).stats
+    monkeypatch.setenv(auto_choice.ENVIRONMENT, "fastest")
+    with pytest.raises(ValueError, match="EQSAT_AUTO_CHOICE='fastest'"):
+        eqsat.optimize(block, progress=False)(*block_args(rows=3))
