@@ -17,6 +17,7 @@ timing off (the plan runs, untimed): the test suite sets it, so that a test of t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -52,13 +53,14 @@ def not_timed(why: str) -> dict:
     return {"chose": "plan", "plan_s": None, "jit_s": None, "calls": 0, "why": why}
 
 
-def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECONDS) -> dict:
+def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECONDS, in_trace: bool = False) -> dict:
     """Compile and run `plan` and `jitted` once each on `(args, kwargs)`, then time them in alternating
-    rounds (the first of a round alternates); the record of the module docstring. Runs eagerly even
-    while a jit traces the caller (`jax.ensure_compile_time_eval`), so that `args` are concrete."""
+    rounds (the first of a round alternates); the record of the module docstring. `in_trace`: a jit
+    is tracing the caller, and the candidates must run eagerly on the concrete `args` all the same
+    (`jax.ensure_compile_time_eval`, which is part of a jit's cache key: only where needed)."""
     fns = {"plan": plan, "jit": jitted}
     best = dict.fromkeys(CANDIDATES, float("inf"))
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval() if in_trace else contextlib.nullcontext():
         for fn in fns.values():
             jax.block_until_ready(fn(*args, **kwargs))
         timed, began = 0, time.perf_counter()

@@ -284,12 +284,17 @@ class Optimized:
         arguments = self._arguments
         if arguments is None:
             return jitted(*args, **kwargs)
-        # backend "auto" on a CPU: a new signature's trace times the plan against jax.jit on these.
-        arguments.call = (args, kwargs)
+        # backend "auto" on a CPU: a new signature's trace chooses between the plan and jax.jit with
+        # these (see _auto_choice), or leaves the choice to be timed after this call.
+        arguments.call, arguments.pending = (args, kwargs), None
         try:
-            return jitted(*args, **kwargs)
+            out = jitted(*args, **kwargs)
         finally:
-            arguments.call = None
+            arguments.call, pending = None, arguments.pending
+            arguments.pending = None
+        if pending is not None:
+            self._choose_after_first_call(jitted, pending, args, kwargs)
+        return out
 
     def _dispatches_through_jit(self) -> bool:
         """Calls go through one `jax.jit` of the whole call (its C++ fast path checks the signature,
@@ -349,13 +354,28 @@ class Optimized:
         record = lowered.stats.get("auto")
         if record is None:
             why = untimeable(lowered.program, args, kwargs)
+            if why is None and traced and not self._donated_inputs(lowered.program, args, kwargs):
+                # Timed after this call, the dispatching jit (compiled for the plan now) as the plan.
+                self._arguments.pending = lowered
+                return "plan"
             if why is not None:
                 record = not_timed(why)
-            else:
+            else:  # the arguments are donated by this call, or it runs outside a jit (prepared parameters)
                 plan = lowered.executable(self.backend, self.interpret)
-                record = choose(plan, self._original_jit(donating=False), args, kwargs)
+                record = choose(plan, self._original_jit(donating=False), args, kwargs, in_trace=traced)
             lowered.stats["auto"] = record
         return record["chose"]
+
+    def _choose_after_first_call(self, jitted, lowered, args, kwargs) -> None:
+        """Time the dispatching jit, which ran the plan for this signature, against jax.jit of the
+        original function; if jax.jit wins, a fresh dispatching jit traces the original function for
+        this signature on its next call (the others keep their recorded choices)."""
+        from driver.auto_choice import choose
+
+        record = choose(jitted, self._original_jit(donating=False), args, kwargs)
+        lowered.stats["auto"] = record
+        if record["chose"] == "jit" and self._jitted is jitted:
+            self._jitted = None
 
     def _original_jit(self, donating: bool):
         """`jax.jit` of the original function with this object's static arguments (and donation)."""
