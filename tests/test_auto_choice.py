@@ -90,13 +90,22 @@ def test_the_choice_is_made_once_per_signature_and_recorded(choices):
 @pytest.mark.parametrize("chose", ["plan", "jit"])
 def test_either_candidate_computes_what_jit_computes(monkeypatch, chose):
     values = forced(monkeypatch, chose)
-    fast = eqsat.optimize(block, progress=False)
+    traces = []
+
+    def traced_block(*args):
+        traces.append(len(traces))
+        return block(*args)
+
+    fast = eqsat.optimize(traced_block, progress=False)
     args = block_args(rows=77)
     want = jax.jit(block)(*args)
-    close(fast(*args), want)
+    close(fast(*args), want)  # plans, runs the plan, then times both
     close(values["plan"], want)
     close(values["jit"], want)
-    close(fast(*args), want)  # the chosen one, through the compiled dispatcher
+    before = len(traces)
+    close(fast(*args), want)  # the chosen one, through the dispatching jit
+    close(fast(*args), want)
+    assert len(traces) - before == (1 if chose == "jit" else 0)  # jit: the function traced into the dispatcher once
     assert fast.lower(*args).stats["auto"]["chose"] == chose
 
 
