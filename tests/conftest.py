@@ -42,8 +42,8 @@ import tempfile
 
 os.environ["EQSAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqsat-test-cache-")
 # backend="auto" runs the plan on a CPU, untimed: a test of the plan never runs jax.jit instead
-# (tests/test_auto_choice.py turns the timed choice back on).
-os.environ["EQSAT_AUTO_CHOICE"] = "plan"
+# (tests/test_auto_choice.py turns the timed choice back on; EQSAT_AUTO_CHOICE=timed runs a suite with it).
+os.environ.setdefault("EQSAT_AUTO_CHOICE", "plan")
 
 import eqsat  # noqa: F401  before jax: no CUDA plugin noise on a machine without a GPU (eqsat.quiet_cuda)
 
