@@ -7,6 +7,13 @@ signature's `Lowered.stats["auto"]`:
 
     {"chose": "plan" | "jit", "plan_s": best seconds per call, "jit_s": ..., "calls": timed calls}
 
+How `eqsat.optimize` calls it (`Optimized._auto_choice`): the first call runs the plan through the
+dispatching jit, then times that jit against `jax.jit(fn)`; if `jax.jit` won, the dispatching jit
+is rebuilt and traces `fn` for the signature on its next call. A call that donates its arguments is
+timed before it runs, inside the dispatching jit's trace (`choose(..., in_trace=True)`), with the
+emitted plan as its own jit. With prepared parameters (no dispatching jit) the call times the
+prepared plan against `jax.jit(fn)` and runs the winner itself.
+
 Nothing is timed on a GPU (`auto` is `hybrid` there), for an explicit backend, under an outer trace
 (`jit`, `vmap`, `grad`: the plan runs, as before), or when a call has effects (debug prints,
 callbacks) or mutable `Ref` arguments a timing run would repeat; those record
