@@ -68,8 +68,11 @@ def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECO
     fns = {"plan": plan, "jit": jitted}
     best = dict.fromkeys(CANDIDATES, float("inf"))
     with jax.ensure_compile_time_eval() if in_trace else contextlib.nullcontext():
-        for fn in fns.values():
-            jax.block_until_ready(fn(*args, **kwargs))
+        jax.block_until_ready(plan(*args, **kwargs))
+        try:
+            jax.block_until_ready(jitted(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - the plan ran; a jit that cannot is no candidate
+            return not_timed(f"jax.jit of the original function failed: {type(error).__name__}: {error}")
         timed, began = 0, time.perf_counter()
         while timed + len(fns) <= max(calls, len(fns)) and (timed == 0 or time.perf_counter() - began < seconds):
             order = CANDIDATES if (timed // len(fns)) % 2 == 0 else CANDIDATES[::-1]

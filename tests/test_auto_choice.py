@@ -190,3 +190,12 @@ def test_the_environment_turns_timing_off(choices, monkeypatch):
     monkeypatch.setenv(auto_choice.ENVIRONMENT, "fastest")
     with pytest.raises(ValueError, match="EQSAT_AUTO_CHOICE='fastest'"):
         eqsat.optimize(block, progress=False)(*block_args(rows=3))
+
+
+def test_a_jit_that_fails_is_no_candidate():
+    def failing(x):
+        raise RuntimeError("XLA cannot compile this")
+
+    record = auto_choice.choose(lambda x: x + 1, failing, (jnp.ones(3),), {})
+    assert record["chose"] == "plan" and record["plan_s"] is None
+    assert "RuntimeError: XLA cannot compile this" in record["why"]
