@@ -85,6 +85,11 @@ def test_the_choice_is_made_once_per_signature_and_recorded(choices):
     again = pickle.loads(pickle.dumps(fast))  # without its lowerings and choices: it chooses anew
     close(again(*small), jax.jit(block)(*small))
     assert len(choices) == 3
+    prepared = eqsat.optimize(block, params_argnums=(1, 2), progress=False)  # no dispatching jit
+    for _ in range(2):
+        close(prepared(*small), jax.jit(block)(*small))
+    assert len(choices) == 4 and prepared.lower(*small).stats["auto"] is choices[-1]
+    assert choices[-1]["plan_s"] > 0 and choices[-1]["jit_s"] > 0
 
 
 @pytest.mark.parametrize("chose", ["plan", "jit"])
