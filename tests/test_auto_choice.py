@@ -150,6 +150,7 @@ def test_an_explicit_backend_never_times(choices, backend):
     assert "auto" not in fast.lower(*args).stats
 
 
+@pytest.mark.filterwarnings("ignore:eqsat.lift")  # the callback stays opaque, as it should
 def test_effects_are_not_repeated_for_timing(choices):
     seen = []
 
