@@ -46,13 +46,14 @@ def times_choice(backend: str) -> bool:
     return backend == "auto" and setting == "timed" and jax.default_backend() == "cpu"
 
 
-def untimeable(program, args, kwargs) -> str | None:
-    """Why a call cannot be run again for timing (None when it can)."""
+def untimeable(program, dynamic_args) -> str | None:
+    """Why a call cannot be run again for timing (None when it can); `dynamic_args`: its arguments
+    but the static ones."""
     if program.effect_outputs:
         return "the function has effects (a timing run would repeat them)"
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
-    if any(not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) for leaf in leaves):
-        return "an argument is not an array (a mutable Ref would be updated by a timing run)"
+    for leaf in jax.tree_util.tree_leaves(dynamic_args):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+            return f"an argument is a {type(leaf).__name__}, not an array (a timing run could change it)"
     return None
 
 

@@ -353,7 +353,8 @@ class Optimized:
             args, kwargs = stash
         record = lowered.stats.get("auto")
         if record is None:
-            why = untimeable(lowered.program, args, kwargs)
+            why = untimeable(lowered.program, ([a for i, a in enumerate(args) if not self._is_static(i, len(args))],
+                                                {k: v for k, v in kwargs.items() if k not in self.static_argnames}))
             if why is None and traced and not self._donated_inputs(lowered.program, args, kwargs):
                 # Timed after this call, the dispatching jit (compiled for the plan now) as the plan.
                 self._arguments.pending = lowered

@@ -205,3 +205,24 @@ def test_a_jit_that_fails_is_no_candidate():
     record = auto_choice.choose(lambda x: x + 1, failing, (jnp.ones(3),), {})
     assert record["chose"] == "plan" and record["plan_s"] is None
     assert "RuntimeError: XLA cannot compile this" in record["why"]
+
+
+def test_static_arguments_that_are_not_arrays_are_timed_all_the_same(choices):
+    def scaled(x, w, scale, *, settings):
+        return block(x, w, scale) * settings[1]
+
+    fast = eqsat.optimize(scaled, static_argnames="settings", progress=False)
+    args = block_args()
+    close(fast(*args, settings=("twice", 2.0)), 2.0 * jax.jit(block)(*args))
+    assert len(choices) == 1 and choices[0]["plan_s"] > 0
+
+
+def test_a_mutable_ref_argument_is_not_run_again():
+    if not hasattr(jax, "new_ref"):
+        pytest.skip("this jax has no mutable refs")
+    from eqsat.program import Program
+
+    ref = jax.new_ref(jnp.zeros(3))
+    why = auto_choice.untimeable(Program(inputs=[], outputs=[]), ([jnp.ones(3), ref], {}))
+    assert why is not None and "Ref" in why
+    assert auto_choice.untimeable(Program(inputs=[], outputs=[]), ([jnp.ones(3), np.ones(2), 3, 2.5], {})) is None
