@@ -61,15 +61,18 @@ def not_timed(why: str) -> dict:
     return {"chose": "plan", "plan_s": None, "jit_s": None, "calls": 0, "why": why}
 
 
-def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECONDS, in_trace: bool = False) -> dict:
-    """Compile and run `plan` and `jitted` once each on `(args, kwargs)`, then time them in alternating
-    rounds (the first of a round alternates); the record of the module docstring. `in_trace`: a jit
-    is tracing the caller, and the candidates must run eagerly on the concrete `args` all the same
+def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECONDS, in_trace: bool = False,
+           plan_ran: bool = False) -> dict:
+    """Compile and run `plan` and `jitted` once each on `(args, kwargs)` (not `plan` when `plan_ran`:
+    it has run on such arguments already), then time them in alternating rounds (the first of a
+    round alternates); the record of the module docstring. `in_trace`: a jit is tracing the caller,
+    and the candidates must run eagerly on the concrete `args` all the same
     (`jax.ensure_compile_time_eval`, which is part of a jit's cache key: only where needed)."""
     fns = {"plan": plan, "jit": jitted}
     best = dict.fromkeys(CANDIDATES, float("inf"))
     with jax.ensure_compile_time_eval() if in_trace else contextlib.nullcontext():
-        jax.block_until_ready(plan(*args, **kwargs))
+        if not plan_ran:
+            jax.block_until_ready(plan(*args, **kwargs))
         try:
             jax.block_until_ready(jitted(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - the plan ran; a jit that cannot is no candidate

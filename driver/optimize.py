@@ -373,7 +373,7 @@ class Optimized:
         this signature on its next call (the others keep their recorded choices)."""
         from driver.auto_choice import choose
 
-        record = choose(jitted, self._original_jit(donating=False), args, kwargs)
+        record = choose(jitted, self._original_jit(donating=False), args, kwargs, plan_ran=True)
         lowered.stats["auto"] = record
         if record["chose"] == "jit" and self._jitted is jitted:
             self._jitted = None

@@ -185,6 +185,9 @@ def test_timing_is_bounded_by_calls_and_seconds():
     calls.clear()
     record = auto_choice.choose(counted("plan"), counted("jit"), (jnp.ones(3),), {}, calls=10, seconds=0.0)
     assert record["calls"] == 2 and len(calls) == 4  # one round, whatever the time
+    calls.clear()
+    record = auto_choice.choose(counted("plan"), counted("jit"), (jnp.ones(3),), {}, seconds=0.0, plan_ran=True)
+    assert calls == ["jit", "plan", "jit"]  # the plan that ran already is not run to warm it
 
 
 def test_the_environment_turns_timing_off(choices, monkeypatch):
