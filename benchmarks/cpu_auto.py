@@ -143,6 +143,14 @@ def measure(case: Case, seconds: float) -> dict:
     return row
 
 
+def _chose(record) -> str:
+    if record is None:
+        return "-"
+    if record["plan_s"] is None:
+        return f"plan, untimed ({record['why']})"
+    return f"{record['chose']} (plan {record['plan_s'] * 1e3:.2f} ms, jit {record['jit_s'] * 1e3:.2f} ms)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="program names (default: all)")
@@ -156,11 +164,9 @@ def main(argv=None) -> int:
             continue
         row = measure(case, options.seconds)
         (h, hj), (c, cj) = row["h100"], row["cpu"]
-        auto = row["auto"]
-        chose = "-" if auto is None else f"{auto['chose']} (plan {auto['plan_s'] * 1e3:.2f} ms, jit {auto['jit_s'] * 1e3:.2f} ms)"
-        print(f"{case.name:<14} {h * 1e3:>8.2f}ms {hj * 1e3:>7.2f}ms {h / hj:>5.2f}x {c * 1e3:>8.2f}ms {cj * 1e3:>7.2f}ms "
-              f"{c / cj:>5.2f}x  {row['first_xla']:>7.2f}+{row['second_xla']:.2f}s {row['first_auto']:>6.2f}+"
-              f"{row['second_auto']:.2f}s  {chose}", flush=True)
+        print(f"{case.name:<14} {h * 1e3:>8.2f}ms {hj * 1e3:>7.2f}ms {h / hj:>5.2f}x {c * 1e3:>8.2f}ms "
+              f"{cj * 1e3:>7.2f}ms {c / cj:>5.2f}x  {row['first_xla']:>7.2f}+{row['second_xla']:.2f}s "
+              f"{row['first_auto']:>6.2f}+{row['second_auto']:.2f}s  {_chose(row['auto'])}", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")
     return 0
 
