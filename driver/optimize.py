@@ -31,7 +31,10 @@ interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls 
 libraries and the rest as Pallas kernels (`emit.library`: our conv and matmul templates are still
 slower than cuDNN/cuBLAS, measured), `"mosaic"` matmuls through the Mosaic GPU template (Hopper;
 GPU interpret mode on a CPU) and the rest as `"pallas"` (`emit.mosaic`), `"xla"` as jax.numpy (the fast path on a CPU), `"auto"`
-(default) picks `hybrid` on a GPU and `xla` elsewhere, and `"interpret"` evaluates the
+(default) picks `hybrid` on a GPU and on a CPU the faster of `xla` and `jax.jit` of the original
+function, timed on each signature's first call with concrete arguments and said in
+`lowered.stats["auto"]` and `report()` (`driver.auto_choice`; calls under an outer trace run the
+plan, untimed; `lowered(*args)` runs the plan), and `"interpret"` evaluates the
 plan with the reference interpreter (`eqsat.interpret`, correct everywhere, fast nowhere). An
 optimized function pickles without its lowerings (it re-plans where it is unpickled), so
 `measure.xla_target.compile_for_h100(eqsat.optimize(f, backend="pallas"), *args)` compiles the
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 import types
 import warnings
@@ -207,6 +211,10 @@ class Lowered:
             lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; driver.cache): "
                          f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
                          f"planning run's")
+        if s.get("auto") is not None:
+            from driver.auto_choice import report_line
+
+            lines.append(report_line(s["auto"]))
         from driver.explain import format_explanation
 
         lines.append("not fused: " + format_explanation(self.explain(), limit=12).replace("\n", "\n  "))
@@ -260,6 +268,8 @@ class Optimized:
         self._cache: dict = {}
         self._planned_vjps: dict = {}  # argument signature -> driver.differentiate.PlannedVJP
         self._jitted = None  # the jax.jit every call goes through (see _dispatches_through_jit)
+        self._arguments = None  # backend "auto" on a CPU: a thread's concrete call arguments (see _auto_choice)
+        self._original_jits: dict = {}  # donating or not -> jax.jit(fn): the other candidate of "auto" on a CPU
         self._said_not_donated = False
         functools.update_wrapper(self, fn)
 
@@ -267,11 +277,24 @@ class Optimized:
         if differentiation_mode((args, kwargs)) == "reverse":
             return self._call_with_planned_backward(args, kwargs)
         jitted = self._jitted  # set once the first call chose to dispatch through jit
-        if jitted is not None:
+        if jitted is None:
+            if not self._dispatches_through_jit():
+                return self._call(*args, **kwargs)
+            jitted = self._dispatcher()
+        arguments = self._arguments
+        if arguments is None:
             return jitted(*args, **kwargs)
-        if self._dispatches_through_jit():
-            return self._dispatcher()(*args, **kwargs)
-        return self._call(*args, **kwargs)
+        # backend "auto" on a CPU: a new signature's trace chooses between the plan and jax.jit with
+        # these (see _auto_choice), or leaves the choice to be timed after this call.
+        arguments.call, arguments.pending = (args, kwargs), None
+        try:
+            out = jitted(*args, **kwargs)
+        finally:
+            arguments.call, pending = None, arguments.pending
+            arguments.pending = None
+        if pending is not None:
+            self._choose_after_first_call(jitted, pending, args, kwargs)
+        return out
 
     def _dispatches_through_jit(self) -> bool:
         """Calls go through one `jax.jit` of the whole call (its C++ fast path checks the signature,
@@ -285,6 +308,10 @@ class Optimized:
         if self._jitted is None:
             import jax
 
+            from driver.auto_choice import times_choice
+
+            self._arguments = threading.local() if times_choice(self.backend) else None
+
             @functools.wraps(self.fn)
             def call(*args, **kwargs):
                 return self._call(*args, **kwargs)
@@ -295,8 +322,12 @@ class Optimized:
 
     def _call(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)
+        traced = any_tracer((args, kwargs))
+        if self._auto_choice(lowered, args, kwargs, traced) == "jit":
+            # Under this object's own jit the original function is traced into it: that jit is jax.jit(fn).
+            return self.fn(*args, **kwargs) if traced else self._original_jit(donating=True)(*args, **kwargs)
         # Traced (under this object's own jit or the user's), donation is that jit's to do.
-        donate = () if any_tracer((args, kwargs)) else self._donated_inputs(lowered.program, args, kwargs)
+        donate = () if traced else self._donated_inputs(lowered.program, args, kwargs)
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
@@ -305,6 +336,59 @@ class Optimized:
             return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
                                              self.static_argnames)
         return run(*args, **kwargs)
+
+    def _auto_choice(self, lowered, args, kwargs, traced: bool) -> str:
+        """"plan" or "jit": with backend "auto" on a CPU, the faster of the plan and jax.jit for this
+        signature, timed on its first call with concrete arguments and kept in `lowered.stats["auto"]`
+        (`driver.auto_choice`); otherwise, and under an outer trace, "plan"."""
+        from driver.auto_choice import choose, not_timed, times_choice, untimeable
+
+        if not times_choice(self.backend):
+            return "plan"
+        if traced:
+            # Concrete arguments only when this trace is this object's own jit of a concrete call.
+            stash = getattr(getattr(self, "_arguments", None), "call", None)
+            if stash is None or any_tracer(stash):
+                return "plan"
+            args, kwargs = stash
+        record = lowered.stats.get("auto")
+        if record is None:
+            why = untimeable(lowered.program, ([a for i, a in enumerate(args) if not self._is_static(i, len(args))],
+                                                {k: v for k, v in kwargs.items() if k not in self.static_argnames}))
+            if why is None and traced and not self._donated_inputs(lowered.program, args, kwargs):
+                # Timed after this call, the dispatching jit (compiled for the plan now) as the plan.
+                self._arguments.pending = lowered
+                return "plan"
+            if why is not None:
+                record = not_timed(why)
+            else:  # the arguments are donated by this call, or it runs outside a jit (prepared parameters)
+                plan = lowered.executable(self.backend, self.interpret)
+                record = choose(plan, self._original_jit(donating=False), args, kwargs, in_trace=traced)
+            lowered.stats["auto"] = record
+        return record["chose"]
+
+    def _choose_after_first_call(self, jitted, lowered, args, kwargs) -> None:
+        """Time the dispatching jit, which ran the plan for this signature, against jax.jit of the
+        original function; if jax.jit wins, a fresh dispatching jit traces the original function for
+        this signature on its next call (the others keep their recorded choices)."""
+        from driver.auto_choice import choose
+
+        record = choose(jitted, self._original_jit(donating=False), args, kwargs, plan_ran=True)
+        lowered.stats["auto"] = record
+        if record["chose"] == "jit" and self._jitted is jitted:
+            self._jitted = None
+
+    def _original_jit(self, donating: bool):
+        """`jax.jit` of the original function with this object's static arguments (and donation)."""
+        import jax
+
+        jits = self.__dict__.setdefault("_original_jits", {})
+        donating = donating and bool(self.donate_argnums or self.donate_argnames)
+        if donating not in jits:
+            donate = dict(donate_argnums=self.donate_argnums, donate_argnames=self.donate_argnames) if donating else {}
+            jits[donating] = jax.jit(self.fn, static_argnums=self.static_argnums,
+                                     static_argnames=self.static_argnames, **donate)
+        return jits[donating]
 
     def _call_with_planned_backward(self, args, kwargs):
         """Under reverse-mode differentiation: a custom_vjp of the planned forward (with residuals) and
@@ -319,10 +403,15 @@ class Optimized:
         return with_planned_backward(planned_vjps[key], args, kwargs, is_static, self.static_argnames)
 
     def _planning_options(self) -> dict:
-        """The options a derived function (the planned forward and backward) is optimized with."""
+        """The options a derived function (the planned forward and backward) is optimized with: "auto"
+        resolved here, since a derived function's calls are inside a differentiation of this one's
+        (no timing against jax.jit, see `_auto_choice`)."""
+        import emit
+
+        backend = emit.resolve_backend(self.backend) if self.backend == "auto" else self.backend
         return dict(device=self.device, rulesets=self.rulesets, node_limit=self.node_limit,
                     iteration_limit=self.iteration_limit, time_limit=self.time_limit, extractor=self.extractor,
-                    extract_time_limit=self.extract_time_limit, progress=self.progress, backend=self.backend,
+                    extract_time_limit=self.extract_time_limit, progress=self.progress, backend=backend,
                     interpret=self.interpret, cache=getattr(self, "cache", True))
 
     @property
@@ -342,6 +431,8 @@ class Optimized:
         state["_cache"] = {}
         state["_planned_vjps"] = {}
         state["_jitted"] = None
+        state["_arguments"] = None
+        state["_original_jits"] = {}
         return state
 
     def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:

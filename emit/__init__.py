@@ -20,7 +20,8 @@ Backends:
 - `hybrid`: convs and matmuls through the XLA emitter (cuDNN / cuBLAS with XLA's fusions around
   them), every other kernel through its Pallas template: on a GPU our conv and matmul templates
   are still many times slower than the libraries (measured; `emit.library` has the numbers).
-- `auto`: `hybrid` when jax's default backend is a GPU, else `xla`.
+- `auto`: `hybrid` when jax's default backend is a GPU, else `xla` (on a CPU, `eqsat.optimize` then
+  also times `jax.jit` of the original function and runs the faster: `driver.auto_choice`).
 - `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
 
 On several devices (`jax.device_count() > 1`) the Pallas backends run the plan partitioned by the

@@ -27,7 +27,8 @@ comparisons against torch measure the model code, not TF32/bf16 passes.
 
 The plan cache (`driver.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
 temporary folder for the session (what session fixtures and subprocesses see) and at a fresh one
-for each test (`fresh_plan_cache`), so no test sees another's plans.
+for each test (`fresh_plan_cache`), so no test sees another's plans. `EQSAT_AUTO_CHOICE=plan`:
+`backend="auto"` runs the plan on a CPU instead of timing it against `jax.jit` (`driver.auto_choice`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import tempfile
 
 os.environ["EQSAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqsat-test-cache-")
+# backend="auto" runs the plan on a CPU, untimed: a test of the plan never runs jax.jit instead
+# (tests/test_auto_choice.py turns the timed choice back on; EQSAT_AUTO_CHOICE=timed runs a suite with it).
+os.environ.setdefault("EQSAT_AUTO_CHOICE", "plan")
 
 import eqsat  # noqa: F401  before jax: no CUDA plugin noise on a machine without a GPU (eqsat.quiet_cuda)
 
