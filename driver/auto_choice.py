@@ -2,7 +2,8 @@
 
 The first call of a signature, with concrete arguments, compiles and runs both once, then times them
 in alternating rounds (at most `CALLS` timed calls, stopping after `SECONDS` once a round is done)
-and keeps the one with the smaller best time for that signature. The choice is recorded in the
+and keeps the plan unless `jax.jit`'s best time is more than `MARGIN` smaller (a switch costs a compile,
+and within a few percent the two are the same program timed through noise). The choice is recorded in the
 signature's `Lowered.stats["auto"]`:
 
     {"chose": "plan" | "jit", "plan_s": best seconds per call, "jit_s": ..., "calls": timed calls}
@@ -33,6 +34,7 @@ import numpy as np
 
 CALLS = 10      # timed calls in all, both candidates together, after each has compiled and run once
 SECONDS = 2.0   # no new round starts after this many seconds of timed calls
+MARGIN = 0.03   # jax.jit must be this much faster (a fraction of the plan's time) to be chosen
 CANDIDATES = ("plan", "jit")
 ENVIRONMENT = "EQSAT_AUTO_CHOICE"
 
@@ -85,7 +87,7 @@ def choose(plan, jitted, args, kwargs, calls: int = CALLS, seconds: float = SECO
                 jax.block_until_ready(fns[name](*args, **kwargs))
                 best[name] = min(best[name], time.perf_counter() - start)
                 timed += 1
-    chose = "plan" if best["plan"] <= best["jit"] else "jit"
+    chose = "jit" if best["jit"] < best["plan"] * (1 - MARGIN) else "plan"
     return {"chose": chose, "plan_s": best["plan"], "jit_s": best["jit"], "calls": timed}
 
 

@@ -80,7 +80,7 @@ def test_the_choice_is_made_once_per_signature_and_recorded(choices):
         assert record is made
         assert record["plan_s"] > 0 and record["jit_s"] > 0
         assert 2 <= record["calls"] <= auto_choice.CALLS
-        assert record["chose"] == ("plan" if record["plan_s"] <= record["jit_s"] else "jit")
+        assert record["chose"] == ("jit" if record["jit_s"] < record["plan_s"] * (1 - auto_choice.MARGIN) else "plan")
         assert "backend auto on this CPU: runs" in fast.lower(*args).report()
     again = pickle.loads(pickle.dumps(fast))  # without its lowerings and choices: it chooses anew
     close(again(*small), jax.jit(block)(*small))
