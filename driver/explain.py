@@ -11,7 +11,7 @@ does not accept is the blocker: the pattern it needed and the term it found inst
     lowered = eqsat.optimize(f).lower(*args)
     for missed in lowered.explain(): print(missed)
     # kernel 3 (matmul bhqk,...): attention: softmax input is select(mask, s, -10000.0): the attention
-    #   rule wants a fill of -inf or at or below float32's lowest finite value (-3.40e+38), or an additive bias
+    #   rule wants a mask fill of -inf or in float32's lowest binade (at or below -1.7e+38), or an additive bias
 
 A matmul that is no softmax's QK (a projection, an MLP) gets no attention entry, nor does attention
 the plan already runs as one `attention` kernel (its matmuls are gone from the plan).
@@ -326,10 +326,10 @@ def _walk_scores(qk: Term, readers, program) -> tuple[Term, tuple[str, str] | No
             from eqsat.types import parse_type
 
             dtype = parse_type(inner.ty).dtype
-            lowest = float(jnp.finfo(dtype).min)
+            binade = -(2.0 ** (jnp.finfo(dtype).maxexp - 1))
             return current, (f"softmax input is {_render(body, current, program)}",
-                             f"the attention rule wants a mask fill of -inf or at or below {dtype}'s lowest "
-                             f"finite value ({lowest:.3g}), or an additive bias")
+                             f"the attention rule wants a mask fill of -inf or in {dtype}'s lowest binade "
+                             f"(at or below {binade:.3g}: finfo.min, jax's 0.7·finfo.min), or an additive bias")
         return current, (f"softmax input is {_render(body, current, program)}",
                          "the attention rule wants converts, a constant scale, an additive bias or a where-mask "
                          "between the QK matmul and the softmax")
