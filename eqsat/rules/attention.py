@@ -706,6 +706,111 @@ def _bshd_args(draw):
             tensor(draw, (batch, kv_len, heads, head_dim)))
 
 
+def _tokens(draw) -> int:
+    """A sequence length: small, or CLIP's 77."""
+    from hypothesis import strategies as st
+
+    return draw(st.sampled_from((1, 2, 3, 5, 77)))
+
+
+def _head_dim(draw) -> int:
+    """A head dim: small, or SD 1.5's 40."""
+    from hypothesis import strategies as st
+
+    return draw(st.sampled_from((1, 3, 4, 40)))
+
+
+def _jax_nn_attention(q, k, v):
+    """jax.nn.dot_product_attention on [B, T, H, D]: grouped scores of rank 5 [B, H_kv, T, G, S], moved
+    to [G, B, H_kv, T, S] for the softmax, the row max taken before the move, v on the left of the PV."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def _jax_nn_causal_attention(q, k, v):
+    """is_causal=True: where(causal, s, 0.7 · float32's lowest) on the moved rank-5 scores."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def _jax_nn_args(draw, group=1):
+    from eqsat.rules import dim, tensor
+
+    batch, kv_heads, q_len, kv_len, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (batch, q_len, kv_heads * group, head_dim)), tensor(draw, (batch, kv_len, kv_heads, head_dim)),
+            tensor(draw, (batch, kv_len, kv_heads, head_dim)))
+
+
+def _jax_nn_causal_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, length, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _head_dim(draw)
+    return tuple(tensor(draw, (batch, length, heads, head_dim)) for _ in range(3))
+
+
+def _grouped_args(draw):
+    return _jax_nn_args(draw, group=2)
+
+
+def _equinox_attention(q, k, v, mask):
+    """equinox MultiheadAttention's core on [T, H, D]: heads by vmap (rank-3 scores [H, T, S]), the
+    logits masked with finfo.min, soft-maxed in float32 and cast back."""
+    import jax
+    import jax.numpy as jnp
+
+    def head(q, k, v):
+        q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        logits = jnp.einsum("sd,Sd->sS", q, k)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        weights = jax.nn.softmax(logits.astype(jnp.result_type(logits.dtype, jnp.float32))).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+
+    return jax.vmap(head, in_axes=1, out_axes=1)(q, k, v)
+
+
+def _equinox_args(draw):
+    """[T, H, D] operands and a random [T, S] mask (rows with every key masked among them)."""
+    from eqsat.rules import dim, tensor
+
+    heads, q_len, kv_len, head_dim = dim(draw, 1, 3), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (q_len, heads, head_dim)), tensor(draw, (kv_len, heads, head_dim)),
+            tensor(draw, (kv_len, heads, head_dim)), tensor(draw, (q_len, kv_len), dtype="bool"))
+
+
+def _single_head(q, k, v):
+    """softmax(q·kᵀ)·v on [T, D] operands: scores without batch axes."""
+    import jax
+
+    return jax.nn.softmax(q @ k.T * 0.25, axis=-1) @ v
+
+
+def _single_head_args(draw):
+    from eqsat.rules import tensor
+
+    q_len, kv_len, head_dim = _tokens(draw), _tokens(draw), _head_dim(draw)
+    return tensor(draw, (q_len, head_dim)), tensor(draw, (kv_len, head_dim)), tensor(draw, (kv_len, head_dim))
+
+
+def _shared_values(q, k, v):
+    """Per-head probabilities [H, T, S] times one v [S, D] shared by every head: the PV has no batch
+    axis where the scores have one, not Attention's per-head v; must not match."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("hqd,hkd->hqk", q, k)
+    return jnp.einsum("hqk,kd->hqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _shared_values_args(draw):
+    from eqsat.rules import dim, tensor
+
+    heads, q_len, kv_len, head_dim = dim(draw, 2, 3), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (heads, q_len, head_dim)), tensor(draw, (heads, kv_len, head_dim)),
+            tensor(draw, (kv_len, head_dim)))
+
+
 def _half_tolerance(leaves):
     """fp16 attention: the kernel's float32 softmax against jax's fp16 one, a few fp16 ulps of |v|."""
     return 1e-2 * max(1.0, max(float(np.max(np.abs(leaf))) for leaf in leaves if leaf.size))
@@ -732,6 +837,15 @@ def _examples():
         # where the kernel's float32 scores stay finite: held to uniform draws, zeros and tiny values
         Example(_half_softmax_attention, _bshd_args, ("softmax", "rounded_stats", "flash_attention_value_lhs"),
                 tolerance=_half_tolerance, regimes=("zeros", "tiny")),
+        # other ranks: grouped rank-5 scores, rank-3 (vmapped heads), rank-2 (no batch axis)
+        Example(_jax_nn_attention, _jax_nn_args, ("score_views", "softmax", "flash_attention_value_lhs")),
+        Example(_jax_nn_attention, _grouped_args, ("score_views", "flash_attention_value_lhs"), name="grouped query"),
+        Example(_jax_nn_causal_attention, _jax_nn_causal_args,
+                ("score_views", "fill_values", "masked_scores", "flash_attention_value_lhs"), regimes=finite),
+        Example(_equinox_attention, _equinox_args, ("constants", "masked_scores", "softmax", "flash_attention"),
+                regimes=finite),
+        Example(_single_head, _single_head_args, ("scores", "flash_attention")),
+        Example(_shared_values, _shared_values_args, ("flash_attention",), fires=False),
     ]
 
 
