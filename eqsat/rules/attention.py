@@ -735,12 +735,12 @@ def _jax_nn_causal_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
-def _jax_nn_args(draw, group=1):
+def _jax_nn_args(draw):
     from eqsat.rules import dim, tensor
 
-    batch, kv_heads, q_len, kv_len, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _tokens(draw), _head_dim(draw)
-    return (tensor(draw, (batch, q_len, kv_heads * group, head_dim)), tensor(draw, (batch, kv_len, kv_heads, head_dim)),
-            tensor(draw, (batch, kv_len, kv_heads, head_dim)))
+    batch, heads, q_len, kv_len, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (batch, q_len, heads, head_dim)), tensor(draw, (batch, kv_len, heads, head_dim)),
+            tensor(draw, (batch, kv_len, heads, head_dim)))
 
 
 def _jax_nn_causal_args(draw):
@@ -750,8 +750,16 @@ def _jax_nn_causal_args(draw):
     return tuple(tensor(draw, (batch, length, heads, head_dim)) for _ in range(3))
 
 
-def _grouped_args(draw):
-    return _jax_nn_args(draw, group=2)
+def _merged_heads(q, k, v):
+    """torch's bmm spelling: [B, H, Sq, Sk] scores reshaped to [B·H, Sq, Sk], softmax, then a PV
+    batched over B·H with v reshaped to match."""
+    import jax
+    import jax.numpy as jnp
+
+    batch, heads, q_len, _ = q.shape
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).reshape(batch * heads, q_len, k.shape[2]) * 0.5
+    merged_v = v.reshape(batch * heads, *v.shape[2:])
+    return jnp.einsum("nqk,nkd->nqd", jax.nn.softmax(scores, axis=-1), merged_v)
 
 
 def _equinox_attention(q, k, v, mask):
@@ -839,7 +847,7 @@ def _examples():
                 tolerance=_half_tolerance, regimes=("zeros", "tiny")),
         # other ranks: grouped rank-5 scores, rank-3 (vmapped heads), rank-2 (no batch axis)
         Example(_jax_nn_attention, _jax_nn_args, ("score_views", "softmax", "flash_attention_value_lhs")),
-        Example(_jax_nn_attention, _grouped_args, ("score_views", "flash_attention_value_lhs"), name="grouped query"),
+        Example(_merged_heads, _bhsd_args, ("score_views", "softmax", "flash_attention")),
         Example(_jax_nn_causal_attention, _jax_nn_causal_args,
                 ("score_views", "fill_values", "masked_scores", "flash_attention_value_lhs"), regimes=finite),
         Example(_equinox_attention, _equinox_args, ("constants", "masked_scores", "softmax", "flash_attention"),
