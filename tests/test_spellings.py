@@ -45,7 +45,7 @@ def test_spelling_fuses_and_matches_jit(name):
     "attention: einsum bthd", "attention: / jnp.sqrt(d) at run time", "attention: where(mask, s, finfo.min)",
     "attention: where(mask, s, -inf)", "attention: flax causal, fp16", "layernorm: flax (E[x²]-E[x]²)",
     "attention: jax.nn.dot_product_attention", "attention: jax.nn.dot_product_attention causal",
-    "attention: equinox MultiheadAttention (no batch axis)",
+    "attention: equinox MultiheadAttention (no batch axis)", "attention: equinox MultiheadAttention, fp16",
 ])
 def test_spelling_pallas_interpret_matches_jit(name):
     spelling, args, lowered = _lower(name, backend="pallas")

@@ -376,13 +376,17 @@ def _score_views(e: Expr, x: Expr, q: Expr, k: Expr, scale: f64, perm: String, t
 
 
 @attention.register
-def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: String):
-    """Biased(e, q, k, b, scale): e = scale · q·kᵀ + b, the bias b any Expr of the scores' shape (either order)."""
+def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: String, tx: String):
+    """Biased(e, q, k, b, scale): e = scale · q·kᵀ + b, the bias b any Expr of the scores' shape (either
+    order), and a float convert of that (equinox's float32 softmax of 16-bit masked logits; the kernel
+    adds the bias to float32 scores, as converted scores are Scores)."""
     yield rule(e == Binary("add", x, b, ty), Scores(x, q, k, scale, ty)).then(
         Biased(e, q, k, b, scale, ty), BiasType(b, ty))
     yield rule(e == Binary("add", b, x, ty), Scores(x, q, k, scale, ty)).then(
         Biased(e, q, k, b, scale, ty), BiasType(b, ty))
     yield rule(e == Load(Pointwise(x, ty), ty), Biased(x, q, k, b, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+    yield rule(e == Unary("convert", x, ty), Biased(x, q, k, b, scale, tx), ne(py_string(_is_float, ty)).to(String(""))).then(
+        Biased(e, q, k, b, scale, ty))
 
 
 @attention.register
@@ -787,6 +791,12 @@ def _equinox_args(draw):
             tensor(draw, (kv_len, heads, head_dim)), tensor(draw, (q_len, kv_len), dtype="bool"))
 
 
+def _equinox_half_args(draw):
+    """float16 operands: the masked 16-bit logits converted for equinox's float32 softmax."""
+    q, k, v, mask = _equinox_args(draw)
+    return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), mask
+
+
 def _single_head(q, k, v):
     """softmax(q·kᵀ)·v on [T, D] operands: scores without batch axes."""
     import jax
@@ -853,6 +863,8 @@ def _examples():
         Example(_equinox_attention, _equinox_args, ("constants", "masked_scores", "softmax", "flash_attention"),
                 regimes=finite),
         Example(_single_head, _single_head_args, ("scores", "flash_attention")),
+        Example(_equinox_attention, _equinox_half_args, ("biased_scores/3", "masked_scores", "flash_attention"),
+                name="equinox fp16", tolerance=_half_tolerance, regimes=("zeros", "tiny")),
         Example(_shared_values, _shared_values_args, ("flash_attention",), fires=False),
     ]
 
