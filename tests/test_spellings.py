@@ -93,6 +93,20 @@ def test_explain_names_the_layout_blocker_of_unfused_attention():
     assert "attention: QK matmul" in lowered.report()
 
 
+def test_explain_names_the_probabilities_layout_of_grouped_queries():
+    """Grouped queries (G = 2 query heads per K/V head): jax moves the group axis in front of the batch
+    axes, so the probabilities' batch and free axes are out of order for the PV matmul."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 5, 2, 8)).astype(np.float32) for _ in range(2))
+    lowered = eqsat.optimize(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                             progress=False, backend="xla").lower(q, k, v)
+    assert lowered.plan.kinds().get("matmul") == 2
+    (missed,) = [m for m in lowered.explain() if m.family == "attention"]
+    assert missed.found.startswith("PV matmul is dot_general(f32[1,5,2,8], f32[2,1,2,5,5]"), missed
+    assert "batch and free axes in order" in missed.needed, missed
+
+
 def test_explain_names_a_mask_fill_that_does_not_mask():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 7, 5)).astype(np.float32) for _ in range(3))
