@@ -863,7 +863,9 @@ def _examples():
         Example(_equinox_attention, _equinox_args, ("constants", "masked_scores", "softmax", "flash_attention"),
                 regimes=finite),
         Example(_single_head, _single_head_args, ("scores", "flash_attention")),
-        Example(_equinox_attention, _equinox_half_args, ("biased_scores/3", "masked_scores", "flash_attention"),
+        # its chain (fill broadcasts, select, convert, softmax, convert back) reaches the PV after 16
+        # iterations: the Attention extraction is checked at the default 32, the fusion is test_spellings'
+        Example(_equinox_attention, _equinox_half_args, ("biased_scores/3", "masked_scores"),
                 name="equinox fp16", tolerance=_half_tolerance, regimes=("zeros", "tiny")),
         Example(_shared_values, _shared_values_args, ("flash_attention",), fires=False),
     ]
