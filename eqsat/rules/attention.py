@@ -439,19 +439,19 @@ def _softmax(
 ):
     """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs.
     The row statistics reduce the last (key) axis and are read back at each score's row (`_is_row_view`);
-    the row max of plain scores may be taken over another reshape of the same scores (jax's
+    the row max of plain scores may be taken over them or another reshape of them (jax's
     dot_product_attention takes it before moving a size-1 axis; any row-constant shift cancels)."""
     row_ok = ne(py_string(_is_row_view, view, tr, ty)).to(String(""))
     last = eq(axes).to(py_string(_last_axis, ty))
     row_max = (e == Binary("sub", s, row, ty), StatView(row, ty, r, f64(1.0), view), row_ok)
-    shift = (*row_max, r == Reduce("max", s, axes, Acc(tr), tr), last)
-    no_bias = Lit(0.0, py_string(_as_f32, ty))
-    yield rule(*shift, Scores(s, q, k, scale, ty)).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, _as_f32_of(ty)))
-    yield rule(*shift, Biased(s, q, k, b, scale, ty)).then(Shifted(e, q, k, b, scale, ty))
+    bias_ty = py_string(_as_f32, ty)
+    no_bias = Lit(0.0, bias_ty)
     yield rule(
         *row_max, r == Reduce("max", other, axes, Acc(tr), tr), eq(axes).to(py_string(_last_axis, to)),
         Scores(other, q, k, scale, to), Scores(s, q, k, scale, ty),
-    ).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, _as_f32_of(ty)))
+    ).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, bias_ty))
+    yield rule(*row_max, r == Reduce("max", s, axes, Acc(tr), tr), last, Biased(s, q, k, b, scale, ty)).then(
+        Shifted(e, q, k, b, scale, ty))
     yield rule(e == Unary("exp", x, ty), Shifted(x, q, k, b, scale, ty)).then(Exps(e, q, k, b, scale, ty))
     yield rule(
         e == Binary("div", x, row, ty),
@@ -478,10 +478,6 @@ def _softmax(
     for relation_ in (Shifted, Exps, Probs):
         yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, b, scale, ty)).then(
             relation_(e, q, k, b, scale, ty))
-
-
-def _as_f32_of(ty) -> String:
-    return py_string(_as_f32, ty)
 
 
 @attention.register
