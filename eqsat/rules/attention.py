@@ -16,6 +16,14 @@ permutes are views inside the operands, and `o`'s own layout ([B, H, Sq, D]) is 
 Subtracting the row max does not change softmax (any row-constant shift cancels); requiring
 the max of the same scores only keeps the match specific.
 
+Other ranks (`_score_layout`, `_value_layout`): the QK dot_general may have any number of batch
+axes and of free q axes (one contracted axis, one key axis); its scores (batch..., q free..., Sk)
+are a row-major reshape of Attention's [B, H, Sq, Sk] (batch axes merged into B and H, q's free
+axes into Sq), so q and k are `Reshape(Transpose(..))` views (`Heads` records q's [B, H, Sq, D]
+type), scores stay scores through size-1 transposes and key-keeping reshapes (`score_views`), and
+at the PV the bias (`BiasType`), v and the output go through reshapes too: jax.nn's rank-5 grouped
+scores, equinox's rank-3 vmapped heads, torch's merged-heads bmm, a headless [T, D] attention.
+
 Found through helper relations that see through `Load(Pointwise(..))` copies, so the lifted form
 and the absorbed form both match (StatView and Scalar are shared with `norm_split`):
 
