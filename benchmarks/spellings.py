@@ -263,6 +263,7 @@ SPELLINGS: dict[str, Spelling] = {
     "attention: flax dot_product_attention causal": Spelling(attention_flax_causal, _bthd(), "attention"),
     "attention: flax causal, fp16": Spelling(attention_flax_causal, _bthd(np.float16), "attention"),
     "attention: equinox MultiheadAttention (no batch axis)": Spelling(attention_equinox, _thd(), "attention"),
+    "attention: equinox MultiheadAttention, fp16": Spelling(attention_equinox, _thd(np.float16), "attention"),
     "layernorm: two-pass (sd15)": Spelling(layer_norm_two_pass, _rows(), "norm"),
     "layernorm: flax (E[x²]-E[x]²)": Spelling(layer_norm_flax, _rows(), "norm"),
     "layernorm: equinox (vmapped jnp.var)": Spelling(layer_norm_equinox, _rows(), "norm"),

@@ -11,7 +11,7 @@ does not accept is the blocker: the pattern it needed and the term it found inst
     lowered = eqsat.optimize(f).lower(*args)
     for missed in lowered.explain(): print(missed)
     # kernel 3 (matmul bhqk,...): attention: softmax input is select(mask, s, -10000.0): the attention
-    #   rule wants a fill of -inf or at or below float32's lowest finite value (-3.40e+38), or an additive bias
+    #   rule wants a mask fill of -inf or in float32's lowest binade (at or below -1.7e+38), or an additive bias
 
 A matmul that is no softmax's QK (a projection, an MLP) gets no attention entry, nor does attention
 the plan already runs as one `attention` kernel (its matmuls are gone from the plan).
@@ -241,8 +241,8 @@ def _attention_blocker(qk: Term, readers, program) -> tuple[str, str] | None:
     q, k = _matmul_operand(qk, 0), _matmul_operand(qk, 1)
     if q is None or k is None or not _score_layout(qk.args[2], q.ty, k.ty, qk.ty):
         return (f"QK matmul is {_render_matmul(qk)}",
-                "the attention rule wants rank-4 q, k and scores: two batch axes (B, H), one contracting "
-                "axis (D) and one free axis per side ([B, H, Sq, Sk] scores)")
+                "the attention rule wants one contracting axis (D) per side and one free axis (the keys) on "
+                "k's side, any batch axes and free axes of q (scores [batch..., q free..., Sk])")
     scores, problem = _walk_scores(qk, readers, program)
     if problem is not None:
         return problem
@@ -296,7 +296,7 @@ def _walk_scores(qk: Term, readers, program) -> tuple[Term, tuple[str, str] | No
             return current, (f"the scores go into {_kernel_name(step)}",
                              "the attention rule wants elementwise steps (scale, bias, mask) before the softmax")
         inner = _through_views(body)
-        if inner.op == "Unary" and inner.args[0] == "convert":
+        if inner.op == "Load" or (inner.op == "Unary" and inner.args[0] == "convert"):  # a view, a convert
             current = step
             continue
         if inner.op == "Binary" and inner.args[0] in ("mul", "div", "add", "sub"):
@@ -326,10 +326,10 @@ def _walk_scores(qk: Term, readers, program) -> tuple[Term, tuple[str, str] | No
             from eqsat.types import parse_type
 
             dtype = parse_type(inner.ty).dtype
-            lowest = float(jnp.finfo(dtype).min)
+            binade = -(2.0 ** (jnp.finfo(dtype).maxexp - 1))
             return current, (f"softmax input is {_render(body, current, program)}",
-                             f"the attention rule wants a mask fill of -inf or at or below {dtype}'s lowest "
-                             f"finite value ({lowest:.3g}), or an additive bias")
+                             f"the attention rule wants a mask fill of -inf or in {dtype}'s lowest binade "
+                             f"(at or below {binade:.3g}: finfo.min, jax's 0.7·finfo.min), or an additive bias")
         return current, (f"softmax input is {_render(body, current, program)}",
                          "the attention rule wants converts, a constant scale, an additive bias or a where-mask "
                          "between the QK matmul and the softmax")
@@ -345,7 +345,8 @@ def _value_blocker(pv: Term) -> tuple[str, str] | None:
     if _value_layout(dims, lhs.ty, rhs.ty, pv.ty) or _value_lhs_layout(dims, lhs.ty, rhs.ty, pv.ty):
         return None
     return (f"PV matmul is {_render_matmul(pv)}",
-            "the attention rule wants probabilities [B, H, Sq, Sk] contracted on Sk with a rank-4 V")
+            "the attention rule wants the probabilities contracted on their last (key) axis, their batch and "
+            "free axes in order, and V with one contracted and one free axis")
 
 
 # --- reading terms --------------------------------------------------------------------------------------

@@ -13,12 +13,7 @@ import eqsat
 from benchmarks.spellings import SPELLINGS, is_fused, statistics_passes
 from eqsat.rules.attention import _where_not_low_enough
 
-NOT_YET = {  # spellings the rules do not fuse yet (scores of rank 5 and 3); explain() must name why
-    "attention: jax.nn.dot_product_attention": "f32[2,2,9,1,9]",
-    "attention: jax.nn.dot_product_attention causal": "f32[2,2,9,1,9]",
-    "attention: equinox MultiheadAttention (no batch axis)": "f32[2,9,9]",
-}
-FUSED = [name for name in SPELLINGS if name not in NOT_YET]
+FUSED = list(SPELLINGS)  # every spelling fuses
 
 
 def _tolerance(args):
@@ -49,6 +44,8 @@ def test_spelling_fuses_and_matches_jit(name):
 @pytest.mark.parametrize("name", [
     "attention: einsum bthd", "attention: / jnp.sqrt(d) at run time", "attention: where(mask, s, finfo.min)",
     "attention: where(mask, s, -inf)", "attention: flax causal, fp16", "layernorm: flax (E[x²]-E[x]²)",
+    "attention: jax.nn.dot_product_attention", "attention: jax.nn.dot_product_attention causal",
+    "attention: equinox MultiheadAttention (no batch axis)", "attention: equinox MultiheadAttention, fp16",
 ])
 def test_spelling_pallas_interpret_matches_jit(name):
     spelling, args, lowered = _lower(name, backend="pallas")
@@ -77,13 +74,37 @@ def test_fully_masked_rows_stay_uniform():
     np.testing.assert_allclose(got[:, :, 4], v.mean(axis=2), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_explain_names_the_rank_blocker_of_unfused_attention(name):
-    _, _, lowered = _lower(name)
+def _two_axis_contraction(q, k, v):
+    """Scores contracted over two axes (head dim split in two): not a single-D attention."""
+    s = jnp.einsum("bhqxd,bhkxd->bhqk", q, k)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_explain_names_the_layout_blocker_of_unfused_attention():
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 2, 7, 2, 4)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 2, 7, 5)).astype(np.float32)
+    lowered = eqsat.optimize(_two_axis_contraction, progress=False, backend="xla").lower(q, k, v)
+    assert lowered.plan.kinds().get("matmul") == 2 and not lowered.plan.kinds().get("attention")
     missed = [m for m in lowered.explain() if m.family == "attention"]
     assert [m.kind for m in missed] == ["matmul"], missed
-    assert "rank-4" in missed[0].needed and f"-> {NOT_YET[name]}" in missed[0].found, missed[0]
+    assert "one contracting axis" in missed[0].needed and "dims '4,3;4,3;0,1;0,1'" in missed[0].found, missed[0]
+    assert "-> f32[1,2,7,7]" in missed[0].found, missed[0]
     assert "attention: QK matmul" in lowered.report()
+
+
+def test_explain_names_the_probabilities_layout_of_grouped_queries():
+    """Grouped queries (G = 2 query heads per K/V head): jax moves the group axis in front of the batch
+    axes, so the probabilities' batch and free axes are out of order for the PV matmul."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 5, 2, 8)).astype(np.float32) for _ in range(2))
+    lowered = eqsat.optimize(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                             progress=False, backend="xla").lower(q, k, v)
+    assert lowered.plan.kinds().get("matmul") == 2
+    (missed,) = [m for m in lowered.explain() if m.family == "attention"]
+    assert missed.found.startswith("PV matmul is dot_general(f32[1,5,2,8], f32[2,1,2,5,5]"), missed
+    assert "batch and free axes in order" in missed.needed, missed
 
 
 def test_explain_names_a_mask_fill_that_does_not_mask():

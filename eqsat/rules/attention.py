@@ -16,6 +16,14 @@ permutes are views inside the operands, and `o`'s own layout ([B, H, Sq, D]) is 
 Subtracting the row max does not change softmax (any row-constant shift cancels); requiring
 the max of the same scores only keeps the match specific.
 
+Other ranks (`_score_layout`, `_value_layout`): the QK dot_general may have any number of batch
+axes and of free q axes (one contracted axis, one key axis); its scores (batch..., q free..., Sk)
+are a row-major reshape of Attention's [B, H, Sq, Sk] (batch axes merged into B and H, q's free
+axes into Sq), so q and k are `Reshape(Transpose(..))` views (`Heads` records q's [B, H, Sq, D]
+type), scores stay scores through size-1 transposes and key-keeping reshapes (`score_views`), and
+at the PV the bias (`BiasType`), v and the output go through reshapes too: jax.nn's rank-5 grouped
+scores, equinox's rank-3 vmapped heads, torch's merged-heads bmm, a headless [T, D] attention.
+
 Found through helper relations that see through `Load(Pointwise(..))` copies, so the lifted form
 and the absorbed form both match (StatView and Scalar are shared with `norm_split`):
 
@@ -26,8 +34,8 @@ and the absorbed form both match (StatView and Scalar are shared with `norm_spli
 
 Spellings (benchmarks/spellings.py): a scale is any `Constant` (a Scalar, or a `sqrt`/`rsqrt`/float
 convert of one computed at run time: `/ jnp.sqrt(d).astype(dtype)`); `where(mask, s, c)` with c -inf
-or at or below the scores' dtype's lowest finite value is `s + where(mask, 0, c')` with a float32
-bias (`masked_scores`; c is found by `FillValue`, which also reads the scalar constant tensors a
+or in the lowest binade of the scores' dtype (its lowest finite value, jax's 0.7 times that) is
+`s + where(mask, 0, c')` with a float32 bias (`masked_scores`; c is found by `FillValue`, which also reads the scalar constant tensors a
 nested jit's literal becomes); jax.nn.softmax on 16-bit scores (exp in fp16, its row sum widened to
 fp32 and narrowed back: `RoundedStat`) is Probs; and the `bhqk,bkhd->bqhd` einsum, which puts v on
 the left of the PV matmul, is Attention's output transposed (`flash_attention_value_lhs`).
@@ -68,6 +76,8 @@ Probs = relation("AttentionProbs", Expr, Expr, Expr, Expr, f64, String)
 Constant = relation("AttentionConstant", Expr, f64)
 RoundedStat = relation("AttentionRoundedStat", Expr, String, Tensor, String)
 FillValue = relation("AttentionFillValue", Expr, String)
+Heads = relation("AttentionHeads", Expr, String)      # (q4, its [B, H, Sq, D] type)
+BiasType = relation("AttentionBiasType", Expr, String)  # (a score bias, its type)
 
 F32_LOWEST = float(np.finfo(np.float32).min)
 
@@ -77,48 +87,184 @@ def _split(dims: str) -> tuple[tuple[int, ...], ...]:
     return tuple(ints(part) for part in dims.split(";"))
 
 
+def _retyped(ty: str, shape) -> str:
+    return format_type(parse_type(ty).dtype, list(shape))
+
+
 def _permuted(ty: str, perm: tuple[int, ...]) -> str:
     shape = parse_type(ty).shape
-    return format_type(parse_type(ty).dtype, [shape[p] for p in perm])
+    return _retyped(ty, [shape[p] for p in perm])
+
+
+def _perm_text(perm) -> str:
+    return ",".join(map(str, perm))
+
+
+def _keeps_flat_order(shape, order) -> bool:
+    """Whether reading `shape`'s axes in `order` moves only size-1 axes (a transpose that is a reshape)."""
+    moved = [a for a in order if shape[a] != 1]
+    return moved == sorted(moved)
+
+
+def _heads(batch: list[int]) -> tuple[int, int]:
+    """Attention's (B, H) for score batch extents `batch`: the last is H, the rest merge into B."""
+    return (math.prod(batch[:-1]), batch[-1]) if batch else (1, 1)
 
 
 @lru_cache(maxsize=None)
 def _score_layout(dims: str, q_ty: str, k_ty: str, out_ty: str) -> str:
-    """"q perm|q type|k perm|k type" putting q and k in [B, H, S, D]; "" unless dims are
-    two batch axes, one contracting axis and one free axis per rank-4 side."""
+    """"q perm|q permuted type|k perm|k permuted type|q4 type|k4 type|form" putting q and k in
+    Attention's [B, H, S, D]: q and k are permuted to (batch..., free..., contracting) and, where that
+    is not already [B, H, S, D] ("form" is "reshape"), reshaped there (the batch axes merge into B and
+    H, q's free axes into Sq). "" unless one axis is contracted per side and k has one free axis. The
+    scores (batch..., q free..., k free) are then a row-major reshape of Attention's [B, H, Sq, Sk]."""
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
-    if len(lhs_batch) != 2 or len(lhs_contract) != 1 or len(rhs_contract) != 1:
+    if len(lhs_contract) != 1 or len(rhs_contract) != 1:
         return ""
-    if len(parse_type(q_ty).shape) != 4 or len(parse_type(k_ty).shape) != 4 or len(parse_type(out_ty).shape) != 4:
+    q_shape, k_shape = parse_type(q_ty).shape, parse_type(k_ty).shape
+    q_free = [a for a in range(len(q_shape)) if a not in lhs_batch + lhs_contract]
+    k_free = [a for a in range(len(k_shape)) if a not in rhs_batch + rhs_contract]
+    if len(k_free) != 1 or len(parse_type(out_ty).shape) != len(lhs_batch) + len(q_free) + 1:
         return ""
-    q_free = [a for a in range(4) if a not in lhs_batch + lhs_contract]
-    k_free = [a for a in range(4) if a not in rhs_batch + rhs_contract]
     q_perm, k_perm = (*lhs_batch, *q_free, *lhs_contract), (*rhs_batch, *k_free, *rhs_contract)
-    return "|".join((",".join(map(str, q_perm)), _permuted(q_ty, q_perm), ",".join(map(str, k_perm)),
-                     _permuted(k_ty, k_perm)))
+    batch, head_dim = [q_shape[a] for a in lhs_batch], q_shape[lhs_contract[0]]
+    q4 = (*_heads(batch), math.prod(q_shape[a] for a in q_free), head_dim)
+    k4 = (*_heads(batch), k_shape[k_free[0]], head_dim)
+    q_permuted, k_permuted = _permuted(q_ty, q_perm), _permuted(k_ty, k_perm)
+    form = "view" if len(lhs_batch) == 2 and len(q_free) == 1 else "reshape"
+    return "|".join((_perm_text(q_perm), q_permuted, _perm_text(k_perm), k_permuted, _retyped(q_ty, q4),
+                     _retyped(k_ty, k4), form))
+
+
+def _probs_free(p_shape, p_batch, p_contract, q4_shape) -> list[int] | None:
+    """The free axes of probabilities p (shape `p_shape`) in a PV dot_general batched on `p_batch` and
+    contracted on `p_contract`, when p reads as Attention's [B, H, Sq, Sk] probabilities: contracted
+    on its last (key) axis, (batch..., free..., key) a reshape of p, and B·H and Sq those of q4 (when
+    given); else None."""
+    last = len(p_shape) - 1
+    if p_contract != (last,):
+        return None
+    free = [a for a in range(last) if a not in p_batch]
+    if not _keeps_flat_order(p_shape, (*p_batch, *free, last)):
+        return None
+    if q4_shape and (math.prod(p_shape[a] for a in p_batch) != q4_shape[0] * q4_shape[1]
+                     or math.prod(p_shape[a] for a in free) != q4_shape[2]):
+        return None
+    return free
+
+
+def _value_view(v_ty: str, v_batch, v_contract, q4_shape, p_shape) -> tuple[str, str, str, int] | None:
+    """(v perm, v permuted type, v4 type, D) putting v in [B, H, Sk, D]; None unless one axis of v
+    is contracted and one is free."""
+    v_shape = parse_type(v_ty).shape
+    v_free = [a for a in range(len(v_shape)) if a not in v_batch + v_contract]
+    if len(v_contract) != 1 or len(v_free) != 1:
+        return None
+    perm = (*v_batch, *v_contract, *v_free)
+    head_dim = v_shape[v_free[0]]
+    v4 = (*q4_shape[:2], p_shape[-1], head_dim)
+    return _perm_text(perm), _permuted(v_ty, perm), _retyped(v_ty, v4), head_dim
+
+
+def _q4_shape(q4_ty: str, p_shape, p_batch) -> tuple[int, ...]:
+    """q4's shape, or (B, H, Sq) as the scores layout would put p's batch and free axes."""
+    if q4_ty:
+        return parse_type(q4_ty).shape
+    batch = [p_shape[a] for a in p_batch]
+    return (*_heads(batch), math.prod(p_shape[:-1]) // max(1, math.prod(batch)), 0)
 
 
 @lru_cache(maxsize=None)
-def _value_layout(dims: str, p_ty: str, v_ty: str, out_ty: str) -> str:
-    """"v perm|v type" putting v in [B, H, Sk, D] for o = dot_general(p, v) with p in [B, H, Sq, Sk]
-    (batch 0,1 and contracting 3 on p's side); "" otherwise."""
+def _value_layout(dims: str, p_ty: str, v_ty: str, out_ty: str, q4_ty: str = "", b_ty: str = "") -> str:
+    """"v perm|v permuted type|v4 type|bias4 type|attention type|form" for o = dot_general(p, v) with
+    p Attention's [B, H, Sq, Sk] probabilities up to a reshape (`_probs_free`): o (batch..., p free...,
+    D) is a reshape of Attention's [B, H, Sq, D] ("form" "view": it is that type, and v needs no
+    reshape); "" otherwise. q4_ty and b_ty ("": not known, explain()'s check) are the scores'
+    [B, H, Sq, D] q and the bias's type (p's shape)."""
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
-    if lhs_batch != (0, 1) or lhs_contract != (3,) or len(rhs_contract) != 1 or len(parse_type(v_ty).shape) != 4:
+    p_shape = parse_type(p_ty).shape
+    q4_shape = _q4_shape(q4_ty, p_shape, lhs_batch)
+    if _probs_free(p_shape, lhs_batch, lhs_contract, q4_shape if q4_ty else ()) is None:
         return ""
-    v_free = [a for a in range(4) if a not in rhs_batch + rhs_contract]
-    v_perm = (*rhs_batch, *rhs_contract, *v_free)
-    return ",".join(map(str, v_perm)) + "|" + _permuted(v_ty, v_perm)
+    view = _value_view(v_ty, rhs_batch, rhs_contract, q4_shape, p_shape)
+    if view is None:
+        return ""
+    v_perm, v_permuted, v4, head_dim = view
+    p4 = (*q4_shape[:3], p_shape[-1])
+    form = "view" if tuple(p_shape) == p4 and lhs_batch == (0, 1) else "reshape"
+    return "|".join((v_perm, v_permuted, v4, _retyped(b_ty or p_ty, p4), _retyped(out_ty, (*q4_shape[:3], head_dim)),
+                     form))
 
 
 @lru_cache(maxsize=None)
-def _is_row_view(view: str, row_ty: str) -> str:
-    """"ok" if a StatView map reads a [B, H, Sq] row statistic at [b, h, i] of [b, h, i, j]."""
-    entries = view[2:].split(",")
-    shape = parse_type(row_ty).shape
-    if len(entries) != 3 or len(shape) != 3:
+def _value_lhs_layout(dims: str, v_ty: str, p_ty: str, out_ty: str, q4_ty: str = "", b_ty: str = "") -> str:
+    """"v perm|v permuted type|v4 type|bias4 type|attention type|unpermuted type|permutation|form" for
+    o = dot_general(v, p) (v on the left, the einsum `bhqk,bkhd->bqhd` spelling): o is (batch..., D,
+    p free...), a permute of Attention's [B, H, Sq, D] reshaped to (batch..., p free..., D) (the
+    unpermuted type; "form" "view": no reshape, the rank-4 [B, H, D, Sq]); "" unless p is Attention's
+    probabilities up to a reshape (`_probs_free`) and v has one contracted and one free axis."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    p_shape = parse_type(p_ty).shape
+    q4_shape = _q4_shape(q4_ty, p_shape, rhs_batch)
+    free = _probs_free(p_shape, rhs_batch, rhs_contract, q4_shape if q4_ty else ())
+    if free is None:
         return ""
-    ok = all(e == str(a) or (e == "-" and n == 1) for a, (e, n) in enumerate(zip(entries, shape)))
-    return "ok" if ok else ""
+    view = _value_view(v_ty, lhs_batch, lhs_contract, q4_shape, p_shape)
+    if view is None:
+        return ""
+    v_perm, v_permuted, v4, head_dim = view
+    batch = [p_shape[a] for a in rhs_batch]
+    unpermuted = (*batch, *(p_shape[a] for a in free), head_dim)
+    nb, nf = len(batch), len(free)
+    perm = (*range(nb), nb + nf, *range(nb, nb + nf))
+    p4 = (*q4_shape[:3], p_shape[-1])
+    form = "view" if tuple(p_shape) == p4 and rhs_batch == (0, 1) else "reshape"
+    return "|".join((v_perm, v_permuted, v4, _retyped(b_ty or p_ty, p4), _retyped(out_ty, (*q4_shape[:3], head_dim)),
+                     _retyped(out_ty, unpermuted), _perm_text(perm), form))
+
+
+@lru_cache(maxsize=None)
+def _keeps_rows(permutation: str, ty: str) -> str:
+    """"1" if transposing scores of type `ty` by `permutation` only moves size-1 axes and keeps the
+    key axis last: the result is a row-major reshape of the scores, rows intact."""
+    perm, shape = ints(permutation), parse_type(ty).shape
+    return "1" if perm and perm[-1] == len(shape) - 1 and _keeps_flat_order(shape, perm) else ""
+
+
+@lru_cache(maxsize=None)
+def _keeps_last(x_ty: str, ty: str) -> str:
+    """"1" if a reshape from `x_ty` to `ty` keeps the last (key) axis: rows intact."""
+    x_shape, shape = parse_type(x_ty).shape, parse_type(ty).shape
+    return "1" if x_shape and shape and x_shape[-1] == shape[-1] else ""
+
+
+@lru_cache(maxsize=None)
+def _last_axis(ty: str) -> str:
+    return str(len(parse_type(ty).shape) - 1)
+
+
+@lru_cache(maxsize=None)
+def _is_row_view(view: str, row_ty: str, scores_ty: str) -> str:
+    """"ok" if a StatView map reads a row statistic (of type `row_ty`, one value per row of scores
+    flat-equal to these) at the row of [..., j] of `scores_ty`: its non-unit axes index the scores'
+    leading axes in order, and every leading axis they leave out has extent 1."""
+    entries = [None if e == "-" else int(e) for e in view[2:].split(",")] if view[2:] else []
+    row, scores = parse_type(row_ty).shape, parse_type(scores_ty).shape
+    if len(entries) != len(row) or not scores:
+        return ""
+    mapped = []
+    for entry, extent in zip(entries, row):
+        if extent == 1:
+            if entry is not None and scores[entry] != 1:
+                return ""
+        elif entry is None or entry >= len(scores) - 1 or scores[entry] != extent:
+            return ""
+        else:
+            mapped.append(entry)
+    if mapped != sorted(set(mapped)):
+        return ""
+    left_out = [a for a in range(len(scores) - 1) if a not in mapped]
+    return "ok" if all(scores[a] == 1 for a in left_out) else ""
 
 
 @lru_cache(maxsize=None)
@@ -134,21 +280,6 @@ def _part(text: str, index: str) -> str:
 
 def _field(layout, index: int) -> String:
     return py_string(_part, layout, String(str(index)))
-
-
-@lru_cache(maxsize=None)
-def _value_lhs_layout(dims: str, v_ty: str, p_ty: str, out_ty: str) -> str:
-    """"v perm|v type|attention type" for o = dot_general(v, p) (v on the left, the einsum
-    `bhqk,bkhd->bqhd` spelling): o is [B, H, D, Sq], the transpose of Attention's [B, H, Sq, D];
-    "" unless p is [B, H, Sq, Sk] contracted on Sk with batch (0, 1) and v is rank 4."""
-    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
-    if rhs_batch != (0, 1) or rhs_contract != (3,) or len(lhs_batch) != 2 or len(lhs_contract) != 1:
-        return ""
-    if len(parse_type(v_ty).shape) != 4 or len(parse_type(out_ty).shape) != 4:
-        return ""
-    v_free = [a for a in range(4) if a not in lhs_batch + lhs_contract]
-    v_perm = (*lhs_batch, *lhs_contract, *v_free)
-    return "|".join((",".join(map(str, v_perm)), _permuted(v_ty, v_perm), _permuted(out_ty, (0, 1, 3, 2))))
 
 
 def _dtype(ty: str):
@@ -183,7 +314,8 @@ def _scalar_key_value(key: str) -> str:
 @lru_cache(maxsize=None)
 def _mask_fill(value: str, ty: str) -> str:
     """How `where(mask, s, value)` masks scores of type `ty`: "-inf" when `value` is -inf in that
-    dtype, "lowest" when it is finite and at or below the dtype's lowest finite value, else ""."""
+    dtype, "lowest" when it is finite and in the dtype's lowest binade (at or below -2**(maxexp - 1):
+    finfo.min as flax writes it, 0.7·finfo.min as jax.nn.dot_product_attention does), else ""."""
     import jax.numpy as jnp
 
     if not _is_float(ty):
@@ -193,7 +325,7 @@ def _mask_fill(value: str, ty: str) -> str:
         rounded = float(np.asarray(float(value)).astype(dtype))
     if rounded == -math.inf:
         return "-inf"
-    return "lowest" if rounded <= float(jnp.finfo(dtype).min) else ""
+    return "lowest" if rounded <= -(2.0 ** (jnp.finfo(dtype).maxexp - 1)) else ""
 
 
 @attention.register
@@ -218,15 +350,18 @@ def _scores(
     e: Expr, x: Expr, k: Expr, m: Tensor, qt: Tensor, kt: Tensor, q: Expr, key: Expr,
     dims: String, tq: String, tk: String, t: String, ty: String, scale: f64, c: f64,
 ):
-    """Scores(e, q, k, scale): e = scale · q·kᵀ (a batched matmul, then scalar mul/div and converts)."""
+    """Scores(e, q, k, scale): e = scale · q·kᵀ (a batched matmul, then scalar mul/div and converts), q and
+    k as Attention's [B, H, S, D] (views of the matmul's operands): e is a row-major reshape of the
+    [B, H, Sq, Sk] scores, keys on its last axis (batch axes, q's free axes, k's free axis)."""
     layout = py_string(_score_layout, dims, tq, tk, t)
-    q_view = Transpose(Load(qt, tq), _field(layout, 0), _field(layout, 1))
-    k_view = Transpose(Load(kt, tk), _field(layout, 2), _field(layout, 3))
-    yield rule(
-        e == Load(m, t),
-        m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t),
-        ne(layout).to(String("")),
-    ).then(Scores(e, q_view, k_view, f64(1.0), t))
+    q_permuted = Transpose(Load(qt, tq), _field(layout, 0), _field(layout, 1))
+    k_permuted = Transpose(Load(kt, tk), _field(layout, 2), _field(layout, 3))
+    matmul = (e == Load(m, t), m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t), ne(layout).to(String("")))
+    yield rule(*matmul, eq(_field(layout, 6)).to(String("view"))).then(
+        Scores(e, q_permuted, k_permuted, f64(1.0), t), Heads(q_permuted, _field(layout, 4)))
+    q_view, k_view = Reshape(q_permuted, _field(layout, 4)), Reshape(k_permuted, _field(layout, 5))
+    yield rule(*matmul, eq(_field(layout, 6)).to(String("reshape"))).then(
+        Scores(e, q_view, k_view, f64(1.0), t), Heads(q_view, _field(layout, 4)))
     yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
     yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
@@ -238,11 +373,28 @@ def _scores(
 
 
 @attention.register
-def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: String):
-    """Biased(e, q, k, b, scale): e = scale · q·kᵀ + b, the bias b any Expr of the scores' shape (either order)."""
-    yield rule(e == Binary("add", x, b, ty), Scores(x, q, k, scale, ty)).then(Biased(e, q, k, b, scale, ty))
-    yield rule(e == Binary("add", b, x, ty), Scores(x, q, k, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+def _score_views(e: Expr, x: Expr, q: Expr, k: Expr, scale: f64, perm: String, tx: String, ty: String):
+    """A transpose that only moves size-1 axes (the key axis last) or a reshape that keeps the key
+    axis of scores is a row-major reshape of them: the same scores (jax.nn.dot_product_attention's
+    [B, H, T, G=1, S] scores moved to [G, B, H, T, S])."""
+    yield rule(e == Transpose(x, perm, ty), Scores(x, q, k, scale, tx), ne(py_string(_keeps_rows, perm, tx)).to(String(""))).then(
+        Scores(e, q, k, scale, ty))
+    yield rule(e == Reshape(x, ty), Scores(x, q, k, scale, tx), ne(py_string(_keeps_last, tx, ty)).to(String(""))).then(
+        Scores(e, q, k, scale, ty))
+
+
+@attention.register
+def _biased_scores(e: Expr, x: Expr, b: Expr, q: Expr, k: Expr, scale: f64, ty: String, tx: String):
+    """Biased(e, q, k, b, scale): e = scale · q·kᵀ + b, the bias b any Expr of the scores' shape (either
+    order), and a float convert of that (equinox's float32 softmax of 16-bit masked logits; the kernel
+    adds the bias to float32 scores, as converted scores are Scores)."""
+    yield rule(e == Binary("add", x, b, ty), Scores(x, q, k, scale, ty)).then(
+        Biased(e, q, k, b, scale, ty), BiasType(b, ty))
+    yield rule(e == Binary("add", b, x, ty), Scores(x, q, k, scale, ty)).then(
+        Biased(e, q, k, b, scale, ty), BiasType(b, ty))
     yield rule(e == Load(Pointwise(x, ty), ty), Biased(x, q, k, b, scale, ty)).then(Biased(e, q, k, b, scale, ty))
+    yield rule(e == Unary("convert", x, ty), Biased(x, q, k, b, scale, tx), ne(py_string(_is_float, ty)).to(String(""))).then(
+        Biased(e, q, k, b, scale, ty))
 
 
 @attention.register
@@ -265,10 +417,10 @@ def _masked_scores(
     e: Expr, x: Expr, pred: Expr, fill: Expr, q: Expr, k: Expr, b: Expr, scale: f64, value: String, ty: String,
 ):
     """where(mask, s, c) = s + where(mask, 0, c') as a float32 score bias, for scores s (plain or
-    biased, either select order) and c -inf (c' = -inf) or at or below the lowest finite value of
-    the scores' dtype (c' = float32's lowest: s + c' rounds to c' for |s| < 2**103, so a fully masked
-    row stays uniform, and exp(c - rowmax) is 0 in both forms wherever the row has an unmasked score
-    above c + 104). A bias already added is kept under the mask (float32 scores only). Contract: finite
+    biased, either select order) and c -inf (c' = -inf) or in the lowest binade of the scores'
+    dtype (`_mask_fill`; c' = float32's lowest: s + c' rounds to c' for |s| < 2**103, so a fully
+    masked row stays uniform, and exp(c - rowmax) is 0 in both forms wherever the row has an
+    unmasked score above c + 104, for float32 scores any score of |s| < 2**103). A bias already added is kept under the mask (float32 scores only). Contract: finite
     scores; an infinite or NaN score under the mask reaches the softmax through the bias form (the
     select hid it)."""
     fill_kind = py_string(_mask_fill, value, ty)
@@ -277,37 +429,44 @@ def _masked_scores(
         masked, open_ = Lit(bias_value, bias_ty), Lit(0.0, bias_ty)
         is_fill = (FillValue(fill, value), eq(fill_kind).to(String(kind)))
         yield rule(e == Select(pred, fill, x, ty), Scores(x, q, k, scale, ty), *is_fill).then(
-            Biased(e, q, k, Select(pred, masked, open_, bias_ty), scale, ty))
+            Biased(e, q, k, Select(pred, masked, open_, bias_ty), scale, ty),
+            BiasType(Select(pred, masked, open_, bias_ty), bias_ty))
         yield rule(e == Select(pred, x, fill, ty), Scores(x, q, k, scale, ty), *is_fill).then(
-            Biased(e, q, k, Select(pred, open_, masked, bias_ty), scale, ty))
+            Biased(e, q, k, Select(pred, open_, masked, bias_ty), scale, ty),
+            BiasType(Select(pred, open_, masked, bias_ty), bias_ty))
         yield rule(e == Select(pred, fill, x, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
-            Biased(e, q, k, Select(pred, masked, b, ty), scale, ty))
+            Biased(e, q, k, Select(pred, masked, b, ty), scale, ty), BiasType(Select(pred, masked, b, ty), ty))
         yield rule(e == Select(pred, x, fill, ty), Biased(x, q, k, b, scale, ty), *is_fill, eq(ty).to(bias_ty)).then(
-            Biased(e, q, k, Select(pred, b, masked, ty), scale, ty))
+            Biased(e, q, k, Select(pred, b, masked, ty), scale, ty), BiasType(Select(pred, b, masked, ty), ty))
 
 
 @attention.register
 def _softmax(
     e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, ty: String, tr: String,
-    view: String, narrow: Expr, wide: Expr, tw: String,
+    view: String, narrow: Expr, wide: Expr, tw: String, axes: String, other: Expr, to: String,
 ):
-    """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs."""
-    row_ok = ne(py_string(_is_row_view, view, tr)).to(String(""))
-    shift = (
-        e == Binary("sub", s, row, ty),
-        StatView(row, ty, r, f64(1.0), view),
-        r == Reduce("max", s, "3", Acc(tr), tr),
-        row_ok,
-    )
-    no_bias = Lit(0.0, py_string(_as_f32, ty))
-    yield rule(*shift, Scores(s, q, k, scale, ty)).then(Shifted(e, q, k, no_bias, scale, ty))
-    yield rule(*shift, Biased(s, q, k, b, scale, ty)).then(Shifted(e, q, k, b, scale, ty))
+    """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs.
+    The row statistics reduce the last (key) axis and are read back at each score's row (`_is_row_view`);
+    the row max of plain scores may be taken over them or another reshape of them (jax's
+    dot_product_attention takes it before moving a size-1 axis; any row-constant shift cancels)."""
+    row_ok = ne(py_string(_is_row_view, view, tr, ty)).to(String(""))
+    last = eq(axes).to(py_string(_last_axis, ty))
+    row_max = (e == Binary("sub", s, row, ty), StatView(row, ty, r, f64(1.0), view), row_ok)
+    bias_ty = py_string(_as_f32, ty)
+    no_bias = Lit(0.0, bias_ty)
+    yield rule(
+        *row_max, r == Reduce("max", other, axes, Acc(tr), tr), eq(axes).to(py_string(_last_axis, to)),
+        Scores(other, q, k, scale, to), Scores(s, q, k, scale, ty),
+    ).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, bias_ty))
+    yield rule(*row_max, r == Reduce("max", s, axes, Acc(tr), tr), last, Biased(s, q, k, b, scale, ty)).then(
+        Shifted(e, q, k, b, scale, ty))
     yield rule(e == Unary("exp", x, ty), Shifted(x, q, k, b, scale, ty)).then(Exps(e, q, k, b, scale, ty))
     yield rule(
         e == Binary("div", x, row, ty),
         Exps(x, q, k, b, scale, ty),
         StatView(row, ty, r, f64(1.0), view),
-        r == Reduce("sum", x, "3", Acc(tr), tr),
+        r == Reduce("sum", x, axes, Acc(tr), tr),
+        last,
         row_ok,
     ).then(Probs(e, q, k, b, scale, ty))
     yield rule(e == Unary("convert", x, ty), Probs(x, q, k, b, scale, tr)).then(Probs(e, q, k, b, scale, ty))
@@ -319,9 +478,10 @@ def _softmax(
         e == Binary("div", x, narrow, ty),
         Exps(x, q, k, b, scale, ty),
         RoundedStat(narrow, ty, r, view),
-        r == Reduce("sum", wide, "3", Acc(tr), tr),
+        r == Reduce("sum", wide, axes, Acc(tr), tr),
+        last,
         Exps(wide, q, k, b, scale, tw),
-        ne(py_string(_is_row_view, view, tr)).to(String("")),
+        row_ok,
     ).then(Probs(e, q, k, b, scale, ty))
     for relation_ in (Shifted, Exps, Probs):
         yield rule(e == Load(Pointwise(x, ty), ty), relation_(x, q, k, b, scale, ty)).then(
@@ -331,16 +491,27 @@ def _softmax(
 @attention.register
 def _flash_attention(
     o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
-    t: String,
+    t: String, tq: String, tb: String,
 ):
-    """dot(softmax(q·kᵀ·scale + b), v) = Attention(q, k, v, b, scale): the score matrix stays on chip."""
-    layout = py_string(_value_layout, dims, tp, tv, t)
-    v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
-    yield rule(
+    """dot(softmax(q·kᵀ·scale + b), v) = Attention(q, k, v, b, scale): the score matrix stays on chip.
+    Probabilities of any rank (a reshape of [B, H, Sq, Sk]: `_value_layout`) read v as [B, H, Sk, D]
+    and the bias as [B, H, Sq, Sk] through reshapes, and the product is Attention's output reshaped."""
+    layout = py_string(_value_layout, dims, tp, tv, t, tq, tb)
+    v_permuted = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
+    matched = (
         o == Matmul(p, Load(vt, tv), dims, Acc(t), t),
         Probs(p, q, k, b, scale, tp),
+        Heads(q, tq),
+        BiasType(b, tb),
         ne(layout).to(String("")),
-    ).then(union(o).with_(Attention(q, k, v_view, b, scale, Acc(t), t)))
+    )
+    yield rule(*matched, eq(_field(layout, 5)).to(String("view"))).then(
+        union(o).with_(Attention(q, k, v_permuted, b, scale, Acc(t), t)))
+    attention_ty = _field(layout, 4)
+    attention_ = Attention(q, k, Reshape(v_permuted, _field(layout, 2)), Reshape(b, _field(layout, 3)), scale,
+                           Acc(attention_ty), attention_ty)
+    yield rule(*matched, eq(_field(layout, 5)).to(String("reshape"))).then(
+        union(o).with_(Pointwise(Reshape(Load(attention_, attention_ty), t), t)))
 
 
 @attention.register
@@ -359,20 +530,29 @@ def _rounded_stats(e: Expr, x: Expr, s: Tensor, ty: String, tx: String, dims: St
 @attention.register
 def _flash_attention_value_lhs(
     o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
-    t: String,
+    t: String, tq: String, tb: String,
 ):
     """dot(v, softmax(q·kᵀ·scale + b)) over Sk = transpose(Attention(q, k, v, b, scale)): the einsum
-    `bhqk,bkhd->bqhd` puts v on the left, so the matmul writes [B, H, D, Sq]; the transpose is a view
-    its readers fold."""
-    layout = py_string(_value_lhs_layout, dims, tv, tp, t)
-    v_view = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
-    out_ty = _field(layout, 2)
-    attention_ = Attention(q, k, v_view, b, scale, Acc(out_ty), out_ty)
-    yield rule(
+    `bhqk,bkhd->bqhd` puts v on the left, so the matmul writes [B, H, D, Sq] (at other ranks (batch...,
+    D, q free...): Attention's output reshaped, then permuted); the views are its readers' to fold."""
+    layout = py_string(_value_lhs_layout, dims, tv, tp, t, tq, tb)
+    v_permuted = Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1))
+    attention_ty = _field(layout, 4)
+    matched = (
         o == Matmul(Load(vt, tv), p, dims, Acc(t), t),
         Probs(p, q, k, b, scale, tp),
+        Heads(q, tq),
+        BiasType(b, tb),
         ne(layout).to(String("")),
-    ).then(union(o).with_(Pointwise(Transpose(Load(attention_, out_ty), String("0,1,3,2"), t), t)))
+    )
+    attention_ = Attention(q, k, v_permuted, b, scale, Acc(attention_ty), attention_ty)
+    yield rule(*matched, eq(_field(layout, 7)).to(String("view"))).then(
+        union(o).with_(Pointwise(Transpose(Load(attention_, attention_ty), String("0,1,3,2"), t), t)))
+    reshaped = Attention(q, k, Reshape(v_permuted, _field(layout, 2)), Reshape(b, _field(layout, 3)), scale,
+                         Acc(attention_ty), attention_ty)
+    unpermuted = Reshape(Load(reshaped, attention_ty), _field(layout, 5))
+    yield rule(*matched, eq(_field(layout, 7)).to(String("reshape"))).then(
+        union(o).with_(Pointwise(Transpose(unpermuted, _field(layout, 6), t), t)))
 
 
 # --- soundness examples (eqsat.rules.check) ------------------------------------------------------
@@ -534,6 +714,125 @@ def _bshd_args(draw):
             tensor(draw, (batch, kv_len, heads, head_dim)))
 
 
+def _tokens(draw) -> int:
+    """A sequence length: small, or CLIP's 77."""
+    from hypothesis import strategies as st
+
+    return draw(st.sampled_from((1, 2, 3, 5, 77)))
+
+
+def _head_dim(draw) -> int:
+    """A head dim: small, or SD 1.5's 40."""
+    from hypothesis import strategies as st
+
+    return draw(st.sampled_from((1, 3, 4, 40)))
+
+
+def _jax_nn_attention(q, k, v):
+    """jax.nn.dot_product_attention on [B, T, H, D]: grouped scores of rank 5 [B, H_kv, T, G, S], moved
+    to [G, B, H_kv, T, S] for the softmax, the row max taken before the move, v on the left of the PV."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def _jax_nn_causal_attention(q, k, v):
+    """is_causal=True: where(causal, s, 0.7 · float32's lowest) on the moved rank-5 scores."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def _jax_nn_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, q_len, kv_len, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (batch, q_len, heads, head_dim)), tensor(draw, (batch, kv_len, heads, head_dim)),
+            tensor(draw, (batch, kv_len, heads, head_dim)))
+
+
+def _jax_nn_causal_args(draw):
+    from eqsat.rules import dim, tensor
+
+    batch, heads, length, head_dim = dim(draw, 1, 2), dim(draw, 1, 2), _tokens(draw), _head_dim(draw)
+    return tuple(tensor(draw, (batch, length, heads, head_dim)) for _ in range(3))
+
+
+def _merged_heads(q, k, v):
+    """torch's bmm spelling: [B, H, Sq, Sk] scores reshaped to [B·H, Sq, Sk], softmax, then a PV
+    batched over B·H with v reshaped to match."""
+    import jax
+    import jax.numpy as jnp
+
+    batch, heads, q_len, _ = q.shape
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).reshape(batch * heads, q_len, k.shape[2]) * 0.5
+    merged_v = v.reshape(batch * heads, *v.shape[2:])
+    return jnp.einsum("nqk,nkd->nqd", jax.nn.softmax(scores, axis=-1), merged_v)
+
+
+def _equinox_attention(q, k, v, mask):
+    """equinox MultiheadAttention's core on [T, H, D]: heads by vmap (rank-3 scores [H, T, S]), the
+    logits masked with finfo.min, soft-maxed in float32 and cast back."""
+    import jax
+    import jax.numpy as jnp
+
+    def head(q, k, v):
+        q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        logits = jnp.einsum("sd,Sd->sS", q, k)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        weights = jax.nn.softmax(logits.astype(jnp.result_type(logits.dtype, jnp.float32))).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+
+    return jax.vmap(head, in_axes=1, out_axes=1)(q, k, v)
+
+
+def _equinox_args(draw):
+    """[T, H, D] operands and a random [T, S] mask (rows with every key masked among them)."""
+    from eqsat.rules import dim, tensor
+
+    heads, q_len, kv_len, head_dim = dim(draw, 1, 3), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (q_len, heads, head_dim)), tensor(draw, (kv_len, heads, head_dim)),
+            tensor(draw, (kv_len, heads, head_dim)), tensor(draw, (q_len, kv_len), dtype="bool"))
+
+
+def _equinox_half_args(draw):
+    """float16 operands: the masked 16-bit logits converted for equinox's float32 softmax."""
+    q, k, v, mask = _equinox_args(draw)
+    return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), mask
+
+
+def _single_head(q, k, v):
+    """softmax(q·kᵀ)·v on [T, D] operands: scores without batch axes."""
+    import jax
+
+    return jax.nn.softmax(q @ k.T * 0.25, axis=-1) @ v
+
+
+def _single_head_args(draw):
+    from eqsat.rules import tensor
+
+    q_len, kv_len, head_dim = _tokens(draw), _tokens(draw), _head_dim(draw)
+    return tensor(draw, (q_len, head_dim)), tensor(draw, (kv_len, head_dim)), tensor(draw, (kv_len, head_dim))
+
+
+def _shared_values(q, k, v):
+    """Per-head probabilities [H, T, S] times one v [S, D] shared by every head: the PV has no batch
+    axis where the scores have one, not Attention's per-head v; must not match."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("hqd,hkd->hqk", q, k)
+    return jnp.einsum("hqk,kd->hqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _shared_values_args(draw):
+    from eqsat.rules import dim, tensor
+
+    heads, q_len, kv_len, head_dim = dim(draw, 2, 3), _tokens(draw), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (heads, q_len, head_dim)), tensor(draw, (heads, kv_len, head_dim)),
+            tensor(draw, (kv_len, head_dim)))
+
+
 def _half_tolerance(leaves):
     """fp16 attention: the kernel's float32 softmax against jax's fp16 one, a few fp16 ulps of |v|."""
     return 1e-2 * max(1.0, max(float(np.max(np.abs(leaf))) for leaf in leaves if leaf.size))
@@ -560,6 +859,19 @@ def _examples():
         # where the kernel's float32 scores stay finite: held to uniform draws, zeros and tiny values
         Example(_half_softmax_attention, _bshd_args, ("softmax", "rounded_stats", "flash_attention_value_lhs"),
                 tolerance=_half_tolerance, regimes=("zeros", "tiny")),
+        # other ranks: grouped rank-5 scores, rank-3 (vmapped heads), rank-2 (no batch axis)
+        Example(_jax_nn_attention, _jax_nn_args, ("score_views", "softmax", "flash_attention_value_lhs")),
+        Example(_merged_heads, _bhsd_args, ("score_views", "softmax", "flash_attention")),
+        Example(_jax_nn_causal_attention, _jax_nn_causal_args,
+                ("score_views", "fill_values", "masked_scores", "flash_attention_value_lhs"), regimes=finite),
+        Example(_equinox_attention, _equinox_args, ("constants", "masked_scores", "softmax", "flash_attention"),
+                regimes=finite),
+        Example(_single_head, _single_head_args, ("scores", "flash_attention")),
+        # its chain (fill broadcasts, select, convert, softmax, convert back) reaches the PV after 16
+        # iterations: the Attention extraction is checked at the default 32, the fusion is test_spellings'
+        Example(_equinox_attention, _equinox_half_args, ("biased_scores/3", "masked_scores"),
+                name="equinox fp16", tolerance=_half_tolerance, regimes=("zeros", "tiny")),
+        Example(_shared_values, _shared_values_args, ("flash_attention",), fires=False),
     ]
 
 
