@@ -35,6 +35,7 @@ could not emit.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 HOST_OPS = frozenset({"Pointwise", "Matmul", "Conv", "Attention"})
@@ -131,11 +132,22 @@ def _depends_on(tensor, targets: set[int], cache: dict[int, bool]) -> bool:
     return cache[id(tensor)]
 
 
+_hosts_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # terms are interned and immutable
+
+
 def hosts_of(reduction) -> list | None:
     """The kernel terms computing `reduction` (an `EpilogueReduce`) in their epilogues, in body
     order, or None when it must run as its own kernel (also None for any other term)."""
     if reduction.op != "EpilogueReduce" or reduction.args[1] not in HOSTED_REDUCTIONS:
         return None
+    try:
+        hosts = _hosts_memo[reduction]
+    except KeyError:
+        hosts = _hosts_memo[reduction] = _find_hosts(reduction)
+    return None if hosts is None else list(hosts)
+
+
+def _find_hosts(reduction) -> tuple | None:
     try:
         hosts, side = _split(reduction.args[2])
     except _NotHostable:
@@ -146,7 +158,7 @@ def hosts_of(reduction) -> list | None:
     cache: dict[int, bool] = {}
     if any(_depends_on(tensor, targets, cache) for tensor in side):
         return None
-    return hosts
+    return tuple(hosts)
 
 
 def side_inputs(reduction) -> list:
