@@ -99,8 +99,8 @@ def scan(x, w):
 
 def _sd15_tiny():
     """SD 1.5's three networks at their test configs (`*.tiny()`), at sizes where compute, not
-    dispatch, dominates on a CPU: a CFG-batch UNet step on 32x32 latents, a VAE decode of 32x32 latents (64x64 images: the tiny VAE upsamples once),
-    the text encoder on 2x77 tokens."""
+    dispatch, dominates on a CPU: a CFG-batch UNet step on 32x32 latents, a VAE decode of 32x32
+    latents (to 64x64: the tiny VAE upsamples once), the text encoder on 2x77 tokens."""
     from sd15 import clip, unet, vae
     from sd15.config import CLIPConfig, UNetConfig, VAEConfig
     from sd15.params import abstract_params
