@@ -174,6 +174,22 @@ def fresh_plan_cache(tmp_path_factory, monkeypatch) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def _module_plan_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("module_plan_cache")
+
+
+@pytest.fixture
+def module_plan_cache(_module_plan_folder, monkeypatch) -> Path:
+    """One plan cache for a whole test file, instead of `fresh_plan_cache`'s one per test; a file opts
+    in with `pytestmark = pytest.mark.usefixtures("module_plan_cache")` where its tests plan the same
+    function at the same shapes on several backends (the plan key holds no backend): the first test
+    that meets a program plans it, the others emit that plan from the cache. What a cache hit keeps
+    or skips is tests/test_cache.py's."""
+    monkeypatch.setenv("EQSAT_CACHE_DIR", str(_module_plan_folder))
+    return _module_plan_folder
+
+
 @pytest.fixture(scope="session")
 def tiny_sd15(tmp_path_factory) -> TinySD15:
     """A tiny random SD 1.5 pipeline folder plus its torch models (see the module docstring)."""

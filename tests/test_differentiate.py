@@ -13,21 +13,8 @@ import eqsat
 from tests.test_emit_matmul import pallas_calls
 
 BACKENDS = ["xla", "pallas", "hybrid"]
-
-
-@pytest.fixture(scope="module")
-def plans_of_this_file(tmp_path_factory):
-    return tmp_path_factory.mktemp("differentiate_plans")
-
-
-@pytest.fixture(autouse=True)
-def fresh_plan_cache(plans_of_this_file, monkeypatch):
-    """One plan cache for this file (conftest's gives each test its own): the same function at the
-    same shapes is planned once, by the first test that meets it, whatever the backend (the key holds
-    no backend), and read back by the others; forward and backward plans alike. What a plan cache hit
-    keeps or skips is tests/test_cache.py's; the derivatives here are checked on either path."""
-    monkeypatch.setenv("EQSAT_CACHE_DIR", str(plans_of_this_file))
-    return plans_of_this_file
+# a function planned once for all backends and tests, forward and backward (conftest.module_plan_cache)
+pytestmark = pytest.mark.usefixtures("module_plan_cache")
 
 
 def layer_norm_mlp(w1, w2, x):

@@ -18,20 +18,8 @@ from benchmarks import fuzz
 
 SEED = 15
 SLICE = 6  # programs per backend: 3 required families each, so all of fuzz.FAMILIES appear
-
-
-@pytest.fixture(scope="module")
-def plans_of_this_file(tmp_path_factory):
-    return tmp_path_factory.mktemp("fuzz_campaign_plans")
-
-
-@pytest.fixture(autouse=True)
-def fresh_plan_cache(plans_of_this_file, monkeypatch):
-    """One plan cache for this file (conftest's gives each test its own): both backends run the same
-    slice, so a program is planned once, by the first backend (the plan key holds no backend), and
-    the second emits the same plan from the cache."""
-    monkeypatch.setenv("EQSAT_CACHE_DIR", str(plans_of_this_file))
-    return plans_of_this_file
+# both backends run the same slice: the second emits the first's plans (conftest.module_plan_cache)
+pytestmark = pytest.mark.usefixtures("module_plan_cache")
 
 
 def test_the_slice_exercises_every_family():
