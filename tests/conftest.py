@@ -27,7 +27,8 @@ comparisons against torch measure the model code, not TF32/bf16 passes.
 
 The plan cache (`driver.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
 temporary folder for the session (what session fixtures and subprocesses see) and at a fresh one
-for each test (`fresh_plan_cache`), so no test sees another's plans. `EQSAT_AUTO_CHOICE=plan`:
+for each test (`fresh_plan_cache`), so no test sees another's plans, except in a file that opts into
+`module_plan_cache` (one folder per file: the same programs planned once across backends). `EQSAT_AUTO_CHOICE=plan`:
 `backend="auto"` runs the plan on a CPU instead of timing it against `jax.jit` (`driver.auto_choice`).
 """
 
