@@ -27,7 +27,8 @@ comparisons against torch measure the model code, not TF32/bf16 passes.
 
 The plan cache (`driver.cache`) never touches `~/.cache` from tests: `EQSAT_CACHE_DIR` points at a
 temporary folder for the session (what session fixtures and subprocesses see) and at a fresh one
-for each test (`fresh_plan_cache`), so no test sees another's plans. `EQSAT_AUTO_CHOICE=plan`:
+for each test (`fresh_plan_cache`), so no test sees another's plans, except in a file that opts into
+`module_plan_cache` (one folder per file: the same programs planned once across backends). `EQSAT_AUTO_CHOICE=plan`:
 `backend="auto"` runs the plan on a CPU instead of timing it against `jax.jit` (`driver.auto_choice`).
 """
 
@@ -172,6 +173,22 @@ def fresh_plan_cache(tmp_path_factory, monkeypatch) -> Path:
     folder = tmp_path_factory.mktemp("plan_cache")
     monkeypatch.setenv("EQSAT_CACHE_DIR", str(folder))
     return folder
+
+
+@pytest.fixture(scope="module")
+def _module_plan_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("module_plan_cache")
+
+
+@pytest.fixture
+def module_plan_cache(_module_plan_folder, monkeypatch) -> Path:
+    """One plan cache for a whole test file, instead of `fresh_plan_cache`'s one per test; a file opts
+    in with `pytestmark = pytest.mark.usefixtures("module_plan_cache")` where its tests plan the same
+    function at the same shapes on several backends (the plan key holds no backend): the first test
+    that meets a program plans it, the others emit that plan from the cache. What a cache hit keeps
+    or skips is tests/test_cache.py's."""
+    monkeypatch.setenv("EQSAT_CACHE_DIR", str(_module_plan_folder))
+    return _module_plan_folder
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,9 @@ CASES = {
     "zero_size_matmul": (lambda a, b: a @ b + 1, (jnp.zeros((2, 0)), jnp.zeros((0, 3)))),
 }
 
+# each case planned once for all backends (conftest.module_plan_cache)
+pytestmark = pytest.mark.usefixtures("module_plan_cache")
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))

@@ -13,6 +13,8 @@ import eqsat
 from tests.test_emit_matmul import pallas_calls
 
 BACKENDS = ["xla", "pallas", "hybrid"]
+# a function planned once for all backends and tests, forward and backward (conftest.module_plan_cache)
+pytestmark = pytest.mark.usefixtures("module_plan_cache")
 
 
 def layer_norm_mlp(w1, w2, x):

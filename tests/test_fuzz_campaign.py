@@ -18,6 +18,8 @@ from benchmarks import fuzz
 
 SEED = 15
 SLICE = 6  # programs per backend: 3 required families each, so all of fuzz.FAMILIES appear
+# both backends run the same slice: the second emits the first's plans (conftest.module_plan_cache)
+pytestmark = pytest.mark.usefixtures("module_plan_cache")
 
 
 def test_the_slice_exercises_every_family():
