@@ -34,10 +34,9 @@ from jax import lax
 import emit
 import eqsat
 from emit.expr import compile_expr, evaluate_whole, grid_index, merge_block_tiles, merge_partials_at, partials_layout
-from emit.pallas import EmitContext, KernelCall, XlaFallbackWarning, conv, pointwise, run_kernels
-from emit.pallas.partials import Partials, merged
+from emit.pallas import EmitContext, XlaFallbackWarning, conv, pointwise, run_kernels
+from emit.pallas.partials import merged
 from eqsat.conv_params import ConvParams
-from eqsat.interpret import evaluate
 from eqsat.moments import merge_partials as reference_merge
 from eqsat.moments import partial_moments, two_pass
 from eqsat.term import Term
