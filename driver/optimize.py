@@ -25,6 +25,11 @@ source); a hit rebuilds the `Plan` from the stored terms and skips build, satura
 `lowered.egraph`, `.saturation`, `.extraction` and `.builder` are built on first use by running the
 skipped stages then (the plan kept is the cached one). `optimize(..., cache=False)` skips it.
 
+Shared e-graph: with the default rules, build and saturate run on one e-graph per thread whose
+rules were registered once (`_SharedEGraph`: egglog push, build, saturate, serialize, pop); a
+small program's planning was mostly that registration. `lowered.egraph` and `.builder` are then
+built again on first use (a fresh e-graph, the same schedule).
+
 Running: calling the optimized function runs its plan through `emit.emit(plan, backend)`, built
 once per signature: `backend="pallas"` emits every kernel as a Pallas kernel (Triton on a GPU,
 interpreted on a CPU; `interpret=` forces either), `"hybrid"` convs and matmuls through XLA's
