@@ -690,14 +690,10 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
 
         def rebuild():
             from eqsat.egraph import Builder
-            from eqsat.saturate import saturate
-            from eqsat.schedule import schedule_of
 
             fresh = Builder()
             fresh.add(program.outputs)
-            saturate(fresh.egraph, schedule_of(rulesets), node_limit=plan_options["node_limit"],
-                     iteration_limit=plan_options["iteration_limit"], time_limit=plan_options["time_limit"],
-                     program=program, classes=False)
+            _saturate(fresh, program, rulesets, plan_options)
             return fresh, fresh.egraph
 
         lowered._rebuild = rebuild
@@ -750,6 +746,16 @@ class _SharedEGraph:
             local.busy = False
 
 
+def _saturate(builder, program, rulesets, options):
+    """Saturate the builder's e-graph with the schedule of `rulesets` under the options' limits."""
+    from eqsat.saturate import saturate
+    from eqsat.schedule import schedule_of
+
+    return saturate(builder.egraph, schedule_of(rulesets), node_limit=options["node_limit"],
+                    iteration_limit=options["iteration_limit"], time_limit=options["time_limit"],
+                    program=program, classes=False)  # e-classes are counted on the extraction's copy
+
+
 def _plan(program, device, rulesets, options, stage, caught, shared: bool = False):
     """build, saturate and extract: the builder (None when planned on the shared e-graph, whose
     state is gone after the plan: `Lowered._rebuilt`), its root handles, the saturation report,
@@ -764,12 +770,9 @@ def _plan(program, device, rulesets, options, stage, caught, shared: bool = Fals
             builder = builder or Builder()
             handles = builder.add(program.outputs)
         with stage("saturate"):
-            from eqsat.saturate import classes_in, saturate, serialized_data
-            from eqsat.schedule import schedule_of
+            from eqsat.saturate import classes_in, serialized_data
 
-            report = saturate(builder.egraph, schedule_of(rulesets), node_limit=options["node_limit"],
-                              iteration_limit=options["iteration_limit"], time_limit=options["time_limit"],
-                              program=program, classes=False)  # counted on the extraction's copy
+            report = _saturate(builder, program, rulesets, options)
             # Serialized once, for the class count and extraction, before a shared e-graph pops.
             serialized = serialized_data(builder.egraph)
         term_handles = dict(builder.handles)
