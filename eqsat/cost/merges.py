@@ -274,12 +274,20 @@ def finalize_cost(statistic, device="h100"):
                 + serial)
 
 
+_statistics_read_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # terms are interned
+
+
 def statistics_read(kernel) -> list:
     """The hosted-statistic candidates (`EpilogueReduce` terms) `kernel`'s expressions load."""
+    try:
+        return list(_statistics_read_memo[kernel])
+    except KeyError:
+        pass
     found = {}
     for node, _parent in kernel_body(kernel):
         if node.op == "Load" and node.args[0].op == "EpilogueReduce":
             found[id(node.args[0])] = node.args[0]
+    _statistics_read_memo[kernel] = tuple(found.values())
     return list(found.values())
 
 

@@ -70,6 +70,7 @@ Two views of the same model:
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
 from eqsat.cost.devices import Device, get_device
@@ -137,13 +138,26 @@ def _flop_seconds(op: str, args: Sequence, flops: float, device: Device, weight_
     return mma_seconds(template, device, dtype)
 
 
+_kernel_reads_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # terms are interned
+
+
 def kernel_reads(kernel: Term) -> dict[Term, float]:
     """The tensors `kernel` reads and how many bytes of each (each distinct tensor once).
 
     A tensor reached only through `Slice`/`DynamicSlice` is charged the slices it reads; the table
     of a `Gather` is charged at most the gathered size; otherwise a tensor is read in full. An
     `EpilogueReduce` is read as its whole partials buffer (`partials_bytes`), which the reader merges.
+    Memoized per kernel term (extraction prices the same kernels many times); the caller gets its
+    own dict.
     """
+    try:
+        return dict(_kernel_reads_memo[kernel])
+    except KeyError:
+        reads = _kernel_reads_memo[kernel] = _kernel_reads(kernel)
+        return dict(reads)
+
+
+def _kernel_reads(kernel: Term) -> dict[Term, float]:
     full: dict[Term, float] = {}
     partial: dict[Term, float] = {}
     whole: set[Term] = set()
