@@ -56,7 +56,7 @@ from emit import expr as ex
 from emit.pallas import triton as tr
 from emit.pallas.matmul import MIN_DOT_BLOCK, check_dot_dtypes, store  # noqa: F401 (importable from here)
 from eqsat.tiling.attention import (  # the tiling, shared with the cost model
-    AttentionBlocks, head_pieces, key_loop_trips, tail_width)
+    AttentionBlocks, dot_itemsize, fits_shared_memory, head_pieces, key_loop_trips, tail_width)
 from eqsat.types import parse_type
 
 Index = tuple[Any, Any, Any, Any]
@@ -80,6 +80,7 @@ class AttentionProblem:
     scale: float
     epilogue: EpilogueFn
     out_dtype: Any
+    dot_itemsize: int = 2  # bytes of the dots' operands (q·k in their promoted type, p·v in v's)
 
     def validate(self) -> None:
         for name in ("batch", "heads", "q_len", "kv_len", "head_dim"):
@@ -180,8 +181,14 @@ def build(problem: AttentionProblem, inputs: Sequence[jax.Array], *, blocks: Att
     """Run `problem` as one `pallas_call` reading `inputs` (flat refs, in this order); returns
     `[batch, heads, q_len, head_dim]`."""
     problem.validate()
-    blocks = blocks or AttentionBlocks.get_default(problem.q_len, problem.kv_len, problem.head_dim)
+    blocks = blocks or AttentionBlocks.get_default(problem.q_len, problem.kv_len, problem.head_dim,
+                                                   problem.dot_itemsize)
     blocks.validate()
+    width = sum(w for _, w in head_pieces(problem.head_dim))
+    if not fits_shared_memory(blocks.block_q, blocks.block_k, width, problem.dot_itemsize):
+        raise NotImplementedError(f"a head of {problem.head_dim} lanes at {problem.dot_itemsize}-byte operands "
+                                  f"does not fit an H100's shared memory even in {blocks.block_q} x "
+                                  f"{blocks.block_k} blocks")
     kernel = functools.partial(attention_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs))
     shape = (problem.batch, problem.heads, problem.q_len, problem.head_dim)
     (out,) = tr.pallas_call(kernel, inputs, [jax.ShapeDtypeStruct(shape, problem.out_dtype)],
@@ -251,6 +258,6 @@ def emit(kernel, ctx) -> dict:
 
     problem = AttentionProblem(batch, heads, q_len, k_shape[2], head_dim, operand(q_fn), operand(k_fn),
                                operand(v_fn), operand(bias_fn) if bias_fn is not None else None, float(scale),
-                               epilogue_tile, jnp.dtype(out_type.dtype))
+                               epilogue_tile, jnp.dtype(out_type.dtype), dot_itemsize(q.ty, k.ty, v.ty))
     out = build(problem, [ctx.operand(t) for t in tensors], interpret=ctx.interpret, name=kernel.name)
     return {term: out.reshape(out_type.shape)}

@@ -39,7 +39,7 @@ from eqsat.cost.devices import ALU_FACTOR, MEMORY_FACTOR  # noqa: F401 (fitted w
 from eqsat.cost.partials import fields, statistic_slots, statistic_tiles
 from eqsat.cost.terms import args_of, nonzero_weight_elements, own_flops
 from eqsat.cost.tiles import MatmulShape, conv_parts
-from eqsat.tiling.attention import AttentionBlocks, head_pieces, key_loop_trips, tail_width
+from eqsat.tiling.attention import AttentionBlocks, dot_itemsize, head_pieces, key_loop_trips, tail_width
 from eqsat.tiling.conv import ConvConfig, ConvGeometry, KRange
 from eqsat.tiling.conv import grid as conv_grid
 from eqsat.tiling.matmul import MatmulBlocks
@@ -168,14 +168,14 @@ def _conv_work(config, geometry, ranges, useful: float) -> TemplateWork:
 
 
 def attention_work(term) -> TemplateWork:
-    return attention_work_of(term.args[0].ty, term.args[1].ty)
+    return attention_work_of(term.args[0].ty, term.args[1].ty, term.args[2].ty)
 
 
-def attention_work_of(q_ty: str, k_ty: str) -> TemplateWork:
+def attention_work_of(q_ty: str, k_ty: str, v_ty: str | None = None) -> TemplateWork:
     q_shape, k_shape = parse_type(q_ty).shape, parse_type(k_ty).shape
     q_len, head_dim, kv_len = q_shape[-2], q_shape[-1], k_shape[-2]
     heads = math.prod(q_shape[:-2])
-    blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim, dot_itemsize(q_ty, k_ty, v_ty or k_ty))
     q_blocks = -(-q_len // blocks.block_q)
     keys = key_loop_trips(kv_len, blocks.block_k) * blocks.block_k
     if kv_len % blocks.block_k:
@@ -227,7 +227,7 @@ def node_work(op: str, args, weight_elements: int | None = None, ranges=None) ->
     if op == "Conv":
         return conv_work_of(args[0], args[1], args[2], args[4], weight_elements, ranges)
     if op == "Attention":
-        return attention_work_of(args[0], args[1])
+        return attention_work_of(args[0], args[1], args[2])
     return TemplateWork("other")
 
 

@@ -24,6 +24,32 @@ def key_loop_trips(kv_len: int, block_k: int) -> int:
     return kv_len // block_k
 
 
+# Shared memory one CTA may use on an H100 (`shared_memory_per_block_optin`), and the most the
+# attention template's Triton kernel was measured to ask per byte of its q block and k/v block,
+# read from XLA's thunk sequence of the deviceless sm_90 compile (blocks q x k x head lanes):
+# fp16 64 x 32 x 512: 98,304 B (1.0x); fp32 64 x 32 x 512: 327,680 (1.67x), 32 x 32 x 512: 200,704
+# (1.53x), 32 x 16 x 512: 133,120 (1.35x), 64 x 16 x 512 and 256 x 64 x 128: 229,376 (1.4x),
+# 64 x 64 x 256: 262,144 (2.0x).
+SHARED_MEMORY_BYTES = 232_448
+SHARED_BYTES_PER_TILE_BYTE = 2.0
+
+
+def dot_itemsize(q_ty: str, k_ty: str, v_ty: str) -> int:
+    """Operand bytes of the attention's dots: q·kᵀ in q's and k's promoted dtype, p·v in v's."""
+    import numpy as np
+
+    from eqsat.types import parse_type
+
+    q, k, v = (parse_type(ty).dtype for ty in (q_ty, k_ty, v_ty))
+    return max(np.promote_types(q, k).itemsize, np.dtype(v).itemsize)
+
+
+def fits_shared_memory(block_q: int, block_k: int, width: int, itemsize: int) -> bool:
+    """Whether the attention kernel's q block and k/v block of `width` head lanes fit an H100's
+    shared memory, at the most it was measured to ask per tile byte."""
+    return SHARED_BYTES_PER_TILE_BYTE * (block_q + block_k) * width * itemsize <= SHARED_MEMORY_BYTES
+
+
 def tail_width(kv_len: int, block_k: int) -> int:
     """Key slots of the partial last block: the leftover keys rounded up to a power of two >= 16
     (77 keys in blocks of 64: one block of 64 and a tail of 16 slots, not 128)."""
@@ -40,21 +66,30 @@ class AttentionBlocks:
     num_stages: int = 2
 
     @classmethod
-    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
+    def get_default(cls, q_len: int, kv_len: int, head_dim: int, itemsize: int = 2) -> "AttentionBlocks":
         """Tiles read from the sm_90 PTX (`python -m benchmarks.attention_ptx --blocks ...`): 64 keys
         and a warpgroup (4 warps) per 64 query rows: 256 rows from 4096 queries (heads up to 128
         lanes: at 16 warps ptxas has 128 registers, and a 160-lane accumulator spills), 128 from
         1024 (the k/v loads per score shrink with the rows while the grid still fills the GPU),
         else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
-        sequences."""
+        sequences, then to an H100's shared memory (`fits_shared_memory`; `itemsize` is the dots'
+        operand bytes)."""
         width = sum(w for _, w in head_pieces(head_dim))
         if width > 256:
             block_q, block_k, warps = 64, 32, 8
         else:
             block_q = 256 if q_len >= 4096 and width <= 128 else 128 if q_len >= 1024 else 64
             block_k, warps = 64, block_q // 16
-        return cls(min(block_q, max(MIN_DOT_BLOCK, next_pow2(q_len))),
-                   min(block_k, max(MIN_DOT_BLOCK, next_pow2(kv_len))), num_warps=warps)
+        block_q = min(block_q, max(MIN_DOT_BLOCK, next_pow2(q_len)))
+        block_k = min(block_k, max(MIN_DOT_BLOCK, next_pow2(kv_len)))
+        while not fits_shared_memory(block_q, block_k, width, itemsize):
+            if block_q > 32:
+                block_q, warps = block_q // 2, max(4, warps // 2)
+            elif block_k > MIN_DOT_BLOCK:
+                block_k //= 2
+            else:
+                break  # the smallest tiles: a head this wide does not fit; Triton's compile says so
+        return cls(block_q, block_k, num_warps=warps)
 
     def validate(self) -> None:
         for name in ("block_q", "block_k"):
