@@ -58,7 +58,7 @@ from emit.pallas.contiguous import ContiguousMemory, masked_store
 from emit.pallas.partials import Partials, copy_prefix
 from eqsat.lift import CONVERT
 from eqsat.term import Term, postorder
-from eqsat.tiling import MIN_DOT_BLOCK  # Triton's tl.dot needs every dimension >= 16
+from eqsat.tiling import MIN_DOT_BLOCK, dot_itemsize  # noqa: F401 (MIN_DOT_BLOCK importable from here)
 from eqsat.tiling.matmul import MatmulBlocks  # the tiles, shared with the cost model
 from eqsat.types import ints, parse_type
 
@@ -557,7 +557,7 @@ def emit(kernel, ctx) -> dict:
         missing = ex.unsupported_ops(expression)
         if missing:
             raise NotImplementedError(f"no Triton form for {', '.join(missing)}")
-    blocks = MatmulBlocks.get_default(m, n, k)
+    blocks = MatmulBlocks.get_default(m, n, k, dot_itemsize(lhs.ty, rhs.ty))
     lhs_term, placeholders = _hoist_row_statistics(lhs)
     lhs_fn = ex.compile_expr(lhs_term)
     rhs_fn, epilogue_fn = ex.compile_expr(rhs), ex.compile_expr(epilogue)

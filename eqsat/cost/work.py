@@ -96,7 +96,7 @@ def matmul_work(term) -> TemplateWork:
 
 def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str) -> TemplateWork:
     shape = MatmulShape(lhs_ty, rhs_ty, dims)
-    blocks = MatmulBlocks.get_default(max(shape.m, 1), max(shape.n, 1), max(shape.k, 1))
+    blocks = MatmulBlocks.get_default(max(shape.m, 1), max(shape.n, 1), max(shape.k, 1), dot_itemsize(lhs_ty, rhs_ty))
     programs = shape.batch * shape.m_tiles * shape.n_tiles
     padded = 2.0 * shape.batch * (shape.m_tiles * blocks.block_m) * (shape.n_tiles * blocks.block_n) \
         * _round_up(shape.k, blocks.block_k)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from eqsat.tiling import MIN_DOT_BLOCK, next_pow2
+from eqsat.tiling import MIN_DOT_BLOCK, SHARED_MEMORY_BYTES, dot_itemsize, next_pow2  # noqa: F401
 
 
 def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
@@ -24,24 +24,12 @@ def key_loop_trips(kv_len: int, block_k: int) -> int:
     return kv_len // block_k
 
 
-# Shared memory one CTA may use on an H100 (`shared_memory_per_block_optin`), and the most the
-# attention template's Triton kernel was measured to ask per byte of its q block and k/v block,
+# The most the attention template's Triton kernel was measured to ask per byte of its q block and k/v block,
 # read from XLA's thunk sequence of the deviceless sm_90 compile (blocks q x k x head lanes):
 # fp16 64 x 32 x 512: 98,304 B (1.0x); fp32 64 x 32 x 512: 327,680 (1.67x), 32 x 32 x 512: 200,704
 # (1.53x), 32 x 16 x 512: 133,120 (1.35x), 64 x 16 x 512 and 256 x 64 x 128: 229,376 (1.4x),
 # 64 x 64 x 256: 262,144 (2.0x).
-SHARED_MEMORY_BYTES = 232_448
 SHARED_BYTES_PER_TILE_BYTE = 2.0
-
-
-def dot_itemsize(q_ty: str, k_ty: str, v_ty: str) -> int:
-    """Operand bytes of the attention's dots: q·kᵀ in q's and k's promoted dtype, p·v in v's."""
-    import numpy as np
-
-    from eqsat.types import parse_type
-
-    q, k, v = (parse_type(ty).dtype for ty in (q_ty, k_ty, v_ty))
-    return max(np.promote_types(q, k).itemsize, np.dtype(v).itemsize)
 
 
 def fits_shared_memory(block_q: int, block_k: int, width: int, itemsize: int) -> bool:
