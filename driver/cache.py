@@ -78,6 +78,11 @@ def plans_dir() -> Path:
     return cache_dir() / "plans"
 
 
+def exported_dir() -> Path:
+    """Where the emitted stages of cached plans are kept as serialized StableHLO (`emit.exported`)."""
+    return cache_dir() / "exported"
+
+
 # --- the key -------------------------------------------------------------------------------------
 
 
@@ -342,7 +347,9 @@ def plan_from_entry(entry: Entry, program, device):
 def info() -> dict:
     """Where the cache is, its entries and their bytes."""
     entries = sorted(plans_dir().glob("*.json")) if plans_dir().is_dir() else []
-    return {"dir": str(cache_dir()), "plans": len(entries), "bytes": sum(p.stat().st_size for p in entries)}
+    exported = sorted(exported_dir().glob("*.bin")) if exported_dir().is_dir() else []
+    return {"dir": str(cache_dir()), "plans": len(entries), "exported": len(exported),
+            "bytes": sum(p.stat().st_size for p in entries + exported)}
 
 
 def clear() -> int:
@@ -353,6 +360,10 @@ def clear() -> int:
             if path.suffix in (".json", ".tmp"):
                 path.unlink(missing_ok=True)
                 removed += path.suffix == ".json"
+    if exported_dir().is_dir():  # the emitted stages of those plans
+        for path in exported_dir().iterdir():
+            if path.suffix in (".bin", ".tmp"):
+                path.unlink(missing_ok=True)
     return removed
 
 
@@ -364,7 +375,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         found = info()
-        print(f"{found['dir']}: {found['plans']} plans, {found['bytes'] / 1e6:,.2f} MB")
+        print(f"{found['dir']}: {found['plans']} plans, {found['exported']} exported stages, "
+              f"{found['bytes'] / 1e6:,.2f} MB")
     else:
         print(f"removed {clear()} plans from {cache_dir()}")
     return 0

@@ -169,11 +169,22 @@ class Lowered:
                 from emit.prepare import Prepared
 
                 self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate,
-                                              progress=self.progress)
+                                              progress=self.progress, exported=self._exported_stages(backend, interpret))
             else:
                 self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate,
                                                progress=self.progress)
         return self._emitted[key]
+
+    def _exported_stages(self, backend: str, interpret):
+        """The export cache of this plan's stages (`emit.exported`) when the plan cache is on: a plan
+        from the plan cache then also skips tracing and lowering its kernels."""
+        key = self.stats.get("cache_key")
+        if not key or self.stats.get("cache") not in ("hit", "miss"):
+            return None
+        from driver.cache import exported_dir
+        from emit.exported import ExportedStages
+
+        return ExportedStages(exported_dir(), key, backend, interpret)
 
     def partitioning_lines(self) -> list[str]:
         """How calls on sharded inputs ran the plan: per mesh and input shardings, the per-device

@@ -467,7 +467,7 @@ class Prepared:
     by the shardings of its inputs and prepared tensors (`emit.sharded`)."""
 
     def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=(),
-                 progress=None):
+                 progress=None, exported=None):
         from emit import resolve_backend
 
         if split.plan.program is None:
@@ -483,6 +483,8 @@ class Prepared:
         self.progress = progress  # the bar of kernels emitted while tracing (`emit.pallas.emission_bar`)
         self.prepare_runs = 0
         self.cache_hits = 0
+        # `emit.exported.ExportedStages`: the stages as stored StableHLO, for concrete calls on one device
+        self.exported = exported if self.backend in ("pallas", "mosaic", "hybrid") else None
         self._entry: _Entry | None = None
         self._prepare_jitted = jax.jit(self._prepare_stage)
         self._per_call_jitted = jax.jit(self._per_call_stage)
@@ -534,6 +536,10 @@ class Prepared:
     def _prepare(self, parameters: list) -> list:
         if self.backend == "interpret":
             return self._interpret(dict(zip(self.split.prepare_inputs, parameters)), {}, self.split.prepared_tensors)
+        if self.exported is not None:
+            out = self.exported.call("prepare", self._prepare_stage, list(parameters))
+            if out is not None:
+                return out
         return self._prepare_jitted(list(parameters))
 
     def _per_call(self, env: dict, prepared: list):
@@ -544,7 +550,12 @@ class Prepared:
             donated = [env[name] for name in self.donate]
             kept = [env[name] for name in self.split.per_call_inputs if name not in self.donate]
             return self._per_call_donating(donated, kept, prepared)
-        return self._per_call_jitted([env[name] for name in self.split.per_call_inputs], prepared)
+        leaves = [env[name] for name in self.split.per_call_inputs]
+        if self.exported is not None:
+            out = self.exported.call("per_call", self._per_call_stage, leaves, list(prepared))
+            if out is not None:
+                return out
+        return self._per_call_jitted(leaves, prepared)
 
     def _interpret(self, env: dict, known: dict, terms: list) -> list:
         from eqsat.interpret import _Evaluator

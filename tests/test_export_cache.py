@@ -1,0 +1,104 @@
+"""The emitted stages of a cached plan are kept as serialized StableHLO (`emit.exported`): a new
+optimized function with the same plan calls them instead of tracing its kernels again."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqsat
+from driver import cache as plan_cache
+from emit.exported import ExportCacheWarning
+
+
+def mlp(params, x):
+    h = x @ params["w1"] + params["b1"]
+    mean = h.mean(-1, keepdims=True)
+    var = ((h - mean) ** 2).mean(-1, keepdims=True)
+    h = jax.nn.gelu((h - mean) * jax.lax.rsqrt(var + 1e-5))
+    return h @ params["w2"]
+
+
+def arguments(rows=24, width=40):
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.standard_normal((width, 48)), jnp.float32),
+              "b1": jnp.asarray(1e3 + rng.standard_normal(48), jnp.float32),  # an offset large against the spread
+              "w2": jnp.asarray(rng.standard_normal((48, 8)), jnp.float32)}
+    return params, jnp.asarray(rng.standard_normal((rows, width)), jnp.float32)
+
+
+def run_fresh(args, **options):
+    """A new optimized function (as in a new process: its own lowerings and executables)."""
+    optimized = eqsat.optimize(mlp, backend="pallas", params_argnums=0, **options)
+    out = optimized(*args)
+    return out, optimized.lower(*args).executable("pallas", None)
+
+
+def test_a_second_function_reads_the_exported_stages(fresh_plan_cache):
+    args = arguments()
+    expected = jax.jit(mlp)(*args)
+    out, first = run_fresh(args)
+    stages = 1 + bool(first.split.prepared_tensors)  # the per-call stage, and the prepare stage if any
+    assert (first.exported.exports, first.exported.hits) == (stages, 0)
+    assert "per_call" in {p.name.split("-")[0] for p in plan_cache.exported_dir().glob("*.bin")}
+    again, second = run_fresh(args)
+    assert (second.exported.exports, second.exported.hits) == (0, stages)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-4)
+    np.testing.assert_array_equal(again, out)
+    assert plan_cache.info()["exported"] == stages
+
+
+def test_another_shape_is_another_entry(fresh_plan_cache):
+    _, first = run_fresh(arguments())
+    out, run = run_fresh(arguments(rows=7))
+    assert run.exported.exports == first.exported.exports >= 1
+    assert plan_cache.info()["exported"] == 2 * first.exported.exports
+    np.testing.assert_allclose(out, jax.jit(mlp)(*arguments(rows=7)), rtol=2e-5, atol=2e-4)
+
+
+def test_a_corrupt_entry_warns_and_is_exported_again(fresh_plan_cache):
+    args = arguments()
+    reference, _ = run_fresh(args)
+    for path in plan_cache.exported_dir().glob("*.bin"):
+        path.write_bytes(path.read_bytes()[:40])  # truncated
+    with pytest.warns(ExportCacheWarning, match="unreadable entry"):
+        out, run = run_fresh(args)
+    assert run.exported.exports >= 1
+    np.testing.assert_array_equal(out, reference)
+    _, healed = run_fresh(args)
+    assert healed.exported.hits == run.exported.exports
+
+
+def test_no_export_without_the_plan_cache(fresh_plan_cache):
+    out, run = run_fresh(arguments(), cache=False)
+    assert run.exported is None and not plan_cache.exported_dir().exists()
+    np.testing.assert_allclose(out, jax.jit(mlp)(*arguments()), rtol=2e-5, atol=2e-4)
+
+
+def test_traced_calls_trace_the_plan(fresh_plan_cache):
+    """Under the user's own transformations the stages are traced as before (an exported call has no
+    batching or differentiation rule)."""
+    args = arguments()
+    optimized = eqsat.optimize(mlp, backend="pallas", params_argnums=0)
+    batched = jax.vmap(lambda x: optimized(args[0], x))(jnp.stack([args[1], args[1] * 2]))
+    expected = jax.vmap(lambda x: mlp(args[0], x))(jnp.stack([args[1], args[1] * 2]))
+    np.testing.assert_allclose(batched, expected, rtol=2e-5, atol=5e-4)
+    assert not plan_cache.exported_dir().exists()
+
+
+def with_callback(params, x):
+    h = mlp(params, x)
+    return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+
+
+def test_a_stage_that_does_not_serialize_runs_as_before(fresh_plan_cache):
+    args = arguments()
+    optimized = eqsat.optimize(with_callback, backend="pallas", params_argnums=0)
+    with pytest.warns(UserWarning):  # the callback stays an opaque XLA op, with its warning
+        out = optimized(*args)
+    run = optimized.lower(*args).executable("pallas", None)
+    assert "per_call" in " ".join(run.exported.failures)
+    assert run.exported.exports == bool(run.split.prepared_tensors)  # the prepare stage has no callback
+    np.testing.assert_allclose(out, 2 * jax.jit(mlp)(*args), rtol=2e-5, atol=5e-4)
