@@ -42,6 +42,7 @@ from eqsat.cost.tiles import MatmulShape, conv_parts
 from eqsat.tiling.attention import AttentionBlocks, head_pieces, key_loop_trips, tail_width
 from eqsat.tiling.conv import ConvConfig, ConvGeometry, KRange
 from eqsat.tiling.conv import grid as conv_grid
+from eqsat.tiling.conv import prologue_evaluations
 from eqsat.tiling.matmul import MatmulBlocks
 from eqsat.tiling.partials import FinalizeConfig
 from eqsat.types import parse_type
@@ -158,13 +159,48 @@ def conv_weight_ranges(term) -> list[tuple[int, int]]:
 
 
 def _conv_work(config, geometry, ranges, useful: float) -> TemplateWork:
-    rows, width = config.tile(geometry)
+    rows, width = config.tile(geometry)  # (dots, dot M): rows of a row tile, one dot of a flat tile
     programs = math.prod(conv_grid(geometry, config))
     k_padded = sum(taps * _round_up(channels, config.block_k) for channels, taps in ranges)
     steps = sum(taps * -(-channels // config.block_k) for channels, taps in ranges)
     padded = 2.0 * programs * rows * width * config.block_n * k_padded
     mma = "wgmma" if width >= WGMMA_MIN_ROWS and config.num_warps >= 4 else "mma.sync"
     return TemplateWork("conv", programs, mma, padded, useful, steps=steps)
+
+
+# What the model assumes one evaluation of a conv's input expression costs when it chooses the
+# tile shape: GroupNorm apply + SiLU, ~25 PTX instructions per evaluation in the UNet's convs (issue
+# 16), the input of most SD 1.5 convs. The choice sees the geometry only (so a conv's term, its
+# e-nodes and the emitter choose alike); the roofline then charges the real expression.
+CONV_PROLOGUE_INSTRUCTIONS = 25
+
+
+def conv_tile_seconds(geometry: ConvGeometry, config: ConvConfig, device=None) -> float:
+    """The modeled time of a conv's tile-dependent work under `config` on the calibrated H100: its
+    MMA (padded, at its instruction's rate over the SMs it fills), serial K steps and the input
+    expression recomputed per tap (`prologue_evaluations`, `CONV_PROLOGUE_INSTRUCTIONS` each)."""
+    from eqsat.cost.devices import H100_CALIBRATED
+
+    device = device or H100_CALIBRATED
+    ranges = [(geometry.in_features, geometry.taps)]
+    work = _conv_work(config, geometry, ranges, 0.0)
+    inputs = geometry.batch * geometry.in_features * math.prod(geometry.in_size)
+    evaluations = prologue_evaluations(geometry, config) * inputs
+    return mma_seconds(work, device) + device.vector_seconds(
+        evaluations * CONV_PROLOGUE_INSTRUCTIONS * INSTRUCTION_FLOPS)
+
+
+_CHEAPEST: dict[ConvGeometry, ConvConfig] = {}
+
+
+def cheapest_conv_tile(geometry: ConvGeometry) -> ConvConfig:
+    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`; the row tile
+    on ties): what `ConvConfig.get_default` runs."""
+    cached = _CHEAPEST.get(geometry)
+    if cached is None:
+        candidates = ConvConfig.candidates(geometry)
+        cached = _CHEAPEST[geometry] = min(candidates, key=lambda c: conv_tile_seconds(geometry, c))
+    return cached
 
 
 def attention_work(term) -> TemplateWork:
