@@ -254,7 +254,7 @@ def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dty
     pixel = lax.rem(pl.program_id(0), tiles) * bm + _iota(bm)[:, None]                 # [bm, 1]
     pixels_ok = pixel < out_h * out_w
     pixel = jnp.where(pixels_ok, pixel, 0)
-    oy, ox = pixel // out_w, pixel % out_w
+    oy, ox = lax.div(pixel, out_w), lax.rem(pixel, out_w)  # non-negative: no floor fix-up (Triton)
     acc = jnp.zeros((bm, config.block_n), jnp.float32)
 
     for k_range in ranges:
@@ -270,7 +270,7 @@ def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dty
             w_mask = (channel[:, None] < k_range.channels) & cols_ok
 
             def tap(t, acc):
-                ky, kx = t // taps_x, t % taps_x
+                ky, kx = lax.div(t, taps_x), lax.rem(t, taps_x)
                 iy = oy * stride_y - pad_y + (y0 + ky) * dil_y
                 ix = ox * stride_x - pad_x + (x0 + kx) * dil_x
                 a_mask = pixels_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w) & channel_ok
