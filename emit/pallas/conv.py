@@ -1,13 +1,15 @@
 """Convolution: an implicit GEMM in Pallas Triton (kernel | build | reference).
 
 A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels,
-N the output channels and K the input channels times the window's taps. Each program owns one
-output tile of one image, `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
-more wide, 4 × 32 and 4 × 16 on narrower ones; `tw` is the dots' M, so 64-wide tiles multiply
-with wgmma, narrower ones with mma.sync), and block_n channels, one fp32 accumulator per row,
-summed over every tap (ky, kx) and every block_k chunk of input channels. Per chunk and column
-tap kx, each input row the tile reads is computed once and feeds every output row r reading it
-through a row tap ky (r·sy + ky·dy = that row):
+N the output channels and K the input channels times the window's taps. Each program owns
+block_n channels and one spatial tile of one image, summed over every tap (ky, kx) and every
+block_k chunk of input channels, in one of two shapes (`ConvConfig.flat`; the cost model picks
+per shape, `eqsat.cost.work.cheapest_conv_tile`):
+
+Row tiles (`_row_tile_sums`): `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
+more wide), one fp32 accumulator per row, `tw` the dots' M. Per chunk and column tap kx, each
+input row the tile reads is computed once and feeds every output row r reading it through a row
+tap ky (r·sy + ky·dy = that row):
 
     A_row[x, c] = prologue(b, c, row, (x0 + x)·sx − pad_x + kx·dx)           (0 in the padding)
     W[c, n]     = weight(n, c, ky, kx)
@@ -15,6 +17,17 @@ through a row tap ky (r·sy + ky·dy = that row):
 
 so a 3×3 conv computes its input 3 × (th + 2) / th times per element and output-channel tile,
 not 9 (Pallas Triton cannot shift a tile in registers, so the column taps still recompute).
+
+Flat tiles (`_flat_tile_sums`): `block_m` consecutive output pixels of one image in row-major
+order (several rows of a 32-, 16- or 8-wide image), one accumulator, the dot's M = block_m (64 or
+128: wgmma where a row tile of a narrow image would multiply with mma.sync). Each pixel's output
+row and column are index arithmetic, so every tap gathers its own input tile:
+
+    A[p, c]  = prologue(b, c, oy(p)·sy − pad_y + ky·dy, ox(p)·sx − pad_x + kx·dx)
+    acc     += dot(A, W[ky, kx])
+
+computing the input 9 times per element and output-channel tile for a 3×3 conv (the cost model
+charges that: `eqsat.tiling.conv.prologue_evaluations`).
 
 `prologue` and `weight` are closures evaluated at index tiles: one int32 array per axis of the
 operand, broadcast-compatible ([tw, 1] pixels, [1, block_k] channels), with a validity
@@ -50,17 +63,19 @@ own (`emit.pallas.partials`). `merge_partials` is a pairwise merge in plain jax 
     build(geometry, ranges, ...)   the pallas_call over closures: grid, tiles, validation
     reference(lhs, rhs, params)    lax.conv_general_dilated with fp32 accumulation
 
-Loops: channel chunks outer, column taps inner, input rows and row taps unrolled. What the input
+Loops: channel chunks outer, column taps inner, input rows and row taps unrolled (row tiles);
+channel chunks outer, taps inner (flat tiles). What the input
 expression computes per (batch, channel) (GroupNorm's scale and shift, the merge of a hosted
 statistic's partials) does not vary over a tile: it is evaluated once per chunk at pixel (0, 0)
 (`emit.expr.CompiledExpr.hoist`) and reused at every tap, on a [1, block_k] tile.
 
-Tiling: the geometry (`ConvGeometry`), K ranges (`KRange`), tiles (`ConvConfig`) and grid are
-`eqsat.tiling.conv`'s (importable from here too), which the cost model reads as well. Cost: per
-output-channel tile, a 3×3 conv evaluates its per-pixel prologue for each input row of each tile
-at each column tap, and its per-(batch, channel) part once per program and chunk;
-`eqsat.cost.tiles` charges exactly that (`conv_tile`, `conv_prologue_evaluations`,
-`ConvPrograms`; tests/test_emit_conv.py checks the tile and the count agree).
+Tiling: the geometry (`ConvGeometry`), K ranges (`KRange`), tiles (`ConvConfig`), grid and
+prologue evaluations are `eqsat.tiling.conv`'s (importable from here too), which the cost model
+reads as well. Cost: per output-channel tile, a 3×3 conv evaluates its per-pixel prologue for
+each input row of each row tile at each column tap, or at each flat tile's pixels at every tap,
+and its per-(batch, channel) part once per program and chunk; `eqsat.cost.tiles` charges exactly
+that (`conv_tile`, `conv_prologue_evaluations`, `ConvPrograms`; tests/test_emit_conv_flat.py
+counts the evaluations in the running kernel).
 """
 
 from __future__ import annotations
