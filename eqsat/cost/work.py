@@ -10,7 +10,7 @@ waves. `template_work(kernel)` states that work, from the same config objects th
 | template | programs | MMA instruction | MMA flops (what the tiles multiply) | serial steps of a program |
 |---|---|---|---|---|
 | matmul | batch · M tiles · N tiles | wgmma if block_m >= 64 | 2 · batch · M↑ · N↑ · K↑ (↑: rounded up to the tile) | K / block_k |
-| conv | batch · spatial tiles · Cout tiles | wgmma if the dot's M (tile width) >= 64 | 2 · batch · tiles · rows · width · Cout↑ · Σ_ranges taps · Cin↑ | Σ_ranges taps · Cin↑ / block_k |
+| conv | batch · spatial tiles · Cout tiles | wgmma if the dot's M (a row tile's width, a flat tile's block_m) >= 64 | 2 · batch · tiles · dots · dot M · Cout↑ · Σ_ranges taps · Cin↑ | Σ_ranges taps · Cin↑ / block_k |
 | attention | batch · heads · query blocks | wgmma if block_q >= 64 | 4 · batch · heads · q↑ · keys↑ · head dim↑ (`head_pieces`) | key blocks |
 | finalize | slots | none | none | partial values one thread loads (`FinalizeConfig.loads_per_thread`) |
 
@@ -24,9 +24,10 @@ CTAS_PER_SM is 1: `benchmarks.kernels` read 1 CTA per SM for 80/84 convs, 60/100
 attention kernels of the UNet from ptxas's register counts; the model does not compile.
 
 The counts the roofline already has come from the same place: a conv's prologue evaluations
-(`tiles.conv_prologue_evaluations` over `tiles.conv_tile`, `ConvConfig.tile`), a matmul's A
-prologue per N tile (`tiles.matmul_shape`, `MatmulBlocks`); tests/test_cost_work.py checks both
-against the template configs for every kernel of the SD 1.5 plans.
+(`tiles.conv_prologue_evaluations`: `eqsat.tiling.conv.prologue_evaluations` of the tile the model
+chose, `cheapest_conv_tile`), a matmul's A prologue per N tile (`tiles.matmul_shape`,
+`MatmulBlocks`); tests/test_cost_work.py checks both against the template configs for every kernel
+of the SD 1.5 plans.
 """
 
 from __future__ import annotations
