@@ -150,7 +150,8 @@ def test_the_calibrated_device_prices_the_templates_work():
 
 def test_a_conv_term_and_its_e_node_price_the_same_mma():
     """`kernel_cost` prices a conv's MMA over its weight's K ranges (`conv_weight_ranges`), as the e-node
-    does (`extract.prologue` passes the same ranges); 32x32 images: 32-wide tiles, mma.sync."""
+    does (`extract.prologue` passes the same ranges); 32x32 images: the model's flat 128-pixel
+    tiles, wgmma (32-wide row tiles would multiply with mma.sync)."""
     from eqsat.conv_params import ConvParams
     from eqsat.term import Term
 
@@ -161,6 +162,6 @@ def test_a_conv_term_and_its_e_node_price_the_same_mma():
     conv = Term("Conv", Term("Load", x, x.ty), Term("Load", w, w.ty), params, Term("Acc", "f32[2,32,32,640]"),
                 "f16[2,32,32,640]")
     priced = work.priced_work(conv)
-    assert priced == work.conv_work(conv) and priced.mma == "mma.sync"
+    assert priced == work.conv_work(conv) and priced.mma == "wgmma"
     assert work.conv_weight_ranges(conv) == [(640, 9)]
     assert work.node_work("Conv", (x.ty, w.ty, params, None, conv.ty), None, [(640, 9)]) == priced
