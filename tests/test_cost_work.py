@@ -36,7 +36,7 @@ def _check_conv(term):
     # The roofline's tile, output-channel tiles and prologue evaluations are the template's.
     lhs, rhs, params, _epilogue, ty = term.args
     assert roofline.conv_tile(lhs.ty, rhs.ty, params, ty) == (rows, width)
-    assert roofline.conv_output_tiles(geometry.out_features) == -(-geometry.out_features // config.block_n)
+    assert roofline.conv_output_tiles(geometry.out_features, config.block_n) == -(-geometry.out_features // config.block_n)
     p = ConvParams.parse(params)
     kh, kw = geometry.window
     out_h, out_w = geometry.out_size

@@ -8,7 +8,7 @@ import math
 from eqsat.conv_params import ConvParams
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.terms import PARTIAL_FIELDS, partial_tiles
-from eqsat.cost.tiles import ConvPrograms, conv_output_tiles, matmul_shape
+from eqsat.cost.tiles import ConvPrograms, conv_default_config, conv_output_tiles, matmul_shape
 from eqsat.types import parse_type
 
 # Instructions per (lane, tile) of a reader's merge (`emit.expr.merge_partials_at`): moments load
@@ -48,7 +48,7 @@ def conv_host_tiles(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, slots: i
     p = ConvParams.parse(params)
     out = parse_type(out_ty).shape
     cout = out[p.out_spec[1]]
-    n_tiles = conv_output_tiles(cout)
+    n_tiles = conv_output_tiles(cout, conv_default_config(lhs_ty, rhs_ty, params, out_ty).block_n)
     if slots == math.prod(out) // max(cout, 1):  # every pixel its own slot
         return n_tiles
     return out[p.out_spec[0]] * ConvPrograms.of(lhs_ty, rhs_ty, params, out_ty).tiles * n_tiles

@@ -63,9 +63,10 @@ def conv_default_config(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> c
     return conv_tiling.ConvConfig.get_default(_geometry(lhs_ty, rhs_ty, params, out_ty))
 
 
-def conv_output_tiles(out_features: int) -> int:
-    """Output-channel tiles of the conv template's default config for `out_features` channels."""
-    return conv_tiling.output_channel_tiles(out_features)
+def conv_output_tiles(out_features: int, block_n: int = CONV_BLOCK_N) -> int:
+    """Output-channel tiles of `block_n` (shrunk to fit) for `out_features` channels; a conv's
+    own: `conv_default_config(...).block_n`."""
+    return conv_tiling.output_channel_tiles(out_features, block_n)
 
 
 def conv_tile(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> tuple[int, int]:
@@ -93,7 +94,7 @@ class ConvPrograms:
         config = conv_tiling.ConvConfig.get_default(geometry)
         tiles = config.spatial_tiles(geometry)
         in_h, in_w = geometry.in_size
-        return cls(tiles, tiles * conv_output_tiles(geometry.out_features) / max(in_h * in_w, 1),
+        return cls(tiles, tiles * conv_output_tiles(geometry.out_features, config.block_n) / max(in_h * in_w, 1),
                    geometry.batch * geometry.in_features, in_h, in_w)
 
     def per_pixel(self, node_ty: str) -> bool:
