@@ -192,16 +192,12 @@ class ConvConfig:
     def candidates(cls, geometry: ConvGeometry) -> list["ConvConfig"]:
         """The tile shapes the cost model chooses from for `geometry`: the row tile (128 pixels,
         `block_w` = 64 columns or the image's width) and flat tiles of 64 and 128 pixels (or
-        the image's pixels rounded up, where fewer), each of 128 output channels (shrunk to fit)
-        and of 64 (twice the programs for convs that fill few SMs, the input computed twice as
-        often)."""
-        widest = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
+        the image's pixels rounded up, where fewer), all of 128 output channels (shrunk to fit)."""
+        block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
+        shapes = [cls(DEFAULT_BLOCK_M, block_n, DEFAULT_BLOCK_K, _warps(DEFAULT_BLOCK_M, block_n))]
         image = max(MIN_BLOCK, next_pow2(geometry.image_pixels))
-        shapes = []
-        for block_n in sorted({widest, min(widest, 64)}, reverse=True):
-            shapes.append(cls(DEFAULT_BLOCK_M, block_n, DEFAULT_BLOCK_K, _warps(DEFAULT_BLOCK_M, block_n)))
-            for block_m in sorted({min(64, image), min(DEFAULT_BLOCK_M, image)}):
-                shapes.append(cls(block_m, block_n, DEFAULT_BLOCK_K, _warps(block_m, block_n), flat=True))
+        for block_m in sorted({min(64, image), min(DEFAULT_BLOCK_M, image)}):
+            shapes.append(cls(block_m, block_n, DEFAULT_BLOCK_K, _warps(block_m, block_n), flat=True))
         return shapes
 
 
