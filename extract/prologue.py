@@ -164,7 +164,7 @@ def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPr
     if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations, _ in ranges):
         return None
     return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges,
-                        ConvPrograms.of(lhs_ty, params, out_ty, rhs_shape[p.rhs_spec[0]]))
+                        ConvPrograms.of(lhs_ty, rhs_ty, params, out_ty))
 
 
 def weight_ranges(graph, rhs: int, rhs_spec, rhs_shape, depth: int = 4) -> list[tuple[int, int, int]]:
@@ -255,8 +255,9 @@ def _statistic_merge_seconds(graph, costs: NodeCosts, statistic: int, lanes: flo
     slots = max(1, math.prod(shape[1:] if op == "moments" else shape))
     producer = resolve(children[0])
     if producer is not None and graph.node_op[producer] == "Conv":
-        tiles = conv_host_tiles(graph.class_type[graph.node_children[producer][0]], graph.node_literals[producer][2],
-                                graph.node_literals[producer][4], slots)
+        lhs_class, rhs_class = graph.node_children[producer][:2]
+        tiles = conv_host_tiles(graph.class_type[lhs_class], graph.class_type[rhs_class],
+                                graph.node_literals[producer][2], graph.node_literals[producer][4], slots)
     elif producer is not None and graph.node_op[producer] == "Matmul":
         tiles = costs.operand_repeats[producer][0]  # a row per N tile (`eqsat.cost.merges.host_tiles`)
     else:

@@ -26,25 +26,29 @@ def plan(request):
 
 def _check_conv(term):
     from emit.pallas.conv import _grid
+    from eqsat.tiling.conv import prologue_evaluations
 
     config, geometry, ranges = work.conv_config(term)
     w = work.conv_work(term)
-    rows, width = config.tile(geometry)
+    rows, width = config.tile(geometry)  # (dots, dot M): a row tile's rows of `width`, or one flat dot
     assert w.programs == math.prod(_grid(geometry, config))
     assert w.mma == ("wgmma" if width >= 64 else "mma.sync")
     # The roofline's tile, output-channel tiles and prologue evaluations are the template's.
-    out_h, out_w = geometry.out_size
-    assert roofline.conv_tile(out_h, out_w) == (rows, width)
-    assert roofline.conv_output_tiles(geometry.out_features) == -(-geometry.out_features // config.block_n)
     lhs, rhs, params, _epilogue, ty = term.args
+    assert roofline.conv_tile(lhs.ty, rhs.ty, params, ty) == (rows, width)
+    assert roofline.conv_output_tiles(geometry.out_features, config.block_n) == -(-geometry.out_features // config.block_n)
     p = ConvParams.parse(params)
     kh, kw = geometry.window
-    input_rows = len({r * p.strides[0] + ky * p.rhs_dilation[0] for r in range(rows) for ky in range(kh)})
-    tiles = -(-out_h // rows) * -(-out_w // width)
+    out_h, out_w = geometry.out_size
     in_h, in_w = geometry.in_size
     cout_tiles = -(-geometry.out_features // config.block_n)
-    assert roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty) == pytest.approx(
-        tiles * input_rows * kw * width * cout_tiles / (in_h * in_w))
+    if config.flat:
+        expected = -(-out_h * out_w // width) * width * kh * kw * cout_tiles / (in_h * in_w)
+    else:
+        input_rows = len({r * p.strides[0] + ky * p.rhs_dilation[0] for r in range(rows) for ky in range(kh)})
+        expected = -(-out_h // rows) * -(-out_w // width) * input_rows * kw * width * cout_tiles / (in_h * in_w)
+    assert roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty) == pytest.approx(expected)
+    assert prologue_evaluations(geometry, config) == pytest.approx(expected)
     # MMA flops: every program multiplies its whole tile over every K chunk of every range's taps.
     useful = own_flops("Conv", _args_of(term), nonzero_weight_elements(rhs))
     padded_k = sum(taps * -(-channels // config.block_k) * config.block_k for channels, taps in ranges)
@@ -146,7 +150,8 @@ def test_the_calibrated_device_prices_the_templates_work():
 
 def test_a_conv_term_and_its_e_node_price_the_same_mma():
     """`kernel_cost` prices a conv's MMA over its weight's K ranges (`conv_weight_ranges`), as the e-node
-    does (`extract.prologue` passes the same ranges); 32x32 images: 32-wide tiles, mma.sync."""
+    does (`extract.prologue` passes the same ranges); 32x32 images: the model's flat 128-pixel
+    tiles, wgmma (32-wide row tiles would multiply with mma.sync)."""
     from eqsat.conv_params import ConvParams
     from eqsat.term import Term
 
@@ -157,6 +162,6 @@ def test_a_conv_term_and_its_e_node_price_the_same_mma():
     conv = Term("Conv", Term("Load", x, x.ty), Term("Load", w, w.ty), params, Term("Acc", "f32[2,32,32,640]"),
                 "f16[2,32,32,640]")
     priced = work.priced_work(conv)
-    assert priced == work.conv_work(conv) and priced.mma == "mma.sync"
+    assert priced == work.conv_work(conv) and priced.mma == "wgmma"
     assert work.conv_weight_ranges(conv) == [(640, 9)]
     assert work.node_work("Conv", (x.ty, w.ty, params, None, conv.ty), None, [(640, 9)]) == priced

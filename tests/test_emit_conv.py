@@ -456,8 +456,9 @@ def test_conv_in_and_conv_out_read_and_write_nchw(dtype):
 
 def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
     """conv_in (NCHW read), an upsampler conv, a conv over a skip concat and conv_out (NCHW write),
-    fp16 at 64 channels: four Triton kernels in the executable, each on tensor cores; those with
-    64-column output tiles (the 64x64 images) with wgmma, conv_in's 32-column tiles with mma.sync."""
+    fp16 at 64 channels: four Triton kernels in the executable, each on tensor cores, with wgmma
+    wherever the config's dot M is >= 64 pixels: the 64x64 images' row tiles and conv_in's 32x32
+    image on the tile the model chooses for it (a flat tile of 64 or 128 pixels)."""
     from measure.xla_target import compile_for_h100
 
     shapes = jax.ShapeDtypeStruct
@@ -482,7 +483,14 @@ def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
     ptx = [path.read_text() for path in (tmp_path / "dump").glob("*.ptx")]
     kernels = [text for text in ptx if ".entry" in text]
     assert len(kernels) == 4 and all("wgmma.mma_async" in text or "mma.sync" in text for text in kernels)
-    assert sum("wgmma.mma_async" in text for text in kernels) == 3
+    wide = []
+    for kernel in plan.kernels:
+        lhs, rhs, params, _epilogue, ty = kernel.term.args
+        geometry = conv.ConvGeometry(ConvParams.parse(params), parse_type(lhs.ty).shape, parse_type(rhs.ty).shape,
+                                     parse_type(ty).shape)
+        wide.append(conv.ConvConfig.get_default(geometry).tile(geometry)[1] >= 64)
+    assert wide == [True] * 4
+    assert sum("wgmma.mma_async" in text for text in kernels) == 4
 
 
 # --- the cost model charges what the template does ------------------------------------------------------
@@ -498,10 +506,11 @@ def test_the_cost_model_uses_the_templates_output_channel_tile():
 
 def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     """silu(x) read by a 3x3 conv with 320 output channels on an 8x8 image: a mul and a logistic
-    per input element (1 + `ALU_INSTRUCTIONS["logistic"]` flops), computed as the template tiles it (two 4-row x 16-column tiles, 8 columns valid: each
-    computes its 6 input rows at 3 column taps, for each of 3 channel tiles: 2 * 6 * 3 * 16 * 3 / 64
-    = 27 evaluations per element); the 1x1 part of a merged shortcut at one tap (2 * 4 * 16 * 3 / 64
-    = 6)."""
+    per input element (1 + `ALU_INSTRUCTIONS["logistic"]` flops), computed as the template tiles it
+    (the model's choice here: one flat 64-pixel tile, computing its input at each of 9 taps for each
+    of 3 channel tiles: 64 * 9 * 3 / 64 = 27 evaluations per element; 4-row x 16-column row tiles
+    would also make 2 * 6 * 3 * 16 * 3 / 64 = 27); the 1x1 part of a merged shortcut at one tap
+    (64 * 1 * 3 / 64 = 3)."""
     from eqsat.cost import kernel_cost, roofline
 
     x = _input("x", (1, 8, 8, 64))
@@ -510,7 +519,8 @@ def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     term = _conv_term(silu, _load(_input("w", (320, 64, 3, 3))), params)
     flops, covered = roofline.conv_prologue_flops(term)
     geometry = conv.ConvGeometry(params, (1, 8, 8, 64), (320, 64, 3, 3), parse_type(term.ty).shape)
-    assert conv.ConvConfig.get_default(geometry).tile(geometry) == roofline.conv_tile(8, 8) == (4, 16)
+    assert conv.ConvConfig.get_default(geometry).tile(geometry) == roofline.conv_tile(x.ty, "f32[320,64,3,3]", params.key,
+                                                                                      term.ty) == (1, 64)
     ops = 1 + roofline.ALU_INSTRUCTIONS["logistic"]
     assert flops == ops * 8 * 8 * 64 * 27 and len(covered) == 3  # the Load is index arithmetic
     plain = _conv_term(_load(x), _load(_input("w", (320, 64, 3, 3))), params)
@@ -523,4 +533,4 @@ def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     rhs = Term("Concat", _load(_input("w3", (320, 64, 3, 3))), padded, 1, 64, "f32[320,96,3,3]")
     merged = _conv_term(lhs, rhs, _params((1, 8, 8, 96), (320, 96, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1))))
     flops, _ = roofline.conv_prologue_flops(merged)
-    assert flops == ops * 8 * 8 * 64 * 27 + 1 * 8 * 8 * 32 * 6
+    assert flops == ops * 8 * 8 * 64 * 27 + 1 * 8 * 8 * 32 * 3

@@ -183,9 +183,9 @@ def test_polish_stores_an_input_expression_that_costs_more_to_recompute():
 
 def test_a_range_of_the_weight_runs_over_its_own_taps():
     """A merged 1x1 shortcut: the weight is concat(w3x3, pad(w1x1)) over the input channels, the
-    input is not split. The template (two 4-row x 16-column tiles) evaluates the input's first 64
-    channels at each tile's 6 input rows x 3 column taps, its last 32 at the centre tap's 4 rows
-    only; extraction charges the same."""
+    input is not split. The template (one flat 64-pixel tile, the model's choice on an 8x8 image)
+    evaluates the input's first 64 channels at the tile's 64 pixels x 9 taps, its last 32 at the
+    centre tap only; extraction charges the same."""
     shape = (1, 8, 8, 96)
     ty = format_type("float32", shape)
     x = Term("Input", "x", ty)
@@ -198,13 +198,13 @@ def test_a_range_of_the_weight_runs_over_its_own_taps():
     out = Term("Conv", ld(silu), rhs, params.key, Term("Acc", "f32[1,8,8,320]"), "f32[1,8,8,320]")
     tiles = 3
     ops = 1 + roofline.ALU_INSTRUCTIONS["logistic"]  # SiLU's mul and its logistic
-    expected = 2 * ops * (64 * 6 * 3 + 32 * 4 * 1) * 16 * tiles  # per tile and channel: rows x column taps x 16 columns
+    expected = ops * (64 * 9 + 32 * 1) * 64 * tiles  # per output-channel tile and channel: taps x 64 pixels
     inlined = Term("Conv", silu.args[0], *out.args[1:])
     assert roofline.conv_prologue_flops(inlined)[0] == expected
     graph, roots, handles = saturated([out])
     costs = graph.node_costs()
     (prologue,) = {p for n, p in costs.prologues.items()}
-    assert prologue.ranges == ((0, 64, 27.0, 9), (64, 96, 6.0, 1))
+    assert prologue.ranges == ((0, 64, 27.0, 9), (64, 96, 3.0, 1))
     for selection in every_selection(graph, roots):
         terms, _ = selection.to_terms()
         assert selection.cost(costs) == pytest.approx(dag_cost(terms).seconds, rel=1e-9)

@@ -1,13 +1,15 @@
 """Convolution: an implicit GEMM in Pallas Triton (kernel | build | reference).
 
 A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is the output pixels,
-N the output channels and K the input channels times the window's taps. Each program owns one
-output tile of one image, `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
-more wide, 4 × 32 and 4 × 16 on narrower ones; `tw` is the dots' M, so 64-wide tiles multiply
-with wgmma, narrower ones with mma.sync), and block_n channels, one fp32 accumulator per row,
-summed over every tap (ky, kx) and every block_k chunk of input channels. Per chunk and column
-tap kx, each input row the tile reads is computed once and feeds every output row r reading it
-through a row tap ky (r·sy + ky·dy = that row):
+N the output channels and K the input channels times the window's taps. Each program owns
+block_n channels and one spatial tile of one image, summed over every tap (ky, kx) and every
+block_k chunk of input channels, in one of two shapes (`ConvConfig.flat`; the cost model picks
+per shape, `eqsat.cost.work.cheapest_conv_tile`):
+
+Row tiles (`_row_tile_sums`): `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
+more wide), one fp32 accumulator per row, `tw` the dots' M. Per chunk and column tap kx, each
+input row the tile reads is computed once and feeds every output row r reading it through a row
+tap ky (r·sy + ky·dy = that row):
 
     A_row[x, c] = prologue(b, c, row, (x0 + x)·sx − pad_x + kx·dx)           (0 in the padding)
     W[c, n]     = weight(n, c, ky, kx)
@@ -15,6 +17,17 @@ through a row tap ky (r·sy + ky·dy = that row):
 
 so a 3×3 conv computes its input 3 × (th + 2) / th times per element and output-channel tile,
 not 9 (Pallas Triton cannot shift a tile in registers, so the column taps still recompute).
+
+Flat tiles (`_flat_tile_sums`): `block_m` consecutive output pixels of one image in row-major
+order (several rows of a 32-, 16- or 8-wide image), one accumulator, the dot's M = block_m (64 or
+128: wgmma where a row tile of a narrow image would multiply with mma.sync). Each pixel's output
+row and column are index arithmetic, so every tap gathers its own input tile:
+
+    A[p, c]  = prologue(b, c, oy(p)·sy − pad_y + ky·dy, ox(p)·sx − pad_x + kx·dx)
+    acc     += dot(A, W[ky, kx])
+
+computing the input 9 times per element and output-channel tile for a 3×3 conv (the cost model
+charges that: `eqsat.tiling.conv.prologue_evaluations`).
 
 `prologue` and `weight` are closures evaluated at index tiles: one int32 array per axis of the
 operand, broadcast-compatible ([tw, 1] pixels, [1, block_k] channels), with a validity
@@ -50,17 +63,19 @@ own (`emit.pallas.partials`). `merge_partials` is a pairwise merge in plain jax 
     build(geometry, ranges, ...)   the pallas_call over closures: grid, tiles, validation
     reference(lhs, rhs, params)    lax.conv_general_dilated with fp32 accumulation
 
-Loops: channel chunks outer, column taps inner, input rows and row taps unrolled. What the input
+Loops: channel chunks outer, column taps inner, input rows and row taps unrolled (row tiles);
+channel chunks outer, taps inner (flat tiles). What the input
 expression computes per (batch, channel) (GroupNorm's scale and shift, the merge of a hosted
 statistic's partials) does not vary over a tile: it is evaluated once per chunk at pixel (0, 0)
 (`emit.expr.CompiledExpr.hoist`) and reused at every tap, on a [1, block_k] tile.
 
-Tiling: the geometry (`ConvGeometry`), K ranges (`KRange`), tiles (`ConvConfig`) and grid are
-`eqsat.tiling.conv`'s (importable from here too), which the cost model reads as well. Cost: per
-output-channel tile, a 3×3 conv evaluates its per-pixel prologue for each input row of each tile
-at each column tap, and its per-(batch, channel) part once per program and chunk;
-`eqsat.cost.tiles` charges exactly that (`conv_tile`, `conv_prologue_evaluations`,
-`ConvPrograms`; tests/test_emit_conv.py checks the tile and the count agree).
+Tiling: the geometry (`ConvGeometry`), K ranges (`KRange`), tiles (`ConvConfig`), grid and
+prologue evaluations are `eqsat.tiling.conv`'s (importable from here too), which the cost model
+reads as well. Cost: per output-channel tile, a 3×3 conv evaluates its per-pixel prologue for
+each input row of each row tile at each column tap, or at each flat tile's pixels at every tap,
+and its per-(batch, channel) part once per program and chunk; `eqsat.cost.tiles` charges exactly
+that (`conv_tile`, `conv_prologue_evaluations`, `ConvPrograms`; tests/test_emit_conv_flat.py
+counts the evaluations in the running kernel).
 """
 
 from __future__ import annotations
@@ -133,26 +148,67 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
     out_ref = refs[n_inputs + sum(size > 0 for size in prefix_sizes)]
     partial_refs = refs[n_inputs + sum(size > 0 for size in prefix_sizes) + 1:]
     g, p = geometry, geometry.params
-    bn, bk = config.block_n, config.block_k
+    bn = config.block_n
+    n = pl.program_id(1) * bn + _iota(bn)[None, :]                                      # [1, bn]
+    cols_ok = n < g.out_features
+    if config.flat:
+        b, tiles = _flat_tile_sums(inputs, g, ranges, config, dot_dtype, n, cols_ok)
+    else:
+        b, tiles = _row_tile_sums(inputs, g, ranges, config, dot_dtype, n, cols_ok)
+
+    program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
+    fields = [None] * len(statistics)
+    for acc, oy_tile, ox, rows_ok in tiles:
+        out_mask = rows_ok & cols_ok
+        out_index = _place(p.out_spec, (b, n, oy_tile, ox))
+        value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), acc.shape)
+        # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
+        offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
+        triton.store(out_ref, offset, value, out_mask)
+
+        stored = value.astype(out_ref.dtype)  # what readers of the output see
+        for s_i, (layout, partial_ref, prefix_size) in enumerate(zip(statistics, partial_refs, prefix_sizes)):
+            body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
+            slot_at = layout.statistic.slot_at
+            if layout.per_row:
+                tile_row = prefix_size // (layout.fields * layout.slots) + pl.program_id(1)
+                _write_row_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok,
+                                    slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))), tile_row)
+                continue
+            row_part = slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
+            col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
+            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part)
+            fields[s_i] = part if fields[s_i] is None else _merge_fields(layout, fields[s_i], part)
+
+    prefixes = iter(prefix_refs)
+    for layout, partial_ref, prefix_size, part in zip(statistics, partial_refs, prefix_sizes, fields):
+        if prefix_size:
+            copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
+        if not layout.per_row:
+            _store_partials(layout, partial_ref, part, prefix_size // (layout.fields * layout.slots) + program)
+
+
+def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtype, n, cols_ok):
+    """A row tile's accumulators: `th` output rows × `tw` output columns of one image, each row its
+    own [tw, bn] accumulator; each input row's expression computed once per column tap and reused
+    by every row tap. Returns the batch index and `(acc, rows, columns, valid)` per output row."""
+    p = g.params
+    bk = config.block_k
     (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
     (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
     (pad_y, _), (pad_x, _) = p.padding
-
-    # A program's tile: `th` output rows × `tw` output columns of one image, each row its own [tw, bn]
-    # accumulator. The batch index is the program's, so what the input expression computes per
-    # (batch, channel) (GroupNorm's scale and shift, the merge of its statistic's partials) is
-    # evaluated on a [1, block_k] tile once per channel chunk (`hoist`), not per pixel and tap.
+    # The batch index is the program's, so what the input expression computes per (batch, channel)
+    # (GroupNorm's scale and shift, the merge of its statistic's partials) is evaluated on a
+    # [1, block_k] tile once per channel chunk (`hoist`), not per pixel and tap.
     th, tw = config.tile(g)
     tiles_y, tiles_x = pl.cdiv(out_h, th), pl.cdiv(out_w, tw)
     b = lax.div(pl.program_id(0), tiles_y * tiles_x)                                   # scalar
     tile = lax.rem(pl.program_id(0), tiles_y * tiles_x)
     row0, col0 = lax.div(tile, tiles_x) * th, lax.rem(tile, tiles_x) * tw
     ox = col0 + _iota(tw)[:, None]                                                     # [tw, 1]
-    n = pl.program_id(1) * bn + _iota(bn)[None, :]                                      # [1, bn]
-    cols_in, cols_ok = ox < out_w, n < g.out_features
+    cols_in = ox < out_w
     ox = jnp.where(cols_in, ox, 0)
-    accs = tuple(jnp.zeros((tw, bn), jnp.float32) for _ in range(th))
-
+    accs = tuple(jnp.zeros((tw, config.block_n), jnp.float32) for _ in range(th))
     for k_range in ranges:
         (y0, y1), (x0, x1) = k_range.window(g)
         chunks = -(-k_range.channels // bk)
@@ -195,39 +251,58 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
 
         accs = chunk_step(0, accs) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, accs)
 
-    program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
-    fields = [None] * len(statistics)
-    for r, acc in enumerate(accs):
-        oy = row0 + r
-        rows_ok = cols_in & (oy < out_h)
-        out_mask = rows_ok & cols_ok
-        oy_tile = jnp.full((tw, 1), oy, jnp.int32)
-        out_index = _place(p.out_spec, (b, n, oy_tile, ox))
-        value = jnp.broadcast_to(epilogue(inputs, acc, out_index, out_mask), (tw, bn))
-        # Masked lanes point one past the end: never touched on the GPU, dropped in interpret mode.
-        offset = jnp.where(out_mask, _flat_offset(out_index, g.out_shape), math.prod(g.out_shape))
-        triton.store(out_ref, offset, value, out_mask)
+    return b, [(acc, jnp.full((tw, 1), row0 + r, jnp.int32), ox, cols_in & (row0 + r < out_h))
+               for r, acc in enumerate(accs)]
 
-        stored = value.astype(out_ref.dtype)  # what readers of the output see
-        for s_i, (layout, partial_ref, prefix_size) in enumerate(zip(statistics, partial_refs, prefix_sizes)):
-            body, body_ok = layout.statistic.value(inputs, stored, out_index, out_mask)
-            slot_at = layout.statistic.slot_at
-            if layout.per_row:
-                tile_row = prefix_size // (layout.fields * layout.slots) + pl.program_id(1)
-                _write_row_partials(layout, partial_ref, body, out_mask & body_ok, rows_ok,
-                                    slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))), tile_row)
-                continue
-            row_part = slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
-            col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
-            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part)
-            fields[s_i] = part if fields[s_i] is None else _merge_fields(layout, fields[s_i], part)
 
-    prefixes = iter(prefix_refs)
-    for layout, partial_ref, prefix_size, part in zip(statistics, partial_refs, prefix_sizes, fields):
-        if prefix_size:
-            copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
-        if not layout.per_row:
-            _store_partials(layout, partial_ref, part, prefix_size // (layout.fields * layout.slots) + program)
+def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtype, n, cols_ok):
+    """A flat tile's accumulator: `block_m` consecutive output pixels of one image (row-major, so
+    several rows of a narrow image) as one [block_m, bn] dot M, their input computed at every tap.
+    Returns the batch index and one `(acc, rows, columns, valid)`."""
+    p = g.params
+    bm, bk = config.block_m, config.block_k
+    (in_h, in_w), (out_h, out_w) = g.in_size, g.out_size
+    (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
+    (pad_y, _), (pad_x, _) = p.padding
+    tiles = config.spatial_tiles(g)
+    b = lax.div(pl.program_id(0), tiles)                                               # scalar
+    pixel = lax.rem(pl.program_id(0), tiles) * bm + _iota(bm)[:, None]                 # [bm, 1]
+    pixels_ok = pixel < out_h * out_w
+    pixel = jnp.where(pixels_ok, pixel, 0)
+    oy, ox = lax.div(pixel, out_w), lax.rem(pixel, out_w)  # non-negative: no floor fix-up (Triton)
+    acc = jnp.zeros((bm, config.block_n), jnp.float32)
+
+    for k_range in ranges:
+        (y0, y1), (x0, x1) = k_range.window(g)
+        chunks = -(-k_range.channels // bk)
+        taps_x = x1 - x0
+
+        def chunk_step(chunk, acc, k_range=k_range, y0=y0, x0=x0, taps_x=taps_x):
+            channel = chunk * bk + _iota(bk)
+            channel_ok = channel[None, :] < k_range.channels
+            hoisted = None if k_range.hoist is None else \
+                k_range.hoist(inputs, _place(p.lhs_spec, (b, channel[None, :], 0, 0)), channel_ok)
+            w_mask = (channel[:, None] < k_range.channels) & cols_ok
+
+            def tap(t, acc):
+                ky, kx = lax.div(t, taps_x), lax.rem(t, taps_x)
+                iy = oy * stride_y - pad_y + (y0 + ky) * dil_y
+                ix = ox * stride_x - pad_x + (x0 + kx) * dil_x
+                a_mask = pixels_ok & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w) & channel_ok
+                index = _place(p.lhs_spec, (b, channel[None, :], iy, ix))
+                a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
+                    k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
+                a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                tap_index = (jnp.reshape(ky, (1, 1)), jnp.reshape(kx, (1, 1)))
+                w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
+                w = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
+
+            taps = (y1 - y0) * taps_x
+            return tap(jnp.int32(0), acc) if taps == 1 else lax.fori_loop(0, taps, tap, acc)
+
+        acc = chunk_step(0, acc) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, acc)
+    return b, [(acc, oy, ox, pixels_ok)]
 
 
 # --- build ------------------------------------------------------------------------------------
@@ -241,6 +316,10 @@ def tile_pixels(geometry: ConvGeometry, config: ConvConfig) -> list[np.ndarray]:
     th, tw = config.tile(geometry)
     out_h, out_w = geometry.out_size
     tiles = []
+    if config.flat:
+        image = out_h * out_w
+        return [b * image + np.arange(start, min(start + config.block_m, image))
+                for b in range(geometry.batch) for start in range(0, image, config.block_m)]
     for b in range(geometry.batch):
         for y in range(0, out_h, th):
             for x in range(0, out_w, tw):

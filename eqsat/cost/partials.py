@@ -8,7 +8,7 @@ import math
 from eqsat.conv_params import ConvParams
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.terms import PARTIAL_FIELDS, partial_tiles
-from eqsat.cost.tiles import ConvPrograms, conv_output_tiles, matmul_shape
+from eqsat.cost.tiles import ConvPrograms, conv_default_config, conv_output_tiles, matmul_shape
 from eqsat.types import parse_type
 
 # Instructions per (lane, tile) of a reader's merge (`emit.expr.merge_partials_at`): moments load
@@ -36,22 +36,22 @@ def host_tiles(host, statistic) -> int:
     every pixel is its own slot (a row statistic: `emit.pallas.conv._Layout.per_row`); a matmul one
     per N tile (`emit.pallas.matmul.MatmulBlocks`); other hosts one per `PARTIAL_TILE` elements."""
     if host.op == "Conv":
-        lhs, _rhs, params, _epilogue, ty = host.args
-        return conv_host_tiles(lhs.ty, params, ty, statistic_slots(statistic))
+        lhs, rhs, params, _epilogue, ty = host.args
+        return conv_host_tiles(lhs.ty, rhs.ty, params, ty, statistic_slots(statistic))
     if host.op == "Matmul":
         return matmul_shape(host).n_tiles
     return partial_tiles(statistic.args[2].ty)
 
 
-def conv_host_tiles(lhs_ty: str, params: str, out_ty: str, slots: int) -> int:
+def conv_host_tiles(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, slots: int) -> int:
     """The partial rows a conv host writes for a statistic of `slots` outputs (`host_tiles`)."""
     p = ConvParams.parse(params)
     out = parse_type(out_ty).shape
     cout = out[p.out_spec[1]]
-    n_tiles = conv_output_tiles(cout)
+    n_tiles = conv_output_tiles(cout, conv_default_config(lhs_ty, rhs_ty, params, out_ty).block_n)
     if slots == math.prod(out) // max(cout, 1):  # every pixel its own slot
         return n_tiles
-    return out[p.out_spec[0]] * ConvPrograms.of(lhs_ty, params, out_ty, cout).tiles * n_tiles
+    return out[p.out_spec[0]] * ConvPrograms.of(lhs_ty, rhs_ty, params, out_ty).tiles * n_tiles
 
 
 def statistic_tiles(statistic) -> int:

@@ -46,7 +46,7 @@ def conv_prologue_work(conv: Term) -> tuple[float, set[int], dict]:
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
-    programs = ConvPrograms.of(lhs.ty, params, ty, parse_type(rhs.ty).shape[p.rhs_spec[0]])
+    programs = ConvPrograms.of(lhs.ty, rhs.ty, params, ty)
     flops, covered, lanes = 0.0, set(), {}
     for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
         per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)

@@ -3,6 +3,7 @@ matmul's M and N tiles, a conv's programs, K ranges and prologue evaluations per
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -43,34 +44,44 @@ def matmul_shape(term) -> MatmulShape:
     return cached[1]
 
 
-# The conv template's default config (`eqsat.tiling.conv`, `ConvConfig.get_default`): block_n
-# output channels, an output tile of up to CONV_BLOCK_W columns (a power of two >= 16) by
-# CONV_BLOCK_M // columns rows (at most CONV_MAX_TILE_ROWS) of one image.
+# The conv template's default blocks (`eqsat.tiling.conv`; `ConvConfig.candidates` are built of them).
 CONV_BLOCK_N = conv_tiling.DEFAULT_BLOCK_N
 CONV_BLOCK_M = conv_tiling.DEFAULT_BLOCK_M
 CONV_BLOCK_W = conv_tiling.DEFAULT_BLOCK_W
 CONV_MAX_TILE_ROWS = conv_tiling.MAX_TILE_ROWS
 
 
-def conv_output_tiles(out_features: int) -> int:
-    """Output-channel tiles of the conv template's default config for `out_features` channels."""
-    return conv_tiling.output_channel_tiles(out_features)
+@functools.lru_cache(maxsize=4096)
+def _geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> conv_tiling.ConvGeometry:
+    return conv_tiling.ConvGeometry(ConvParams.parse(params), tuple(parse_type(lhs_ty).shape),
+                                    tuple(parse_type(rhs_ty).shape), tuple(parse_type(out_ty).shape))
 
 
-def conv_tile(out_h: int, out_w: int) -> tuple[int, int]:
-    """(rows, columns) of the conv template's default output tile for an `out_h × out_w` image."""
-    return conv_tiling.output_tile(out_h, out_w)
+def conv_default_config(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> conv_tiling.ConvConfig:
+    """The conv template's tile for a conv of these types (`ConvConfig.get_default`: the shape the
+    cost model prices lowest; block_k and stages aside, which do not change the tiling)."""
+    return conv_tiling.ConvConfig.get_default(_geometry(lhs_ty, rhs_ty, params, out_ty))
+
+
+def conv_output_tiles(out_features: int, block_n: int = CONV_BLOCK_N) -> int:
+    """Output-channel tiles of `block_n` (shrunk to fit) for `out_features` channels; a conv's
+    own: `conv_default_config(...).block_n`."""
+    return conv_tiling.output_channel_tiles(out_features, block_n)
+
+
+def conv_tile(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> tuple[int, int]:
+    """(dots, dot M) of the conv template's default output tile (`ConvConfig.tile`)."""
+    geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
+    return conv_tiling.ConvConfig.get_default(geometry).tile(geometry)
 
 
 @dataclass(frozen=True)
 class ConvPrograms:
-    """How the conv template tiles a conv (`emit.pallas.conv`): a program holds `rows × cols`
-    output pixels of one image and one output-channel tile. What its input expression computes per
-    (batch, channel) (GroupNorm's scale and shift, a statistic's merge) runs once per program and
-    channel chunk on a [1, block_k] tile: `hoisted` evaluations per input element."""
+    """How the conv template tiles a conv (`emit.pallas.conv`): `tiles` programs per image and
+    output-channel tile. What its input expression computes per (batch, channel) (GroupNorm's
+    scale and shift, a statistic's merge) runs once per program and channel chunk on a
+    [1, block_k] tile: `hoisted` evaluations per input element."""
 
-    rows: int                   # the output tile
-    cols: int
     tiles: int                  # programs per image and output-channel tile
     hoisted: float              # evaluations per input element of a per-(batch, channel) node
     batch_channels: int         # batch × input channels
@@ -78,16 +89,13 @@ class ConvPrograms:
     in_cols: int
 
     @classmethod
-    def of(cls, lhs_ty: str, params: str, out_ty: str, out_features: int | None = None) -> "ConvPrograms":
-        p = ConvParams.parse(params)
-        lhs, out = parse_type(lhs_ty).shape, parse_type(out_ty).shape
-        out_h, out_w = (out[a] for a in p.out_spec[2:])
-        in_h, in_w = (lhs[a] for a in p.lhs_spec[2:])
-        rows, cols = conv_tile(out_h, out_w)
-        tiles = math.ceil(out_h / rows) * math.ceil(out_w / cols)
-        cout = out[p.out_spec[1]] if out_features is None else out_features
-        return cls(rows, cols, tiles, tiles * conv_output_tiles(cout) / max(in_h * in_w, 1),
-                   lhs[p.lhs_spec[0]] * lhs[p.lhs_spec[1]], in_h, in_w)
+    def of(cls, lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> "ConvPrograms":
+        geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
+        config = conv_tiling.ConvConfig.get_default(geometry)
+        tiles = config.spatial_tiles(geometry)
+        in_h, in_w = geometry.in_size
+        return cls(tiles, tiles * conv_output_tiles(geometry.out_features, config.block_n) / max(in_h * in_w, 1),
+                   geometry.batch * geometry.in_features, in_h, in_w)
 
     def per_pixel(self, node_ty: str) -> bool:
         """Whether a node of this type is computed at every pixel: bigger than batch × channels, or
@@ -111,25 +119,14 @@ class ConvPrograms:
 
 
 def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, taps: int | None = None) -> float:
-    """How many times the conv template computes each element of its input expression per pixel:
-    each program (`conv_tile`: rows × columns of one image, one output-channel tile) computes, per
-    column tap, every input row its output rows read through the row taps, at its columns:
-    `tiles × used input rows × column taps × columns × output-channel tiles / input pixels` (4.5 ×
-    3 = 13.5 for a 3×3 same conv with 320 output channels on 4 × 32 tiles). `taps` (default: the
-    whole window) is a K range's: all of it, or one tap (a merged 1×1 shortcut)."""
-    p = ConvParams.parse(params)
-    lhs, rhs, out = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape, parse_type(out_ty).shape
-    cout = rhs[p.rhs_spec[0]]
-    kh, kw = (rhs[a] for a in p.rhs_spec[2:])
-    if taps is not None and taps != kh * kw:
-        kh, kw = 1, taps
-    out_h, out_w = (out[a] for a in p.out_spec[2:])
-    in_h, in_w = (lhs[a] for a in p.lhs_spec[2:])
-    rows, cols = conv_tile(out_h, out_w)
-    (stride_y, _), (dil_y, _) = p.strides, p.rhs_dilation
-    input_rows = len({r * stride_y + ky * dil_y for r in range(rows) for ky in range(kh)})
-    tiles = math.ceil(out_h / rows) * math.ceil(out_w / cols)
-    return tiles * input_rows * kw * cols * conv_output_tiles(cout) / max(in_h * in_w, 1)
+    """How many times the conv template computes each element of its input expression per pixel
+    (`eqsat.tiling.conv.prologue_evaluations` of its default config: 4.5 × 3 = 13.5 for a 3×3
+    same conv with 320 output channels on 4 × 32 row tiles; 9 × 3 = 27 on flat tiles). `taps`
+    (default: the whole window) is a K range's: all of it, or one tap (a merged 1×1 shortcut)."""
+    geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
+    kh, kw = geometry.window
+    window = None if taps is None or taps == kh * kw else (1, taps)
+    return conv_tiling.prologue_evaluations(geometry, conv_tiling.ConvConfig.get_default(geometry), window)
 
 
 def zero_pad_taps(pad_config: str, inner_shape: Sequence[int], rhs_spec: Sequence[int]) -> int | None:

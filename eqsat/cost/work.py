@@ -10,7 +10,7 @@ waves. `template_work(kernel)` states that work, from the same config objects th
 | template | programs | MMA instruction | MMA flops (what the tiles multiply) | serial steps of a program |
 |---|---|---|---|---|
 | matmul | batch · M tiles · N tiles | wgmma if block_m >= 64 | 2 · batch · M↑ · N↑ · K↑ (↑: rounded up to the tile) | K / block_k |
-| conv | batch · spatial tiles · Cout tiles | wgmma if the dot's M (tile width) >= 64 | 2 · batch · tiles · rows · width · Cout↑ · Σ_ranges taps · Cin↑ | Σ_ranges taps · Cin↑ / block_k |
+| conv | batch · spatial tiles · Cout tiles | wgmma if the dot's M (a row tile's width, a flat tile's block_m) >= 64 | 2 · batch · tiles · dots · dot M · Cout↑ · Σ_ranges taps · Cin↑ | Σ_ranges taps · Cin↑ / block_k |
 | attention | batch · heads · query blocks | wgmma if block_q >= 64 | 4 · batch · heads · q↑ · keys↑ · head dim↑ (`head_pieces`) | key blocks |
 | finalize | slots | none | none | partial values one thread loads (`FinalizeConfig.loads_per_thread`) |
 
@@ -24,9 +24,10 @@ CTAS_PER_SM is 1: `benchmarks.kernels` read 1 CTA per SM for 80/84 convs, 60/100
 attention kernels of the UNet from ptxas's register counts; the model does not compile.
 
 The counts the roofline already has come from the same place: a conv's prologue evaluations
-(`tiles.conv_prologue_evaluations` over `tiles.conv_tile`, `ConvConfig.tile`), a matmul's A
-prologue per N tile (`tiles.matmul_shape`, `MatmulBlocks`); tests/test_cost_work.py checks both
-against the template configs for every kernel of the SD 1.5 plans.
+(`tiles.conv_prologue_evaluations`: `eqsat.tiling.conv.prologue_evaluations` of the tile the model
+chose, `cheapest_conv_tile`), a matmul's A prologue per N tile (`tiles.matmul_shape`,
+`MatmulBlocks`); tests/test_cost_work.py checks both against the template configs for every kernel
+of the SD 1.5 plans.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from eqsat.cost.tiles import MatmulShape, conv_parts
 from eqsat.tiling.attention import AttentionBlocks, dot_itemsize, head_pieces, key_loop_trips, tail_width
 from eqsat.tiling.conv import ConvConfig, ConvGeometry, KRange
 from eqsat.tiling.conv import grid as conv_grid
+from eqsat.tiling.conv import prologue_evaluations
 from eqsat.tiling.matmul import MatmulBlocks
 from eqsat.tiling.partials import FinalizeConfig
 from eqsat.types import parse_type
@@ -158,13 +160,48 @@ def conv_weight_ranges(term) -> list[tuple[int, int]]:
 
 
 def _conv_work(config, geometry, ranges, useful: float) -> TemplateWork:
-    rows, width = config.tile(geometry)
+    rows, width = config.tile(geometry)  # (dots, dot M): rows of a row tile, one dot of a flat tile
     programs = math.prod(conv_grid(geometry, config))
     k_padded = sum(taps * _round_up(channels, config.block_k) for channels, taps in ranges)
     steps = sum(taps * -(-channels // config.block_k) for channels, taps in ranges)
     padded = 2.0 * programs * rows * width * config.block_n * k_padded
     mma = "wgmma" if width >= WGMMA_MIN_ROWS and config.num_warps >= 4 else "mma.sync"
     return TemplateWork("conv", programs, mma, padded, useful, steps=steps)
+
+
+# What the model assumes one evaluation of a conv's input expression costs when it chooses the
+# tile shape: GroupNorm apply + SiLU, ~25 PTX instructions per evaluation in the UNet's convs (issue
+# 16), the input of most SD 1.5 convs. The choice sees the geometry only (so a conv's term, its
+# e-nodes and the emitter choose alike); the roofline then charges the real expression.
+CONV_PROLOGUE_INSTRUCTIONS = 25
+
+
+def conv_tile_seconds(geometry: ConvGeometry, config: ConvConfig, device=None) -> float:
+    """The modeled time of a conv's tile-dependent work under `config` on the calibrated H100: its
+    MMA (padded, at its instruction's rate over the SMs it fills), serial K steps and the input
+    expression recomputed per tap (`prologue_evaluations`, `CONV_PROLOGUE_INSTRUCTIONS` each)."""
+    from eqsat.cost.devices import H100_CALIBRATED
+
+    device = device or H100_CALIBRATED
+    ranges = [(geometry.in_features, geometry.taps)]
+    work = _conv_work(config, geometry, ranges, 0.0)
+    inputs = geometry.batch * geometry.in_features * math.prod(geometry.in_size)
+    evaluations = prologue_evaluations(geometry, config) * inputs
+    return mma_seconds(work, device) + device.vector_seconds(
+        evaluations * CONV_PROLOGUE_INSTRUCTIONS * INSTRUCTION_FLOPS)
+
+
+_CHEAPEST: dict[ConvGeometry, ConvConfig] = {}
+
+
+def cheapest_conv_tile(geometry: ConvGeometry) -> ConvConfig:
+    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`; the row tile
+    on ties): what `ConvConfig.get_default` runs."""
+    cached = _CHEAPEST.get(geometry)
+    if cached is None:
+        candidates = ConvConfig.candidates(geometry)
+        cached = _CHEAPEST[geometry] = min(candidates, key=lambda c: conv_tile_seconds(geometry, c))
+    return cached
 
 
 def attention_work(term) -> TemplateWork:

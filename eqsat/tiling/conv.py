@@ -1,15 +1,24 @@
 """The conv template's tiling (`emit.pallas.conv`): its geometry, K ranges, tiles and grid.
 
-A program owns `rows × columns` output pixels of one image (`ConvConfig.tile`: `block_w` columns,
-the dots' M, and up to `block_m // block_w` rows) and `block_n` output channels: the grid is
-(batch · spatial tiles, output-channel tiles) (`grid`). K runs over each `KRange`'s channels in
-`block_k` chunks and its window taps.
+A program owns `block_n` output channels and the output pixels of one spatial tile of one image,
+in one of two shapes (`ConvConfig.flat`):
+
+- a row tile: `rows × columns` pixels (`ConvConfig.tile`: `block_w` columns, the dots' M, and up
+  to `block_m // block_w` rows), one dot per row; each input row is computed once per column tap
+  and reused by every row tap (3 · (rows + 2) / rows evaluations per element of a 3×3 conv);
+- a flat tile: `block_m` consecutive pixels of the image in row-major order (several rows of a
+  narrow image), one dot of M = block_m; its input is computed once per tap (9 for a 3×3 conv).
+
+The grid is (batch · spatial tiles, output-channel tiles) (`grid`). K runs over each `KRange`'s
+channels in `block_k` chunks and its window taps. `ConvConfig.get_default` lets the cost model
+choose the shape per conv (`eqsat.cost.work.conv_tile_seconds`): row tiles where the image is
+wide enough for a 64-pixel dot, flat ones where row tiles would multiply with mma.sync on few SMs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from eqsat.conv_params import ConvParams
@@ -139,6 +148,7 @@ class ConvConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_w: int = DEFAULT_BLOCK_W
+    flat: bool = False  # a flat tile of block_m pixels (several rows) instead of rows of block_w
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "block_w"):
@@ -147,24 +157,52 @@ class ConvConfig:
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_BLOCK}")
 
     def tile(self, geometry: ConvGeometry) -> tuple[int, int]:
-        """(rows, columns) of a program's output tile: `block_w` columns (a power of two >= 16, the
-        dots' M) and up to block_m // block_w rows (at most `MAX_TILE_ROWS`) of one image, each its
-        own accumulator."""
+        """(dots, dot M) of a program's output tile. A row tile: `block_w` columns (a power of two
+        >= 16) and up to block_m // block_w rows (at most `MAX_TILE_ROWS`) of one image, each its
+        own accumulator. A flat tile: one dot over `block_m` pixels."""
+        if self.flat:
+            return 1, self.block_m
         return output_tile(*geometry.out_size, self.block_m, self.block_w)
+
+    def spatial_tiles(self, geometry: ConvGeometry) -> int:
+        """Programs per image and output-channel tile."""
+        out_h, out_w = geometry.out_size
+        if self.flat:
+            return cdiv(out_h * out_w, self.block_m)
+        rows, cols = self.tile(geometry)
+        return cdiv(out_h, rows) * cdiv(out_w, cols)
 
     @classmethod
     def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
-        """128-pixel × 128-channel output tiles and 64-channel K chunks, shrunk to fit small convs.
-        Software pipelining over 2 stages for one K range, none for several: each column tap loads
-        every input row of the tile and the weights of every row tap, and a kernel with a skip
-        concat or a merged shortcut has a loop per K range (with 3 stages everywhere, one of the
-        UNet step's convs asked for 300 KB of shared memory; an H100 has 227 KB)."""
+        """The cheapest of `candidates` by the cost model (`eqsat.cost.work.conv_tile_seconds`,
+        which prices the tile shapes from the geometry alone, so a conv's term, its e-node and the
+        emitter agree), with 64-channel K chunks shrunk to the widest K range. Software pipelining
+        over 2 stages for one K range, none for several: each column tap loads every input row of
+        the tile and the weights of every row tap, and a kernel with a skip concat or a merged
+        shortcut has a loop per K range (with 3 stages everywhere, one of the UNet step's convs
+        asked for 300 KB of shared memory; an H100 has 227 KB)."""
+        from eqsat.cost.work import cheapest_conv_tile  # the model prices the tiling: imported late
+
         widest = max((r.channels for r in ranges), default=geometry.in_features)
-        block_m = DEFAULT_BLOCK_M
-        block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
         block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
-        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-        return cls(block_m, block_n, block_k, num_warps, num_stages=2 if len(ranges) <= 1 else 1)
+        tile = cheapest_conv_tile(geometry)
+        return replace(tile, block_k=block_k, num_stages=2 if len(ranges) <= 1 else 1)
+
+    @classmethod
+    def candidates(cls, geometry: ConvGeometry) -> list["ConvConfig"]:
+        """The tile shapes the cost model chooses from for `geometry`: the row tile (128 pixels,
+        `block_w` = 64 columns or the image's width) and flat tiles of 64 and 128 pixels (or
+        the image's pixels rounded up, where fewer), all of 128 output channels (shrunk to fit)."""
+        block_n = min(DEFAULT_BLOCK_N, max(MIN_BLOCK, next_pow2(geometry.out_features)))
+        shapes = [cls(DEFAULT_BLOCK_M, block_n, DEFAULT_BLOCK_K, _warps(DEFAULT_BLOCK_M, block_n))]
+        image = max(MIN_BLOCK, next_pow2(geometry.image_pixels))
+        for block_m in sorted({min(64, image), min(DEFAULT_BLOCK_M, image)}):
+            shapes.append(cls(block_m, block_n, DEFAULT_BLOCK_K, _warps(block_m, block_n), flat=True))
+        return shapes
+
+
+def _warps(block_m: int, block_n: int) -> int:
+    return 8 if block_m * block_n >= 128 * 128 else 4
 
 
 def output_channel_tiles(out_features: int, block_n: int = DEFAULT_BLOCK_N) -> int:
@@ -183,6 +221,26 @@ def output_tile(out_h: int, out_w: int, block_m: int = DEFAULT_BLOCK_M, block_w:
 
 def grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
     """The template's grid: (batch · spatial tiles, output-channel tiles)."""
-    th, tw = config.tile(geometry)
-    out_h, out_w = geometry.out_size
-    return (geometry.batch * cdiv(out_h, th) * cdiv(out_w, tw), cdiv(geometry.out_features, config.block_n))
+    return (geometry.batch * config.spatial_tiles(geometry), cdiv(geometry.out_features, config.block_n))
+
+
+def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple[int, int] | None = None) -> float:
+    """How many times the template computes each element of a K range's input expression (per
+    input pixel and channel, over all programs), `taps` = (rows, columns) of the range's window
+    (default: the whole window; a merged 1×1 shortcut's range runs over one tap). A row tile
+    computes, per column tap, each input row its output rows read through the row taps, at its
+    columns; a flat tile computes its pixels' input at every tap:
+
+        row:  spatial tiles · used input rows · column taps · columns · Cout tiles / input pixels
+        flat: spatial tiles · block_m · row taps · column taps · Cout tiles / input pixels
+    """
+    kh, kw = geometry.window if taps is None else taps
+    in_h, in_w = geometry.in_size
+    cout_tiles = cdiv(geometry.out_features, config.block_n)
+    tiles = config.spatial_tiles(geometry)
+    if config.flat:
+        return tiles * config.block_m * kh * kw * cout_tiles / max(in_h * in_w, 1)
+    rows, cols = config.tile(geometry)
+    stride_y, dil_y = geometry.params.strides[0], geometry.params.rhs_dilation[0]
+    input_rows = len({r * stride_y + ky * dil_y for r in range(rows) for ky in range(kh)})
+    return tiles * input_rows * kw * cols * cout_tiles / max(in_h * in_w, 1)

@@ -1,0 +1,258 @@
+"""The conv template's flat tiles (`ConvConfig(flat=True)`: one dot over `block_m` consecutive
+pixels of an image, several of its rows) in interpret mode, and the cost model's choice between
+flat and row tiles.
+
+Flat tiles of 32 pixels on 15-, 7- and 5-wide images start and end mid-row, so every tile
+gathers its input across row boundaries and from the padding. Checked against `conv.reference`
+(`lax.conv`), the reference interpreter, the XLA emitter and `jax.jit`, with NaN, offset and
+huge values; the prologue evaluations counted in the running kernel equal the cost model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from emit.pallas import conv
+from eqsat.conv_params import ConvParams
+from eqsat.cost import roofline, work
+from eqsat.interpret import evaluate
+from eqsat.tiling.conv import prologue_evaluations
+from eqsat.term import Term
+from eqsat.types import format_type, parse_type
+from sd15 import layers
+from test_emit_conv import (LAYOUTS, NHWC_HWIO, _close, _conv_term, _emit_and_compare, _group_stats, _input, _load,
+                            _normal, _operand_shapes, _params, _resnet_params, _run_both)
+
+FLAT = conv.ConvConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2, flat=True)
+
+
+@pytest.fixture
+def flat_tiles(monkeypatch):
+    """Every conv planned and emitted inside runs on `FLAT` tiles (block_k from its K ranges)."""
+    def flat(cls, geometry, ranges=()):
+        widest = max((r.channels for r in ranges), default=geometry.in_features)
+        return dataclasses.replace(FLAT, block_k=16 if widest <= 16 else 32)
+
+    monkeypatch.setattr(conv.ConvConfig, "get_default", classmethod(flat))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda l: "-".join(l))
+@pytest.mark.parametrize("size,window,strides,padding", [
+    ((15, 15), (3, 3), (1, 1), ((1, 1), (1, 1))),
+    ((15, 15), (3, 3), (2, 2), ((1, 1), (1, 1))),
+    ((7, 5), (1, 1), (1, 1), ((0, 0), (0, 0))),
+    ((7, 5), (3, 1), (2, 1), ((0, 2), (0, 0))),   # asymmetric window and padding, stride in one axis
+], ids=["15x15-3x3", "15x15-stride2", "7x5-1x1", "7x5-3x1-asym"])
+def test_flat_tiles_follow_the_dimension_numbers(layouts, size, window, strides, padding):
+    lhs_shape, rhs_shape = _operand_shapes(layouts, 2, *size, 6, 20, window)
+    x, w = _input("x", lhs_shape), _input("w", rhs_shape)
+    params = _params(lhs_shape, rhs_shape, layouts, strides, padding)
+    term = _conv_term(_load(x), _load(w), params)
+    rng = np.random.default_rng(20)
+    env = {"x": rng.normal(size=lhs_shape).astype(np.float32), "w": rng.normal(size=rhs_shape).astype(np.float32)}
+    env["x"].flat[29] = np.nan  # propagates to the outputs whose window covers it, as in lax
+    out, expected = _run_both(term, env, FLAT)
+    assert np.isnan(np.asarray(expected)).any()
+    _close(out, expected)
+    _close(out, conv.reference(env["x"], env["w"], params))
+
+
+def test_flat_tiles_in_half_precision_with_huge_and_offset_inputs():
+    """fp16 operands 1e4 off their spread and a huge weight row: the dot accumulates in fp32."""
+    rng = np.random.default_rng(21)
+    x = (1e3 + rng.normal(size=(1, 7, 7, 24))).astype(np.float16)
+    w = (rng.normal(size=(3, 3, 24, 18)) * 1e-3).astype(np.float16)
+    w[..., 5] = 30.0
+    params = _params(x.shape, w.shape, NHWC_HWIO, (1, 1), ((1, 1), (1, 1)))
+    xt, wt = _input("x", x.shape, "float16"), _input("w", w.shape, "float16")
+    term = _conv_term(_load(xt), _load(wt), params)
+    out = conv.run(term, {xt: x, wt: w}, config=FLAT, interpret=True)
+    expected = conv.reference(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), params)
+    scale = float(jnp.max(jnp.abs(expected)))
+    _close(out / scale, expected / scale, jnp.float16)
+
+
+@pytest.mark.parametrize("values", ["offset", "constant-groups", "huge"])
+def test_groupnorm_moments_of_flat_tiles(values):
+    """48 channels in 16 groups of 3 on 2 images of 5x5 (32-pixel tiles end mid-row; one tile per
+    image ends 7 pixels in): the merged per-tile (count, mean, M2) equal the two-pass moments."""
+    rng = np.random.default_rng(22)
+    shape = (2, 5, 5, 48)
+    x = {"offset": 1e4 + rng.normal(size=shape),
+         "constant-groups": np.repeat(rng.normal(size=(2, 1, 1, 16, 1)) * 100, 3, axis=4)
+         .repeat(5, axis=1).repeat(5, axis=2).reshape(shape),
+         "huge": 1e18 * (3 + rng.normal(size=shape))}[values].astype(np.float32)
+    xt, wt = _input("x", shape), _input("w", (48, 48, 1, 1))
+    term = _conv_term(_load(xt), _load(wt), _params(shape, (48, 48, 1, 1), LAYOUTS[0], (1, 1), ((0, 0), (0, 0))))
+    stats = _group_stats(term, 16)
+    env = {"x": x, "w": np.eye(48, dtype=np.float32).reshape(48, 48, 1, 1)}
+    out, partials = conv.run(term, {xt: x, wt: env["w"]}, hosted=[stats], config=FLAT, interpret=True)
+    assert partials[stats].shape[0] == 2 * 1 * 3  # 2 images x 1 flat tile x 3 channel tiles
+    merged = np.asarray(conv.merge_partials(partials[stats], "moments")).reshape(2, 2, 16)
+    (expected,) = evaluate([stats], env)
+    expected = np.asarray(expected)
+    np.testing.assert_allclose(merged[0], expected[0], rtol=1e-5, atol=1e-6 * 48 * float(np.abs(x).max()))
+    spread = expected[1]
+    noise = 75 * (8 * np.finfo(np.float32).eps * float(np.abs(x).max())) ** 2
+    rtol = 2e-3 if values == "offset" else 1e-4
+    np.testing.assert_allclose(merged[1], spread, rtol=rtol, atol=max(noise, 1e-6 * float(np.abs(spread).max())))
+    _close(out, x)
+
+
+def test_hosted_sums_of_a_strided_flat_conv():
+    rng = np.random.default_rng(23)
+    x, w = rng.normal(size=(2, 7, 7, 6)).astype(np.float32), (rng.normal(size=(9, 6, 3, 3)) * 0.3).astype(np.float32)
+    xt, wt = _input("x", x.shape), _input("w", w.shape)
+    term = _conv_term(_load(xt), _load(wt), _params(x.shape, w.shape, LAYOUTS[0], (2, 2), ((1, 1), (1, 1))))
+    b, h, ww, c = parse_type(term.ty).shape
+    body = Term("Reshape", _load(term), format_type("float32", (b, h * ww, 3, 3)))
+    stats = Term("EpilogueReduce", term, "sum", body, "1,3", format_type("float32", (b, 3)))
+    out, partials = conv.run(term, {xt: x, wt: w}, hosted=[stats], config=dataclasses.replace(FLAT, block_m=16),
+                             interpret=True)
+    expected_out, expected = evaluate([term, stats], {"x": x, "w": w})
+    _close(out, expected_out)
+    np.testing.assert_allclose(np.asarray(conv.merge_partials(partials[stats], "sum")).reshape(b, 3),
+                               np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+# --- plans on flat tiles, against the XLA emitter and jax.jit --------------------------------------------
+
+
+def test_a_resnet_block_on_flat_tiles(flat_tiles):
+    """ResnetBlock2D at 7x7, 6 -> 12 channels in 2 groups (3 and 6 channels per group): GroupNorm +
+    SiLU prologues (their per-(batch, channel) part hoisted), the time-embedding row, norm2's
+    statistics from conv1's flat tiles, the 1x1 shortcut merged into conv2 as a one-tap K range."""
+    rng = np.random.default_rng(24)
+    params = _resnet_params(rng, 6, 12, 8, jnp.float32)
+    x = _normal(rng, 2, 7, 7, 6) + 3.0
+    temb = _normal(rng, 2, 8)
+
+    def block(p, x, temb):
+        return layers.resnet_block(p, "r", x, temb, 2, 1e-5)
+
+    plan = _emit_and_compare(block, (params, x, temb), expect_convs=2, monkeypatch=flat_tiles)
+    conv1, conv2 = [k for k in plan.kernels if k.kind == "conv"]
+    assert len(conv1.outputs) == 2
+    assert ((1, 2), (1, 2)) in [part.taps for part in conv.k_ranges(conv2.term)]
+
+
+def test_a_conv_over_a_skip_concat_on_flat_tiles(flat_tiles):
+    rng = np.random.default_rng(25)
+    h, s = _normal(rng, 2, 5, 7, 6), _normal(rng, 2, 5, 7, 3) * 1e3
+    w, b = _normal(rng, 5, 9, 3, 3, scale=0.3), _normal(rng, 5)
+
+    def cat(h, s, w, b):
+        return layers.conv2d({"c.weight": w, "c.bias": b}, "c", jnp.concatenate([h, s], -1))
+
+    plan = _emit_and_compare(cat, (h, s, w, b), expect_convs=1)
+    assert len(conv.k_ranges(plan.kernels[0].term)) == 2
+
+
+def test_a_stride_2_downsampler_on_flat_tiles(flat_tiles):
+    rng = np.random.default_rng(26)
+    x, w, b = _normal(rng, 2, 15, 15, 5), _normal(rng, 5, 5, 3, 3, scale=0.3), _normal(rng, 5)
+
+    def down(x, w, b):
+        return layers.downsample({"d.conv.weight": w, "d.conv.bias": b}, "d", x)
+
+    _emit_and_compare(down, (x, w, b), expect_convs=1)
+
+
+# --- the cost model charges what the tiles evaluate ------------------------------------------------------
+
+
+def _counted_evaluations(term, config, values):
+    """Per K range, the input expression's evaluations per input element as the running kernel
+    makes them: each call of a range's `lhs` closure at runtime (a debug callback: once per grid
+    step, chunk and tap) evaluates pixels x block_k channels."""
+    counts: list[list[int]] = []
+
+    def counting(fn, count):
+        def evaluate_counted(refs, index, mask, **kwargs):
+            pixels = mask.shape[0]
+            jax.debug.callback(lambda: count.append(pixels))
+            return fn(refs, index, mask, **kwargs)
+        return evaluate_counted
+
+    build = conv.build
+
+    def counted_build(geometry, ranges, *args, **kwargs):
+        counted = []
+        for k_range in ranges:
+            counts.append([])
+            counted.append(dataclasses.replace(k_range, lhs=counting(k_range.lhs, counts[-1])))
+        return build(geometry, counted, *args, **kwargs)
+
+    conv.build = counted_build
+    try:
+        jax.block_until_ready(conv.run(term, values, config=config, interpret=True))
+    finally:
+        conv.build = build
+    return counts
+
+
+@pytest.mark.parametrize("config", [FLAT, dataclasses.replace(FLAT, flat=False, block_m=64),
+                                    None], ids=["flat", "row", "default"])
+def test_the_model_counts_the_evaluations_the_tiles_make(config):
+    """A 3x3 conv over concat(x, skip) with a merged 1x1 shortcut on the skip (a one-tap range) on
+    a 7x7 image, 16-channel ranges: the evaluations the kernel makes per input element equal
+    `eqsat.tiling.conv.prologue_evaluations` of its config, and with the default config (the
+    model's choice) what the roofline and extraction charge (`conv_prologue_evaluations`)."""
+    lhs_shape = (2, 7, 7, 32)
+    x, skip = _input("x", (2, 7, 7, 16)), _input("skip", (2, 7, 7, 16))
+    lhs = Term("Concat", _load(x), _load(skip), 3, 16, format_type("float32", lhs_shape))
+    w3, w1 = _input("w3", (20, 16, 3, 3)), _input("w1", (20, 16, 1, 1))
+    padded = Term("Pad", _load(w1), Term("Lit", 0.0, "f32[]"), "0,0,0;0,0,0;1,1,0;1,1,0", "f32[20,16,3,3]")
+    rhs = Term("Concat", _load(w3), padded, 1, 16, "f32[20,32,3,3]")
+    params = _params(lhs_shape, (20, 32, 3, 3), LAYOUTS[0], (1, 1), ((1, 1), (1, 1)))
+    term = _conv_term(lhs, rhs, params)
+    rng = np.random.default_rng(27)
+    values = {t: rng.normal(size=parse_type(t.ty).shape).astype(np.float32) for t in (x, skip, w3, w1)}
+    counts = _counted_evaluations(term, config, values)
+    geometry = conv.ConvGeometry(params, lhs_shape, (20, 32, 3, 3), parse_type(term.ty).shape)
+    used = config or conv.ConvConfig.get_default(geometry, [conv.KRange(16, None, None)] * 2)
+    inputs = 2 * 7 * 7 * 16
+    per_element = [sum(count) * used.block_k / inputs for count in counts]  # 16 channels: one chunk
+    assert per_element == pytest.approx([prologue_evaluations(geometry, used), prologue_evaluations(geometry, used, (1, 1))])
+    if config is None:
+        assert per_element == pytest.approx([roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty),
+                                             roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty, 1)])
+        images_tiles = conv._grid(geometry, used)[0]
+        assert roofline.ConvPrograms.of(lhs.ty, rhs.ty, params.key, term.ty).tiles * 2 == images_tiles
+
+
+def _geometry(batch, channels, size, cout, window=3, stride=1):
+    lhs, rhs = (batch, size, size, channels), (window, window, channels, cout)
+    pad = window // 2
+    params = ConvParams.from_lax((stride, stride), ((pad, pad), (pad, pad)), (1, 1), (1, 1),
+                                 lax.conv_dimension_numbers(lhs, rhs, NHWC_HWIO))
+    out = (size + 2 * pad - window) // stride + 1
+    return conv.ConvGeometry(params, lhs, rhs, (batch, out, out, cout))
+
+
+@pytest.mark.parametrize("batch,channels,size,cout,window,stride,flat", [
+    (2, 320, 64, 320, 3, 1, False),   # UNet 64x64: 2 x 64 row tiles (wgmma), 3 x 2 evaluations per element
+    (2, 640, 32, 640, 3, 1, True),    # 32x32: 4 x 32 row tiles would multiply with mma.sync on 80 CTAs
+    (2, 1280, 16, 1280, 3, 1, True),
+    (2, 1280, 8, 1280, 3, 1, True),   # 8x8: row tiles pad 8 columns to 16
+    (2, 2560, 8, 1280, 1, 1, True),   # a 1x1 shortcut: flat tiles recompute nothing more
+    (1, 128, 512, 128, 3, 1, False),  # VAE 512x512
+], ids=["unet-64", "unet-32", "unet-16", "unet-8", "unet-8-1x1", "vae-512"])
+def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels, size, cout, window, stride, flat):
+    """The default config is the cheapest candidate by `conv_tile_seconds`: flat tiles (wgmma, at
+    most 9 evaluations per element and Cout tile) on the low-resolution convs, row tiles where the
+    image is 64 or more wide (the same MMA, fewer evaluations)."""
+    geometry = _geometry(batch, channels, size, cout, window, stride)
+    config = conv.ConvConfig.get_default(geometry)
+    assert config.flat == flat
+    assert work.conv_tile_seconds(geometry, config) == min(work.conv_tile_seconds(geometry, c)
+                                                          for c in conv.ConvConfig.candidates(geometry))
+    dots, m = config.tile(geometry)
+    assert m >= 64  # every one of these has >= 64 output pixels per image: wgmma
