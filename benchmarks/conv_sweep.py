@@ -8,7 +8,7 @@ computed in the conv's prologue, a 3×3 convolution, the bias in its epilogue; p
 (median of `--iters` calls, each waited for). `jax.jit` of the same function (cuDNN's conv with
 XLA's fusions) is the reference. The configurations are the template's default and variants of
 tile width, rows, output-channel and K blocks, warps and pipeline stages: which of them is fastest
-per shape is measured here, not modeled, and is what `ConvConfig.get_default` should choose.
+per shape is measured here, not modeled, and is what `eqsat.cost.mma.conv_config` should choose.
 
 Without a GPU the sweep runs one tiny shape in interpret mode (a test runs that path): the
 times are an interpreter's.
@@ -80,17 +80,17 @@ def candidate_configs(count: int) -> list[dict[str, int] | None]:
 @contextlib.contextmanager
 def forced_conv_config(config):
     """Every conv emitted inside uses `config` (an `emit.pallas.conv.ConvConfig`; None: the default)."""
-    from emit.pallas import conv
+    from eqsat.cost import mma
 
     if config is None:
         yield
         return
-    original = conv.ConvConfig.get_default
-    conv.ConvConfig.get_default = classmethod(lambda cls, geometry, ranges=(): config)
+    original = mma.conv_config
+    mma.conv_config = lambda geometry, ranges=(), itemsize=2: config
     try:
         yield
     finally:
-        conv.ConvConfig.get_default = original
+        mma.conv_config = original
 
 
 def median_seconds(call: Callable[[], Any], iters: int, warmup: int) -> float:

@@ -28,9 +28,10 @@ def test_without_a_gpu_the_sweep_times_each_config_of_the_tiny_conv(tmp_path, ca
 
 def test_a_forced_config_reaches_the_template_and_is_undone():
     from emit.pallas.conv import ConvConfig
+    from eqsat.cost import mma
 
-    original = ConvConfig.get_default
+    original = mma.conv_config
     forced = ConvConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, block_w=16)
     with conv_sweep.forced_conv_config(forced):
-        assert ConvConfig.get_default(None) is forced
-    assert ConvConfig.get_default == original
+        assert mma.conv_config(None) is forced
+    assert mma.conv_config is original

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from eqsat.cost import mma
 from jax import lax
 
 import emit
@@ -397,7 +399,7 @@ def test_groupnorm_groups_straddle_channel_chunks():
     plan = _emit_and_compare(fn, (x, w, gamma, beta), expect_convs=1)
     (kernel,) = [k for k in plan.kernels if k.kind == "conv"]
     geometry = conv.ConvGeometry(ConvParams.parse(kernel.term.args[2]), (1, 4, 4, 96), (16, 96, 3, 3), (1, 4, 4, 16))
-    assert conv.ConvConfig.get_default(geometry).block_k == 64
+    assert mma.conv_config(geometry).block_k == 64
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
@@ -488,7 +490,7 @@ def test_every_conv_kind_compiles_for_sm90_on_tensor_cores(tmp_path):
         lhs, rhs, params, _epilogue, ty = kernel.term.args
         geometry = conv.ConvGeometry(ConvParams.parse(params), parse_type(lhs.ty).shape, parse_type(rhs.ty).shape,
                                      parse_type(ty).shape)
-        wide.append(conv.ConvConfig.get_default(geometry).tile(geometry)[1] >= 64)
+        wide.append(mma.conv_config(geometry).tile(geometry)[1] >= 64)
     assert wide == [True] * 4
     assert sum("wgmma.mma_async" in text for text in kernels) == 4
 
@@ -519,7 +521,7 @@ def test_a_conv_prologue_is_charged_per_tap_and_output_channel_tile():
     term = _conv_term(silu, _load(_input("w", (320, 64, 3, 3))), params)
     flops, covered = roofline.conv_prologue_flops(term)
     geometry = conv.ConvGeometry(params, (1, 8, 8, 64), (320, 64, 3, 3), parse_type(term.ty).shape)
-    assert conv.ConvConfig.get_default(geometry).tile(geometry) == roofline.conv_tile(x.ty, "f32[320,64,3,3]", params.key,
+    assert mma.conv_config(geometry).tile(geometry) == roofline.conv_tile(x.ty, "f32[320,64,3,3]", params.key,
                                                                                       term.ty) == (1, 64)
     ops = 1 + roofline.ALU_INSTRUCTIONS["logistic"]
     assert flops == ops * 8 * 8 * 64 * 27 and len(covered) == 3  # the Load is index arithmetic

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from eqsat.cost import mma
 from jax import lax
 
 from emit.pallas import conv
@@ -35,11 +37,11 @@ FLAT = conv.ConvConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stag
 @pytest.fixture
 def flat_tiles(monkeypatch):
     """Every conv planned and emitted inside runs on `FLAT` tiles (block_k from its K ranges)."""
-    def flat(cls, geometry, ranges=()):
+    def flat(geometry, ranges=(), itemsize=2):
         widest = max((r.channels for r in ranges), default=geometry.in_features)
         return dataclasses.replace(FLAT, block_k=16 if widest <= 16 else 32)
 
-    monkeypatch.setattr(conv.ConvConfig, "get_default", classmethod(flat))
+    monkeypatch.setattr(mma, "conv_config", flat)
     return monkeypatch
 
 
@@ -217,7 +219,7 @@ def test_the_model_counts_the_evaluations_the_tiles_make(config):
     values = {t: rng.normal(size=parse_type(t.ty).shape).astype(np.float32) for t in (x, skip, w3, w1)}
     counts = _counted_evaluations(term, config, values)
     geometry = conv.ConvGeometry(params, lhs_shape, (20, 32, 3, 3), parse_type(term.ty).shape)
-    used = config or conv.ConvConfig.get_default(geometry, [conv.KRange(16, None, None)] * 2)
+    used = config or mma.conv_config(geometry, [conv.KRange(16, None, None)] * 2)
     inputs = 2 * 7 * 7 * 16
     per_element = [sum(count) * used.block_k / inputs for count in counts]  # 16 channels: one chunk
     assert per_element == pytest.approx([prologue_evaluations(geometry, used), prologue_evaluations(geometry, used, (1, 1))])
@@ -250,7 +252,7 @@ def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels
     most 9 evaluations per element and Cout tile) on the low-resolution convs, row tiles where the
     image is 64 or more wide (the same MMA, fewer evaluations)."""
     geometry = _geometry(batch, channels, size, cout, window, stride)
-    config = conv.ConvConfig.get_default(geometry)
+    config = mma.conv_config(geometry)
     assert config.flat == flat
     assert work.conv_tile_seconds(geometry, config) == min(work.conv_tile_seconds(geometry, c)
                                                           for c in conv.ConvConfig.candidates(geometry))

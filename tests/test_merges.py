@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from eqsat.cost import mma
 from jax import lax
 
 import emit
@@ -209,10 +211,10 @@ def test_a_conv_readers_merge_runs_once_per_program_and_channel_chunk():
     reader = Term("Conv", lhs, Term("Load", w1, w1.ty), params, Term("Acc", out_ty), out_ty)
     geometry = conv.ConvGeometry(ConvParams.parse(params), shape, (out_channels, channels, 3, 3),
                                  (batch, side, side, out_channels))
-    grid = conv._grid(geometry, conv.ConvConfig.get_default(geometry))
+    grid = conv._grid(geometry, mma.conv_config(geometry))
     assert merges.merge_lanes(reader, statistic) == math.prod(grid) * channels
     tiles = merges.statistic_tiles(statistic)
-    assert tiles == math.prod(conv._grid(geometry, conv.ConvConfig.get_default(geometry)))  # host: one row per program
+    assert tiles == math.prod(conv._grid(geometry, mma.conv_config(geometry)))  # host: one row per program
     flops = merges.reader_merge_flops(reader, statistic)
     assert flops == math.prod(grid) * channels * tiles * merges.MERGE_INSTRUCTIONS["moments"] * merges.INSTRUCTION_FLOPS
     assert roofline.merge_cost(reader).flops == flops

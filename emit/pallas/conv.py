@@ -4,7 +4,7 @@ A `Conv(lhs, rhs, params, epilogue, ty)` kernel runs as a GEMM whose M axis is t
 N the output channels and K the input channels times the window's taps. Each program owns
 block_n channels and one spatial tile of one image, summed over every tap (ky, kx) and every
 block_k chunk of input channels, in one of two shapes (`ConvConfig.flat`; the cost model picks
-per shape, `eqsat.cost.work.cheapest_conv_tile`):
+per shape, `eqsat.cost.mma.conv_config`):
 
 Row tiles (`_row_tile_sums`): `th` rows × `tw` columns (`ConvConfig.tile`: 2 × 64 on images 64 or
 more wide), one fp32 accumulator per row, `tw` the dots' M. Per chunk and column tap kx, each
@@ -97,7 +97,9 @@ from emit.pallas.contiguous import ContiguousMemory
 from emit.pallas.partials import Partials, copy_prefix
 from emit.pallas.triton import RefMemory
 from eqsat.conv_params import ConvParams
+from eqsat.cost import mma as conv_choice  # the tile shape the cost model chooses (a module: tests may force one)
 from eqsat.term import Term
+from eqsat.tiling import dot_itemsize
 from eqsat.tiling.conv import (  # the tiling, shared with the cost model; importable from here too
     DEFAULT_BLOCK_K, DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, MAX_TILE_ROWS, MIN_BLOCK, ConvConfig,
     ConvGeometry, KRange, UncoveredConv, grid, output_channel_tiles, output_tile)
@@ -344,8 +346,8 @@ def build(geometry: ConvGeometry, ranges: Sequence[KRange], epilogue: EpilogueFn
         raise ValueError(f"K ranges cover {total} input channels, the conv has {geometry.in_features}")
     for r in ranges:
         r.window(geometry)
-    config = config or ConvConfig.get_default(geometry, ranges)
     dot_dtype = jnp.dtype(dot_dtype or out_dtype)
+    config = config or conv_choice.conv_config(geometry, ranges, dot_dtype.itemsize)
     if dot_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"dot dtype {dot_dtype} is not one of float16, bfloat16, float32")
     grid = _grid(geometry, config)
@@ -913,7 +915,7 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
                      _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset, ContiguousMemory), part.taps,
                      _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0))
               for part in k_ranges(term)]
-    config = config or ConvConfig.get_default(geometry, ranges)
+    config = config or conv_choice.conv_config(geometry, ranges, dot_itemsize(lhs.ty, rhs.ty))
     statistics, computed = [], []
     for reduction in hosted:
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from eqsat.conv_params import ConvParams
+from eqsat.cost import mma as conv_choice  # the tile the model chooses (a module: tests may force one)
 from eqsat.cost.terms import Term, is_zero_literal
 from eqsat.tiling import conv as conv_tiling
 from eqsat.tiling.matmul import MatmulBlocks
@@ -58,9 +59,9 @@ def _geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> conv_tiling
 
 
 def conv_default_config(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> conv_tiling.ConvConfig:
-    """The conv template's tile for a conv of these types (`ConvConfig.get_default`: the shape the
-    cost model prices lowest; block_k and stages aside, which do not change the tiling)."""
-    return conv_tiling.ConvConfig.get_default(_geometry(lhs_ty, rhs_ty, params, out_ty))
+    """The conv template's tile for a conv of these types (`eqsat.cost.mma.conv_config`: the shape
+    the cost model prices lowest; block_k and stages aside, which do not change the tiling)."""
+    return conv_choice.conv_config(_geometry(lhs_ty, rhs_ty, params, out_ty))
 
 
 def conv_output_tiles(out_features: int, block_n: int = CONV_BLOCK_N) -> int:
@@ -72,7 +73,7 @@ def conv_output_tiles(out_features: int, block_n: int = CONV_BLOCK_N) -> int:
 def conv_tile(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> tuple[int, int]:
     """(dots, dot M) of the conv template's default output tile (`ConvConfig.tile`)."""
     geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
-    return conv_tiling.ConvConfig.get_default(geometry).tile(geometry)
+    return conv_choice.conv_config(geometry).tile(geometry)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class ConvPrograms:
     @classmethod
     def of(cls, lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> "ConvPrograms":
         geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
-        config = conv_tiling.ConvConfig.get_default(geometry)
+        config = conv_choice.conv_config(geometry)
         tiles = config.spatial_tiles(geometry)
         in_h, in_w = geometry.in_size
         return cls(tiles, tiles * conv_output_tiles(geometry.out_features, config.block_n) / max(in_h * in_w, 1),
@@ -126,7 +127,7 @@ def conv_prologue_evaluations(lhs_ty: str, rhs_ty: str, params: str, out_ty: str
     geometry = _geometry(lhs_ty, rhs_ty, params, out_ty)
     kh, kw = geometry.window
     window = None if taps is None or taps == kh * kw else (1, taps)
-    return conv_tiling.prologue_evaluations(geometry, conv_tiling.ConvConfig.get_default(geometry), window)
+    return conv_tiling.prologue_evaluations(geometry, conv_choice.conv_config(geometry), window)
 
 
 def zero_pad_taps(pad_config: str, inner_shape: Sequence[int], rhs_spec: Sequence[int]) -> int | None:

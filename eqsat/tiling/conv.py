@@ -10,8 +10,8 @@ in one of two shapes (`ConvConfig.flat`):
   narrow image), one dot of M = block_m; its input is computed once per tap (9 for a 3×3 conv).
 
 The grid is (batch · spatial tiles, output-channel tiles) (`grid`). K runs over each `KRange`'s
-channels in `block_k` chunks and its window taps. `ConvConfig.get_default` lets the cost model
-choose the shape per conv (`eqsat.cost.work.conv_tile_seconds`): row tiles where the image is
+channels in `block_k` chunks and its window taps. The cost model chooses the shape per conv
+(`eqsat.cost.mma.conv_config`, by `conv_tile_seconds`): row tiles where the image is
 wide enough for a 64-pixel dot, flat ones where row tiles would multiply with mma.sync on few SMs.
 """
 
@@ -173,19 +173,18 @@ class ConvConfig:
         return cdiv(out_h, rows) * cdiv(out_w, cols)
 
     @classmethod
-    def get_default(cls, geometry: ConvGeometry, ranges: Sequence[KRange] = ()) -> "ConvConfig":
-        """The cheapest of `candidates` by the cost model (`eqsat.cost.work.conv_tile_seconds`,
-        which prices the tile shapes from the geometry alone, so a conv's term, its e-node and the
-        emitter agree), with 64-channel K chunks shrunk to the widest K range. Software pipelining
-        over 2 stages for one K range, none for several: each column tap loads every input row of
-        the tile and the weights of every row tap, and a kernel with a skip concat or a merged
-        shortcut has a loop per K range (with 3 stages everywhere, one of the UNet step's convs
-        asked for 300 KB of shared memory; an H100 has 227 KB)."""
-        from eqsat.cost.work import cheapest_conv_tile  # the model prices the tiling: imported late
-
+    def for_tile(cls, tile: "ConvConfig", geometry: ConvGeometry, ranges: Sequence[KRange] = (),
+                 itemsize: int = 2) -> "ConvConfig":
+        """The template's config for the tile shape `tile` (one of `candidates`; the cost model
+        picks which: `eqsat.cost.mma.conv_config`): 64-channel K chunks shrunk to the widest K
+        range, and halved for 4-byte operands (`itemsize`: a 128-pixel x 128-channel fp32 tile with
+        64-channel chunks asked for 249,856 B of shared memory, over an H100's 232,448; fp16:
+        126,976). Software pipelining over 2 stages for one K range, none for several: each column
+        tap loads every input row of the tile and the weights of every row tap, and a kernel with a
+        skip concat or a merged shortcut has a loop per K range (with 3 stages everywhere, one of
+        the UNet step's convs asked for 300 KB of shared memory)."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
-        block_k = min(DEFAULT_BLOCK_K, max(MIN_BLOCK, next_pow2(widest)))
-        tile = cheapest_conv_tile(geometry)
+        block_k = min(DEFAULT_BLOCK_K if itemsize <= 2 else DEFAULT_BLOCK_K // 2, max(MIN_BLOCK, next_pow2(widest)))
         return replace(tile, block_k=block_k, num_stages=2 if len(ranges) <= 1 else 1)
 
     @classmethod
