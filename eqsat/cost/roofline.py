@@ -106,6 +106,10 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_e
     device = get_device(device)
     if op not in KNOWN_OPS:
         return ZERO
+    if device.backend != "triton" and op in DENSE_OPS:  # priced as the backend emits it (`eqsat.cost.backends`)
+        from eqsat.cost.backends import routed_node_cost
+
+        return routed_node_cost(op, args, device, weight_elements, conv_ranges)
     flops = own_flops(op, args, weight_elements)
     nbytes = own_bytes(op, args)
     if op in HOSTED_OPS:
@@ -200,6 +204,10 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozens
     device = get_device(device)
     if kernel.op not in KERNEL_OPS and kernel.op not in HOSTED_OPS:
         return ZERO
+    if device.backend != "triton" and kernel.op in DENSE_OPS:  # priced as the backend emits it (`eqsat.cost.backends`)
+        from eqsat.cost.backends import routed_kernel_cost
+
+        return routed_kernel_cost(kernel, device, finished)
     reads = kernel_reads(kernel)
     for tensor in reads:
         if tensor in finished:
@@ -327,8 +335,23 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     hosting = hosted_reductions(roots)
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
+    hosted_on: dict[int, list] = {}
+    for reduction, hosts in hosting.items():
+        for host in hosts or ():
+            hosted_on.setdefault(id(host), []).append(reduction)
     total = Cost()
     for kernel in order:
+        if device.backend != "triton" and kernel.op in DENSE_OPS:
+            # its backend's route, with the reduce kernels of the statistics it hosts when that
+            # route writes no partials (`eqsat.cost.backends`)
+            from eqsat.cost.backends import choose, hosted_extra
+
+            hosted = hosted_on.get(id(kernel), ())
+            route, cost = choose(kernel, device, finished, hosted)
+            for reduction in hosted:
+                cost = cost + hosted_extra(reduction, route, device)
+            total = total + cost
+            continue
         total = total + kernel_cost(kernel, device, finished)
     for reduction, hosts in hosting.items():
         if hosts is not None:
