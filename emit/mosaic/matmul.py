@@ -122,6 +122,30 @@ class MosaicBlocks:
             raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
 
 
+SMEM_BYTES = 232448 - 1024  # an H100 CTA's dynamic shared memory (Mosaic's limit), less room for barriers
+
+
+def smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int, operands: Sequence[tuple[str, int]] = ()) -> int:
+    """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
+    tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
+    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
+    wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
+    ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
+    epilogue = wgs * 2 * em * en * out_itemsize
+    for kind, size in operands:
+        epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
+    return ring + epilogue
+
+
+def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
+             operands: Sequence[tuple[str, int]] = ()) -> MosaicBlocks:
+    """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
+    buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4."""
+    while blocks.stages > 2 and smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
+        blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
+    return blocks
+
+
 @dataclasses.dataclass(frozen=True)
 class EpilogueOperand:
     """An array the epilogue reads, laid out for TMA: `tile` `[batch', M, N]`, `col` `[batch', N]`,
@@ -319,6 +343,8 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         arrays.append(pad_to(array, target))
         kinds.append(operand.kind)
         shared.append(array.shape[0] == 1)
+    blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
 
     def call(interpret_here):

@@ -188,6 +188,12 @@ class EpilogueReads:
     cols: tuple[int, ...] = ()
     rows: tuple[int, ...] = ()
 
+    @property
+    def smem_operands(self) -> list[tuple[str, int]]:
+        """(kind, itemsize) of each, as `emit.mosaic.matmul.smem_bytes` takes them."""
+        return ([("tile", i) for i in self.tiles] + [("col", i) for i in self.cols]
+                + [("row", i) for i in self.rows])
+
     @classmethod
     def of(cls, epilogue: Term | None, out_elements: int, rows: int) -> "EpilogueReads":
         """By size: a loaded tensor of the output's size is a tile, one of `rows` elements (when not
@@ -253,9 +259,12 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     """`emit.mosaic.matmul.build` on these operands: its CTAs, wgmma, TMA bytes and the fusions
     that lay A and B out (an operand computed or permuted, or padded to the tiles) and slice the
     padded output. From types alone (an e-node) operands are taken as read in place."""
+    from emit.mosaic.matmul import fit_smem
+
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
-    blocks = matmul_blocks(shape.m, shape.n, shape.k)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
+    blocks = fit_smem(matmul_blocks(shape.m, shape.n, shape.k), item, out_item, reads.smem_operands)
     mp, np_, kp = (_round_up(shape.m, blocks.tile_m), _round_up(shape.n, blocks.cta_tile_n),
                    _round_up(shape.k, blocks.tile_k))
     ctas = shape.batch * (mp // blocks.tile_m) * (np_ // blocks.cta_tile_n)
@@ -265,7 +274,6 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
         glue.append(Glue("A laid out", a_bytes))
     if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs)) or (kp, np_) != (shape.k, shape.n):
         glue.append(Glue("B laid out", b_bytes))
-    reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
     tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
@@ -326,6 +334,7 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     `(channels, window)` per K range (`conv_ranges`), or `(channels, taps)` (a weight's K ranges,
     `eqsat.cost.work.conv_weight_ranges`); default one range over the whole window."""
     from emit.mosaic.conv import FlatGrid, default_blocks, plan_taps
+    from emit.mosaic.matmul import fit_smem
 
     geometry = _conv_geometry(lhs_ty, rhs_ty, params, out_ty)
     grid = FlatGrid(geometry)
@@ -336,16 +345,16 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     taps = plan_taps(grid, ranges)
     steps = sum(r.steps for r in taps)
     cout = geometry.out_features
-    blocks = default_blocks(grid, cout, steps)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    out_elements = size_of(out_ty)
+    reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    blocks = fit_smem(default_blocks(grid, cout, steps), item, out_item, reads.smem_operands)
     m_padded = _round_up(grid.rows, blocks.tile_m)
     n_padded = _round_up(cout, blocks.cta_tile_n)
     ctas = (m_padded // blocks.tile_m) * (n_padded // blocks.cta_tile_n)
     columns = sum(r.column_blocks(grid.phases) * CHUNK for r in taps)
     a_bytes = (m_padded + grid.halo) * columns * item
     b_bytes = steps * CHUNK * n_padded * item
-    out_elements = size_of(out_ty)
-    reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     glue = [Glue("input laid out", a_bytes), Glue("weights laid out", b_bytes)]
     for item_bytes in reads.tiles:
         glue.append(Glue("residual on the flat grid", m_padded * cout * item_bytes))
@@ -376,7 +385,7 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
     padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
     key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
-    from emit.mosaic.attention import AttentionBlocks, padded_head
+    from emit.mosaic.attention import SMEM_BYTES, AttentionBlocks, padded_head, smem_bytes
 
     batch, heads, q_len, head_dim = parse_type(q_ty).shape
     kv_len = parse_type(k_ty).shape[2]
@@ -388,6 +397,10 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     bh = batch * heads
     ctas = bh * (q_pad // rows)
     kv_steps = kv_pad // blocks.block_kv
+    ring = min(blocks.stages, kv_steps)  # as `build` fits it to SMEM
+    dtype, out_dtype = parse_type(q_ty).dtype, parse_type(out_ty).dtype
+    while ring > 1 and smem_bytes(blocks, ring, head, dtype, out_dtype, bias_ty is not None) > SMEM_BYTES:
+        ring -= 1
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
     glue = [Glue("K transposed", kv_bytes)]
     if not is_view(q) or (q_pad, head) != (q_len, head_dim):
@@ -410,7 +423,7 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     work = TemplateWork("mosaic.attention", ctas, "wgmma", 4.0 * scores * head,
                         own_flops("Attention", (q_ty, k_ty)), steps=kv_steps,
                         alu_flops=scores * SOFTMAX_INSTRUCTIONS_PER_SCORE * INSTRUCTION_FLOPS)
-    return MosaicWork(work, min(blocks.stages, kv_steps), tma, kernel_reads, store, bh * q_pad * head, tuple(glue),
+    return MosaicWork(work, ring, tma, kernel_reads, store, bh * q_pad * head, tuple(glue),
                       blocks.compute_wgs + 1)
 
 
