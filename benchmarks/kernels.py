@@ -521,6 +521,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         "by_backend": {name: totals([r for r in kernels if r["backend"] == name])
                        for name in dict.fromkeys(r["backend"] for r in kernels)},
         "glue_launches": sum(launch.category != "memset" for launch in others),
+        "modeled_glue_launches": modeled_glue_launches(planned),
         "emit_compile_seconds": report.compile_seconds,
         "kernels": kernels,
     }
@@ -539,6 +540,14 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
             result["xla_kernels"] = xla_report.kernels
     log(f"{workload.name}: done in {time.perf_counter() - start:.0f} s")
     return result
+
+
+def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
+    """The XLA fusions the model says the Mosaic-routed kernels launch around them
+    (`eqsat.cost.mosaic.MosaicWork.glue`), to read beside the counted non-Pallas launches."""
+    from eqsat.cost.mosaic import mosaic_work
+
+    return sum(len(mosaic_work(k.term).glue) for k in planned if k.route == "mosaic" and k.term is not None)
 
 
 def _is_mosaic(launch) -> bool:
@@ -680,8 +689,9 @@ def kinds_table(name: str, row: dict[str, Any], report: dict[str, Any], by: str 
     from rich.table import Table
 
     groups = row["by_kind"] if by == "kind" else row["by_backend"]
-    table = Table(title=f"{name}: totals per {by} (backend {row.get('backend', 'triton')}, "
-                        f"{row['emitted_kernels']} launches with glue; commit {report['commit']})")
+    table = Table(title=f"{name}: totals per {by} (backend {row.get('backend', 'triton')}; {row['emitted_kernels']} "
+                        f"launches, {row.get('glue_launches', 'n/a')} of them not Pallas, the model's glue "
+                        f"{row.get('modeled_glue_launches', 'n/a')}; commit {report['commit']})")
     for column in (by, "kernels", "modeled µs", "share", "spilling (bytes)", "1 CTA/SM", "wgmma", "mma.sync",
                    "pipelined", "vector ld", "max merge"):
         table.add_column(column, justify="left" if column == by else "right")

@@ -113,13 +113,13 @@ def on_hopper() -> bool:
 def plan_routes(plan, device=None) -> dict:
     """Kernel term -> "triton" | "mosaic" | "library" for every dense kernel of `plan`, as the cost
     model chooses them with the `auto` backend on `device` (default the plan's device profile):
-    `eqsat.cost.backends.choose`, with the statistics the plan hosts on each kernel. What the
+    `eqsat.cost.roofline.choose_route`, with the statistics the plan hosts on each kernel. What the
     `routed` backend emits and what `report()` and `benchmarks.kernels` show."""
     from eqsat.cost import get_device, hosted_reductions
     from eqsat.cost import kernels as kernel_order
-    from eqsat.cost.backends import DENSE, choose
+    from eqsat.cost.backends import DENSE
     from eqsat.cost.devices import with_backend
-    from eqsat.cost.roofline import finished_statistics
+    from eqsat.cost.roofline import choose_route, finished_statistics
 
     device = with_backend(get_device(device if device is not None else plan.device), "auto")
     outputs = list(plan.outputs)
@@ -128,5 +128,5 @@ def plan_routes(plan, device=None) -> dict:
     routes = {}
     for kernel in plan.kernels:
         if kernel.op in DENSE:
-            routes[kernel.term] = choose(kernel.term, device, finished, tuple(kernel.hosted))[0]
+            routes[kernel.term] = choose_route(kernel.term, device, finished, tuple(kernel.hosted))[0]
     return routes

@@ -59,6 +59,8 @@ from jax import lax
 from emit import expr as ex
 from eqsat import host_threads
 from eqsat.term import Term
+from eqsat.tiling.mosaic import SMEM_BYTES, MosaicBlocks, fit_smem  # noqa: F401 (the tiling, shared with the cost model)
+from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
 MMA_DTYPES = ("float16", "bfloat16")
@@ -73,77 +75,6 @@ def interpret_params():
 
     host_threads.check()
     return InterpretGPUParams()
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-    """Tiles and pipeline depth of one Mosaic matmul kernel.
-
-    `tile_m` rows and `tile_n` columns per compute warpgroup (`compute_wgs` of them side by side
-    along N), `tile_k` per pipeline step (64 halves = one 128-byte swizzle row), `stages` SMEM
-    buffers in flight, `epi_m x epi_n` epilogue sub-tiles."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    compute_wgs: int = 2
-    epi_m: int = 64
-    epi_n: int = 64
-
-    @property
-    def cta_tile_n(self) -> int:
-        return self.tile_n * self.compute_wgs
-
-    @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> "MosaicBlocks":
-        """The CTA tile (`tile_m` 64 or 128; `compute_wgs` x `tile_n` of 64 or 128 columns) that pads
-        M and N least, the larger tile among equals: 4096 x 1280 gets 128 x 256 (two 128 x 128
-        warpgroups), N = 320 one 128 x 64 warpgroup (320 = 5 x 64: no padded column), 154 rows
-        64-row tiles (192 rows, not 256)."""
-        def padded(size, tile):
-            return -(-size // tile) * tile
-
-        tile_m = min((128, 64), key=lambda t: (padded(m, t), -t))
-        tile_n, compute_wgs = min(((128, 2), (64, 2), (128, 1), (64, 1)),
-                                  key=lambda c: (padded(n, c[0] * c[1]), -c[0] * c[1]))
-        k_steps = -(-k // 64)
-        return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
-
-    def validate(self) -> None:
-        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
-            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k} must be multiples of 64 "
-                             "(wgmma rows per warpgroup; 128-byte swizzle of halves)")
-        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
-            raise ValueError(f"epilogue tile {self.epi_m}x{self.epi_n} must divide {self.tile_m}x{self.tile_n}")
-        if self.stages < 2:
-            raise ValueError(f"stages={self.stages}: the pipeline releases buffers one step late, it needs >= 2")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
-
-
-SMEM_BYTES = 232448 - 1024  # an H100 CTA's dynamic shared memory (Mosaic's limit), less room for barriers
-
-
-def smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int, operands: Sequence[tuple[str, int]] = ()) -> int:
-    """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
-    tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
-    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
-    wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
-    ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
-    epilogue = wgs * 2 * em * en * out_itemsize
-    for kind, size in operands:
-        epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
-    return ring + epilogue
-
-
-def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-             operands: Sequence[tuple[str, int]] = ()) -> MosaicBlocks:
-    """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
-    buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4."""
-    while blocks.stages > 2 and smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
-        blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
-    return blocks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """A kernel priced by the backend that will emit it, and `auto`'s choice among them.
 
 A device profile says which templates emit the dense kernels (`Device.backend`,
-`eqsat.cost.devices.with_backend`); `eqsat.cost.roofline.kernel_cost` and `node_cost` ask this
-module for every `Matmul`, `Conv` and `Attention` when that is not `"triton"`:
+`eqsat.cost.devices.with_backend`); `eqsat.cost.roofline` prices every `Matmul`, `Conv` and
+`Attention` through the routes this module prices when that is not `"triton"`
+(`roofline.route_cost`, `roofline.choose_route`: under `auto` the cheapest; `kernel_cost`,
+`node_cost` and `dag_cost` use them):
 
 | device backend | Matmul, Conv | Attention | everything else |
 |---|---|---|---|
@@ -13,7 +15,7 @@ module for every `Matmul`, `Conv` and `Attention` when that is not `"triton"`:
 
 Routes (what one kernel runs as): `"triton"`, `"mosaic"`, `"library"`.
 
-- triton: `roofline.kernel_cost` as before.
+- triton: `roofline.kernel_cost` as before (the roofline passes it in: this module sits below it).
 - mosaic: the roofline's distinct bytes and writes, plus its `MosaicWork`: a launch per glue fusion,
   their HBM bytes, TMA re-reads beyond the distinct bytes at `mosaic.L2_BANDWIDTH` overlapped with
   the MMA (`pipelined`), the operand
@@ -35,8 +37,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from eqsat.cost.devices import Device, get_device, with_backend
-from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of,
-                              own_bytes, own_flops, size_of)
+from eqsat.cost.hosting import hosts_of
+from eqsat.cost.merges import finalize_cost, statistics_read
+from eqsat.cost.mosaic import L2_BANDWIDTH, EpilogueReads, covers, is_view, mosaic_work, node_mosaic_work
+from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, compute_flops, dense_dtype, expr_nodes,
+                              nbytes_of, own_bytes, own_flops, reduction_flops, size_of)
+from eqsat.cost.work import mma_seconds
 
 ROUTES = ("triton", "mosaic", "library")
 DENSE = frozenset({"Matmul", "Conv", "Attention"})
@@ -49,8 +55,6 @@ _LIBRARY_EPILOGUE = frozenset({"Acc", "Load", "Lit", "Reshape", "Broadcast", "Tr
 
 def routes_for(kernel_op: str, args, device: "str | Device") -> tuple[str, ...]:
     """The routes `device.backend` may run a kernel of `kernel_op` (argument types `args`) on."""
-    from eqsat.cost.mosaic import covers
-
     backend = get_device(device).backend
     if kernel_op not in DENSE or backend == "triton":
         return ("triton",)
@@ -60,38 +64,6 @@ def routes_for(kernel_op: str, args, device: "str | Device") -> tuple[str, ...]:
     if backend == "hybrid":
         return ("library",) if kernel_op in LIBRARY_OPS else ("triton",)
     return ("triton",) + (("mosaic",) if mosaic else ()) + (("library",) if kernel_op in LIBRARY_OPS else ())
-
-
-def route_cost(kernel: Term, route: str, device: "str | Device", finished: frozenset = frozenset()) -> Cost:
-    """`kernel` priced as `route` emits it on `device` (its backend field ignored)."""
-    from eqsat.cost import roofline
-
-    triton = with_backend(device, "triton")
-    if route == "triton":
-        return roofline.kernel_cost(kernel, triton, finished)
-    if route == "mosaic":
-        return _mosaic_cost(kernel, triton, finished)
-    if route == "library":
-        return _library_cost(kernel, triton, finished)
-    raise ValueError(f"unknown route {route!r}; known: {ROUTES}")
-
-
-def choose(kernel: Term, device: "str | Device", finished: frozenset = frozenset(),
-           hosted: Sequence[Term] = ()) -> tuple[str, Cost]:
-    """(route, cost) of `kernel` on `device`: its backend's route, or under `auto` the cheapest (ties:
-    the first of `ROUTES`); `hosted`: the statistics the plan hosts on it (`hosted_extra`)."""
-    best = None
-    for route in routes_for(kernel.op, args_of(kernel), device):
-        cost = route_cost(kernel, route, device, finished)
-        total = cost.seconds + sum(hosted_extra(r, route, device).seconds for r in hosted)
-        if best is None or total < best[0]:
-            best = (total, route, cost)
-    return best[1], best[2]
-
-
-def routed_kernel_cost(kernel: Term, device: "str | Device", finished: frozenset = frozenset()) -> Cost:
-    """`roofline.kernel_cost` for a dense kernel on a device whose backend is not `triton`."""
-    return choose(kernel, device, finished)[1]
 
 
 def hosted_extra(reduction: Term, route: str, device: "str | Device") -> Cost:
@@ -108,13 +80,11 @@ def hosted_extra(reduction: Term, route: str, device: "str | Device") -> Cost:
 # --- the parts the routes share with the roofline ----------------------------------------------------
 
 
-def _distinct_bytes(kernel: Term, finished: frozenset) -> tuple[float, list[Term]]:
-    """The roofline's distinct bytes of `kernel` (reads + its output) with every hosted statistic read
-    finished, and the statistics that the plan does not finish (merged once before the kernel)."""
-    from eqsat.cost.merges import statistics_read
-    from eqsat.cost.roofline import kernel_reads
-
-    reads = kernel_reads(kernel)
+def _distinct_bytes(kernel: Term, reads: dict, finished: frozenset) -> tuple[float, list[Term]]:
+    """The roofline's distinct bytes of `kernel` (its `kernel_reads` + its output) with every hosted
+    statistic read finished, and the statistics that the plan does not finish (merged once before
+    the kernel)."""
+    reads = dict(reads)
     merged = []
     for statistic in statistics_read(kernel):
         if statistic in reads:
@@ -136,8 +106,6 @@ def _epilogue(kernel: Term) -> Term:
 
 def _flops(expr: Term, scale: float = 1.0, seen: set | None = None) -> float:
     """Vector flops of `expr`'s nodes not in `seen`, each once per element (× `scale`)."""
-    from eqsat.cost.terms import compute_flops, reduction_flops
-
     seen = set() if seen is None else seen
     flops = 0.0
     for node in expr_nodes(expr):
@@ -152,34 +120,28 @@ def _flops(expr: Term, scale: float = 1.0, seen: set | None = None) -> float:
 
 
 def _finalize_seconds(statistics, device) -> float:
-    from eqsat.cost.hosting import hosts_of
-    from eqsat.cost.merges import finalize_cost
-
     return sum(finalize_cost(s, device).seconds for s in statistics if hosts_of(s) is not None)
 
 
-def _dense_seconds(kernel: Term, device: Device, work=None, efficiency: float = 1.0) -> tuple[float, float]:
-    """(useful dense flops, seconds): at the peak (× `efficiency`), or on a calibrated device the
-    template `work`'s padded MMA as `eqsat.cost.work.mma_seconds` prices it."""
-    from eqsat.cost.work import mma_seconds
-
+def _dense_seconds(kernel: Term, device: Device, efficiency: float = 1.0) -> tuple[float, float]:
+    """(useful dense flops, seconds at `efficiency` of the peak)."""
     args = args_of(kernel)
     flops = own_flops(kernel.op, args)
-    dtype = dense_dtype(kernel.op, args)
-    if work is not None and device.calibrated:
-        return flops, mma_seconds(work, device, dtype)
-    return flops, flops / (efficiency * device.peak(dtype, True))
+    return flops, flops / (efficiency * device.peak(dense_dtype(kernel.op, args), True))
 
 
-def pipelined(mma_seconds: float, load_seconds: float, stages: int) -> float:
-    """A TMA -> wgmma loop's time: the longer of its MMA and its loads with >= 2 stages in flight
-    (each step's loads overlap an earlier step's MMA), their sum with one."""
-    return max(mma_seconds, load_seconds) if stages >= 2 else mma_seconds + load_seconds
+def pipelined(mma: float, loads: float, stages: int) -> float:
+    """A TMA -> wgmma loop's seconds from its MMA's and its loads': the longer with >= 2 stages in
+    flight (each step's loads overlap an earlier step's MMA), their sum with one."""
+    return max(mma, loads) if stages >= 2 else mma + loads
 
 
-def _mosaic_cost(kernel: Term, device: Device, finished: frozenset) -> Cost:
+def mosaic_cost(kernel: Term, device: "str | Device", reads: dict, finished: frozenset = frozenset()) -> Cost:
+    """`kernel` as its Mosaic template runs it (the module docstring); `reads`: its
+    `roofline.kernel_reads`."""
+    device = with_backend(device, "triton")
     work = mosaic_work_cached(kernel)
-    nbytes, merged = _distinct_bytes(kernel, finished)
+    nbytes, merged = _distinct_bytes(kernel, reads, finished)
     nbytes += work.glue_bytes
     seen: set = set()
     vector = sum(_flops(e, seen=seen) for e in _operands(kernel))
@@ -195,9 +157,6 @@ def mosaic_dense_seconds(work, device: Device, dtype: str) -> float:
     """The Mosaic template's dense work: on the data sheet its useful flops at the peak (as the Triton
     templates'); calibrated, `work.mma_seconds` of its padded wgmma (and the attention's softmax)
     overlapped with its TMA re-reads through L2 (`pipelined`)."""
-    from eqsat.cost.mosaic import L2_BANDWIDTH
-    from eqsat.cost.work import mma_seconds
-
     seconds = mma_seconds(work.work, device, dtype)
     if not device.calibrated:
         return seconds
@@ -206,8 +165,6 @@ def mosaic_dense_seconds(work, device: Device, dtype: str) -> float:
 
 def mosaic_work_cached(kernel: Term):
     """`eqsat.cost.mosaic.mosaic_work`, once per kernel term (a plan prices each kernel several times)."""
-    from eqsat.cost.mosaic import mosaic_work
-
     cached = _WORK.get(id(kernel))
     if cached is None or cached[0] is not kernel:
         cached = _WORK[id(kernel)] = (kernel, mosaic_work(kernel))
@@ -217,10 +174,11 @@ def mosaic_work_cached(kernel: Term):
 _WORK: dict[int, tuple] = {}
 
 
-def _library_cost(kernel: Term, device: Device, finished: frozenset) -> Cost:
-    from eqsat.cost.mosaic import EpilogueReads, is_view
-
-    nbytes, merged = _distinct_bytes(kernel, finished)
+def library_cost(kernel: Term, device: "str | Device", reads: dict, finished: frozenset = frozenset()) -> Cost:
+    """`kernel` as the `hybrid` backend's library call runs it (the module docstring); `reads`: its
+    `roofline.kernel_reads`."""
+    device = with_backend(device, "triton")
+    nbytes, merged = _distinct_bytes(kernel, reads, finished)
     launches = 1
     seen: set = set()
     vector = 0.0
@@ -231,13 +189,12 @@ def _library_cost(kernel: Term, device: Device, finished: frozenset) -> Cost:
         vector += _flops(operand, seen=seen)
     epilogue = _epilogue(kernel)
     vector += _flops(epilogue, seen=seen)
-    nodes = list(expr_nodes(epilogue))
     fused = all(n.op in _LIBRARY_EPILOGUE or (n.op in COMPUTE_OPS and n.args[0] in ("add", "convert"))
-                for n in nodes) and not EpilogueReads.of(epilogue, size_of(kernel.ty), 0).tiles
+                for n in expr_nodes(epilogue)) and not EpilogueReads.of(epilogue, size_of(kernel.ty), 0).tiles
     if not fused:
         launches += 1
         nbytes += 2 * nbytes_of(kernel.ty)  # the library's result written, read by the epilogue fusion
-    dense, dense_seconds = _dense_seconds(kernel, device, efficiency=LIBRARY_EFFICIENCY)
+    dense, dense_seconds = _dense_seconds(kernel, device, LIBRARY_EFFICIENCY)
     seconds = (device.launch_overhead * launches + device.memory_seconds(nbytes) + device.vector_seconds(vector)
                + dense_seconds + _finalize_seconds(merged, device))
     return Cost(nbytes, dense + vector, seconds)
@@ -246,34 +203,24 @@ def _library_cost(kernel: Term, device: Device, finished: frozenset) -> Cost:
 # --- e-nodes (extraction) -----------------------------------------------------------------------------
 
 
-def node_route_cost(op: str, args: Sequence, route: str, device: Device, weight_elements=None,
+def node_route_cost(op: str, args: Sequence, route: str, device: "str | Device", triton: Cost,
                     conv_ranges=None) -> Cost:
     """An e-node's own cost (launch, output write, dense work; `roofline.node_cost`) as `route`
-    emits it: mosaic adds its glue fusions (operands taken as read in place), their bytes and the
-    TMA re-reads through L2; the library runs its dense flops at `LIBRARY_EFFICIENCY`."""
-    from eqsat.cost import roofline
-    from eqsat.cost.mosaic import node_mosaic_work
-
-    triton = with_backend(device, "triton")
+    emits it, `triton` its Triton price: mosaic adds its glue fusions (operands taken as read in
+    place) and their bytes, and prices its dense work as `mosaic_dense_seconds`; the library runs its
+    dense flops at `LIBRARY_EFFICIENCY`."""
     if route == "triton":
-        return roofline.node_cost(op, args, triton, weight_elements, conv_ranges)
-    flops = own_flops(op, args, weight_elements)
+        return triton
+    device = with_backend(device, "triton")
+    flops = triton.flops
     nbytes = own_bytes(op, args)
     dtype = dense_dtype(op, args)
     if route == "library":
-        seconds = triton.launch_overhead + triton.memory_seconds(nbytes) + flops / (
-            LIBRARY_EFFICIENCY * triton.peak(dtype, True))
+        seconds = device.launch_overhead + device.memory_seconds(nbytes) + flops / (
+            LIBRARY_EFFICIENCY * device.peak(dtype, True))
         return Cost(nbytes, flops, seconds)
     work = node_mosaic_work(op, args, conv_ranges)
     nbytes += work.glue_bytes
-    seconds = (triton.launch_overhead * (1 + work.glue_launches) + triton.memory_seconds(nbytes)
-               + mosaic_dense_seconds(work, triton, dtype))
+    seconds = (device.launch_overhead * (1 + work.glue_launches) + device.memory_seconds(nbytes)
+               + mosaic_dense_seconds(work, device, dtype))
     return Cost(nbytes, flops, seconds)
-
-
-def routed_node_cost(op: str, args: Sequence, device: Device, weight_elements=None, conv_ranges=None) -> Cost:
-    """`roofline.node_cost` of a dense e-node on a device whose backend is not `triton`: its route's,
-    under `auto` the cheapest."""
-    costs = [node_route_cost(op, args, route, device, weight_elements, conv_ranges)
-             for route in routes_for(op, args, device)]
-    return min(costs, key=lambda c: c.seconds)

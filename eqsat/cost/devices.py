@@ -30,6 +30,7 @@ misses a selection its own objective prices lower), so `h100` stays the default.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # A calibrated device's time per byte and per vector flop as multiples of the data sheet's, one
@@ -90,8 +91,6 @@ def with_backend(device: "str | Device", backend: str) -> Device:
     """`device` whose dense kernels are priced as `backend`'s templates emit them (`BACKENDS`),
     named `<profile>+<backend>` (`h100+mosaic`; the default `triton` keeps the bare name) so that a
     plan's device name (`Plan.device`) says it too: `get_device("h100+mosaic")` is this device."""
-    import dataclasses
-
     if backend not in BACKENDS:
         raise ValueError(f"unknown cost backend {backend!r}; known: {BACKENDS}")
     device = get_device(device)

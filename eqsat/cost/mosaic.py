@@ -3,7 +3,7 @@
 `eqsat.cost.work` states the Pallas Triton templates' work; this module states the Mosaic GPU
 templates' (`emit/mosaic/`), from the objects they build their kernels with (`MosaicBlocks`, the
 conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionBlocks`,
-`padded_head`), so the model cannot drift from them:
+`padded_head`: `eqsat.tiling.mosaic`, which the templates import), so the model cannot drift from them:
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
@@ -38,13 +38,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from eqsat.conv_params import ConvParams
 from eqsat.cost.terms import (COMPUTE_OPS, VIEW_OPS, Term, compute_flops, expr_nodes, itemsize_of, own_flops,
-                              parse_type, reduction_flops, size_of)
+                              reduction_flops, size_of)
+from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
+from eqsat.tiling.conv import ConvGeometry
+from eqsat.tiling.mosaic import (CHUNK, MAX_HEAD, AttentionBlocks, FlatGrid, MosaicBlocks, default_blocks, fit_ring,
+                                 fit_smem, padded_head, plan_taps)
+from eqsat.types import ints, parse_type
 
 MOSAIC_OPS = frozenset({"Matmul", "Conv", "Attention"})
 MMA_DTYPES = ("float16", "bfloat16")
-CHUNK = 64  # halves per TMA row of the matmul and conv tiles (one 128-byte swizzle row)
 # L2 -> SM bandwidth of an H100 SXM: 5.5 TB/s measured on the H100 PCIe's 114 SMs (Chips and Cheese,
 # "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; NVIDIA publishes none) scaled to 132 SMs:
 # the rate at which a conv's tap re-reads and a matmul's repeated A and B tiles reach SMEM beyond
@@ -136,8 +141,6 @@ def covers(op: str, args) -> bool:
         except (ValueError, NotImplementedError):
             return False
     if op == "Attention":
-        from emit.mosaic.attention import MAX_HEAD, padded_head
-
         shapes = [parse_type(t).shape for t in operands]
         if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2] or padded_head(shapes[0][3]) > MAX_HEAD:
             return False
@@ -230,8 +233,6 @@ class MatmulLayout:
 
 
 def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
-    from eqsat.types import ints
-
     lhs, rhs = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape
     lc, rc, lb, rb = (ints(part) if part else () for part in (dims.split(";") + ["", "", "", ""])[:4])
     lf = tuple(a for a in range(len(lhs)) if a not in lc and a not in lb)
@@ -242,10 +243,8 @@ def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
                         (*rb, *rc, *rf) == tuple(range(len(rhs))))
 
 
-def matmul_blocks(m: int, n: int, k: int):
+def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
     """The template's `MosaicBlocks` for an `m x k @ k x n` matmul (`emit.mosaic.matmul`)."""
-    from emit.mosaic.matmul import MosaicBlocks
-
     return MosaicBlocks.get_default(max(m, 1), max(n, 1), max(k, 1))
 
 
@@ -259,8 +258,6 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     """`emit.mosaic.matmul.build` on these operands: its CTAs, wgmma, TMA bytes and the fusions
     that lay A and B out (an operand computed or permuted, or padded to the tiles) and slice the
     padded output. From types alone (an e-node) operands are taken as read in place."""
-    from emit.mosaic.matmul import fit_smem
-
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
@@ -292,10 +289,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
 # --- conv ----------------------------------------------------------------------------------------
 
 
-def _conv_geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str):
-    from emit.pallas.conv import ConvGeometry
-    from eqsat.conv_params import ConvParams
-
+def _conv_geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> ConvGeometry:
     p = ConvParams.parse(params)
     geometry = ConvGeometry(p, parse_type(lhs_ty).shape, parse_type(rhs_ty).shape, parse_type(out_ty).shape)
     if any(lo < 0 or hi < 0 for lo, hi in p.padding):
@@ -303,17 +297,20 @@ def _conv_geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str):
     return geometry
 
 
-def conv_ranges(term: Term) -> list[tuple[int, tuple]]:
-    """A `Conv` term's K ranges as the template runs them (`emit.pallas.conv.k_ranges`):
-    `(channels, ((ky0, ky1), (kx0, kx1)))` each."""
-    from emit.pallas.conv import k_ranges
-
-    return [(part.channels, part.taps) for part in k_ranges(term)]
+def conv_ranges(term: Term) -> list[tuple[int, int]]:
+    """A `Conv` term's K ranges as the template runs them (`emit.pallas.conv.k_ranges`: the input
+    channels split where the input or the weight is a concat): `(channels, taps)` each."""
+    lhs, rhs, params, _epilogue, _ty = term.args
+    p = ConvParams.parse(params)
+    window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    return [(round(parse_type(part.ty).shape[p.lhs_spec[1]] * fraction), taps)
+            for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window)]
 
 
 def window_of(taps: int, window: tuple[int, int]) -> tuple:
-    """The taps a K range of `taps` nonzero weight taps runs (types only: the whole window, or the
-    centre tap of a merged 1x1 shortcut)."""
+    """The window a K range of `taps` nonzero weight taps runs: the whole window, or one tap (a
+    merged 1x1 shortcut: its centre). Where in the window it lies changes which shifted copy its
+    steps read, not how many steps, copies or bytes."""
     kh, kw = window
     if taps == 1 and (kh, kw) != (1, 1):
         return (kh // 2, kh // 2 + 1), (kw // 2, kw // 2 + 1)
@@ -331,10 +328,9 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
     and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
     `[steps·64, N↑]`, a residual gathered onto the flat grid, the output unflattened. `ranges`:
-    `(channels, window)` per K range (`conv_ranges`), or `(channels, taps)` (a weight's K ranges,
-    `eqsat.cost.work.conv_weight_ranges`); default one range over the whole window."""
-    from emit.mosaic.conv import FlatGrid, default_blocks, plan_taps
-    from emit.mosaic.matmul import fit_smem
+    `(channels, taps)` per K range (`conv_ranges`; an e-node's: the weight's, as
+    `eqsat.cost.work.conv_weight_ranges` reads them), or `(channels, window)`; default one range
+    over the whole window."""
 
     geometry = _conv_geometry(lhs_ty, rhs_ty, params, out_ty)
     grid = FlatGrid(geometry)
@@ -385,7 +381,6 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
     padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
     key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
-    from emit.mosaic.attention import SMEM_BYTES, AttentionBlocks, padded_head, smem_bytes
 
     batch, heads, q_len, head_dim = parse_type(q_ty).shape
     kv_len = parse_type(k_ty).shape[2]
@@ -397,10 +392,9 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     bh = batch * heads
     ctas = bh * (q_pad // rows)
     kv_steps = kv_pad // blocks.block_kv
-    ring = min(blocks.stages, kv_steps)  # as `build` fits it to SMEM
     dtype, out_dtype = parse_type(q_ty).dtype, parse_type(out_ty).dtype
-    while ring > 1 and smem_bytes(blocks, ring, head, dtype, out_dtype, bias_ty is not None) > SMEM_BYTES:
-        ring -= 1
+    ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
+                    bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
     glue = [Glue("K transposed", kv_bytes)]
     if not is_view(q) or (q_pad, head) != (q_len, head_dim):
