@@ -501,7 +501,13 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     for i, kernel in enumerate(planned):  # kernels the library runs: no Pallas launch, the model's row
         if rows[i] is None and kernel.route == "library":
             rows[i] = kernel_row(kernel, None, None, None, kernel.name, "library")
-    missing = [planned[i].name for i, row in enumerate(rows) if row is None]
+    reduced, reduce_seconds = driver_reductions(lowered)
+    # a statistic hosted on a Mosaic or library kernel is reduced by its own kernel after its last
+    # host (an extra launch): the plan's finalize of it launches nothing
+    replaced = [planned[i].name for i, row in enumerate(rows)
+                if row is None and planned[i].kind == "finalize" and planned[i].term in reduced]
+    missing = [planned[i].name for i, row in enumerate(rows)
+               if row is None and not (planned[i].kind == "finalize" and planned[i].term in reduced)]
     kernels = [row for row in rows if row is not None] + extra
     other = price_launches(_only(report, others), hlo_text) if others else None
 
@@ -513,6 +519,9 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         "emitted_kernels": report.kernels,
         "missing_kernels": missing,
         "extra_kernels": [row["name"] for row in extra],
+        "finalize_replaced_by_reduce": replaced,
+        "driver_reduced_statistics": len(reduced),
+        "driver_reduce_modeled_seconds": reduce_seconds,
         "non_pallas_launches": [{"name": l.name, "category": l.category, "kind": l.kind} for l in others],
         "non_pallas_modeled_seconds": other["xla_modeled_seconds"] if other else 0.0,
         "by_kind": {kind: totals([r for r in kernels if r["kind"] == kind])
@@ -527,8 +536,10 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     }
     # Under mosaic and auto the non-Pallas launches include the templates' XLA layout fusions and the
     # library calls, which the plan's kernels are priced with already (`eqsat.cost.backends`).
-    result["modeled_seconds"] = result["plan_modeled_seconds"] + (
-        result["non_pallas_modeled_seconds"] if backend == "triton" else 0.0)
+    if backend == "triton":
+        result["modeled_seconds"] = result["plan_modeled_seconds"] + result["non_pallas_modeled_seconds"]
+    else:  # the launched plan kernels (glue priced in them) and the statistics' own reduce kernels
+        result["modeled_seconds"] = sum(r["modeled_seconds"] or 0.0 for r in kernels) + reduce_seconds
     result["xla_modeled_seconds"] = None
     if xla:
         log(f"{workload.name}: compiling jax.jit for H100")
@@ -540,6 +551,25 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
             result["xla_kernels"] = xla_report.kernels
     log(f"{workload.name}: done in {time.perf_counter() - start:.0f} s")
     return result
+
+
+def driver_reductions(lowered, device=None) -> tuple[frozenset, float]:
+    """The hosted statistics of the per-call plan that a host on Mosaic or the library leaves to
+    their own reduce kernel (`eqsat.cost.roofline.driver_reduced`), and those kernels' modeled seconds
+    (`eqsat.cost.backends.hosted_extra`)."""
+    from eqsat.cost import get_device, hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.backends import hosted_extra
+    from eqsat.cost.roofline import driver_reduced, finished_statistics
+
+    split = getattr(lowered, "split", None)
+    plan = split.per_call if split is not None else lowered.plan
+    device = get_device(device or plan.device)
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    order = kernel_order(outputs, hosting)
+    _routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
+    return reduced, sum(hosted_extra(r, "mosaic", device).seconds for r in reduced)
 
 
 def modeled_glue_launches(planned: list[PlannedKernel]) -> int:

@@ -357,34 +357,55 @@ def count_kernels(roots: Iterable[Term], device: "str | Device" = "h100") -> int
 
 def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once),
-    hosted statistics in their hosts, and the finalize of each statistic the plan finishes once."""
+    hosted statistics in their hosts, and the finalize of each statistic the plan finishes once.
+    On a device whose backend routes dense kernels (`eqsat.cost.backends`), a statistic with a host
+    on a route that writes no partials (Mosaic, the library) is reduced by its own kernel after its
+    last host (`driver_reduced`), and read finished."""
     device = get_device(device)
     roots = list(roots)
     hosting = hosted_reductions(roots)
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
+    routes, reduced = driver_reduced(order, hosting, device, finished)
+    readers_see = finished | reduced
+    total = Cost()
+    for kernel in order:
+        if id(kernel) in routes:
+            total = total + route_cost(kernel, routes[id(kernel)], device, readers_see)
+        else:
+            total = total + kernel_cost(kernel, device, readers_see)
+    for reduction, hosts in hosting.items():
+        if reduction in reduced:
+            total = total + hosted_extra(reduction, "mosaic", device)
+        elif hosts is not None:
+            total = total + hosted_cost(reduction, device)
+    for statistic in finished - reduced:
+        total = total + finalize_cost(statistic, device)
+    return total
+
+
+def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finished: frozenset = frozenset()
+                   ) -> tuple[dict[int, str], frozenset]:
+    """(id of each dense kernel -> its route, the hosted statistics reduced by their own kernel):
+    on a device whose backend is not `triton`, each dense kernel's `choose_route` (with the
+    statistics it hosts), and the statistics with a host on Mosaic or the library, which write no
+    partials (`emit.pallas.run_kernels` then reduces the statistic after its last host)."""
+    device = get_device(device)
+    if device.backend == "triton":
+        return {}, frozenset()
     hosted_on: dict[int, list] = {}
     for reduction, hosts in hosting.items():
         for host in hosts or ():
             hosted_on.setdefault(id(host), []).append(reduction)
-    total = Cost()
+    routes: dict[int, str] = {}
+    reduced = set()
     for kernel in order:
-        if device.backend != "triton" and kernel.op in ROUTED_OPS:
-            # its backend's route, with the reduce kernels of the statistics it hosts when that
-            # route writes no partials (`eqsat.cost.backends`)
+        if kernel.op in ROUTED_OPS:
             hosted = hosted_on.get(id(kernel), ())
-            route, cost = choose_route(kernel, device, finished, hosted)
-            for reduction in hosted:
-                cost = cost + hosted_extra(reduction, route, device)
-            total = total + cost
-            continue
-        total = total + kernel_cost(kernel, device, finished)
-    for reduction, hosts in hosting.items():
-        if hosts is not None:
-            total = total + hosted_cost(reduction, device)
-    for statistic in finished:
-        total = total + finalize_cost(statistic, device)
-    return total
+            routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
+            if route != "triton":
+                reduced.update(hosted)
+    return routes, frozenset(reduced)
 
 
 def finished_statistics(kernels: Sequence, hosting: dict, device="h100", outputs: Iterable = (),
