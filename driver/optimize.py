@@ -782,7 +782,7 @@ def _kernel_routes(plan, device) -> list[tuple[str, str]]:
     if device.backend == "auto":
         chosen = plan_routes(plan, device)
     else:
-        chosen = {k.term: routes_for(k.op, args_of(k.term), device)[0] for k in plan.kernels
+        chosen = {k.term: routes_for(k.op, args_of(k.term), device, k.term)[0] for k in plan.kernels
                   if k.op in ("Matmul", "Conv", "Attention")}
     return [(name_of(k.component, k.kind), chosen[k.term]) for k in plan.kernels if k.term in chosen]
 

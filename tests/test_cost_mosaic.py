@@ -220,3 +220,20 @@ def test_default_pricing_is_unchanged_on_a_cpu():
     assert emit.resolve_backend("auto") == "xla"
     assert lowered.stats["cost_backend"] == "triton" and lowered.stats["kernel_routes"] == []
     assert lowered.stats["device"] == "h100"
+
+
+def test_an_epilogue_the_template_declines_is_not_priced_on_mosaic():
+    """An epilogue that depends on the index itself (an `Iota`) is not a form the Mosaic matmul maps
+    onto its tile: the model gives that kernel no Mosaic route, as emission runs it through Triton."""
+    from eqsat.cost.mosaic import covers_term
+    from eqsat.term import Term
+
+    fn, args = CASES["matmul 77x40x96"]
+    term = next(k.term for k in _plan(fn, args).plan.kernels if k.op == "Matmul")
+    lhs, rhs, dims, epilogue, ty = term.args
+    iota = Term("Iota", 1, epilogue.ty)
+    index_dependent = Term("Matmul", lhs, rhs, dims, Term("Binary", "add", epilogue, iota, epilogue.ty), ty)
+    auto = with_backend("h100", "auto")
+    assert covers_term(term) and not covers_term(index_dependent)
+    assert routes_for("Matmul", args_of(term), auto, term) == ("triton", "mosaic", "library")
+    assert routes_for("Matmul", args_of(index_dependent), auto, index_dependent) == ("triton", "library")

@@ -392,7 +392,7 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
 
 # --- emit: a plan's Attention term --------------------------------------------------------------
 
-EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
+EPILOGUE_OPS = tiling.ATTENTION_EPILOGUE_OPS  # elementwise on the output tile
 
 
 def _is_zero(bias: Term) -> bool:

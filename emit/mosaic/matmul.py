@@ -59,14 +59,12 @@ from jax import lax
 from emit import expr as ex
 from eqsat import host_threads
 from eqsat.term import Term
-from eqsat.tiling.mosaic import SMEM_BYTES, MosaicBlocks, fit_smem  # noqa: F401 (the tiling, shared with the cost model)
+from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
+                                 fit_smem)                                            # with the cost model)
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
-MMA_DTYPES = ("float16", "bfloat16")
 SM_COUNT = 132  # H100 SXM5
-EPILOGUE_OPS = frozenset({"Acc", "Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose",
-                          "Broadcast", "Slice"})
 
 
 def interpret_params():

@@ -39,7 +39,7 @@ from typing import Sequence
 from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
-from eqsat.cost.mosaic import L2_BANDWIDTH, EpilogueReads, covers, is_view, mosaic_work, node_mosaic_work
+from eqsat.cost.mosaic import L2_BANDWIDTH, EpilogueReads, covers, covers_term, is_view, mosaic_work, node_mosaic_work
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, compute_flops, dense_dtype, expr_nodes,
                               nbytes_of, own_bytes, own_flops, reduction_flops, size_of)
 from eqsat.cost.work import mma_seconds
@@ -53,12 +53,13 @@ LIBRARY_EFFICIENCY = 0.7
 _LIBRARY_EPILOGUE = frozenset({"Acc", "Load", "Lit", "Reshape", "Broadcast", "Transpose", "Slice"})
 
 
-def routes_for(kernel_op: str, args, device: "str | Device") -> tuple[str, ...]:
-    """The routes `device.backend` may run a kernel of `kernel_op` (argument types `args`) on."""
+def routes_for(kernel_op: str, args, device: "str | Device", term: Term | None = None) -> tuple[str, ...]:
+    """The routes `device.backend` may run a kernel of `kernel_op` (argument types `args`; its
+    `term` when known: the Mosaic templates also decline some epilogues) on."""
     backend = get_device(device).backend
     if kernel_op not in DENSE or backend == "triton":
         return ("triton",)
-    mosaic = covers(kernel_op, args)
+    mosaic = covers(kernel_op, args) if term is None else covers_term(term)
     if backend == "mosaic":
         return ("mosaic",) if mosaic else ("triton",)
     if backend == "hybrid":

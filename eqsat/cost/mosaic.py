@@ -39,17 +39,16 @@ import math
 from dataclasses import dataclass, field
 
 from eqsat.conv_params import ConvParams
-from eqsat.cost.terms import (COMPUTE_OPS, VIEW_OPS, Term, compute_flops, expr_nodes, itemsize_of, own_flops,
-                              reduction_flops, size_of)
+from eqsat.cost.terms import (COMPUTE_OPS, VIEW_OPS, Term, args_of, compute_flops, expr_nodes, itemsize_of,
+                              own_flops, reduction_flops, size_of)
 from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
-from eqsat.tiling.mosaic import (CHUNK, MAX_HEAD, AttentionBlocks, FlatGrid, MosaicBlocks, default_blocks, fit_ring,
-                                 fit_smem, padded_head, plan_taps)
+from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
+                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps)
 from eqsat.types import ints, parse_type
 
 MOSAIC_OPS = frozenset({"Matmul", "Conv", "Attention"})
-MMA_DTYPES = ("float16", "bfloat16")
 # L2 -> SM bandwidth of an H100 SXM: 5.5 TB/s measured on the H100 PCIe's 114 SMs (Chips and Cheese,
 # "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; NVIDIA publishes none) scaled to 132 SMs:
 # the rate at which a conv's tap re-reads and a matmul's repeated A and B tiles reach SMEM beyond
@@ -145,6 +144,16 @@ def covers(op: str, args) -> bool:
         if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2] or padded_head(shapes[0][3]) > MAX_HEAD:
             return False
     return True
+
+
+def covers_term(kernel: Term) -> bool:
+    """`covers` for a kernel term, and its epilogue only of the ops the template maps onto its
+    output tile (`EPILOGUE_OPS`; an `Iota` or a `Concat` there goes to the Triton template)."""
+    if not covers(kernel.op, args_of(kernel)):
+        return False
+    epilogue = kernel.args[5] if kernel.op == "Attention" else kernel.args[3]
+    allowed = ATTENTION_EPILOGUE_OPS if kernel.op == "Attention" else EPILOGUE_OPS
+    return all(node.op in allowed for node in expr_nodes(epilogue))
 
 
 # --- operand expressions -------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def choose_route(kernel: Term, device: "str | Device" = "h100", finished: frozen
     prices lowest (ties: Triton, then Mosaic), counting the reduce kernels of the statistics the
     plan hosts on it (`hosted`) that a route other than Triton runs (`eqsat.cost.backends.hosted_extra`)."""
     best = None
-    for route in routes_for(kernel.op, args_of(kernel), device):
+    for route in routes_for(kernel.op, args_of(kernel), device, kernel):
         cost = route_cost(kernel, route, device, finished)
         total = cost.seconds + sum(hosted_extra(r, route, device).seconds for r in hosted)
         if best is None or total < best[0]:

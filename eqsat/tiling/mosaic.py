@@ -18,6 +18,12 @@ from eqsat.tiling.conv import ConvGeometry
 
 # An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
 SMEM_BYTES = 232448 - 1024
+MMA_DTYPES = ("float16", "bfloat16")  # what the templates' wgmma multiplies (two of one of these)
+# Epilogue ops the templates map onto the output tile (views and elementwise ops; the matmul's and
+# the conv's also read operand tiles): an epilogue with any other goes to the Triton template.
+EPILOGUE_OPS = frozenset({"Acc", "Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose", "Broadcast",
+                          "Slice"})
+ATTENTION_EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
 
 
 # --- matmul -------------------------------------------------------------------------------------
