@@ -4,6 +4,7 @@ the same device model.
 
     python -m benchmarks.kernels --component unet --json unet.json      # full size, fp16 (minutes)
     python -m benchmarks.kernels --component text_encoder --config tiny --dump /tmp/te
+    python -m benchmarks.kernels --component unet --summary --backend mosaic   # or auto (default triton)
 
 For each component (`sd15.workloads.workloads`), as `sd15 plan` does: our plan
 (`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `measure.compare.measure_plan`), its per-call
@@ -27,6 +28,19 @@ then by output size and order among same-named kernels):
 - modeled: the plan kernel's seconds (`extract.plan.Kernel.seconds`: `eqsat.cost.roofline.kernel_cost`
   plus its share of the statistics it hosts), and the share of it spent merging hosted-statistic
   partials when the cost model reports that (`merge_seconds`, below).
+
+`--backend` picks the templates of the dense kernels: `triton` (the Pallas Triton templates, as
+`backend="pallas"`), `mosaic` (the Mosaic GPU templates where they cover a kernel) or `auto` (per
+kernel the route the cost model prices lowest: `backend="routed"`, what `auto` is on a Hopper GPU;
+a library route runs through XLA and has only the model's columns). Each row has a `backend`
+(triton, mosaic, library) and `by_backend` totals; a Mosaic kernel is read from Mosaic's own PTX
+and ptxas report (`benchmarks.mosaic_ptx.dumping`, `read_dump`), its grid and threads from its
+template's configuration (the thunk sequence shows no launch shape for a Mosaic custom call).
+`glue_launches` counts the other launches (the XLA fusions around the Mosaic kernels: layouts, pads,
+slices, statistic merges), `modeled_glue_launches` the fusions the model charges them
+(`eqsat.cost.mosaic`); a statistic hosted on a Mosaic or library kernel is reduced by its own
+kernel after its last host (an `extra` row; `driver_reduce_modeled_seconds`) and the plan's
+finalize of it launches nothing (`finalize_replaced_by_reduce`).
 
 XLA's launches (every kernel and copy of its thunk sequence, as `measure.xla_target` counts them)
 are priced by the same device model (`eqsat.cost.devices`): launch overhead + the launch's bytes
