@@ -331,7 +331,6 @@ def test_missing_ptxas_is_one_line(no_cuda_target, monkeypatch, capsys):
     assert error.startswith("error: ptxas not found") and "\n" not in error
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(TARGET_MISSING is not None, reason=str(TARGET_MISSING))
 @pytest.mark.skipif(PTXAS_MISSING is not None, reason=str(PTXAS_MISSING))
 def test_tiny_text_encoder_on_mosaic(tmp_path, capsys):
