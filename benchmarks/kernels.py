@@ -437,10 +437,10 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xla: bool = True,
-                      log=lambda message: None, backend: str = "triton") -> dict[str, Any]:
+                      log=lambda message: None, backend: str = "triton", device: str = DEVICE) -> dict[str, Any]:
     """Plan, compile and read one component (see the module docstring); `dump` keeps both programs
     (`dump/eqsat`, `dump/xla`, the Mosaic kernels' PTX in `dump/eqsat/mosaic`). `backend`: triton,
-    mosaic or auto (`BACKENDS`)."""
+    mosaic or auto (`BACKENDS`); `device`: the profile the plan is made and priced on."""
     from benchmarks import mosaic_ptx
     from measure import compare, xla_target
 
@@ -449,8 +449,8 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         raise RuntimeError(reason)
     start = time.perf_counter()
     log(f"{workload.name}: optimizing ({workload.description}; backend {backend})")
-    _, fast, lowered = compare.measure_plan(workload, optimize, DEVICE, BACKENDS[backend])
-    planned = planned_kernels(lowered)
+    _, fast, lowered = compare.measure_plan(workload, optimize, device, BACKENDS[backend])
+    planned = planned_kernels(lowered, device)
     log(f"{workload.name}: {len(planned)} per-call kernels planned in {time.perf_counter() - start:.0f} s; "
         "compiling our executable for H100")
     split = getattr(lowered, "split", None)
@@ -523,7 +523,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     missing = [planned[i].name for i, row in enumerate(rows)
                if row is None and not (planned[i].kind == "finalize" and planned[i].term in reduced)]
     kernels = [row for row in rows if row is not None] + extra
-    other = price_launches(_only(report, others), hlo_text) if others else None
+    other = price_launches(_only(report, others), hlo_text, device) if others else None
 
     result: dict[str, Any] = {
         "description": workload.description,
@@ -561,7 +561,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         xla_report = xla_target.compile_for_h100(workload.fn, *workload.args, keep_dump=xla_dump)
         if xla_report is not None:
             hlo = next(iter(sorted(xla_dump.glob(f"{xla_report.module}.*gpu_after_optimizations.txt"))), None)
-            result.update(price_launches(xla_report, hlo.read_text(errors="replace") if hlo else ""))
+            result.update(price_launches(xla_report, hlo.read_text(errors="replace") if hlo else "", device))
             result["xla_kernels"] = xla_report.kernels
     log(f"{workload.name}: done in {time.perf_counter() - start:.0f} s")
     return result
@@ -643,7 +643,7 @@ def commit_label() -> str:
 
 def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int | None = None,
         dtype: str = "float16", dump: str | os.PathLike | None = None, xla: bool = True,
-        workers: int = 2, log=lambda message: None, backend: str = "triton") -> dict[str, Any]:
+        workers: int = 2, log=lambda message: None, backend: str = "triton", device: str = DEVICE) -> dict[str, Any]:
     """Measure `components`; the result is what `--json` writes."""
     from measure import xla_target
     from sd15 import workloads as sd15_workloads
@@ -654,12 +654,12 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
         raise RuntimeError(reason)
     from eqsat.cost.devices import get_device
 
-    device = get_device(DEVICE)
+    profile = get_device(device)
     report: dict[str, Any] = {
-        "commit": commit_label(), "config": config, "batch": batch, "dtype": dtype, "device": DEVICE,
+        "commit": commit_label(), "config": config, "batch": batch, "dtype": dtype, "device": device,
         "backend": backend,
         "ptxas": str(ptxas), "xla_library_efficiency": XLA_LIBRARY_EFFICIENCY,
-        "device_model": dataclasses.asdict(device), "labels": LABELS, "components": {},
+        "device_model": dataclasses.asdict(profile), "labels": LABELS, "components": {},
     }
     work = sd15_workloads.workloads(batch, size, dtype, config, components)
     scratch = None if dump is not None else tempfile.mkdtemp(prefix="benchmarks_kernels_")
@@ -667,7 +667,8 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
     try:
         for name, workload in work.items():
             report["components"][name] = measure_component(workload, dump=root / name, ptxas=ptxas,
-                                                           workers=workers, xla=xla, log=log, backend=backend)
+                                                           workers=workers, xla=xla, log=log, backend=backend,
+                                                           device=device)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -786,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's compile and price")
     parser.add_argument("--summary", action="store_true", help="print the totals only, not a row per kernel")
     parser.add_argument("--workers", type=int, default=2, help="ptxas processes at once (default 2)")
+    parser.add_argument("--device", default=DEVICE, help="the device profile the plan is made and priced on "
+                        "(eqsat.cost.DEVICES: h100, h100-calibrated, ...; default h100)")
     parser.add_argument("--backend", default="triton", choices=tuple(BACKENDS),
                         help="the templates that emit convs, matmuls and attention: triton (default), mosaic, "
                              "or auto (per kernel, the one the cost model prices lowest)")
@@ -794,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(options.component, options.config, options.batch, options.size, options.dtype,
                      options.dump, options.xla, options.workers,
-                     log=lambda message: print(message, file=sys.stderr, flush=True), backend=options.backend)
+                     log=lambda message: print(message, file=sys.stderr, flush=True), backend=options.backend,
+                     device=options.device)
     except ptx.PtxasMissing as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
