@@ -4,6 +4,7 @@ the same device model.
 
     python -m benchmarks.kernels --component unet --json unet.json      # full size, fp16 (minutes)
     python -m benchmarks.kernels --component text_encoder --config tiny --dump /tmp/te
+    python -m benchmarks.kernels --component unet --summary --backend mosaic   # or auto (default triton)
 
 For each component (`sd15.workloads.workloads`), as `sd15 plan` does: our plan
 (`eqsat.optimize(fn, backend="pallas", params_argnums=0)`, `measure.compare.measure_plan`), its per-call
@@ -27,6 +28,19 @@ then by output size and order among same-named kernels):
 - modeled: the plan kernel's seconds (`extract.plan.Kernel.seconds`: `eqsat.cost.roofline.kernel_cost`
   plus its share of the statistics it hosts), and the share of it spent merging hosted-statistic
   partials when the cost model reports that (`merge_seconds`, below).
+
+`--backend` picks the templates of the dense kernels: `triton` (the Pallas Triton templates, as
+`backend="pallas"`), `mosaic` (the Mosaic GPU templates where they cover a kernel) or `auto` (per
+kernel the route the cost model prices lowest: `backend="routed"`, what `auto` is on a Hopper GPU;
+a library route runs through XLA and has only the model's columns). Each row has a `backend`
+(triton, mosaic, library) and `by_backend` totals; a Mosaic kernel is read from Mosaic's own PTX
+and ptxas report (`benchmarks.mosaic_ptx.dumping`, `read_dump`), its grid and threads from its
+template's configuration (the thunk sequence shows no launch shape for a Mosaic custom call).
+`glue_launches` counts the other launches (the XLA fusions around the Mosaic kernels: layouts, pads,
+slices, statistic merges), `modeled_glue_launches` the fusions the model charges them
+(`eqsat.cost.mosaic`); a statistic hosted on a Mosaic or library kernel is reduced by its own
+kernel after its last host (an `extra` row; `driver_reduce_modeled_seconds`) and the plan's
+finalize of it launches nothing (`finalize_replaced_by_reduce`).
 
 XLA's launches (every kernel and copy of its thunk sequence, as `measure.xla_target` counts them)
 are priced by the same device model (`eqsat.cost.devices`): launch overhead + the launch's bytes
@@ -59,9 +73,13 @@ from benchmarks import ptx
 from measure.xla_target import split_instruction, split_shape
 
 COMPONENTS = ("unet", "vae", "text_encoder")
-# The share of the tensor-core peak at which XLA's library and Triton GEMM kernels are priced.
-XLA_LIBRARY_EFFICIENCY = 0.7
+# The share of the tensor-core peak at which XLA's library and Triton GEMM kernels are priced (the
+# cost model prices the `hybrid` backend's library calls the same way: `eqsat.cost.backends`).
+from eqsat.cost.backends import LIBRARY_EFFICIENCY as XLA_LIBRARY_EFFICIENCY  # noqa: E402
 DEVICE = "h100"
+# `--backend` -> the emission backend: the Pallas Triton templates, the Mosaic GPU ones, or per kernel
+# the one the cost model prices lowest (`routed`, what `auto` is on a Hopper GPU).
+BACKENDS = {"triton": "pallas", "mosaic": "mosaic", "auto": "routed"}
 
 # What each figure is: read from the compiled program, or computed by the cost model.
 LABELS = {
@@ -255,6 +273,8 @@ class PlannedKernel:
     elements: int  # elements of its (first) output
     seconds: float  # modeled
     merge_seconds: float | None  # modeled, when the cost model reports merges
+    route: str = "triton"  # the emitter the plan's backend gives it: triton, mosaic or library
+    term: Any = None  # its kernel term
 
 
 def merge_seconds(kernel, device=DEVICE) -> float | None:
@@ -271,20 +291,24 @@ def merge_seconds(kernel, device=DEVICE) -> float | None:
 
 
 def planned_kernels(lowered, device=DEVICE) -> list[PlannedKernel]:
-    """The per-call plan's kernels in order, named as the emitter names their `pallas_call`s."""
+    """The per-call plan's kernels in order, named as the emitter names their `pallas_call`s, with the
+    route the plan's backend gives each (`stats["kernel_routes"]`, dense kernels in plan order)."""
     from emit.pallas import name_of
     from eqsat.types import parse_type
 
     split = getattr(lowered, "split", None)
     plan = split.per_call if split is not None else lowered.plan
+    routes = iter(route for _name, route in (getattr(lowered, "stats", None) or {}).get("kernel_routes", ()))
     out = []
     for kernel in plan.kernels:
+        route = next(routes, "triton") if kernel.op in ("Matmul", "Conv", "Attention") and \
+            (getattr(lowered, "stats", None) or {}).get("kernel_routes") else "triton"
         name = name_of(kernel.component, kernel.kind)
         terms = kernel.outputs if kernel.op == "Loop" else [kernel.term]
         merge = merge_seconds(kernel, device)
         for i, term in enumerate(terms):
             out.append(PlannedKernel(name, kernel.kind, parse_type(term.ty).size, kernel.seconds if i == 0 else 0.0,
-                                     merge if i == 0 else None))
+                                     merge if i == 0 else None, route, term))
     return out
 
 
@@ -352,9 +376,13 @@ def _run_ptxas_all(paths: Iterable[Path], ptxas: Path, workers: int) -> dict[str
     return out
 
 
-def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel, counts: ptx.PtxKernel | None,
-               resources: ptx.PtxasResources | None, triton_name: str) -> dict[str, Any]:
-    """One table row: what the compiled program says about a launch, and what the model says."""
+def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel | None, counts: ptx.PtxKernel | None,
+               resources: ptx.PtxasResources | None, triton_name: str, backend: str = "triton") -> dict[str, Any]:
+    """One table row: what the compiled program says about a launch (`backend`: the template that
+    emitted it, triton or mosaic), and what the model says. A kernel the library runs (`thunk`
+    None) has only the model's columns."""
+    if thunk is None:
+        thunk = ThunkKernel(-1, "", (0, 0, 0), (0, 0, 0), 0)
     threads = math.prod(thunk.threads)
     registers = resources.registers if resources else None
     shared = thunk.shared_bytes + (resources.shared_bytes if resources else 0)
@@ -364,6 +392,7 @@ def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel, counts: ptx.Pt
     return {
         "name": planned.name if planned else triton_name,
         "kind": planned.kind if planned else "extra",
+        "backend": backend,
         "kernel": thunk.kernel,
         "grid": list(thunk.grid),
         "ctas": math.prod(thunk.grid),
@@ -408,26 +437,29 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xla: bool = True,
-                      log=lambda message: None) -> dict[str, Any]:
+                      log=lambda message: None, backend: str = "triton", device: str = DEVICE) -> dict[str, Any]:
     """Plan, compile and read one component (see the module docstring); `dump` keeps both programs
-    (`dump/eqsat`, `dump/xla`)."""
+    (`dump/eqsat`, `dump/xla`, the Mosaic kernels' PTX in `dump/eqsat/mosaic`). `backend`: triton,
+    mosaic or auto (`BACKENDS`); `device`: the profile the plan is made and priced on."""
+    from benchmarks import mosaic_ptx
     from measure import compare, xla_target
 
     optimize, reason = compare._load_optimize()
     if optimize is None:
         raise RuntimeError(reason)
     start = time.perf_counter()
-    log(f"{workload.name}: optimizing ({workload.description})")
-    _, fast, lowered = compare.measure_plan(workload, optimize, DEVICE)
-    planned = planned_kernels(lowered)
+    log(f"{workload.name}: optimizing ({workload.description}; backend {backend})")
+    _, fast, lowered = compare.measure_plan(workload, optimize, device, BACKENDS[backend])
+    planned = planned_kernels(lowered, device)
     log(f"{workload.name}: {len(planned)} per-call kernels planned in {time.perf_counter() - start:.0f} s; "
         "compiling our executable for H100")
     split = getattr(lowered, "split", None)
     prepared = split.prepared_specs() if split is not None else []
     ours = dump / "eqsat"
     try:
-        report = xla_target.compile_for_h100(functools.partial(compare.emitted_per_call, fast), prepared,
-                                             *workload.args, keep_dump=ours)
+        with mosaic_ptx.dumping(dump / "mosaic"):
+            report = xla_target.compile_for_h100(functools.partial(compare.emitted_per_call, fast), prepared,
+                                                 *workload.args, keep_dump=ours)
     except RuntimeError as error:
         kernel = compare._failing_kernel(str(error), [k.name for k in planned])
         tail = "\n".join(str(error).strip().splitlines()[-12:])
@@ -443,6 +475,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     instructions, _ = read_hlo(hlo_text)
     triton_names = compare.triton_kernel_names(ours)
     entries = _ptx_of(ours, report.module)
+    mosaic_entries = mosaic_ptx.read_dump(dump / "mosaic")
 
     pallas, others = [], []
     for launch in report.launches:
@@ -450,11 +483,15 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
             continue
         (pallas if launch.category.startswith("Pallas") else others).append(launch)
     thunk_of = {launch.index: thunks.get(launch.index) for launch in pallas}
-    missing_launch = [launch.name for launch in pallas if thunk_of[launch.index] is None]
+    # A Mosaic GPU kernel is a custom call whose line in the thunk sequence has no launch shape: its
+    # grid and threads are its template's (`eqsat.cost.mosaic`), filled in once it is matched.
+    missing_launch = [launch.name for launch in pallas if thunk_of[launch.index] is None and not _is_mosaic(launch)]
     if missing_launch:
         raise RuntimeError(f"{workload.name}: no launch shape in the thunk sequence for {missing_launch[:5]}")
-    resources = _run_ptxas_all((entries[t.kernel][0] for t in thunk_of.values() if t.kernel in entries), ptxas, workers)
-    keys = [(_launch_name(launch, triton_names, thunk_of[launch.index].kernel),
+    resources = _run_ptxas_all((entries[t.kernel][0] for t in thunk_of.values() if t is not None and t.kernel in entries),
+                               ptxas, workers)
+    keys = [(compare.launch_kernel_name(launch) if _is_mosaic(launch) else
+             _launch_name(launch, triton_names, thunk_of[launch.index].kernel),
              _first_elements(instructions[launch.name].shape) if launch.name in instructions else None)
             for launch in pallas]
     matched = match_launches(planned, keys)
@@ -462,16 +499,31 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
     extra = []
     for launch, (triton_name, _), index in zip(pallas, keys, matched):
         thunk = thunk_of[launch.index]
-        counts = entries.get(thunk.kernel, (None, None))[1]
-        row = kernel_row(planned[index] if index is not None else None, thunk, counts, resources.get(thunk.kernel),
-                         triton_name)
+        if _is_mosaic(launch):
+            if thunk is None:
+                thunk = mosaic_thunk(launch, planned[index] if index is not None else None)
+            _path, counts, resource = mosaic_entry(mosaic_entries, triton_name, thunk.kernel)
+            row_backend = "mosaic"
+        else:
+            counts, resource, row_backend = entries.get(thunk.kernel, (None, None))[1], resources.get(thunk.kernel), "triton"
+        row = kernel_row(planned[index] if index is not None else None, thunk, counts, resource, triton_name,
+                         row_backend)
         if index is None:
             extra.append(row)
         else:
             rows[index] = row
-    missing = [planned[i].name for i, row in enumerate(rows) if row is None]
+    for i, kernel in enumerate(planned):  # kernels the library runs: no Pallas launch, the model's row
+        if rows[i] is None and kernel.route == "library":
+            rows[i] = kernel_row(kernel, None, None, None, kernel.name, "library")
+    reduced, reduce_seconds = driver_reductions(lowered)
+    # a statistic hosted on a Mosaic or library kernel is reduced by its own kernel after its last
+    # host (an extra launch): the plan's finalize of it launches nothing
+    replaced = [planned[i].name for i, row in enumerate(rows)
+                if row is None and planned[i].kind == "finalize" and planned[i].term in reduced]
+    missing = [planned[i].name for i, row in enumerate(rows)
+               if row is None and not (planned[i].kind == "finalize" and planned[i].term in reduced)]
     kernels = [row for row in rows if row is not None] + extra
-    other = price_launches(_only(report, others), hlo_text) if others else None
+    other = price_launches(_only(report, others), hlo_text, device) if others else None
 
     result: dict[str, Any] = {
         "description": workload.description,
@@ -481,14 +533,27 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         "emitted_kernels": report.kernels,
         "missing_kernels": missing,
         "extra_kernels": [row["name"] for row in extra],
+        "finalize_replaced_by_reduce": replaced,
+        "driver_reduced_statistics": len(reduced),
+        "driver_reduce_modeled_seconds": reduce_seconds,
         "non_pallas_launches": [{"name": l.name, "category": l.category, "kind": l.kind} for l in others],
         "non_pallas_modeled_seconds": other["xla_modeled_seconds"] if other else 0.0,
         "by_kind": {kind: totals([r for r in kernels if r["kind"] == kind])
                     for kind in dict.fromkeys(r["kind"] for r in kernels)},
+        "backend": backend,
+        "by_backend": {name: totals([r for r in kernels if r["backend"] == name])
+                       for name in dict.fromkeys(r["backend"] for r in kernels)},
+        "glue_launches": sum(launch.category != "memset" for launch in others),
+        "modeled_glue_launches": modeled_glue_launches(planned),
         "emit_compile_seconds": report.compile_seconds,
         "kernels": kernels,
     }
-    result["modeled_seconds"] = result["plan_modeled_seconds"] + result["non_pallas_modeled_seconds"]
+    # Under mosaic and auto the non-Pallas launches include the templates' XLA layout fusions and the
+    # library calls, which the plan's kernels are priced with already (`eqsat.cost.backends`).
+    if backend == "triton":
+        result["modeled_seconds"] = result["plan_modeled_seconds"] + result["non_pallas_modeled_seconds"]
+    else:  # the launched plan kernels (glue priced in them) and the statistics' own reduce kernels
+        result["modeled_seconds"] = sum(r["modeled_seconds"] or 0.0 for r in kernels) + reduce_seconds
     result["xla_modeled_seconds"] = None
     if xla:
         log(f"{workload.name}: compiling jax.jit for H100")
@@ -496,10 +561,63 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         xla_report = xla_target.compile_for_h100(workload.fn, *workload.args, keep_dump=xla_dump)
         if xla_report is not None:
             hlo = next(iter(sorted(xla_dump.glob(f"{xla_report.module}.*gpu_after_optimizations.txt"))), None)
-            result.update(price_launches(xla_report, hlo.read_text(errors="replace") if hlo else ""))
+            result.update(price_launches(xla_report, hlo.read_text(errors="replace") if hlo else "", device))
             result["xla_kernels"] = xla_report.kernels
     log(f"{workload.name}: done in {time.perf_counter() - start:.0f} s")
     return result
+
+
+def driver_reductions(lowered, device=None) -> tuple[frozenset, float]:
+    """The hosted statistics of the per-call plan that a host on Mosaic or the library leaves to
+    their own reduce kernel (`eqsat.cost.roofline.driver_reduced`), and those kernels' modeled seconds
+    (`eqsat.cost.backends.hosted_extra`)."""
+    from eqsat.cost import get_device, hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.backends import hosted_extra
+    from eqsat.cost.roofline import driver_reduced, finished_statistics
+
+    split = getattr(lowered, "split", None)
+    plan = split.per_call if split is not None else lowered.plan
+    device = get_device(device or plan.device)
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    order = kernel_order(outputs, hosting)
+    _routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
+    return reduced, sum(hosted_extra(r, "mosaic", device).seconds for r in reduced)
+
+
+def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
+    """The XLA fusions the model says the Mosaic-routed kernels launch around them
+    (`eqsat.cost.mosaic.MosaicWork.glue`), to read beside the counted non-Pallas launches."""
+    from eqsat.cost.mosaic import mosaic_work
+
+    return sum(len(mosaic_work(k.term).glue) for k in planned if k.route == "mosaic" and k.term is not None)
+
+
+def _is_mosaic(launch) -> bool:
+    return launch.category == "Pallas (Mosaic GPU)"
+
+
+def mosaic_thunk(launch, planned: "PlannedKernel | None") -> ThunkKernel:
+    """A Mosaic launch's shape from its template's configuration (`eqsat.cost.mosaic.mosaic_work`:
+    CTAs, warpgroups of 128 threads; dynamic shared memory left to ptxas's report)."""
+    from eqsat.cost.mosaic import mosaic_work
+
+    if planned is None or planned.term is None or planned.term.op not in ("Matmul", "Conv", "Attention"):
+        return ThunkKernel(launch.index, "", (0, 0, 0), (0, 0, 0), 0)
+    work = mosaic_work(planned.term)
+    return ThunkKernel(launch.index, "", (work.ctas, 1, 1), (128 * work.warpgroups, 1, 1), 0)
+
+
+def mosaic_entry(entries: dict, name: str, thunk_kernel: str):
+    """(PTX path, counts, ptxas resources) of the Mosaic kernel of plan kernel `name` (`read_dump`'s
+    entries): the entry the launch names, else the one spelled as the kernel (`kernel_symbol`:
+    Mosaic names the entry after the `<component>:<kind>` it is given), else (None, None, None)."""
+    if thunk_kernel in entries:
+        return entries[thunk_kernel]
+    symbol = kernel_symbol(name)
+    found = [entries[e] for e in entries if e == symbol] or [entries[e] for e in entries if e.startswith(symbol)]
+    return found[0] if found else (None, None, None)
 
 
 def _only(report, launches):
@@ -525,7 +643,7 @@ def commit_label() -> str:
 
 def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int | None = None,
         dtype: str = "float16", dump: str | os.PathLike | None = None, xla: bool = True,
-        workers: int = 2, log=lambda message: None) -> dict[str, Any]:
+        workers: int = 2, log=lambda message: None, backend: str = "triton", device: str = DEVICE) -> dict[str, Any]:
     """Measure `components`; the result is what `--json` writes."""
     from measure import xla_target
     from sd15 import workloads as sd15_workloads
@@ -536,11 +654,12 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
         raise RuntimeError(reason)
     from eqsat.cost.devices import get_device
 
-    device = get_device(DEVICE)
+    profile = get_device(device)
     report: dict[str, Any] = {
-        "commit": commit_label(), "config": config, "batch": batch, "dtype": dtype, "device": DEVICE,
+        "commit": commit_label(), "config": config, "batch": batch, "dtype": dtype, "device": device,
+        "backend": backend,
         "ptxas": str(ptxas), "xla_library_efficiency": XLA_LIBRARY_EFFICIENCY,
-        "device_model": dataclasses.asdict(device), "labels": LABELS, "components": {},
+        "device_model": dataclasses.asdict(profile), "labels": LABELS, "components": {},
     }
     work = sd15_workloads.workloads(batch, size, dtype, config, components)
     scratch = None if dump is not None else tempfile.mkdtemp(prefix="benchmarks_kernels_")
@@ -548,7 +667,8 @@ def run(components=COMPONENTS, config: str = "full", batch: int = 2, size: int |
     try:
         for name, workload in work.items():
             report["components"][name] = measure_component(workload, dump=root / name, ptxas=ptxas,
-                                                           workers=workers, xla=xla, log=log)
+                                                           workers=workers, xla=xla, log=log, backend=backend,
+                                                           device=device)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -579,7 +699,7 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
         if per_kernel:
             table = Table(title=f"{name}: kernels of our H100 program ({report['config']}, {report['dtype']}, "
                           f"commit {report['commit']})")
-            for column, justify in (("kernel", "left"), ("grid", "right"), ("threads", "right"), ("regs", "right"),
+            for column, justify in (("kernel", "left"), ("backend", "left"), ("grid", "right"), ("threads", "right"), ("regs", "right"),
                                     ("spill B", "right"), ("smem KB", "right"), ("CTA/SM", "right"), ("waves", "right"),
                                     ("tensor core", "left"), ("vector ld", "right"), ("wgmma wait", "right"),
                                     ("modeled µs", "right")):
@@ -587,13 +707,15 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
             for kernel in row["kernels"]:
                 spill = kernel["spill_bytes"]
                 table.add_row(
-                    kernel["name"], "x".join(map(str, kernel["grid"])), _n(kernel["threads"]), _n(kernel["registers"]),
+                    kernel["name"], kernel.get("backend", "triton"), "x".join(map(str, kernel["grid"])), _n(kernel["threads"]), _n(kernel["registers"]),
                     f"[red]{spill:,}[/]" if spill else _n(spill), f"{kernel['shared_bytes'] / 1024:.1f}",
                     _n(kernel["ctas_per_sm"]), "n/a" if kernel["waves"] is None else f"{kernel['waves']:.2f}",
                     kernel["tensor_core"] or "n/a", _share(kernel["vector_load_fraction"]),
                     _n(kernel["wgmma_wait_depth"]) if kernel["wgmma"] else "-", _us(kernel["modeled_seconds"]))
             console.print(table)
         console.print(kinds_table(name, row, report))
+        if row.get("by_backend"):
+            console.print(kinds_table(name, row, report, by="backend"))
     console.print(components_table(report))
     for name, row in report["components"].items():
         if row.get("xla_seconds_by_category"):
@@ -608,15 +730,18 @@ def render(report: dict[str, Any], console=None, per_kernel: bool = True) -> Non
         f"memory (1 KB reserved per CTA), 2048 threads, 32 CTAs.", soft_wrap=True)
 
 
-def kinds_table(name: str, row: dict[str, Any], report: dict[str, Any]):
+def kinds_table(name: str, row: dict[str, Any], report: dict[str, Any], by: str = "kind"):
     from rich.table import Table
 
-    table = Table(title=f"{name}: totals per kind (commit {report['commit']})")
-    for column in ("kind", "kernels", "modeled µs", "share", "spilling (bytes)", "1 CTA/SM", "wgmma", "mma.sync",
+    groups = row["by_kind"] if by == "kind" else row["by_backend"]
+    table = Table(title=f"{name}: totals per {by} (backend {row.get('backend', 'triton')}; {row['emitted_kernels']} "
+                        f"launches, {row.get('glue_launches', 'n/a')} of them not Pallas, the model's glue "
+                        f"{row.get('modeled_glue_launches', 'n/a')}; commit {report['commit']})")
+    for column in (by, "kernels", "modeled µs", "share", "spilling (bytes)", "1 CTA/SM", "wgmma", "mma.sync",
                    "pipelined", "vector ld", "max merge"):
-        table.add_column(column, justify="left" if column == "kind" else "right")
+        table.add_column(column, justify="left" if column == by else "right")
     total = row["modeled_seconds"] or 0.0
-    for kind, sums in [*row["by_kind"].items(), ("all", totals(row["kernels"]))]:
+    for kind, sums in [*groups.items(), ("all", totals(row["kernels"]))]:
         table.add_row(kind, _n(sums["count"]), _us(sums["modeled_seconds"]),
                       _share(sums["modeled_seconds"] / total if total else None),
                       f"{sums['spilling_kernels']} ({sums['spill_bytes']:,})", _n(sums["one_cta_per_sm_kernels"]),
@@ -662,12 +787,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="skip XLA's compile and price")
     parser.add_argument("--summary", action="store_true", help="print the totals only, not a row per kernel")
     parser.add_argument("--workers", type=int, default=2, help="ptxas processes at once (default 2)")
+    parser.add_argument("--device", default=DEVICE, help="the device profile the plan is made and priced on "
+                        "(eqsat.cost.DEVICES: h100, h100-calibrated, ...; default h100)")
+    parser.add_argument("--backend", default="triton", choices=tuple(BACKENDS),
+                        help="the templates that emit convs, matmuls and attention: triton (default), mosaic, "
+                             "or auto (per kernel, the one the cost model prices lowest)")
     options = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning only traces; the H100 compile has its own process
     try:
         report = run(options.component, options.config, options.batch, options.size, options.dtype,
                      options.dump, options.xla, options.workers,
-                     log=lambda message: print(message, file=sys.stderr, flush=True))
+                     log=lambda message: print(message, file=sys.stderr, flush=True), backend=options.backend,
+                     device=options.device)
     except ptx.PtxasMissing as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

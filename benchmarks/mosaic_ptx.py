@@ -38,6 +38,7 @@ Nothing here runs a kernel: these are properties of the compiled code, not times
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -182,6 +183,37 @@ def gn_silu_conv3x3(x, w, b, gamma, beta):
     return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5)))
 
 
+@contextlib.contextmanager
+def dumping(directory: Path):
+    """Mosaic GPU dumps each kernel's PTX and its ptxas `-v` report into `directory` while this holds
+    (`MOSAIC_GPU_DUMP_*`; a compile subprocess inherits them)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(directory))
+    try:
+        yield directory
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def read_dump(directory: Path) -> dict[str, tuple[Path, "ptx.PtxKernel", "ptx.PtxasResources | None"]]:
+    """Every Mosaic kernel `.entry` dumped in `directory` -> (its PTX file, its static counts, the
+    registers and spills of the ptxas `-v` report of its own compile: Mosaic's PTX ISA is newer than
+    the pip ptxas reads)."""
+    out = {}
+    for path in sorted(Path(directory).glob("*.ptx")):
+        verbose = path.with_suffix(".ptxas")
+        resources = ptx.parse_ptxas_verbose(verbose.read_text()) if verbose.exists() else {}
+        for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
+            out[name] = (path, counts, resources.get(name))
+    return out
+
+
 def compile_case(shape: Shape | ConvShape | AttentionShape, backend: str, dump: Path, ptxas: Path) -> dict:
     """Plan the case's function at `shape`, emit it with `backend`, compile it for an H100, read its PTX."""
     import emit
@@ -194,31 +226,22 @@ def compile_case(shape: Shape | ConvShape | AttentionShape, backend: str, dump: 
         plan = eqsat.optimize(fn, progress=False).lower(*args).plan
     ops = [k.term.op for k in plan.kernels]
     mosaic_dump = dump / "mosaic"
-    mosaic_dump.mkdir(parents=True, exist_ok=True)
-    saved = {key: os.environ.get(key) for key in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")}
-    os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=str(mosaic_dump))
-    try:
+    with dumping(mosaic_dump):
         report = compile_for_h100(emit.emit(plan, backend, interpret=False), *args, keep_dump=dump / "xla")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     if report is None:
         raise RuntimeError("the H100 compile target is not installed (jax-cuda12-plugin)")
-    files = sorted((mosaic_dump if backend == "mosaic" else dump / "xla").glob("*.ptx"))
-    kernels = {}
-    for path in files:
-        for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
-            kernels[name] = (path, counts)
+    if backend == "mosaic":
+        kernels = read_dump(mosaic_dump)
+    else:
+        kernels = {}
+        for path in sorted((dump / "xla").glob("*.ptx")):
+            for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
+                kernels[name] = (path, counts, None)
     matching = {name: entry for name, entry in kernels.items() if shape.kind in name}
     if len(matching) != 1:
         raise RuntimeError(f"{shape.name} {backend}: expected one {shape.kind} entry in the PTX, found {sorted(kernels)}")
-    (name, (path, counts)), = matching.items()
-    if backend == "mosaic":  # Mosaic's PTX (ISA 9.0) is newer than the pip ptxas: read the ptxas -v of its own compile
-        resources = ptx.parse_ptxas_verbose(path.with_suffix(".ptxas").read_text()).get(name)
-    else:
+    (name, (path, counts, resources)), = matching.items()
+    if backend != "mosaic":
         resources = ptx.run_ptxas(path, ptxas=ptxas).get(name)
     return {
         "shape": shape.name, **shape.describe(), "backend": backend, "plan_ops": ops,

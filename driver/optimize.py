@@ -239,6 +239,12 @@ class Lowered:
             lines.append(f"plan from the plan cache in {s['cache_seconds']:.2f}s (key {s['cache_key'][:12]}; driver.cache): "
                          f"build, saturate and extract skipped (they took: {planned}); e-graph figures are the "
                          f"planning run's")
+        if s.get("kernel_routes"):
+            counts: dict = {}
+            for _name, route in s["kernel_routes"]:
+                counts[route] = counts.get(route, 0) + 1
+            lines.append(f"dense kernels priced as {s['cost_backend']}: "
+                         + ", ".join(f"{n} {route}" for route, n in sorted(counts.items())))
         if s.get("auto") is not None:
             from driver.auto_choice import report_line
 
@@ -359,7 +365,7 @@ class Optimized:
         run = lowered.executable(self.backend, self.interpret, donate=donate)
         if donate and run.backend == "interpret":
             self._say_not_donated(args, kwargs)
-        if run.backend in ("pallas", "mosaic", "hybrid") and any_tracer((args, kwargs)):
+        if run.backend in ("pallas", "mosaic", "hybrid", "routed") and any_tracer((args, kwargs)):
             # Pallas kernels have no general derivative: differentiated, the call is fn's own JVP.
             return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
                                              self.static_argnames)
@@ -594,9 +600,14 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
     `cache`: look the plan up in the plan cache after lifting and store it there (`driver.cache`)."""
     from tqdm.auto import tqdm
 
+    import emit
+    from emit.backends import cost_backend
     from eqsat.cost import get_device
+    from eqsat.cost.devices import with_backend
 
     device = get_device(device)
+    if device.backend == "triton":  # the plan is priced as the backend that runs it will emit it
+        device = with_backend(device, cost_backend(emit.resolve_backend(backend)))
     seconds: dict[str, float] = {}
     prepare = bool(params_argnums or params_argnames)
     stages = STAGES + ((PREPARE_STAGE,) if prepare else ())
@@ -666,6 +677,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "seconds": seconds,
         **search,
         "device": device.name,
+        "cost_backend": device.backend,
         "kinds": plan.kinds(),
         "hosted_reductions": plan.hosted_reductions,
         "loop_body_kernels": plan.loop_body_kernels,
@@ -679,6 +691,7 @@ def lower(fn, *args, static_argnums=(), static_argnames=(), kwargs=None, device=
         "cache_key": cache_key,
         "cache_seconds": cache_seconds,  # the key, the look-up and, on a hit, rebuilding the plan
     }
+    stats["kernel_routes"] = _kernel_routes(split.per_call if split is not None else plan, device)
     if cached is not None:
         stats["planned_seconds"] = cached_stats["stats"]["seconds"]  # the stages of the run that planned it
 
@@ -765,6 +778,24 @@ def _saturate(builder, program, rulesets, options):
     return saturate(builder.egraph, schedule_of(rulesets), node_limit=options["node_limit"],
                     iteration_limit=options["iteration_limit"], time_limit=options["time_limit"],
                     program=program, classes=False)  # e-classes are counted on the extraction's copy
+
+
+def _kernel_routes(plan, device) -> list[tuple[str, str]]:
+    """(kernel name, the route that emits it: "triton", "mosaic", "library") for each dense kernel of
+    a plan priced by a backend other than the default (`emit.backends.plan_routes` under `auto`)."""
+    if device.backend == "triton":
+        return []
+    from emit.backends import plan_routes
+    from eqsat.cost.backends import routes_for
+    from eqsat.cost.terms import args_of
+    from emit.pallas import name_of
+
+    if device.backend == "auto":
+        chosen = plan_routes(plan, device)
+    else:
+        chosen = {k.term: routes_for(k.op, args_of(k.term), device, k.term)[0] for k in plan.kernels
+                  if k.op in ("Matmul", "Conv", "Attention")}
+    return [(name_of(k.component, k.kind), chosen[k.term]) for k in plan.kernels if k.term in chosen]
 
 
 def _plan(program, device, rulesets, options, stage, caught, shared: bool = False):

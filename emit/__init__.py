@@ -20,8 +20,15 @@ Backends:
 - `hybrid`: convs and matmuls through the XLA emitter (cuDNN / cuBLAS with XLA's fusions around
   them), every other kernel through its Pallas template: on a GPU our conv and matmul templates
   are still many times slower than the libraries (measured; `emit.library` has the numbers).
-- `auto`: `hybrid` when jax's default backend is a GPU, else `xla` (on a CPU, `eqsat.optimize` then
-  also times `jax.jit` of the original function and runs the faster: `driver.auto_choice`).
+- `routed`: per kernel, the emitter the cost model prices lowest on the plan's device (Triton,
+  Mosaic GPU or the library call for convs and matmuls; Triton or Mosaic for attention; Triton for
+  the rest: `emit.backends.plan_routes`, `eqsat.cost.backends`).
+- `auto`: `hybrid` on a GPU, else `xla` (on a CPU, `eqsat.optimize` then also times `jax.jit` of
+  the original function and runs the faster: `driver.auto_choice`). Not `routed` yet: on the
+  data-sheet profile (`h100`) it routes 205 of the UNet's 216 dense kernels to Triton, the
+  `pallas` emission measured at 40.3 ms per step on an H200 against hybrid's 11.2 (and jax.jit's
+  12.8; benchmarks/results/gpu-h200-2ce0105.json), and the Mosaic templates have no factors fitted
+  on a GPU; `auto` follows the model once its routes are measured faster.
 - `interpret`: the reference interpreter (`Plan.evaluate`), not jitted.
 
 On several devices (`jax.device_count() > 1`) the Pallas backends run the plan partitioned by the
@@ -36,13 +43,15 @@ from __future__ import annotations
 
 import jax
 
+from emit.backends import plan_routes
 from emit.pallas import EmitContext, KernelCall, name_of, run_kernels
 
-BACKENDS = ("auto", "pallas", "mosaic", "hybrid", "xla", "interpret")
+BACKENDS = ("auto", "pallas", "mosaic", "hybrid", "routed", "xla", "interpret")
 
 
 def resolve_backend(backend: str) -> str:
-    """`auto` -> `hybrid` on a GPU, `xla` elsewhere; other names are checked and returned."""
+    """`auto` -> `hybrid` on a GPU, `xla` elsewhere (the module docstring says why not `routed`);
+    other names are checked and returned."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -114,7 +123,7 @@ class Emitted:
         program = self.program
         ctx = EmitContext(dict(zip(program.inputs, leaves)), program.constants, program.payloads,
                           interpret=self.interpret, backend=self.backend, components=program.components,
-                          progress=self.progress)
+                          progress=self.progress, routes=plan_routes(self.plan) if self.backend == "routed" else {})
         run_kernels(kernel_calls(self.plan), ctx)
         return [ctx.value(term) for term in self.plan.outputs]
 
@@ -136,7 +145,7 @@ class Emitted:
                       progress=state.get("progress"))
 
     def __repr__(self) -> str:
-        mode = f", interpret={self.interpret}" if self.backend in ("pallas", "mosaic", "hybrid") and self.interpret is not None else ""
+        mode = f", interpret={self.interpret}" if self.backend in ("pallas", "mosaic", "hybrid", "routed") and self.interpret is not None else ""
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 

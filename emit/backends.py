@@ -86,3 +86,47 @@ def emit_on_mosaic(kernel, ctx) -> dict | None:
     warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through its Triton template: {reason}",
                   TritonFallbackWarning, stacklevel=3)
     return None
+
+
+# --- which backend emits each kernel: the cost model's choice -------------------------------------
+
+# An emission backend -> how the cost model prices its dense kernels (`eqsat.cost.devices.Device.backend`).
+COST_BACKENDS = {"pallas": "triton", "mosaic": "mosaic", "hybrid": "hybrid", "routed": "auto"}
+
+
+def cost_backend(backend: str) -> str:
+    """The cost model's backend for an emission backend (resolved: not "auto"): `routed` prices
+    each kernel by whichever route is cheapest; `xla` and `interpret` keep the default pricing."""
+    return COST_BACKENDS.get(backend, "triton")
+
+
+def on_hopper() -> bool:
+    """Whether jax's default backend is a GPU of compute capability 9 (H100, H200)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return False
+    capability = str(getattr(jax.devices()[0], "compute_capability", "") or "")
+    return capability.split(".")[0] == "9"
+
+
+def plan_routes(plan, device=None) -> dict:
+    """Kernel term -> "triton" | "mosaic" | "library" for every dense kernel of `plan`, as the cost
+    model chooses them with the `auto` backend on `device` (default the plan's device profile):
+    `eqsat.cost.roofline.choose_route`, with the statistics the plan hosts on each kernel. What the
+    `routed` backend emits and what `report()` and `benchmarks.kernels` show."""
+    from eqsat.cost import get_device, hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.backends import DENSE
+    from eqsat.cost.devices import with_backend
+    from eqsat.cost.roofline import choose_route, finished_statistics
+
+    device = with_backend(get_device(device if device is not None else plan.device), "auto")
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    finished = finished_statistics(kernel_order(outputs, hosting), hosting, device, outputs)
+    routes = {}
+    for kernel in plan.kernels:
+        if kernel.op in DENSE:
+            routes[kernel.term] = choose_route(kernel.term, device, finished, tuple(kernel.hosted))[0]
+    return routes

@@ -567,13 +567,15 @@ class Prepared:
 
     def _run(self, plan, inputs: dict, known: dict, terms: list) -> list:
         from emit import kernel_calls
+        from emit.backends import plan_routes
         from emit.pallas import EmitContext, run_kernels
 
         program = self.program
         values = {term: inputs[term.args[0]] for term in program.inputs if term.args[0] in inputs}
         values.update(known)
         ctx = EmitContext(values, program.constants, program.payloads, interpret=self.interpret,
-                          backend=self.backend, components=program.components, progress=self.progress)
+                          backend=self.backend, components=program.components, progress=self.progress,
+                          routes=plan_routes(plan) if self.backend == "routed" else {})
         run_kernels(kernel_calls(plan), ctx)
         return [ctx.value(term) for term in terms]
 

@@ -101,6 +101,9 @@ def node_costs(graph, device="h100") -> NodeCosts:
 
     device = get_device(device)
     vector = device.vector_seconds(1.0)
+    # The Mosaic templates and the library calls compute a kernel's operand expressions once per
+    # element, in the XLA fusion that lays the operand out (`eqsat.cost.backends`): no recompute.
+    once = device.backend in ("mosaic", "hybrid")
     cache: dict[tuple, float] = {}
     seconds: list[float] = []
     point_seconds: list[float] = []
@@ -127,14 +130,15 @@ def node_costs(graph, device="h100") -> NodeCosts:
         if op == "Matmul":
             args = graph.node_args(node)
             shape = MatmulShape(args[0], args[1], args[2])
-            operand_repeats[node] = (shape.n_tiles, shape.m_tiles)
+            if not once:
+                operand_repeats[node] = (shape.n_tiles, shape.m_tiles)
             row_lanes[node] = shape.batch * shape.m_tiles * shape.block_m * shape.n_tiles
         if op == "Conv":
             lhs, rhs = graph.node_children[node][0], graph.node_children[node][1]
             key = (lhs, rhs, graph.node_literals[node][2], graph.node_literals[node][4])
             if key not in prologue_cache:
                 prologue_cache[key] = conv_prologue(graph, *key)
-            if prologue_cache[key] is not None:
+            if prologue_cache[key] is not None and not once:
                 prologues[node] = prologue_cache[key]
             if device.calibrated:  # its MMA over the weight's own K ranges, as `kernel_cost` prices it
                 args = graph.node_args(node)

@@ -111,7 +111,7 @@ def _load_optimize():
         return None, f"eqsat.optimize is not available ({type(error).__name__}: {error})"
 
 
-EMIT_BACKENDS = ("pallas", "mosaic", "hybrid")  # what compiles for an H100 (`"xla"` is jax.jit's own column)
+EMIT_BACKENDS = ("pallas", "mosaic", "hybrid", "routed")  # what compiles for an H100 (`"xla"` is jax.jit's own column)
 
 
 def optimized(workload: Workload, optimize, device: str, backend: str = "pallas"):
@@ -126,6 +126,14 @@ def optimized(workload: Workload, optimize, device: str, backend: str = "pallas"
                ("params_argnums", PARAMS_ARGNUM),
                ("extract_time_limit", EXTRACT_TIME_LIMIT))
     return optimize(workload.fn, **{key: value for key, value in options if takes_any or key in accepted})
+
+
+def _route_counts(kernel_routes) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for name, route in kernel_routes:
+        kind = counts.setdefault(name.rsplit(":", 1)[-1], {})
+        kind[route] = kind.get(route, 0) + 1
+    return counts
 
 
 def measure_plan(workload: Workload, optimize, device: str, backend: str = "pallas") -> tuple[dict[str, Any], Any, Any]:
@@ -159,6 +167,8 @@ def measure_plan(workload: Workload, optimize, device: str, backend: str = "pall
         "plan_kernels_by_kind": _stat(stats, "kinds"),
         "plan_memsets": 0,  # epilogue statistics write per-tile partials: nothing to zero
         "plan_hosted_statistics": _stat(stats, "hosted_reductions"),
+        # which emitter each dense kernel gets (`emit.backends.plan_routes`): per kind, route -> kernels
+        "plan_routes": _route_counts(_stat(stats, "kernel_routes") or ()),
         "optimize_seconds": seconds,
         "optimize_wall_seconds": wall,
         "plan_cache": _stat(stats, "cache"),  # "hit": planned by an earlier process (`driver.cache`)

@@ -329,3 +329,28 @@ def test_missing_ptxas_is_one_line(no_cuda_target, monkeypatch, capsys):
     assert kernels.main(["--component", "text_encoder", "--config", "tiny"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ptxas not found") and "\n" not in error
+
+
+@pytest.mark.skipif(TARGET_MISSING is not None, reason=str(TARGET_MISSING))
+@pytest.mark.skipif(PTXAS_MISSING is not None, reason=str(PTXAS_MISSING))
+def test_tiny_text_encoder_on_mosaic(tmp_path, capsys):
+    """`--backend mosaic`: the matmuls and attention are Mosaic kernels read from their own PTX and
+    ptxas report (wgmma, TMA), every row says its backend, totals per backend add up."""
+    out = tmp_path / "kernels.json"
+    status = kernels.main(["--component", "text_encoder", "--config", "tiny", "--backend", "mosaic", "--no-xla",
+                           "--json", str(out), "--summary"])
+    assert status == 0
+    assert "totals per backend" in capsys.readouterr().out
+    row = json.loads(out.read_text())["components"]["text_encoder"]
+    assert row["backend"] == "mosaic" and row["missing_kernels"] == []
+    dense = [k for k in row["kernels"] if k["kind"] in ("matmul", "attention")]
+    assert dense and all(k["backend"] == "mosaic" for k in dense)
+    for kernel in dense:
+        assert kernel["tensor_core"] == "wgmma" and kernel["tma_loads"] > 0, kernel
+        assert isinstance(kernel["registers"], int) and kernel["spill_bytes"] >= 0, kernel
+        assert kernel["ctas"] >= 1 and kernel["threads"] in (256, 384), kernel
+    assert all(k["backend"] == "triton" for k in row["kernels"] if k["kind"] not in ("matmul", "attention"))
+    assert sum(t["count"] for t in row["by_backend"].values()) == len(row["kernels"])
+    assert row["by_backend"]["mosaic"]["count"] == len(dense)
+    # the XLA fusions around the Mosaic kernels: counted in the program, and what the model says
+    assert row["glue_launches"] > 0 and row["modeled_glue_launches"] > 0

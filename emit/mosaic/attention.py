@@ -68,67 +68,20 @@ from emit import expr as ex
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
 from emit.pallas.attention import reference  # noqa: F401  one reference for both templates
 from eqsat.term import Term
+from eqsat.tiling import mosaic as tiling
+from eqsat.tiling.mosaic import (HEAD_QUANTUM, MAX_HEAD, SMEM_BYTES, AttentionBlocks,  # noqa: F401 (shared with
+                                 key_quantum, padded_head)                               # the cost model)
 from eqsat.types import parse_type
 
 LOG2_E = math.log2(math.e)
-HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
-MAX_HEAD = 192  # padded head lanes whose two fp32 accumulators fit a compute warpgroup's registers
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionBlocks:
-    """Tiles of one Mosaic attention kernel: `block_q` query rows per compute warpgroup (64: one
-    wgmma M), `compute_wgs` of them per CTA, `block_kv` keys per step, `stages` K/V slots in the ring."""
-
-    block_q: int = 64
-    block_kv: int = 64
-    stages: int = 2
-    compute_wgs: int = 2
-
-    @classmethod
-    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
-        """64-row query tiles (the wgmma M of one warpgroup), two compute warpgroups when the queries
-        fill 128-row CTAs (one for 64 or fewer); 64 keys per step, or a short context (<= 128 keys)
-        in one step of its length rounded up to the key quantum (77 keys: 80 slots at heads of 40
-        or 80, 96 at 160, 128 at 64; not 128 everywhere); a ring as deep as the key blocks, at most
-        3 (2 when the padded head exceeds 128 lanes: SMEM)."""
-        head = padded_head(head_dim)
-        quantum = key_quantum(head)
-        block_kv = -(-kv_len // quantum) * quantum if kv_len <= 128 else 64
-        steps = -(-kv_len // block_kv)
-        return cls(64, block_kv, stages=max(2, min(3 if head <= 128 else 2, steps)),
-                   compute_wgs=1 if q_len <= 64 else 2)
-
-    def validate(self) -> None:
-        if self.block_q != 64:
-            raise ValueError(f"block_q={self.block_q}: one warpgroup's wgmma covers 64 rows")
-        if self.block_kv % HEAD_QUANTUM or self.block_kv > 256:
-            raise ValueError(f"block_kv={self.block_kv} must be a multiple of {HEAD_QUANTUM} up to 256 (wgmma's K "
-                             "step for P·V, its N limit for Q·Kᵀ)")
-        if self.stages < 1:
-            raise ValueError(f"stages={self.stages} must be >= 1 (one slot: loads and MMAs take turns)")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
-
-
-def padded_head(head_dim: int) -> int:
-    """The head dim rounded up to wgmma's 16-element K step: 40 -> 48, 80 -> 80, 160 -> 160."""
-    return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
-
-
-def key_quantum(head: int) -> int:
-    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: Kᵀ and P
-    tiles (keys along their rows) are swizzled like the head's tiles, so a row holds whole swizzle
-    groups (16 keys at a 32-byte swizzle, 32 at 64, 64 at 128)."""
-    return swizzle_bytes(head, jnp.float16) // 2
 
 
 def swizzle_bytes(minor: int, dtype) -> int:
     """The widest swizzle (128, 64 or 32 bytes) that divides a tile row of `minor` elements."""
-    row_bytes = minor * jnp.dtype(dtype).itemsize
-    swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+    swizzle = tiling.swizzle_for(minor, jnp.dtype(dtype).itemsize)
     if swizzle is None:
-        raise NotImplementedError(f"a tile row of {row_bytes} bytes (swizzles need a multiple of 32)")
+        raise NotImplementedError(f"a tile row of {minor * jnp.dtype(dtype).itemsize} bytes (swizzles need a "
+                                  "multiple of 32)")
     return swizzle
 
 
@@ -139,19 +92,10 @@ def _swizzled(swizzle: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-SMEM_BYTES = 232448 - 1024  # an H100 CTA's dynamic shared memory (Mosaic's limit), less room for barriers
-
-
 def smem_bytes(blocks: AttentionBlocks, ring: int, head: int, dtype, out_dtype, has_bias: bool) -> int:
-    """Shared memory of one CTA: Q tiles (also the output's when it has Q's dtype), the ring's Kᵀ,
-    V (and bias) slots, P tiles."""
-    item, wgs, bq, bk = jnp.dtype(dtype).itemsize, blocks.compute_wgs, blocks.block_q, blocks.block_kv
-    total = wgs * bq * head * item + 2 * ring * bk * head * item + wgs * bq * bk * item
-    if jnp.dtype(out_dtype) != jnp.dtype(dtype):
-        total += wgs * bq * head * jnp.dtype(out_dtype).itemsize
-    if has_bias:
-        total += ring * wgs * bq * bk * 4
-    return total
+    """Shared memory of one CTA (`eqsat.tiling.mosaic.attention_smem_bytes`) for operands of `dtype`."""
+    return tiling.attention_smem_bytes(blocks, ring, head, jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize,
+                                       jnp.dtype(out_dtype) != jnp.dtype(dtype), has_bias)
 
 
 def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
@@ -416,9 +360,9 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
         target = (bias.shape[0], bias.shape[1], q_padded, kv_padded)
         bias = pad_to(jnp.broadcast_to(bias, (bias.shape[0], bias.shape[1], q_len, kv_len)), target)
         inputs.append(bias)
-    ring = min(blocks.stages, -(-kv_len // blocks.block_kv))
-    while ring > 1 and smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
-        ring -= 1  # a shallower ring before no kernel (heads of 160 with a bias and a float32 result)
+    # a shallower ring before no kernel (heads of 160 with a bias and a float32 result)
+    ring = tiling.fit_ring(blocks, kv_len, head, jnp.dtype(q.dtype).itemsize, out_dtype.itemsize,
+                           out_dtype != jnp.dtype(q.dtype), bias is not None)
     if smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None) > SMEM_BYTES:
         raise NotImplementedError(f"{smem_bytes(blocks, ring, head, q.dtype, out_dtype, bias is not None)} bytes "
                                   f"of SMEM at {blocks} and a head of {head} lanes")
@@ -448,7 +392,7 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
 
 # --- emit: a plan's Attention term --------------------------------------------------------------
 
-EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
+EPILOGUE_OPS = tiling.ATTENTION_EPILOGUE_OPS  # elementwise on the output tile
 
 
 def _is_zero(bias: Term) -> bool:

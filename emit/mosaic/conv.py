@@ -42,7 +42,6 @@ convs, negative padding, epilogues that select by index, and a tap offset past a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
@@ -56,80 +55,14 @@ from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
+from eqsat.tiling import mosaic as tiling
+from eqsat.tiling.mosaic import CHUNK, RangeTaps, default_blocks, plan_taps  # noqa: F401 (shared with the cost model)
 from eqsat.types import parse_type
 
-CHUNK = 64  # input channels per pipeline step: one 128-byte swizzle row of halves
 
-
-@dataclasses.dataclass(frozen=True)
-class RangeTaps:
-    """One K range as pipeline steps: `channels` input channels (their `chunks` of 64 side by side
-    in each of the input's stride phases, from column block `column_block`), the window taps
-    `((ky0, ky1), (kx0, kx1))` it runs, `first_step` its first pipeline step."""
-
-    channels: int
-    taps: tuple[tuple[int, int], tuple[int, int]]
-    column_block: int
-    first_step: int
-    shifts: tuple[int, int] = (0, 1)  # the column shifts [j0, j1) its taps read (`FlatGrid.tap_shift`)
-
-    @property
-    def chunks(self) -> int:
-        return -(-self.channels // CHUNK)
-
-    @property
-    def tap_list(self) -> list[tuple[int, int]]:
-        (y0, y1), (x0, x1) = self.taps
-        return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
-
-    @property
-    def steps(self) -> int:
-        return len(self.tap_list) * self.chunks
-
-    def column_blocks(self, phases: int) -> int:
-        return (self.shifts[1] - self.shifts[0]) * phases * self.chunks
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatGrid:
-    """The flat padded grid of one conv (see the module docstring): phase images `Hi x Wq`,
-    `phases = sy * sx`, the output `Ho x Wo` in its top-left corner."""
-
-    geometry: ConvGeometry
-
-    @property
-    def strides(self) -> tuple[int, int]:
-        return tuple(self.geometry.params.strides)
-
-    @property
-    def phase_size(self) -> tuple[int, int]:
-        """(rows, row pitch) of a phase image: the pitch rounded up to 8 pixels, so a row shift is
-        a whole number of the SMEM tiles (8 rows) a TMA copy fills."""
-        (pad_y, pad_y1), (pad_x, pad_x1) = self.geometry.params.padding
-        (h, w), (sy, sx) = self.geometry.in_size, self.strides
-        width = -(-(w + pad_x + pad_x1) // sx)
-        return -(-(h + pad_y + pad_y1) // sy), -(-width // 8) * 8
-
-    @property
-    def phases(self) -> int:
-        return self.strides[0] * self.strides[1]
-
-    @property
-    def rows(self) -> int:
-        hi, wq = self.phase_size
-        return self.geometry.batch * hi * wq
-
-    def tap_shift(self, ky: int, kx: int) -> tuple[int, int, int]:
-        """(phase, column shift j, row offset on the flat grid: a multiple of 8) of tap (ky, kx): it
-        reads the phase's copy shifted by j pixels at that row offset."""
-        (dy, dx), (sy, sx) = self.geometry.params.rhs_dilation, self.strides
-        ry, rx = ky * dy, kx * dx
-        return (ry % sy) * sx + rx % sx, rx // sx, (ry // sy) * self.phase_size[1]
-
-    @property
-    def halo(self) -> int:
-        (kh, kw) = self.geometry.window
-        return max(self.tap_shift(ky, kx)[2] for ky in range(kh) for kx in range(kw))
+class FlatGrid(tiling.FlatGrid):
+    """The flat padded grid of one conv (see the module docstring; `eqsat.tiling.mosaic.FlatGrid`,
+    which the cost model reads) and the output index of its rows."""
 
     def output_index(self, q: np.ndarray, n: np.ndarray) -> tuple[tuple, np.ndarray]:
         """The conv output's index at flat rows `q` and channels `n` (NumPy, clamped to (0, 0) off the
@@ -140,20 +73,6 @@ class FlatGrid:
         valid = (b < batch) & (oy < ho) & (ox < wo)
         b, oy, ox = (np.where(valid, v, 0) for v in (b, oy, ox))
         return _place(self.geometry.params.out_spec, (b, n, oy, ox)), valid
-
-
-def plan_taps(grid: FlatGrid, ranges: Sequence[tuple[int, tuple]]) -> list[RangeTaps]:
-    """The pipeline steps of K ranges `(channels, taps)`: each range's taps × its channel chunks, and
-    the column shifts its taps read."""
-    out, step, block = [], 0, 0
-    for channels, taps in ranges:
-        (y0, y1), (x0, x1) = taps
-        shifts = [grid.tap_shift(ky, kx)[1] for ky in range(y0, y1) for kx in range(x0, x1)]
-        r = RangeTaps(channels, taps, block, step, (min(shifts), max(shifts) + 1))
-        out.append(r)
-        step += r.steps
-        block += r.column_blocks(grid.phases)
-    return out
 
 
 def step_offset(grid: FlatGrid, ranges: Sequence[RangeTaps]):
@@ -212,14 +131,6 @@ def layout_weights(w: jax.Array, spec: Sequence[int], r: RangeTaps, n_padded: in
     ky, kx, cin, cout = w.shape
     w = jnp.pad(w, ((0, 0), (0, 0), (0, r.chunks * CHUNK - cin), (0, n_padded - cout)))
     return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
-
-
-def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> mm.MosaicBlocks:
-    """The matmul template's default tiles for the flat grid (M = its rows, K = the steps), with
-    128-row tiles from 2048 rows on (the grid's rows are many; a 64-row tile halves the MMA work per
-    B tile loaded to save < 3 % of padded rows)."""
-    blocks = mm.MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
-    return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
 
 
 def build(inputs: Sequence[jax.Array], weights: Sequence[jax.Array], ranges: Sequence[RangeTaps], grid: FlatGrid,

@@ -59,12 +59,12 @@ from jax import lax
 from emit import expr as ex
 from eqsat import host_threads
 from eqsat.term import Term
+from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
+                                 fit_smem)                                            # with the cost model)
+from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
-MMA_DTYPES = ("float16", "bfloat16")
 SM_COUNT = 132  # H100 SXM5
-EPILOGUE_OPS = frozenset({"Acc", "Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose",
-                          "Broadcast", "Slice"})
 
 
 def interpret_params():
@@ -73,53 +73,6 @@ def interpret_params():
 
     host_threads.check()
     return InterpretGPUParams()
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-    """Tiles and pipeline depth of one Mosaic matmul kernel.
-
-    `tile_m` rows and `tile_n` columns per compute warpgroup (`compute_wgs` of them side by side
-    along N), `tile_k` per pipeline step (64 halves = one 128-byte swizzle row), `stages` SMEM
-    buffers in flight, `epi_m x epi_n` epilogue sub-tiles."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    compute_wgs: int = 2
-    epi_m: int = 64
-    epi_n: int = 64
-
-    @property
-    def cta_tile_n(self) -> int:
-        return self.tile_n * self.compute_wgs
-
-    @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> "MosaicBlocks":
-        """The CTA tile (`tile_m` 64 or 128; `compute_wgs` x `tile_n` of 64 or 128 columns) that pads
-        M and N least, the larger tile among equals: 4096 x 1280 gets 128 x 256 (two 128 x 128
-        warpgroups), N = 320 one 128 x 64 warpgroup (320 = 5 x 64: no padded column), 154 rows
-        64-row tiles (192 rows, not 256)."""
-        def padded(size, tile):
-            return -(-size // tile) * tile
-
-        tile_m = min((128, 64), key=lambda t: (padded(m, t), -t))
-        tile_n, compute_wgs = min(((128, 2), (64, 2), (128, 1), (64, 1)),
-                                  key=lambda c: (padded(n, c[0] * c[1]), -c[0] * c[1]))
-        k_steps = -(-k // 64)
-        return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
-
-    def validate(self) -> None:
-        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
-            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k} must be multiples of 64 "
-                             "(wgmma rows per warpgroup; 128-byte swizzle of halves)")
-        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
-            raise ValueError(f"epilogue tile {self.epi_m}x{self.epi_n} must divide {self.tile_m}x{self.tile_n}")
-        if self.stages < 2:
-            raise ValueError(f"stages={self.stages}: the pipeline releases buffers one step late, it needs >= 2")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +272,8 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         arrays.append(pad_to(array, target))
         kinds.append(operand.kind)
         shared.append(array.shape[0] == 1)
+    blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
 
     def call(interpret_here):

@@ -103,6 +103,7 @@ class EmitContext:
     progress: bool | str | None = None              # a bar of kernels emitted (`run_kernels`); None: on a terminal, past 2 s
     structures: dict = field(default_factory=dict)  # `kernel_structure`'s numbering of what kernels are made of
     shared_kernels: dict = field(default_factory=dict)  # structure and state -> its `_SharedKernel` (`emit_shared`)
+    routes: dict = field(default_factory=dict)      # backend "routed": kernel term -> "triton" | "mosaic" | "library"
 
     def value(self, tensor: Term) -> jax.Array:
         """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
@@ -134,7 +135,8 @@ class EmitContext:
     def child(self, bound: dict) -> "EmitContext":
         """A context for a loop body: `bound` (LoopArg terms -> values) plus everything known here."""
         return EmitContext({**self.values, **bound}, self.constants, self.payloads, self.interpret, self.backend,
-                           self.components, dict(self.shared), dict(self.partials), progress=False)
+                           self.components, dict(self.shared), dict(self.partials), progress=False,
+                           routes=self.routes)
 
     def kernel_name(self, term: Term, default: str = "") -> str:
         """`"<component>:<kind>"` for a kernel term the program's lift named, else `default`."""
@@ -339,16 +341,17 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
             if call.term.op == "EpilogueReduce" and call.term in ctx.values:
                 bar.update(1)
                 continue  # a statistic to finish that is already finished (the XLA emitter's hosts compute it)
+            route = ctx.routes.get(call.term)  # backend "routed": the cost model's choice (`emit.backends.plan_routes`)
             with jax.named_scope(call.name):
                 if ctx.backend == "xla":
                     produced = xla.emit_kernel(call, ctx)
-                elif ctx.backend == "hybrid" and runs_in_library(call.term):
+                elif (ctx.backend == "hybrid" and runs_in_library(call.term)) or route == "library":
                     # A library kernel finishes only the statistics it alone hosts; shared ones are
                     # reduced by the driver after their last host (its partials are not written here).
                     own = tuple(r for r in call.hosted if host_count[r] == 1)
                     produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
                 else:
-                    produced = emit_on_mosaic(call, ctx) if ctx.backend == "mosaic" else None
+                    produced = emit_on_mosaic(call, ctx) if ctx.backend == "mosaic" or route == "mosaic" else None
                     if produced is None:
                         produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
                 for term, value in produced.items():

@@ -30,6 +30,7 @@ misses a selection its own objective prices lower), so `h100` stays the default.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # A calibrated device's time per byte and per vector flop as multiples of the data sheet's, one
@@ -52,6 +53,10 @@ class Device:
     launch_overhead: float  # seconds per kernel
     link_bandwidth: float = 450e9  # bytes / second one device receives from its peers (NVLink 4: 450 GB/s each way)
     calibrated: bool = False
+    # Which templates emit the dense kernels (`eqsat.cost.backends`): "triton" (the Pallas Triton
+    # templates, as before), "mosaic" (the Mosaic GPU ones), "hybrid" (convs and matmuls as XLA
+    # library calls), "auto" (per kernel, whichever of those the model prices lowest).
+    backend: str = "triton"
 
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds to move `nbytes` to or from HBM in our kernels."""
@@ -79,10 +84,29 @@ CPU = Device("cpu", hbm_bandwidth=50e9, peak_fp16=1e12, peak_fp32=1e12, launch_o
 DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, H100_CALIBRATED, H200_CALIBRATED, A100, CPU)}
 
 
+BACKENDS = ("triton", "mosaic", "hybrid", "auto")
+
+
+def with_backend(device: "str | Device", backend: str) -> Device:
+    """`device` whose dense kernels are priced as `backend`'s templates emit them (`BACKENDS`),
+    named `<profile>+<backend>` (`h100+mosaic`; the default `triton` keeps the bare name) so that a
+    plan's device name (`Plan.device`) says it too: `get_device("h100+mosaic")` is this device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown cost backend {backend!r}; known: {BACKENDS}")
+    device = get_device(device)
+    if device.backend == backend:
+        return device
+    base = device.name.split("+", 1)[0]
+    return dataclasses.replace(device, backend=backend, name=base if backend == "triton" else f"{base}+{backend}")
+
+
 def get_device(device: "str | Device") -> Device:
     """`get_device("h100")` -> `H100`; a `Device` passes through."""
     if isinstance(device, Device):
         return device
+    if "+" in device:  # a profile priced for a backend: "h100+mosaic"
+        base, backend = device.split("+", 1)
+        return with_backend(get_device(base), backend)
     key = device.lower().replace(" ", "").replace("-", "").replace("_", "")
     for alias, name in (("h100sxm", "h100"), ("h200sxm", "h200"), ("a100sxm", "a100"),
                         ("h100calibrated", "h100-calibrated"), ("h200calibrated", "h200-calibrated")):

@@ -73,7 +73,9 @@ from __future__ import annotations
 import weakref
 from typing import Iterable, Sequence
 
-from eqsat.cost.devices import Device, get_device
+from eqsat.cost.backends import DENSE as ROUTED_OPS
+from eqsat.cost.backends import hosted_extra, library_cost, mosaic_cost, node_route_cost, routes_for
+from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosted_reductions, hosts_of, side_inputs
 from eqsat.cost.merges import (FINISHED_READERS, MERGE_SHARE_GOAL, finalize_cost, reader_merge_flops,  # noqa: F401
                                statistics_read)
@@ -107,6 +109,10 @@ def node_cost(op: str, args: Sequence, device: "str | Device" = "h100", weight_e
     device = get_device(device)
     if op not in KNOWN_OPS:
         return ZERO
+    if device.backend != "triton" and op in ROUTED_OPS:  # priced as the backend emits it (`eqsat.cost.backends`)
+        triton = node_cost(op, args, with_backend(device, "triton"), weight_elements, conv_ranges)
+        return min((node_route_cost(op, args, route, device, triton, conv_ranges)
+                    for route in routes_for(op, args, device)), key=lambda cost: cost.seconds)
     flops = own_flops(op, args, weight_elements)
     nbytes = own_bytes(op, args)
     if op in HOSTED_OPS:
@@ -214,6 +220,8 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozens
     device = get_device(device)
     if kernel.op not in KERNEL_OPS and kernel.op not in HOSTED_OPS:
         return ZERO
+    if device.backend != "triton" and kernel.op in ROUTED_OPS:  # priced as the backend emits it
+        return choose_route(kernel, device, finished)[1]
     reads = kernel_reads(kernel)
     for tensor in reads:
         if tensor in finished:
@@ -245,6 +253,33 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozens
         # The body's kernels, once per launch of the loop (trip counts live in the payload).
         body = dag_cost(list_items(kernel.args[2]), device)
     return Cost(nbytes, dense_flops + vector_flops, seconds) + body + merge_cost(kernel, device, finished)
+
+
+def route_cost(kernel: Term, route: str, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> Cost:
+    """A `Matmul`, `Conv` or `Attention` kernel priced as `route` ("triton", "mosaic", "library")
+    emits it on `device`, whatever its backend field (`eqsat.cost.backends`)."""
+    triton = with_backend(device, "triton")
+    if route == "triton":
+        return kernel_cost(kernel, triton, finished)
+    if route == "mosaic":
+        return mosaic_cost(kernel, triton, kernel_reads(kernel), finished)
+    if route == "library":
+        return library_cost(kernel, triton, kernel_reads(kernel), finished)
+    raise ValueError(f"unknown route {route!r}")
+
+
+def choose_route(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset(),
+                 hosted: Sequence[Term] = ()) -> tuple[str, Cost]:
+    """(route, cost) of a dense kernel on `device`: its backend's route, or under `auto` the one it
+    prices lowest (ties: Triton, then Mosaic), counting the reduce kernels of the statistics the
+    plan hosts on it (`hosted`) that a route other than Triton runs (`eqsat.cost.backends.hosted_extra`)."""
+    best = None
+    for route in routes_for(kernel.op, args_of(kernel), device, kernel):
+        cost = route_cost(kernel, route, device, finished)
+        total = cost.seconds + sum(hosted_extra(r, route, device).seconds for r in hosted)
+        if best is None or total < best[0]:
+            best = (total, route, cost)
+    return best[1], best[2]
 
 
 def merge_cost(kernel: Term, device: "str | Device" = "h100", finished: frozenset = frozenset()) -> Cost:
@@ -336,20 +371,55 @@ def count_kernels(roots: Iterable[Term], device: "str | Device" = "h100") -> int
 
 def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     """The cost of computing `roots`: each distinct kernel once (shared tensors are paid once),
-    hosted statistics in their hosts, and the finalize of each statistic the plan finishes once."""
+    hosted statistics in their hosts, and the finalize of each statistic the plan finishes once.
+    On a device whose backend routes dense kernels (`eqsat.cost.backends`), a statistic with a host
+    on a route that writes no partials (Mosaic, the library) is reduced by its own kernel after its
+    last host (`driver_reduced`), and read finished."""
+    device = get_device(device)
     roots = list(roots)
     hosting = hosted_reductions(roots)
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
+    routes, reduced = driver_reduced(order, hosting, device, finished)
+    readers_see = finished | reduced
     total = Cost()
     for kernel in order:
-        total = total + kernel_cost(kernel, device, finished)
+        if id(kernel) in routes:
+            total = total + route_cost(kernel, routes[id(kernel)], device, readers_see)
+        else:
+            total = total + kernel_cost(kernel, device, readers_see)
     for reduction, hosts in hosting.items():
-        if hosts is not None:
+        if reduction in reduced:
+            total = total + hosted_extra(reduction, "mosaic", device)
+        elif hosts is not None:
             total = total + hosted_cost(reduction, device)
-    for statistic in finished:
+    for statistic in finished - reduced:
         total = total + finalize_cost(statistic, device)
     return total
+
+
+def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finished: frozenset = frozenset()
+                   ) -> tuple[dict[int, str], frozenset]:
+    """(id of each dense kernel -> its route, the hosted statistics reduced by their own kernel):
+    on a device whose backend is not `triton`, each dense kernel's `choose_route` (with the
+    statistics it hosts), and the statistics with a host on Mosaic or the library, which write no
+    partials (`emit.pallas.run_kernels` then reduces the statistic after its last host)."""
+    device = get_device(device)
+    if device.backend == "triton":
+        return {}, frozenset()
+    hosted_on: dict[int, list] = {}
+    for reduction, hosts in hosting.items():
+        for host in hosts or ():
+            hosted_on.setdefault(id(host), []).append(reduction)
+    routes: dict[int, str] = {}
+    reduced = set()
+    for kernel in order:
+        if kernel.op in ROUTED_OPS:
+            hosted = hosted_on.get(id(kernel), ())
+            routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
+            if route != "triton":
+                reduced.update(hosted)
+    return routes, frozenset(reduced)
 
 
 def finished_statistics(kernels: Sequence, hosting: dict, device="h100", outputs: Iterable = (),

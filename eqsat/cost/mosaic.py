@@ -1,0 +1,453 @@
+"""What a Mosaic GPU template executes, read from the template's own configuration.
+
+`eqsat.cost.work` states the Pallas Triton templates' work; this module states the Mosaic GPU
+templates' (`emit/mosaic/`), from the objects they build their kernels with (`MosaicBlocks`, the
+conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionBlocks`,
+`padded_head`: `eqsat.tiling.mosaic`, which the templates import), so the model cannot drift from them:
+
+| template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
+|---|---|---|---|---|
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]`, B `[K↑, cta_n]`, epilogue tiles / vectors | an operand that is not a view of one tensor in `[batch, rows, K]` order or that the tiles do not divide: written laid out (its prologue computed once there); the padded output sliced back |
+| conv | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
+| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
+
+↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
+
+`MosaicWork` holds that work: a `TemplateWork` (template `mosaic.<kind>`, CTAs as programs, the
+padded wgmma flops, pipeline steps; `eqsat.cost.work`'s waves, serial steps and SM utilization
+apply to it as to the Triton templates), the pipeline `stages`, the TMA bytes and the distinct
+bytes the kernel itself reads from HBM (the laid-out operands), and the `Glue` fusions with their
+HBM bytes. `eqsat.cost.backends` prices it with the roofline's own pieces:
+
+    launch · (1 + glue fusions) + HBM bytes (the kernel's distinct reads and writes, as the roofline
+    counts them, + each fusion's laid-out write and its read by the kernel) / bandwidth
+    + vector flops (operand expressions once per element, in their fusion; the epilogue on the padded tile)
+    + the dense work as the Triton templates' is priced: on the data sheet the useful flops at the
+      peak; on a calibrated device `work.mma_seconds` of the padded wgmma (and the attention's
+      softmax instructions), and its TMA bytes beyond the distinct ones (re-reads served by L2) at
+      L2_BANDWIDTH, overlapped with it (the longer of the two; a one-stage ring adds them)
+
+No Mosaic template has been timed on a GPU yet: their `TEMPLATE_FACTORS` are absent (factor 1,
+no serial-step time), so on a calibrated device the Mosaic kernels run at the wgmma peak while the
+Triton ones carry their measured 4-8x: an optimistic comparison until `benchmarks.calibration`
+fits them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from eqsat.conv_params import ConvParams
+from eqsat.cost.terms import (COMPUTE_OPS, VIEW_OPS, Term, args_of, compute_flops, expr_nodes, itemsize_of,
+                              own_flops, reduction_flops, size_of)
+from eqsat.cost.tiles import conv_parts
+from eqsat.cost.work import TemplateWork
+from eqsat.tiling.conv import ConvGeometry
+from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
+                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps)
+from eqsat.types import ints, parse_type
+
+MOSAIC_OPS = frozenset({"Matmul", "Conv", "Attention"})
+# L2 -> SM bandwidth of an H100 SXM: 5.5 TB/s measured on the H100 PCIe's 114 SMs (Chips and Cheese,
+# "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; NVIDIA publishes none) scaled to 132 SMs:
+# the rate at which a conv's tap re-reads and a matmul's repeated A and B tiles reach SMEM beyond
+# their first read from HBM. With >= 2 pipeline stages those loads overlap the wgmma (the loop
+# takes the longer of the two); with one they add.
+L2_BANDWIDTH = 5.5e12 * 132 / 114
+# Instructions per score of the Mosaic attention's online softmax, counted from its source
+# (`emit/mosaic/attention.py`: one FMA into base 2, a max, an `ex2.approx`, the row-sum add, the
+# conversion of P to 16 bits; masks on the last key block only), not measured on its PTX.
+SOFTMAX_INSTRUCTIONS_PER_SCORE = 6
+INSTRUCTION_FLOPS = 2
+
+
+@dataclass(frozen=True)
+class Glue:
+    """An XLA fusion the template launches before or after its kernel: the laid-out copy it writes
+    (which the kernel then reads), and what else it reads beyond what the roofline already charges
+    the kernel (the kernel's sources are read once, by the fusion instead of the kernel; a padded
+    output is written by the kernel and read back by the slice)."""
+
+    what: str
+    write_bytes: float
+    read_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        """HBM bytes it adds: its copy written and read by the kernel, and its other reads."""
+        return 2 * self.write_bytes + self.read_bytes
+
+
+@dataclass(frozen=True)
+class MosaicWork:
+    """The work of one kernel as its Mosaic GPU template's configuration runs it."""
+
+    work: TemplateWork                 # template "mosaic.<kind>", CTAs, padded wgmma flops, pipeline steps
+    stages: int                        # SMEM buffers in flight
+    tma_bytes: float                   # global -> SMEM TMA loads of all CTAs (re-reads included)
+    kernel_read_bytes: float           # distinct bytes the kernel reads (its laid-out operands)
+    store_bytes: float                 # the kernel's TMA stores (its padded output)
+    padded_outputs: int                # output elements the epilogue runs on (the padded tile grid)
+    glue: tuple[Glue, ...] = field(default_factory=tuple)
+    warpgroups: int = 3                # the memory warpgroup and the compute ones (128 threads each)
+
+    @property
+    def ctas(self) -> int:
+        return self.work.programs
+
+    @property
+    def wgmma_flops(self) -> float:
+        return self.work.mma_flops
+
+    @property
+    def glue_launches(self) -> int:
+        return len(self.glue)
+
+    @property
+    def glue_bytes(self) -> float:
+        return sum(g.bytes for g in self.glue)
+
+    @property
+    def l2_bytes(self) -> float:
+        """TMA bytes beyond each laid-out operand's first read from HBM: served by L2."""
+        return max(0.0, self.tma_bytes - self.kernel_read_bytes)
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _itemsize(ty: str) -> int:
+    return itemsize_of(parse_type(ty).dtype)
+
+
+def covers(op: str, args) -> bool:
+    """Whether a Mosaic template takes a kernel of `op` with these argument types (else the
+    `mosaic` backend runs it through its Triton template): 16-bit operands of one dtype, a float
+    result; a conv that is 2-D, ungrouped, not transposed; a padded head of at most 192 lanes."""
+    if op not in MOSAIC_OPS:
+        return False
+    out_ty = args[-1]
+    operands = (args[0], args[1]) if op != "Attention" else (args[0], args[1], args[2])
+    dtypes = {parse_type(t).dtype for t in operands if isinstance(t, str)}
+    out = parse_type(out_ty).dtype if isinstance(out_ty, str) else ""
+    if len(dtypes) != 1 or next(iter(dtypes)) not in MMA_DTYPES or out not in ("float16", "bfloat16", "float32"):
+        return False
+    if op == "Conv":
+        try:
+            _conv_geometry(args[0], args[1], args[2], args[4])
+        except (ValueError, NotImplementedError):
+            return False
+    if op == "Attention":
+        shapes = [parse_type(t).shape for t in operands]
+        if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2] or padded_head(shapes[0][3]) > MAX_HEAD:
+            return False
+    return True
+
+
+def covers_term(kernel: Term) -> bool:
+    """`covers` for a kernel term, and its epilogue only of the ops the template maps onto its
+    output tile (`EPILOGUE_OPS`; an `Iota` or a `Concat` there goes to the Triton template)."""
+    if not covers(kernel.op, args_of(kernel)):
+        return False
+    epilogue = kernel.args[5] if kernel.op == "Attention" else kernel.args[3]
+    allowed = ATTENTION_EPILOGUE_OPS if kernel.op == "Attention" else EPILOGUE_OPS
+    return all(node.op in allowed for node in expr_nodes(epilogue))
+
+
+# --- operand expressions -------------------------------------------------------------------------
+
+
+def in_place(expr: Term | None) -> bool:
+    """Whether an operand expression is one tensor read as it lies (a `Load`, through reshapes):
+    the template's TMA reads it without a copy. None (types only, an e-node): assumed so."""
+    if expr is None:
+        return True
+    while expr.op == "Reshape":
+        expr = expr.args[0]
+    return expr.op == "Load"
+
+
+def is_view(expr: Term | None) -> bool:
+    """Whether an operand expression computes nothing (loads and index arithmetic only)."""
+    if expr is None:
+        return True
+    return all(node.op in VIEW_OPS or node.op in ("Load", "Lit") for node in expr_nodes(expr))
+
+
+def once_flops(*exprs: Term) -> float:
+    """Vector flops of expressions computed once per element (as an XLA fusion does)."""
+    flops, seen = 0.0, set()
+    for expr in exprs:
+        for node in expr_nodes(expr):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op in COMPUTE_OPS:
+                flops += compute_flops(node.op, node.args[0], size_of(node.ty))
+            elif node.op == "RowReduce":
+                flops += reduction_flops(node.args[0], size_of(node.args[1].ty))
+    return flops
+
+
+@dataclass(frozen=True)
+class EpilogueReads:
+    """The epilogue's operands as the Mosaic templates lay them out (`mapped_operands`): tiles
+    (a residual: `[rows, columns]`), column vectors (a bias) and row vectors, with their itemsizes."""
+
+    tiles: tuple[int, ...] = ()
+    cols: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
+
+    @property
+    def smem_operands(self) -> list[tuple[str, int]]:
+        """(kind, itemsize) of each, as `emit.mosaic.matmul.smem_bytes` takes them."""
+        return ([("tile", i) for i in self.tiles] + [("col", i) for i in self.cols]
+                + [("row", i) for i in self.rows])
+
+    @classmethod
+    def of(cls, epilogue: Term | None, out_elements: int, rows: int) -> "EpilogueReads":
+        """By size: a loaded tensor of the output's size is a tile, one of `rows` elements (when not
+        the column count) a row vector, anything else a column vector."""
+        if epilogue is None:
+            return cls()
+        tiles, cols, row_vectors, seen = [], [], [], set()
+        for node in expr_nodes(epilogue):
+            if node.op != "Load" or id(node.args[0]) in seen:
+                continue
+            tensor = node.args[0]
+            seen.add(id(tensor))
+            size, item = size_of(tensor.ty), _itemsize(tensor.ty)
+            if size >= out_elements:
+                tiles.append(item)
+            elif size == rows and out_elements // max(rows, 1) != rows:
+                row_vectors.append(item)
+            else:
+                cols.append(item)
+        return cls(tuple(tiles), tuple(cols), tuple(row_vectors))
+
+
+# --- matmul ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatmulLayout:
+    batch: int
+    m: int
+    n: int
+    k: int
+    lhs_ordered: bool   # A's axes are (batch, rows, K) already
+    rhs_ordered: bool   # B's axes are (batch, K, columns) already
+
+
+def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
+    lhs, rhs = parse_type(lhs_ty).shape, parse_type(rhs_ty).shape
+    lc, rc, lb, rb = (ints(part) if part else () for part in (dims.split(";") + ["", "", "", ""])[:4])
+    lf = tuple(a for a in range(len(lhs)) if a not in lc and a not in lb)
+    rf = tuple(a for a in range(len(rhs)) if a not in rc and a not in rb)
+    batch, k = math.prod(lhs[a] for a in lb), math.prod(lhs[a] for a in lc)
+    m, n = math.prod(lhs[a] for a in lf), math.prod(rhs[a] for a in rf)
+    return MatmulLayout(batch, m, n, k, (*lb, *lf, *lc) == tuple(range(len(lhs))),
+                        (*rb, *rc, *rf) == tuple(range(len(rhs))))
+
+
+def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
+    """The template's `MosaicBlocks` for an `m x k @ k x n` matmul (`emit.mosaic.matmul`)."""
+    return MosaicBlocks.get_default(max(m, 1), max(n, 1), max(k, 1))
+
+
+def matmul_work(term: Term) -> MosaicWork:
+    lhs, rhs, dims, epilogue, ty = term.args
+    return matmul_work_of(lhs.ty, rhs.ty, dims, ty, lhs, rhs, epilogue)
+
+
+def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term | None = None,
+                   rhs: Term | None = None, epilogue: Term | None = None) -> MosaicWork:
+    """`emit.mosaic.matmul.build` on these operands: its CTAs, wgmma, TMA bytes and the fusions
+    that lay A and B out (an operand computed or permuted, or padded to the tiles) and slice the
+    padded output. From types alone (an e-node) operands are taken as read in place."""
+    shape = matmul_layout(lhs_ty, rhs_ty, dims)
+    item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
+    blocks = fit_smem(matmul_blocks(shape.m, shape.n, shape.k), item, out_item, reads.smem_operands)
+    mp, np_, kp = (_round_up(shape.m, blocks.tile_m), _round_up(shape.n, blocks.cta_tile_n),
+                   _round_up(shape.k, blocks.tile_k))
+    ctas = shape.batch * (mp // blocks.tile_m) * (np_ // blocks.cta_tile_n)
+    a_bytes, b_bytes = shape.batch * mp * kp * item, shape.batch * kp * np_ * item
+    glue = []
+    if not (in_place(lhs) and shape.lhs_ordered and is_view(lhs)) or (mp, kp) != (shape.m, shape.k):
+        glue.append(Glue("A laid out", a_bytes))
+    if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs)) or (kp, np_) != (shape.k, shape.n):
+        glue.append(Glue("B laid out", b_bytes))
+    tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
+    tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
+                   + sum(reads.rows) * blocks.tile_m)
+    epilogue_read = shape.batch * (sum(reads.tiles) * mp * np_ + sum(reads.cols) * np_ + sum(reads.rows) * mp)
+    if (mp, np_) != (shape.m, shape.n):
+        for item_bytes in reads.tiles:
+            glue.append(Glue("residual padded", shape.batch * mp * np_ * item_bytes))
+        store = shape.batch * mp * np_ * out_item
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))  # the padded store, read back
+    work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
+                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k)
+    return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
+                      shape.batch * mp * np_ * out_item, shape.batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
+
+
+# --- conv ----------------------------------------------------------------------------------------
+
+
+def _conv_geometry(lhs_ty: str, rhs_ty: str, params: str, out_ty: str) -> ConvGeometry:
+    p = ConvParams.parse(params)
+    geometry = ConvGeometry(p, parse_type(lhs_ty).shape, parse_type(rhs_ty).shape, parse_type(out_ty).shape)
+    if any(lo < 0 or hi < 0 for lo, hi in p.padding):
+        raise NotImplementedError(f"negative padding {p.padding}")
+    return geometry
+
+
+def conv_ranges(term: Term) -> list[tuple[int, int]]:
+    """A `Conv` term's K ranges as the template runs them (`emit.pallas.conv.k_ranges`: the input
+    channels split where the input or the weight is a concat): `(channels, taps)` each."""
+    lhs, rhs, params, _epilogue, _ty = term.args
+    p = ConvParams.parse(params)
+    window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    return [(round(parse_type(part.ty).shape[p.lhs_spec[1]] * fraction), taps)
+            for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window)]
+
+
+def window_of(taps: int, window: tuple[int, int]) -> tuple:
+    """The window a K range of `taps` nonzero weight taps runs: the whole window, or one tap (a
+    merged 1x1 shortcut: its centre). Where in the window it lies changes which shifted copy its
+    steps read, not how many steps, copies or bytes."""
+    kh, kw = window
+    if taps == 1 and (kh, kw) != (1, 1):
+        return (kh // 2, kh // 2 + 1), (kw // 2, kw // 2 + 1)
+    return (0, kh), (0, kw)
+
+
+def conv_work(term: Term) -> MosaicWork:
+    lhs, rhs, params, epilogue, ty = term.args
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue)
+
+
+def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
+                 epilogue: Term | None = None) -> MosaicWork:
+    """`emit.mosaic.conv.build` on this conv: the flat padded grid's CTAs, its pipeline steps
+    (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
+    and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
+    `[steps·64, N↑]`, a residual gathered onto the flat grid, the output unflattened. `ranges`:
+    `(channels, taps)` per K range (`conv_ranges`; an e-node's: the weight's, as
+    `eqsat.cost.work.conv_weight_ranges` reads them), or `(channels, window)`; default one range
+    over the whole window."""
+
+    geometry = _conv_geometry(lhs_ty, rhs_ty, params, out_ty)
+    grid = FlatGrid(geometry)
+    window = tuple(geometry.window)
+    if ranges is None:
+        ranges = [(geometry.in_features, math.prod(window))]
+    ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
+    taps = plan_taps(grid, ranges)
+    steps = sum(r.steps for r in taps)
+    cout = geometry.out_features
+    item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    out_elements = size_of(out_ty)
+    reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    blocks = fit_smem(default_blocks(grid, cout, steps), item, out_item, reads.smem_operands)
+    m_padded = _round_up(grid.rows, blocks.tile_m)
+    n_padded = _round_up(cout, blocks.cta_tile_n)
+    ctas = (m_padded // blocks.tile_m) * (n_padded // blocks.cta_tile_n)
+    columns = sum(r.column_blocks(grid.phases) * CHUNK for r in taps)
+    a_bytes = (m_padded + grid.halo) * columns * item
+    b_bytes = steps * CHUNK * n_padded * item
+    glue = [Glue("input laid out", a_bytes), Glue("weights laid out", b_bytes)]
+    for item_bytes in reads.tiles:
+        glue.append(Glue("residual on the flat grid", m_padded * cout * item_bytes))
+    store = m_padded * n_padded * out_item
+    glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
+    tma = ctas * steps * CHUNK * (blocks.tile_m + blocks.cta_tile_n) * item
+    tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n)
+    epilogue_read = sum(reads.tiles) * m_padded * n_padded + sum(reads.cols) * n_padded
+    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
+    work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * m_padded * n_padded * steps * CHUNK, useful,
+                        steps=steps)
+    return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read, store, m_padded * n_padded,
+                      tuple(glue), blocks.compute_wgs + 1)
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+
+def attention_work(term: Term) -> MosaicWork:
+    q, k, v, bias, _scale, _epilogue, ty = term.args
+    has_bias = not (bias.op == "Lit" and bias.args[0] == 0.0)
+    bias_ty = bias.ty if has_bias else None
+    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v)
+
+
+def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = None, q: Term | None = None,
+                      v: Term | None = None) -> MosaicWork:
+    """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
+    padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
+    key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
+
+    batch, heads, q_len, head_dim = parse_type(q_ty).shape
+    kv_len = parse_type(k_ty).shape[2]
+    blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    head = padded_head(head_dim)
+    rows = blocks.block_q * blocks.compute_wgs
+    q_pad, kv_pad = _round_up(q_len, rows), _round_up(kv_len, blocks.block_kv)
+    item, out_item = _itemsize(q_ty), _itemsize(out_ty)
+    bh = batch * heads
+    ctas = bh * (q_pad // rows)
+    kv_steps = kv_pad // blocks.block_kv
+    dtype, out_dtype = parse_type(q_ty).dtype, parse_type(out_ty).dtype
+    ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
+                    bias_ty is not None)
+    q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
+    glue = [Glue("K transposed", kv_bytes)]
+    if not is_view(q) or (q_pad, head) != (q_len, head_dim):
+        glue.append(Glue("q laid out", q_bytes))
+    if not is_view(v) or (kv_pad, head) != (kv_len, head_dim):
+        glue.append(Glue("v laid out", kv_bytes))
+    tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
+    kernel_reads = q_bytes + 2 * kv_bytes
+    if bias_ty is not None:
+        b_shape = parse_type(bias_ty).shape
+        lead = math.prod(b_shape[:-2]) if len(b_shape) > 2 else 1
+        bias_bytes = lead * q_pad * kv_pad * 4
+        glue.append(Glue("bias materialized", bias_bytes))
+        tma += ctas * kv_steps * rows * blocks.block_kv * 4
+        kernel_reads += bias_bytes
+    store = bh * q_pad * head * out_item
+    if (q_pad, head) != (q_len, head_dim):
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))
+    scores = bh * q_pad * kv_pad
+    work = TemplateWork("mosaic.attention", ctas, "wgmma", 4.0 * scores * head,
+                        own_flops("Attention", (q_ty, k_ty)), steps=kv_steps,
+                        alu_flops=scores * SOFTMAX_INSTRUCTIONS_PER_SCORE * INSTRUCTION_FLOPS)
+    return MosaicWork(work, ring, tma, kernel_reads, store, bh * q_pad * head, tuple(glue),
+                      blocks.compute_wgs + 1)
+
+
+def mosaic_work(kernel: Term) -> MosaicWork:
+    """The `MosaicWork` of a `Matmul`, `Conv` or `Attention` kernel term."""
+    if kernel.op == "Matmul":
+        return matmul_work(kernel)
+    if kernel.op == "Conv":
+        return conv_work(kernel)
+    if kernel.op == "Attention":
+        return attention_work(kernel)
+    raise ValueError(f"no Mosaic template for {kernel.op}")
+
+
+def node_mosaic_work(op: str, args, ranges=None) -> MosaicWork:
+    """`mosaic_work` of a dense e-node from its argument types (operands read in place); a conv's
+    weight K ranges `(channels, taps)` when known."""
+    if op == "Matmul":
+        return matmul_work_of(args[0], args[1], args[2], args[4])
+    if op == "Conv":
+        return conv_work_of(args[0], args[1], args[2], args[4], ranges)
+    if op == "Attention":  # an e-node's bias is a type, not a value: priced as none (a zero bias)
+        return attention_work_of(args[0], args[1], args[-1])
+    raise ValueError(f"no Mosaic template for {op}")

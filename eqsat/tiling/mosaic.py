@@ -1,0 +1,285 @@
+"""How the Mosaic GPU templates (`emit/mosaic/`) tile their work: pure arithmetic on shapes, read by
+the templates and by the cost model (`eqsat.cost.mosaic`) alike.
+
+    MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
+    FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
+    AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
+    swizzle_for, attention_smem_bytes, fit_ring
+
+Itemsizes are plain byte counts here; the templates pass their dtypes' (`jnp.dtype(d).itemsize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from eqsat.tiling.conv import ConvGeometry
+
+# An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
+SMEM_BYTES = 232448 - 1024
+MMA_DTYPES = ("float16", "bfloat16")  # what the templates' wgmma multiplies (two of one of these)
+# Epilogue ops the templates map onto the output tile (views and elementwise ops; the matmul's and
+# the conv's also read operand tiles): an epilogue with any other goes to the Triton template.
+EPILOGUE_OPS = frozenset({"Acc", "Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose", "Broadcast",
+                          "Slice"})
+ATTENTION_EPILOGUE_OPS = frozenset({"Acc", "Lit", "Unary", "Binary", "Select"})
+
+
+# --- matmul -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+    """Tiles and pipeline depth of one Mosaic matmul kernel.
+
+    `tile_m` rows and `tile_n` columns per compute warpgroup (`compute_wgs` of them side by side
+    along N), `tile_k` per pipeline step (64 halves = one 128-byte swizzle row), `stages` SMEM
+    buffers in flight, `epi_m x epi_n` epilogue sub-tiles."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    compute_wgs: int = 2
+    epi_m: int = 64
+    epi_n: int = 64
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * self.compute_wgs
+
+    @classmethod
+    def get_default(cls, m: int, n: int, k: int) -> "MosaicBlocks":
+        """The CTA tile (`tile_m` 64 or 128; `compute_wgs` x `tile_n` of 64 or 128 columns) that pads
+        M and N least, the larger tile among equals: 4096 x 1280 gets 128 x 256 (two 128 x 128
+        warpgroups), N = 320 one 128 x 64 warpgroup (320 = 5 x 64: no padded column), 154 rows
+        64-row tiles (192 rows, not 256)."""
+        def padded(size, tile):
+            return -(-size // tile) * tile
+
+        tile_m = min((128, 64), key=lambda t: (padded(m, t), -t))
+        tile_n, compute_wgs = min(((128, 2), (64, 2), (128, 1), (64, 1)),
+                                  key=lambda c: (padded(n, c[0] * c[1]), -c[0] * c[1]))
+        k_steps = -(-k // 64)
+        return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
+
+    def validate(self) -> None:
+        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
+            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k} must be multiples of 64 "
+                             "(wgmma rows per warpgroup; 128-byte swizzle of halves)")
+        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+            raise ValueError(f"epilogue tile {self.epi_m}x{self.epi_n} must divide {self.tile_m}x{self.tile_n}")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages}: the pipeline releases buffers one step late, it needs >= 2")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+
+
+def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
+                      operands: Sequence[tuple[str, int]] = ()) -> int:
+    """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
+    tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
+    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
+    wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
+    ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
+    epilogue = wgs * 2 * em * en * out_itemsize
+    for kind, size in operands:
+        epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
+    return ring + epilogue
+
+
+def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
+             operands: Sequence[tuple[str, int]] = ()) -> MosaicBlocks:
+    """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
+    buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4 (4 need 246,880
+    bytes, over the 232,448 Mosaic allows)."""
+    while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
+        blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
+    return blocks
+
+
+# --- conv ---------------------------------------------------------------------------------------
+
+CHUNK = 64  # input channels per pipeline step: one 128-byte swizzle row of halves
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeTaps:
+    """One K range as pipeline steps: `channels` input channels (their `chunks` of 64 side by side
+    in each of the input's stride phases, from column block `column_block`), the window taps
+    `((ky0, ky1), (kx0, kx1))` it runs, `first_step` its first pipeline step."""
+
+    channels: int
+    taps: tuple[tuple[int, int], tuple[int, int]]
+    column_block: int
+    first_step: int
+    shifts: tuple[int, int] = (0, 1)  # the column shifts [j0, j1) its taps read (`FlatGrid.tap_shift`)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.channels // CHUNK)
+
+    @property
+    def tap_list(self) -> list[tuple[int, int]]:
+        (y0, y1), (x0, x1) = self.taps
+        return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
+
+    @property
+    def steps(self) -> int:
+        return len(self.tap_list) * self.chunks
+
+    def column_blocks(self, phases: int) -> int:
+        return (self.shifts[1] - self.shifts[0]) * phases * self.chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatGrid:
+    """The flat padded grid of one conv (`emit.mosaic.conv`): phase images `Hi x Wq`,
+    `phases = sy * sx`, the output `Ho x Wo` in its top-left corner."""
+
+    geometry: ConvGeometry
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        return tuple(self.geometry.params.strides)
+
+    @property
+    def phase_size(self) -> tuple[int, int]:
+        """(rows, row pitch) of a phase image: the pitch rounded up to 8 pixels, so a row shift is
+        a whole number of the SMEM tiles (8 rows) a TMA copy fills."""
+        (pad_y, pad_y1), (pad_x, pad_x1) = self.geometry.params.padding
+        (h, w), (sy, sx) = self.geometry.in_size, self.strides
+        width = -(-(w + pad_x + pad_x1) // sx)
+        return -(-(h + pad_y + pad_y1) // sy), -(-width // 8) * 8
+
+    @property
+    def phases(self) -> int:
+        return self.strides[0] * self.strides[1]
+
+    @property
+    def rows(self) -> int:
+        hi, wq = self.phase_size
+        return self.geometry.batch * hi * wq
+
+    def tap_shift(self, ky: int, kx: int) -> tuple[int, int, int]:
+        """(phase, column shift j, row offset on the flat grid: a multiple of 8) of tap (ky, kx): it
+        reads the phase's copy shifted by j pixels at that row offset."""
+        (dy, dx), (sy, sx) = self.geometry.params.rhs_dilation, self.strides
+        ry, rx = ky * dy, kx * dx
+        return (ry % sy) * sx + rx % sx, rx // sx, (ry // sy) * self.phase_size[1]
+
+    @property
+    def halo(self) -> int:
+        (kh, kw) = self.geometry.window
+        return max(self.tap_shift(ky, kx)[2] for ky in range(kh) for kx in range(kw))
+
+
+def plan_taps(grid: FlatGrid, ranges: Sequence[tuple[int, tuple]]) -> list[RangeTaps]:
+    """The pipeline steps of K ranges `(channels, taps)`: each range's taps × its channel chunks, and
+    the column shifts its taps read."""
+    out, step, block = [], 0, 0
+    for channels, taps in ranges:
+        (y0, y1), (x0, x1) = taps
+        shifts = [grid.tap_shift(ky, kx)[1] for ky in range(y0, y1) for kx in range(x0, x1)]
+        r = RangeTaps(channels, taps, block, step, (min(shifts), max(shifts) + 1))
+        out.append(r)
+        step += r.steps
+        block += r.column_blocks(grid.phases)
+    return out
+
+
+def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> MosaicBlocks:
+    """The matmul template's default tiles for the flat grid (M = its rows, K = the steps), with
+    128-row tiles from 2048 rows on (the grid's rows are many; a 64-row tile halves the MMA work per
+    B tile loaded to save < 3 % of padded rows)."""
+    blocks = MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
+    return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+HEAD_QUANTUM = 16  # wgmma's K step for 16-bit operands: head dims pad to a multiple of it
+MAX_HEAD = 192  # padded head lanes whose two fp32 accumulators fit a compute warpgroup's registers
+
+
+def padded_head(head_dim: int) -> int:
+    """The head dim rounded up to wgmma's 16-element K step: 40 -> 48, 80 -> 80, 160 -> 160."""
+    return -(-head_dim // HEAD_QUANTUM) * HEAD_QUANTUM
+
+
+def swizzle_for(minor: int, itemsize: int) -> int | None:
+    """The widest swizzle (128, 64 or 32 bytes) that divides a tile row of `minor` elements of
+    `itemsize` bytes, or None."""
+    row_bytes = minor * itemsize
+    return next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+
+
+def key_quantum(head: int) -> int:
+    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: Kᵀ and P
+    tiles (keys along their rows) are swizzled like the head's tiles, so a row holds whole swizzle
+    groups (16 keys at a 32-byte swizzle, 32 at 64, 64 at 128)."""
+    swizzle = swizzle_for(head, 2)
+    if swizzle is None:
+        raise NotImplementedError(f"a tile row of {head * 2} bytes (swizzles need a multiple of 32)")
+    return swizzle // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Tiles of one Mosaic attention kernel: `block_q` query rows per compute warpgroup (64: one
+    wgmma M), `compute_wgs` of them per CTA, `block_kv` keys per step, `stages` K/V slots in the ring."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2
+    compute_wgs: int = 2
+
+    @classmethod
+    def get_default(cls, q_len: int, kv_len: int, head_dim: int) -> "AttentionBlocks":
+        """64-row query tiles (the wgmma M of one warpgroup), two compute warpgroups when the queries
+        fill 128-row CTAs (one for 64 or fewer); 64 keys per step, or a short context (<= 128 keys)
+        in one step of its length rounded up to the key quantum (77 keys: 80 slots at heads of 40
+        or 80, 96 at 160, 128 at 64; not 128 everywhere); a ring as deep as the key blocks, at most
+        3 (2 when the padded head exceeds 128 lanes: SMEM)."""
+        head = padded_head(head_dim)
+        quantum = key_quantum(head)
+        block_kv = -(-kv_len // quantum) * quantum if kv_len <= 128 else 64
+        steps = -(-kv_len // block_kv)
+        return cls(64, block_kv, stages=max(2, min(3 if head <= 128 else 2, steps)),
+                   compute_wgs=1 if q_len <= 64 else 2)
+
+    def validate(self) -> None:
+        if self.block_q != 64:
+            raise ValueError(f"block_q={self.block_q}: one warpgroup's wgmma covers 64 rows")
+        if self.block_kv % HEAD_QUANTUM or self.block_kv > 256:
+            raise ValueError(f"block_kv={self.block_kv} must be a multiple of {HEAD_QUANTUM} up to 256 (wgmma's K "
+                             "step for P·V, its N limit for Q·Kᵀ)")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1 (one slot: loads and MMAs take turns)")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+
+
+def attention_smem_bytes(blocks: AttentionBlocks, ring: int, head: int, itemsize: int, out_itemsize: int,
+                         own_out_slot: bool, has_bias: bool) -> int:
+    """Shared memory of one CTA: Q tiles (also the output's, unless `own_out_slot`: a result dtype
+    other than Q's), the ring's Kᵀ, V (and float32 bias) slots, P tiles."""
+    wgs, bq, bk = blocks.compute_wgs, blocks.block_q, blocks.block_kv
+    total = wgs * bq * head * itemsize + 2 * ring * bk * head * itemsize + wgs * bq * bk * itemsize
+    if own_out_slot:
+        total += wgs * bq * head * out_itemsize
+    if has_bias:
+        total += ring * wgs * bq * bk * 4
+    return total
+
+
+def fit_ring(blocks: AttentionBlocks, kv_len: int, head: int, itemsize: int, out_itemsize: int,
+             own_out_slot: bool, has_bias: bool) -> int:
+    """The K/V ring the attention kernel runs: as deep as `blocks.stages` and its key blocks allow,
+    shallower while it exceeds `SMEM_BYTES` (heads of 160 with a bias and a float32 result)."""
+    ring = min(blocks.stages, -(-kv_len // blocks.block_kv))
+    while ring > 1 and attention_smem_bytes(blocks, ring, head, itemsize, out_itemsize, own_out_slot,
+                                            has_bias) > SMEM_BYTES:
+        ring -= 1
+    return ring

@@ -1,0 +1,239 @@
+"""The cost model's Mosaic GPU work (`eqsat.cost.mosaic`) against what the Mosaic templates launch, the
+per-kernel backend choice (`eqsat.cost.backends`, `emit.backends.plan_routes`) and the `routed` backend.
+
+The templates' launches are read by tracing the emitted plan (`jax.eval_shape`, compiled mode) with
+`plgpu.kernel` replaced by a recorder: the grid, the template config and the operand arrays each
+Mosaic kernel is launched with; nothing runs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import emit
+import eqsat
+from benchmarks.mosaic_ptx import AttentionShape, attention_fn
+from emit.backends import TritonFallbackWarning, plan_routes
+from eqsat.cost import get_device, kernel_cost
+from eqsat.cost.backends import ROUTES, routes_for
+from eqsat.cost.roofline import choose_route as choose
+from eqsat.cost.roofline import route_cost
+from eqsat.cost.devices import with_backend
+from eqsat.cost.mosaic import mosaic_work
+from eqsat.cost.terms import args_of
+
+S, F16 = jax.ShapeDtypeStruct, jnp.float16
+DENSE = ("Matmul", "Conv", "Attention")
+
+
+def _plan(fn, args, backend="mosaic"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return eqsat.optimize(fn, progress=False, backend=backend, cache=False).lower(*args)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The Mosaic kernels an emitted plan launches: body, grid and operand shapes (nothing runs)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    recorded = []
+
+    def kernel(body, out_type, grid, **options):
+        def launch(*operands):
+            recorded.append({"body": body, "grid": tuple(grid), "operands": [(x.shape, jnp.dtype(x.dtype)) for x in operands]})
+            return jnp.zeros(out_type.shape, out_type.dtype)
+
+        return launch
+
+    monkeypatch.setattr(plgpu, "kernel", kernel)
+    return recorded
+
+
+def _implied(launch) -> dict:
+    """CTAs, wgmma flops, TMA bytes and stages a recorded launch's template config implies."""
+    from emit.mosaic import attention, matmul
+
+    body, grid, operands = launch["body"], launch["grid"], launch["operands"]
+    ctas = math.prod(grid)
+    if body.func is matmul._kernel:  # the matmul and the conv (an A window)
+        blocks, kinds, kp = body.keywords["blocks"], body.keywords["kinds"], body.keywords["k_padded"]
+        item = operands[0][1].itemsize
+        tma = ctas * kp * (blocks.tile_m + blocks.cta_tile_n) * item
+        for kind, (_shape, dtype) in zip(kinds, operands[2:]):
+            tma += ctas * dtype.itemsize * {"tile": blocks.tile_m * blocks.cta_tile_n, "col": blocks.cta_tile_n,
+                                             "row": blocks.tile_m}[kind]
+        return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.cta_tile_n * kp, "tma_bytes": tma,
+                "stages": blocks.stages}
+    assert body.func is attention._kernel
+    blocks = body.keywords["blocks"]
+    (_b, _h, head, kv_padded), item = operands[1][0], operands[0][1].itemsize  # Kᵀ [batch, heads, head, kv]
+    rows = blocks.block_q * blocks.compute_wgs
+    tma = ctas * rows * head * item + ctas * kv_padded * 2 * head * item
+    if body.keywords["has_bias"]:
+        tma += ctas * kv_padded * rows * 4
+    return {"ctas": ctas, "wgmma_flops": 4.0 * ctas * rows * kv_padded * head, "tma_bytes": tma,
+            "stages": blocks.stages}
+
+
+def _dense(x, w, b):
+    return x @ w + b
+
+
+def _gn_silu_conv(x, w, b, gamma, beta):
+    from sd15 import layers
+
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 2, 1e-5)))
+
+
+def _stride2_conv(x, w, b):
+    from sd15 import layers
+
+    return layers.conv2d({"c.weight": w, "c.bias": b}, "c", x, stride=2)
+
+
+def _attention(causal):
+    from sd15.layers import attention
+
+    mask = np.where(np.arange(77)[:, None] >= np.arange(77)[None, :], 0.0, np.finfo(np.float32).min).astype(np.float32)
+    return lambda q, k, v: attention(q, k, v, 2, bias=mask if causal else None)
+
+
+CASES = {
+    # 77 tokens, K = 40, N = 96: every side padded to the tiles
+    "matmul 77x40x96": (_dense, (S((77, 40), F16), S((40, 96), F16), S((96,), F16))),
+    # 15x15 image, GroupNorm with 3 channels per group + SiLU, 3x3 conv to 16 channels
+    "conv 15x15 gn": (_gn_silu_conv, (S((1, 15, 15, 6), F16), S((16, 6, 3, 3), F16), S((16,), F16),
+                                      S((6,), F16), S((6,), F16))),
+    "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
+    # 77 tokens, 2 heads of 40
+    "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),
+    "attention causal": (_attention(True), (S((2, 77, 80), F16),) * 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_model_matches_what_the_template_launches(case, launches):
+    """CTAs, wgmma flops (padded), TMA bytes and pipeline stages of every Mosaic kernel of the plan:
+    the model's (`mosaic_work`) equal what the template's launch implies."""
+    fn, args = CASES[case]
+    lowered = _plan(fn, args)
+    dense = [k.term for k in lowered.plan.kernels if k.op in DENSE]
+    assert dense, [k.kind for k in lowered.plan.kernels]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)  # every dense kernel on its Mosaic template
+        jax.eval_shape(emit.emit(lowered.plan, "mosaic", interpret=False), *args)
+    assert len(launches) == len(dense)
+    for term, launch in zip(dense, launches):
+        work = mosaic_work(term)
+        implied = _implied(launch)
+        modeled = {"ctas": work.ctas, "wgmma_flops": work.wgmma_flops, "tma_bytes": work.tma_bytes,
+                   "stages": work.stages}
+        assert modeled == implied, (term.op, modeled, implied)
+        assert work.wgmma_flops >= work.work.useful_mma_flops > 0
+
+
+def test_the_layout_fusions_the_model_counts():
+    """A 77-row matmul pads A and slices the output (two fusions); the conv lays its input and weights
+    out and unflattens its output; attention always transposes K."""
+    for case, expected in (("matmul 77x40x96", {"A laid out", "B laid out", "output sliced"}),
+                           ("conv 15x15 gn", {"input laid out", "weights laid out", "output unflattened"}),
+                           ("attention 77 head 40", {"K transposed", "q laid out", "v laid out", "output sliced"}),
+                           ("attention causal", {"K transposed", "bias materialized"})):
+        fn, args = CASES[case]
+        term = next(k.term for k in _plan(fn, args).plan.kernels if k.op in DENSE)
+        glue = {g.what for g in mosaic_work(term).glue}
+        assert expected <= glue, (case, glue)
+
+
+def test_smem_fit_keeps_the_stages_a_residual_leaves_room_for():
+    """A 128 x 256 tile with a residual in its epilogue fits 3 of its 4 stages in SMEM (4 overflowed
+    the H100's 232,448 bytes: 246,880 measured at compile); the model reads the same config."""
+    from emit.mosaic.matmul import SMEM_BYTES, MosaicBlocks, fit_smem, smem_bytes
+
+    blocks = MosaicBlocks.get_default(4096, 1280, 320)
+    assert (blocks.tile_m, blocks.cta_tile_n, blocks.stages) == (128, 256, 4)
+    assert smem_bytes(blocks, 2, 2, [("tile", 2)]) > SMEM_BYTES >= smem_bytes(blocks, 2, 2, [("col", 2)])
+    assert fit_smem(blocks, 2, 2, [("tile", 2)]).stages == 3
+    assert fit_smem(blocks, 2, 2, [("col", 2)]).stages == 4
+
+
+def test_auto_picks_what_the_model_prices_lowest():
+    """Under `auto` each dense kernel gets the route the model prices lowest, and each route wins
+    somewhere: Triton a short masked attention (Mosaic pays its layout fusions), Mosaic a long
+    attention on the calibrated profile (Triton's softmax costs its measured instructions), the
+    library a GroupNorm+SiLU conv on the calibrated profile."""
+    cases = (
+        (attention_fn(AttentionShape("clip", 1, 2, 77, 77, 40, causal=True)), (S((1, 77, 80), F16),) * 3,
+         "h100", "triton"),
+        (attention_fn(AttentionShape("unet32", 2, 8, 1024, 1024, 80)), (S((2, 1024, 640), F16),) * 3,
+         "h100-calibrated", "mosaic"),
+        (_gn_silu_conv, (S((2, 16, 16, 640), F16), S((640, 640, 3, 3), F16), S((640,), F16), S((640,), F16),
+                         S((640,), F16)), "h100-calibrated", "library"),
+    )
+    for fn, args, profile, winner in cases:
+        term = next(k.term for k in _plan(fn, args, backend="pallas").plan.kernels if k.op in DENSE)
+        device = with_backend(profile, "auto")
+        prices = {route: route_cost(term, route, device).seconds for route in routes_for(term.op, args_of(term), device)}
+        route, cost = choose(term, device)
+        assert route == min(prices, key=prices.get) == winner, prices
+        assert cost.seconds == prices[winner] == kernel_cost(term, device).seconds
+        assert kernel_cost(term, with_backend(profile, "triton")).seconds == prices["triton"]
+
+
+def test_backend_named_devices_round_trip():
+    device = with_backend("h100", "mosaic")
+    assert device.name == "h100+mosaic" and get_device("h100+mosaic") == device
+    assert with_backend(device, "triton") == get_device("h100")
+    assert get_device("h100-calibrated+auto").calibrated
+    with pytest.raises(ValueError):
+        with_backend("h100", "cuda")
+    assert set(ROUTES) == {"triton", "mosaic", "library"}
+
+
+def test_routed_backend_emits_each_kernel_by_its_route(launches):
+    """`routed` (what `auto` is on a Hopper GPU) emits the kernels the model routes to Mosaic through
+    the Mosaic templates, the library ones through XLA, the rest through Triton; `report()` says how many."""
+    fn = attention_fn(AttentionShape("unet32", 2, 8, 1024, 1024, 80))
+    args = (S((2, 1024, 640), F16),) * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowered = eqsat.optimize(fn, progress=False, backend="routed", device="h100-calibrated", cache=False).lower(*args)
+    assert lowered.stats["cost_backend"] == "auto" and lowered.stats["device"] == "h100-calibrated+auto"
+    routes = plan_routes(lowered.plan)
+    assert list(routes.values()) == ["mosaic"]
+    assert [route for _name, route in lowered.stats["kernel_routes"]] == ["mosaic"]
+    assert "1 mosaic" in lowered.report()
+    jax.eval_shape(emit.emit(lowered.plan, "routed", interpret=False), *args)
+    assert len(launches) == 1
+
+
+def test_default_pricing_is_unchanged_on_a_cpu():
+    """Without a GPU `auto` stays `xla` and the plan is priced by the Triton templates, as before."""
+    lowered = _plan(_dense, CASES["matmul 77x40x96"][1], backend="auto")
+    assert emit.resolve_backend("auto") == "xla"
+    assert lowered.stats["cost_backend"] == "triton" and lowered.stats["kernel_routes"] == []
+    assert lowered.stats["device"] == "h100"
+
+
+def test_an_epilogue_the_template_declines_is_not_priced_on_mosaic():
+    """An epilogue that depends on the index itself (an `Iota`) is not a form the Mosaic matmul maps
+    onto its tile: the model gives that kernel no Mosaic route, as emission runs it through Triton."""
+    from eqsat.cost.mosaic import covers_term
+    from eqsat.term import Term
+
+    fn, args = CASES["matmul 77x40x96"]
+    term = next(k.term for k in _plan(fn, args).plan.kernels if k.op == "Matmul")
+    lhs, rhs, dims, epilogue, ty = term.args
+    iota = Term("Iota", 1, epilogue.ty)
+    index_dependent = Term("Matmul", lhs, rhs, dims, Term("Binary", "add", epilogue, iota, epilogue.ty), ty)
+    auto = with_backend("h100", "auto")
+    assert covers_term(term) and not covers_term(index_dependent)
+    assert routes_for("Matmul", args_of(term), auto, term) == ("triton", "mosaic", "library")
+    assert routes_for("Matmul", args_of(index_dependent), auto, index_dependent) == ("triton", "library")
