@@ -69,15 +69,17 @@ def _broadcast_of_broadcast(x: Expr, d1: String, d2: String, t1: String, t2: Str
 @view_folding.register
 def _slice_of_slice(x: Expr, axis: i64, s1: i64, e1: i64, k1: i64, s2: i64, e2: i64, k2: i64,
                     t1: String, t2: String):
-    """x[s1:e1:k1][s2:e2:k2] = x[s1+s2*k1 : .. : k1*k2] along one axis (one element: stride 1)."""
+    """x[s1:e1:k1][s2:e2:k2] = x[s1+s2*k1 : .. : k1*k2] along one axis (one element: stride 1).
+    Forward strides only (k1, k2 >= 1): the count and stop below assume them."""
     count = (e2 - s2 + k2 - 1) / k2
     start = s1 + s2 * k1
     stride = k1 * k2
     whole = Slice(Slice(x, axis, s1, e1, k1, t1), axis, s2, e2, k2, t2)
     # A one-element result keeps stride 1: with an identity slice in the e-graph a slice can be its
     # own operand, and composing strides would then grow them without end.
-    yield rewrite(whole).to(Slice(x, axis, start, start + 1, 1, t2), eq(count).to(i64(1)))
-    yield rewrite(whole).to(Slice(x, axis, start, start + (count - 1) * stride + 1, stride, t2), count >= 2)
+    forward = (k1 >= 1, k2 >= 1)
+    yield rewrite(whole).to(Slice(x, axis, start, start + 1, 1, t2), eq(count).to(i64(1)), *forward)
+    yield rewrite(whole).to(Slice(x, axis, start, start + (count - 1) * stride + 1, stride, t2), count >= 2, *forward)
 
 
 @view_folding.register
@@ -92,12 +94,12 @@ def _view_of_literal(v: f64, t1: String, t2: String, dims: String, axis: i64, st
 
 @view_folding.register
 def _identity_view(x: Expr, ty: String, dims: String, axis: i64, start: i64, stop: i64, stride: i64):
-    """V(x) = x for a reshape, broadcast or slice whose operand already has the view's type."""
+    """V(x) = x for a reshape, broadcast or forward slice whose operand already has the view's type."""
     for form in typed_forms(ty):
         typed = x == form
         yield rewrite(Reshape(x, ty)).to(x, typed)
         yield rewrite(Broadcast(x, dims, ty)).to(x, typed)
-        yield rewrite(Slice(x, axis, start, stop, stride, ty)).to(x, typed)
+        yield rewrite(Slice(x, axis, start, stop, stride, ty)).to(x, typed, stride >= 1)  # not a reversal
 
 
 @view_folding.register
@@ -163,6 +165,13 @@ def _slice_chain(x):
     return x[1:][::2] * 3.0
 
 
+def _slices_of_reversals(x):
+    """`rev` is a stride -1 slice: a forward slice of it, and a reversal of a strided slice."""
+    import jax.numpy as jnp
+
+    return jnp.flip(x, 0)[1:] * 3.0, x[::2][::-1] + 1.0
+
+
 def _literal_view(x):
     import jax.numpy as jnp
 
@@ -198,6 +207,8 @@ EXAMPLES = [
     Example(_transpose_square, _square, ("identity_transpose",), fires=False, name="transpose of a square matrix"),
     Example(_broadcast_chain, _cube, ("broadcast_of_broadcast",), support=("absorb",)),
     Example(_slice_chain, _slices_args, ("slice_of_slice",), support=("absorb",)),
+    Example(_slices_of_reversals, _slices_args, ("slice_of_slice",), fires=False, support=("absorb",),
+            name="slices of reversals (negative strides)"),
     Example(_literal_view, _cube, ("view_of_literal",), support=("absorb",)),
     Example(_zero_pad, _cube, ("identity_pad",)),
     Example(_index_update, _matrix_index, ("identity_convert",), support=("absorb",)),
