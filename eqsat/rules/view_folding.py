@@ -4,6 +4,10 @@ Views (Reshape, Transpose, Broadcast, Slice, Pad) are index arithmetic inside a 
 rules keep that arithmetic short. Chains across kernels meet once the absorb family has inlined
 view kernels into their consumers (`Load(Pointwise(v)) = v`), so the two families run together.
 
+A reduction over axes of extent 1 reduces one element per output: it is a reshape of its body
+(`unit_reduction`); autodiff writes many (the transpose of a broadcast that adds size-1 axes, a
+norm's statistics summed over the unit axes of their own [N, 1, G, 1] layout).
+
 Permutations and broadcast dimensions compose in Python (`py_string`); slice offsets compose with
 egglog's i64 arithmetic. An identity view is recognized by its operand already having the view's
 type (every Expr constructor ends with its type: one rule per constructor, see `typed_forms`).
@@ -13,11 +17,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from egglog import String, eq, f64, i64, rewrite, ruleset
+from egglog import String, eq, f64, i64, rewrite, rule, ruleset, union
 
-from eqsat.lang import Broadcast, Expr, Lit, Pad, Reshape, Slice, Transpose, Unary
+from eqsat.lang import Acc, Broadcast, Expr, Lit, Pad, Pointwise, Reduce, Reshape, Slice, Tensor, Transpose, Unary
 from eqsat.rules import Example, dim, flag, py_string, py_true, tensor, typed_forms
-from eqsat.types import ints, ints_key
+from eqsat.types import ints, ints_key, parse_type
 
 view_folding = ruleset(name="view_folding")
 
@@ -80,6 +84,27 @@ def _slice_of_slice(x: Expr, axis: i64, s1: i64, e1: i64, k1: i64, s2: i64, e2: 
     forward = (k1 >= 1, k2 >= 1)
     yield rewrite(whole).to(Slice(x, axis, start, start + 1, 1, t2), eq(count).to(i64(1)), *forward)
     yield rewrite(whole).to(Slice(x, axis, start, start + (count - 1) * stride + 1, stride, t2), count >= 2, *forward)
+
+
+# Reductions whose one-element result is that element (not argmax/argmin: an index; not moments).
+ELEMENT_REDUCTIONS = frozenset({"sum", "max", "min", "prod", "and", "or", "xor"})
+
+
+@lru_cache(maxsize=None)
+def _reduces_units(op: str, axes: str, body_ty: str, ty: str) -> str:
+    """Does reduction `op` over `axes` of a `body_ty` body read one element per output, in `ty`'s dtype?"""
+    body = parse_type(body_ty)
+    return flag(op in ELEMENT_REDUCTIONS and body.dtype == parse_type(ty).dtype
+                and all(body.shape[axis] == 1 for axis in ints(axes)))
+
+
+@view_folding.register
+def _unit_reduction(t: Tensor, body: Expr, op: String, axes: String, ty: String, bt: String):
+    """Reduce(op, body, axes) = Pointwise(Reshape(body)) when every reduced axis has extent 1 (sum, max,
+    min, prod, and, or, xor of one element is the element; same dtype)."""
+    for form in typed_forms(bt, prefix="_unit_body"):
+        yield rule(t == Reduce(op, body, axes, Acc(ty), ty), eq(body).to(form),
+                   py_true(_reduces_units, op, axes, bt, ty)).then(union(t).with_(Pointwise(Reshape(body, ty), ty)))
 
 
 @view_folding.register
@@ -172,6 +197,22 @@ def _slices_of_reversals(x):
     return jnp.flip(x, 0)[1:] * 3.0, x[::2][::-1] + 1.0
 
 
+def _unit_reductions(x):
+    """Reductions over size-1 axes (as autodiff writes them): each is its body, reshaped."""
+    import jax.numpy as jnp
+
+    n, c = x.shape
+    return (jnp.sum(x.reshape(n, 1, c), axis=1) * 2.0, jnp.max(x[None, :, None], axis=(0, 2)) + 1.0,
+            jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=1) - 1.0)
+
+
+def _real_reductions(x):
+    """A sum over an axis longer than one, and an argmax over a unit axis (an index): must not fire."""
+    import jax.numpy as jnp
+
+    return jnp.sum(x, axis=0) * 2.0, jnp.argmax(x[:, None], axis=1)
+
+
 def _literal_view(x):
     import jax.numpy as jnp
 
@@ -210,6 +251,9 @@ EXAMPLES = [
     Example(_slices_of_reversals, _slices_args, ("slice_of_slice",), fires=False, support=("absorb",),
             name="slices of reversals (negative strides)"),
     Example(_literal_view, _cube, ("view_of_literal",), support=("absorb",)),
+    Example(_unit_reductions, _slices_args, ("unit_reduction",), support=("absorb",)),
+    Example(_real_reductions, _slices_args, ("unit_reduction",), fires=False, support=("absorb",),
+            name="reductions over a long axis, an argmax"),
     Example(_zero_pad, _cube, ("identity_pad",)),
     Example(_index_update, _matrix_index, ("identity_convert",), support=("absorb",)),
 ]
