@@ -119,6 +119,24 @@ def attention_jax_nn_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
+def attention_gqa_repeat(q, k, v):
+    """Grouped-query attention as llama ports write it: each K/V head repeated for its G query heads
+    (`jnp.repeat` on the head axis), then multi-head attention on [B, T, H, D]."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _gqa(dtype=np.float32, groups=3, kv_heads=2, kv_tokens=TOKENS + 4):
+    """Grouped queries: [B, T, G·K, D] q against [B, S, K, D] k and v (G = 3 query heads per K/V head)."""
+    def draw(rng):
+        q = rng.standard_normal((BATCH, TOKENS, groups * kv_heads, HEAD_DIM)).astype(dtype)
+        k, v = (rng.standard_normal((BATCH, kv_tokens, kv_heads, HEAD_DIM)).astype(dtype) for _ in range(2))
+        return q, k, v
+    return draw
+
+
 def flax_dot_product_attention(query, key, value, mask=None):
     """flax.linen.dot_product_attention (weights, then the value einsum), [..., T, H, D], as its source
     computes it with dtype None, no dropout, no bias."""
@@ -259,6 +277,12 @@ SPELLINGS: dict[str, Spelling] = {
     "attention: s + additive mask bias": Spelling(attention_additive_bias, _bhtd(), "attention"),
     "attention: jax.nn.dot_product_attention": Spelling(attention_jax_nn, _bthd(), "attention"),
     "attention: jax.nn.dot_product_attention causal": Spelling(attention_jax_nn_causal, _bthd(), "attention"),
+    "attention: jax.nn.dot_product_attention GQA (6 q heads, 2 kv heads)":
+        Spelling(attention_jax_nn, _gqa(), "attention"),
+    "attention: jax.nn.dot_product_attention GQA causal": Spelling(attention_jax_nn_causal, _gqa(kv_tokens=TOKENS),
+                                                                   "attention"),
+    "attention: GQA, kv heads jnp.repeat-ed": Spelling(attention_gqa_repeat, _gqa(), "attention"),
+    "attention: GQA, kv heads jnp.repeat-ed, fp16": Spelling(attention_gqa_repeat, _gqa(np.float16), "attention"),
     "attention: flax dot_product_attention": Spelling(attention_flax, _bthd(), "attention"),
     "attention: flax dot_product_attention causal": Spelling(attention_flax_causal, _bthd(), "attention"),
     "attention: flax causal, fp16": Spelling(attention_flax_causal, _bthd(np.float16), "attention"),

@@ -336,7 +336,7 @@ def _walk_scores(qk: Term, readers, program) -> tuple[Term, tuple[str, str] | No
 
 
 def _value_blocker(pv: Term) -> tuple[str, str] | None:
-    from eqsat.rules.attention import _value_layout, _value_lhs_layout
+    from eqsat.rules.attention import _grouped_value_layout, _value_layout, _value_lhs_layout
 
     lhs, rhs = _matmul_operand(pv, 0), _matmul_operand(pv, 1)
     if lhs is None or rhs is None:
@@ -344,9 +344,12 @@ def _value_blocker(pv: Term) -> tuple[str, str] | None:
     dims = pv.args[2]
     if _value_layout(dims, lhs.ty, rhs.ty, pv.ty) or _value_lhs_layout(dims, lhs.ty, rhs.ty, pv.ty):
         return None
+    if (_grouped_value_layout(dims, lhs.ty, rhs.ty, pv.ty, "", "", "0")
+            or _grouped_value_layout(dims, rhs.ty, lhs.ty, pv.ty, "", "", "1")):
+        return None
     return (f"PV matmul is {_render_matmul(pv)}",
-            "the attention rule wants the probabilities contracted on their last (key) axis, their batch and "
-            "free axes in order, and V with one contracted and one free axis")
+            "the attention rule wants the probabilities contracted on their last (key) axis, their batch axes "
+            "before their query axes, and V with one contracted and one free axis")
 
 
 # --- reading terms --------------------------------------------------------------------------------------

@@ -136,8 +136,8 @@ class AxisClasses:
             for in_axis, out_axis in enumerate(ints(t.args[1])):
                 if self.shapes[x][in_axis] == self.shapes[t][out_axis]:
                     self.join((x, in_axis), (t, out_axis))
-        elif op in ("Slice", "DynamicSlice"):
-            self._along(t, [kids[0]], t.args[1])
+        elif op in ("Slice", "DynamicSlice"):  # a reversed slice's tile i reads the operand's mirrored tile
+            self._along(t, [kids[0]], t.args[1], always_block=op == "Slice" and t.args[4] < 0)
             if op == "DynamicSlice":
                 self.block_all(kids[2])
         elif op == "Concat":

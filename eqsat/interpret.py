@@ -380,6 +380,10 @@ class _Evaluator:
 
     def _op_Slice(self, node, get, acc):
         x, axis, start, stop, stride, ty = node.args
+        if stride < 0:  # walking backwards from `start`: reverse, then walk forwards from its mirror
+            value = get(x)
+            extent = value.shape[axis]
+            return lax.slice_in_dim(lax.rev(value, (axis,)), extent - 1 - start, extent - 1 - stop, -stride, axis)
         return lax.slice_in_dim(get(x), start, stop, stride, axis)
 
     def _op_DynamicSlice(self, node, get, acc):

@@ -208,7 +208,9 @@ def Broadcast(x: Expr, dims: StringLike, ty: StringLike) -> Expr:
 
 @function(egg_fn="Slice")
 def Slice(x: Expr, axis: i64Like, start: i64Like, stop: i64Like, stride: i64Like, ty: StringLike) -> Expr:
-    """`x[start:stop:stride]` along one `axis`."""
+    """`x[start:stop:stride]` along one `axis`: element i is `x[start + i * stride]`. A negative stride
+    walks backwards (`rev` is `Slice(x, a, n - 1, -1, -1)`); rules that reason about `[start, stop)`
+    as an interval only match `stride >= 1`."""
 
 
 @function(egg_fn="DynamicSlice")

@@ -13,6 +13,7 @@ nesting. Every primitive becomes one kernel Tensor term reading its operands thr
 | `clamp`                                       | `Pointwise(Binary("min", Binary("max", x, lo), hi))`  |
 | `broadcast_in_dim` / `reshape`, `squeeze`, `expand_dims` / `transpose` | `Pointwise(Broadcast / Reshape / Transpose(...))` |
 | `slice`, `dynamic_slice`                      | `Pointwise(...)` over a chain of one-axis `Slice` / `DynamicSlice` |
+| `rev`                                         | `Pointwise(...)` over one-axis `Slice(x, a, n-1, -1, -1)` (stride -1) |
 | `concatenate`, `stack`, `tile`                | `Pointwise(...)` over left-nested binary `Concat`     |
 | `pad` / `iota` / `split`, `unstack`           | `Pointwise(Pad / Iota / Slice(...))`                  |
 | `copy`, `copy_p`                              | `Pointwise(Load(x))` (a copy kernel)                  |
@@ -554,6 +555,18 @@ class _Lifter:
         shape = list(atom.aval.shape)
         for axis, (start, stop, stride) in enumerate(zip(params["start_indices"], params["limit_indices"], strides)):
             x, shape = _slice_axis(x, shape, atom.aval.dtype, axis, int(start), int(stop), int(stride))
+        return [self.pointwise(x)]
+
+    @_handles("rev")
+    def _rev(self, eqn):
+        atom = eqn.invars[0]
+        shape = atom.aval.shape
+        axes = [int(axis) for axis in eqn.params["dimensions"] if shape[axis] > 1]  # one element: the identity
+        if not axes:
+            return [self.tensor(atom)]
+        x = self.expr(atom)
+        for axis in axes:
+            x = Term("Slice", x, axis, shape[axis] - 1, -1, -1, x.ty)
         return [self.pointwise(x)]
 
     @_handles("dynamic_slice")

@@ -109,6 +109,8 @@ def view_chains(draw):
             start = draw(st.integers(0, cur[axis] - 1))
             stop = draw(st.integers(start + 1, cur[axis]))
             stride = draw(st.integers(1, 3))
+            if draw(st.booleans()):  # walking backwards (`rev`, `x[::-k]`): from stop - 1 down to start
+                start, stop, stride = stop - 1, start - 1, -stride
             size = -(-(stop - start) // stride)
             out = cur[:axis] + (size,) + cur[axis + 1:]
             expr = Term("Slice", expr, axis, start, stop, stride, format_type("float32", out))

@@ -69,6 +69,16 @@ def test_pointwise_with_views_and_erf_gelu(dtype):
     _assert_backends_agree(f, _random((77, 40), dtype, 0), _random((77, 40), dtype, 1), ops={"Pointwise"})
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_reversals_fuse_into_one_pointwise_kernel(dtype):
+    """`jnp.flip` and negative-step slices are index maps (stride -1 slices), not opaque kernels."""
+    def f(x, y):
+        return jnp.flip(x, 0) * 2.0 + y[:, ::-1], x[::-3, 1::-1] - 1.0
+
+    plan = _assert_backends_agree(f, _random((77, 40), dtype, 5), _random((77, 40), dtype, 6))
+    assert [k.op for k in plan.kernels] == ["Pointwise", "Pointwise"]
+
+
 def test_pointwise_pad_select_iota_and_integer_outputs():
     def f(x, k):
         padded = lax.pad(x, jnp.float32(-1.0), [(1, 2, 1), (-1, 3, 0)])

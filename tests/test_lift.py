@@ -136,6 +136,36 @@ def test_multi_axis_slice_is_a_chain_and_concat_is_left_nested():
     assert concat.args[3] == 6 and concat.args[0].args[3] == 3
 
 
+def test_rev_is_a_reversed_slice_not_an_opaque_kernel():
+    def f(x):
+        return jnp.flip(x, 0), x[::-2, ::-1], lax.rev(x, (0, 1)) * 2.0, jnp.flip(x[:1], 0), jnp.flip(x, 1)[1:, 2:]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpaqueWarning)
+        program = roundtrip(f, X)
+    flipped, _, _, single_row, _ = program.outputs
+    assert flipped.op == "Pointwise" and flipped.args[0].op == "Slice"
+    assert flipped.args[0].args[1:5] == (0, X.shape[0] - 1, -1, -1)
+    assert single_row.op == "Pointwise" and single_row.args[0].op == "Slice"  # x[:1]; its reversal is no kernel
+    assert not any(k.op == "Opaque" for k in program.kernel_terms())
+
+
+def test_conv_input_gradient_reads_its_weights_reversed():
+    """The input VJP of a conv is a conv with spatially reversed weights (`rev` over H and W)."""
+    def input_grad(x, w, g):
+        conv = lambda x: lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)),
+                                                  dimension_numbers=("NHWC", "OIHW", "NHWC"))
+        return jax.vjp(conv, x)[1](g)[0]
+
+    rng = np.random.default_rng(0)
+    x, w, g = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, 5, 7, 3), (4, 3, 3, 3), (2, 5, 7, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpaqueWarning)
+        program = roundtrip(input_grad, x, w, g)
+    reversed_axes = {t.args[1] for t in postorder(program.outputs) if t.op == "Slice" and t.args[4] == -1}
+    assert reversed_axes == {2, 3}
+
+
 def test_dynamic_slice_and_update():
     def f(x, i):
         return (lax.dynamic_slice(x, (i, 1), (2, 2)), lax.dynamic_slice(x, (i, 5), (2, 2)),
@@ -331,17 +361,17 @@ def test_fancy_ref_indexing_falls_back_to_discharge():
 
 def test_unsupported_primitives_become_opaque_with_one_warning_at_the_users_line():
     def f(x):
-        return jnp.cumsum(x, 1), jnp.cumsum(x, 0), jnp.sort(x, 1), lax.top_k(x, 2), jnp.flip(x, 0)
+        return jnp.cumsum(x, 1), jnp.cumsum(x, 0), jnp.sort(x, 1), lax.top_k(x, 2)
     with pytest.warns(OpaqueWarning) as record:
         program = roundtrip(f, X)
     (warning,) = [w for w in record if issubclass(w.category, OpaqueWarning)]
-    for name in ("cumsum", "sort", "top_k", "rev"):
+    for name in ("cumsum", "sort", "top_k"):
         assert str(warning.message).count(f"'{name}'") == 1, warning.message
-    assert "4 primitive(s) in f() stay opaque" in str(warning.message)
+    assert "3 primitive(s) in f() stay opaque" in str(warning.message)
     assert warning.filename == __file__, warning.filename  # roundtrip's lift call, not eqsat's code
-    assert len(program.warnings) == 4
+    assert len(program.warnings) == 3
     opaque = [k for k in program.kernel_terms() if k.op == "Opaque"]
-    assert len(opaque) == 6  # cumsum twice, sort, top_k's two outputs, rev
+    assert len(opaque) == 5  # cumsum twice, sort, top_k's two outputs
     key = opaque[0].args[0]
     primitive, params = program.payloads[key]
     assert primitive.name == "cumsum" and params["axis"] == 1

@@ -46,6 +46,7 @@ def test_spelling_fuses_and_matches_jit(name):
     "attention: where(mask, s, -inf)", "attention: flax causal, fp16", "layernorm: flax (E[x²]-E[x]²)",
     "attention: jax.nn.dot_product_attention", "attention: jax.nn.dot_product_attention causal",
     "attention: equinox MultiheadAttention (no batch axis)", "attention: equinox MultiheadAttention, fp16",
+    "attention: jax.nn.dot_product_attention GQA causal", "attention: GQA, kv heads jnp.repeat-ed, fp16",
 ])
 def test_spelling_pallas_interpret_matches_jit(name):
     spelling, args, lowered = _lower(name, backend="pallas")
@@ -93,18 +94,48 @@ def test_explain_names_the_layout_blocker_of_unfused_attention():
     assert "attention: QK matmul" in lowered.report()
 
 
-def test_explain_names_the_probabilities_layout_of_grouped_queries():
-    """Grouped queries (G = 2 query heads per K/V head): jax moves the group axis in front of the batch
-    axes, so the probabilities' batch and free axes are out of order for the PV matmul."""
+def test_explain_names_the_value_layout_of_an_unfused_pv():
+    """V with two free axes ([B, H, S, X, D] read as values of width X·D): not Attention's [B, H, Sk, D]."""
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 5, 2, 8)).astype(np.float32) for _ in range(2))
-    lowered = eqsat.optimize(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-                             progress=False, backend="xla").lower(q, k, v)
+    q, k = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 2, 5, 3, 4)).astype(np.float32)
+
+    def f(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.5, axis=-1)
+        return jnp.einsum("bhqk,bhkxd->bhqxd", p, v)
+
+    lowered = eqsat.optimize(f, progress=False, backend="xla").lower(q, k, v)
     assert lowered.plan.kinds().get("matmul") == 2
     (missed,) = [m for m in lowered.explain() if m.family == "attention"]
-    assert missed.found.startswith("PV matmul is dot_general(f32[1,5,2,8], f32[2,1,2,5,5]"), missed
-    assert "batch and free axes in order" in missed.needed, missed
+    assert missed.found.startswith("PV matmul is dot_general(f32[1,2,5,5], f32[1,2,5,3,4]"), missed
+    assert "one contracted and one free axis" in missed.needed, missed
+
+
+def test_grouped_queries_fuse_whatever_the_group_layout():
+    """jax.nn.dot_product_attention's grouped queries (G query heads per K/V head, the group axis moved
+    in front of the batch axes) plan one attention kernel reading each K/V head for its G query heads;
+    also with one K/V head (multi-query) and G = 1 (plain multi-head)."""
+    rng = np.random.default_rng(3)
+    for heads, kv_heads in ((4, 2), (5, 1), (3, 3)):
+        q = rng.standard_normal((2, 7, heads, 40)).astype(np.float32) * 3 + 50  # offset large against the spread
+        k, v = (rng.standard_normal((2, 77, kv_heads, 40)).astype(np.float32) for _ in range(2))
+        fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+        lowered = eqsat.optimize(fn, progress=False, backend="xla").lower(q, k, v)
+        assert lowered.plan.kinds().get("attention") == 1 and not lowered.plan.kinds().get("matmul"), lowered.plan.kinds()
+        got, want = np.asarray(lowered(q, k, v)), np.asarray(jax.jit(fn)(q, k, v))
+        # scores reach ~160: a float32 ulp of a score (1.5e-5) is a relative error of a probability
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        exact = _grouped_attention_float64(q, k, v)
+        assert np.abs(got - exact).max() <= 2 * np.abs(want - exact).max() + 1e-6
+
+
+def _grouped_attention_float64(q, k, v):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
 
 
 def test_explain_names_a_mask_fill_that_does_not_mask():

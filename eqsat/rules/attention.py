@@ -34,6 +34,15 @@ and the absorbed form both match (StatView and Scalar are shared with `norm_spli
     Shifted / Exps / Probs             s - rowmax(s), exp of that, exp / rowsum(exp), over scores s
                                        that are Scores (bias `Lit(0.0, f32[B,H,Sq,Sk])`) or Biased
 
+Grouped queries (GQA: G query heads per K/V head; `_grouped_scores`, `_grouped_value_layout`): rows
+are independent, so scores whose (batch, head) and query axes are interleaved by a transpose (jax.nn's
+[B, K, T, G, S] moved to [G, B, K, T, S]) are the scores of q's rows moved the same way against k
+broadcast over the query axes that moved in among (batch, head) (`KeyHeads` records k's type,
+`Regrouped` the move, so a row max taken before it still reads each row's max); at the PV, v is
+broadcast the same way and Attention's output is split and permuted to the product's layout. The
+K/V heads are views: nothing is repeated in memory. (A `jnp.repeat` of the K/V heads is a broadcast
+the kernel reads through already.)
+
 Spellings (benchmarks/spellings.py): a scale is any `Constant` (a Scalar, or a `sqrt`/`rsqrt`/float
 convert of one computed at run time: `/ jnp.sqrt(d).astype(dtype)`); `where(mask, s, c)` with c -inf
 or in the lowest binade of the scores' dtype (its lowest finite value, jax's 0.7 times that) is
@@ -79,6 +88,8 @@ Constant = relation("AttentionConstant", Expr, f64)
 RoundedStat = relation("AttentionRoundedStat", Expr, String, Tensor, String)
 FillValue = relation("AttentionFillValue", Expr, String)
 Heads = relation("AttentionHeads", Expr, String)      # (q4, its [B, H, Sq, D] type)
+KeyHeads = relation("AttentionKeyHeads", Expr, String)  # (k4, its [B, H, Sk, D] type)
+Regrouped = relation("AttentionRegrouped", Expr, Expr, String)  # (s, x, perm): scores s = Transpose(x, perm)
 BiasType = relation("AttentionBiasType", Expr, String)  # (a score bias, its type)
 
 F32_LOWEST = float(np.finfo(np.float32).min)
@@ -225,6 +236,127 @@ def _value_lhs_layout(dims: str, v_ty: str, p_ty: str, out_ty: str, q4_ty: str =
                      _retyped(out_ty, unpermuted), _perm_text(perm), form))
 
 
+def _head_split(lead, heads: int) -> int | None:
+    """The first j with prod(lead[:j]) == heads (B·H), or None: the axes before j index (batch, head)."""
+    for j in range(len(lead) + 1):
+        if math.prod(lead[:j]) == heads:
+            return j
+    return None
+
+
+@lru_cache(maxsize=None)
+def _grouped_scores(permutation: str, x_ty: str, q_ty: str, k_ty: str) -> str:
+    """"q split|q perm|q permuted|q'|k split|k perm|k permuted|broadcast dims|broadcast type|k'" for
+    scores x (a row-major reshape of [B, H, Sq, Sk] for q4 `q_ty`, k4 `k_ty`) transposed by a
+    permutation that keeps the key axis last but moves rows across (batch, head) axes: grouped-query
+    attention as jax.nn.dot_product_attention writes it ([B, K, T, G, S] scores moved to [G, B, K, T, S]).
+
+    Rows are independent, so the moved scores are Attention's for q' = q's rows moved the same way,
+    [B', H', Sq', D] with (B', H') the moved axes up to the last (batch, head) one and Sq' the rest, and
+    k' = k broadcast over the query axes moved in among them (G: each group reads its K/V head, as
+    GQA does; query axes moved behind a (batch, head) axis join (B', H') too: k cannot vary along Sq').
+    "" when the transpose moves the key axis or only size-1 axes (`_keeps_rows`: the same scores), or
+    x's rows do not split into (batch, head) axes then query axes."""
+    perm = ints(permutation)
+    x_shape, q4, k4 = parse_type(x_ty).shape, parse_type(q_ty).shape, parse_type(k_ty).shape
+    lead = x_shape[:-1]
+    if (len(perm) != len(x_shape) or perm[-1] != len(lead) or _keeps_rows(permutation, x_ty)
+            or math.prod(lead) != q4[0] * q4[1] * q4[2]):
+        return ""
+    split = _head_split(lead, q4[0] * q4[1])
+    if split is None:
+        return ""
+    head_axes = [a for a in range(split) if lead[a] > 1]
+    order = perm[:-1]
+    cut = 1 + max((order.index(a) for a in head_axes), default=-1)
+    moved = [lead[a] for a in order]
+    heads = _heads(moved[:cut])
+    rows = math.prod(moved[cut:])
+    head_dim, keys = q4[3], x_shape[-1]
+    q_split = (*lead, head_dim)
+    q_perm = (*order, len(lead))
+    by_position = sorted(head_axes, key=order.index)
+    k_split = (*(lead[a] for a in head_axes), keys, head_dim)
+    k_perm = (*(head_axes.index(a) for a in by_position), len(head_axes), len(head_axes) + 1)
+    dims = (*(order.index(a) for a in by_position), cut, cut + 1)
+    return "|".join((
+        _retyped(q_ty, q_split), _perm_text(q_perm), _retyped(q_ty, [q_split[a] for a in q_perm]),
+        _retyped(q_ty, (*heads, rows, head_dim)),
+        _retyped(k_ty, k_split), _perm_text(k_perm), _retyped(k_ty, [k_split[a] for a in k_perm]),
+        _perm_text(dims), _retyped(k_ty, (*moved[:cut], keys, head_dim)), _retyped(k_ty, (*heads, keys, head_dim)),
+    ))
+
+
+@lru_cache(maxsize=None)
+def _is_permuted_row_view(view: str, row_ty: str, scores_ty: str, permutation: str) -> str:
+    """"ok" if a StatView map reads a row statistic of scores x (one value per row: `row_ty` is x's
+    shape without its key axis) at the row of [..., j] of `scores_ty` = Transpose(x, permutation):
+    each axis a of the statistic longer than 1 is indexed by the axis x's axis a moved to."""
+    entries = [None if e == "-" else int(e) for e in view[2:].split(",")] if view[2:] else []
+    row, scores, perm = parse_type(row_ty).shape, parse_type(scores_ty).shape, ints(permutation)
+    if len(entries) != len(row) or len(perm) != len(row) + 1 or len(scores) != len(perm):
+        return ""
+    for axis, (entry, extent) in enumerate(zip(entries, row)):
+        if extent == 1:
+            if entry is not None and scores[entry] != 1:
+                return ""
+        elif entry != perm.index(axis):
+            return ""
+    return "ok"
+
+
+@lru_cache(maxsize=None)
+def _grouped_value_layout(dims: str, p_ty: str, v_ty: str, out_ty: str, q4_ty: str, b_ty: str, v_left: str) -> str:
+    """"v perm|v permuted|v squeezed|broadcast dims|broadcast type|v4|bias4|attention|o split|o perm" for
+    o = dot_general(p, v) (v_left "1": dot_general(v, p)) with p Attention's [B, H, Sq, Sk] probabilities
+    for q4 `q4_ty` up to a row-major reshape, when p's batch and free axes are interleaved (grouped
+    queries: [G, B, K, T, S] probabilities batched on B and K, G and T free): v4 is v broadcast over the
+    free axes among the (batch, head) ones, and o is Attention's output split to p's axes, permuted to
+    the dot_general's order. "" when the in-order layouts (`_value_layout`, `_value_lhs_layout`) apply,
+    or a batch axis of p lies among Sq's axes, or v has not one contracted and one free axis. With q4
+    unknown ("": explain()'s check) the (batch, head) axes end at p's last batch axis."""
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _split(dims)
+    if v_left == "1":
+        v_contract, p_contract, v_batch, p_batch = lhs_contract, rhs_contract, lhs_batch, rhs_batch
+        if _value_lhs_layout(dims, v_ty, p_ty, out_ty, q4_ty):
+            return ""
+    else:
+        p_contract, v_contract, p_batch, v_batch = lhs_contract, rhs_contract, lhs_batch, rhs_batch
+        if _value_layout(dims, p_ty, v_ty, out_ty, q4_ty):
+            return ""
+    p_shape, v_shape = parse_type(p_ty).shape, parse_type(v_ty).shape
+    lead, keys = p_shape[:-1], p_shape[-1]
+    v_free = [a for a in range(len(v_shape)) if a not in v_batch + v_contract]
+    if p_contract != (len(lead),) or len(v_contract) != 1 or len(v_free) != 1 or not p_batch:
+        return ""
+    if q4_ty:
+        q4 = parse_type(q4_ty).shape
+        split = _head_split(lead, q4[0] * q4[1])
+        if split is None or math.prod(lead[split:]) != q4[2]:
+            return ""
+    else:
+        split = 1 + max((a for a in p_batch if lead[a] > 1), default=-1)
+    if any(a >= split and lead[a] > 1 for a in p_batch):
+        return ""
+    kept = sorted((pa, va) for pa, va in zip(p_batch, v_batch) if pa < split)
+    v_perm = (*(va for _, va in kept), *(va for pa, va in zip(p_batch, v_batch) if pa >= split),
+              v_contract[0], v_free[0])
+    head_dim = v_shape[v_free[0]]
+    squeezed = (*(lead[pa] for pa, _ in kept), keys, head_dim)
+    broadcast_dims = (*(pa for pa, _ in kept), split, split + 1)
+    heads = tuple(parse_type(q4_ty).shape[:2]) if q4_ty else _heads(list(lead[:split]))
+    rows = math.prod(lead[split:])
+    p_free = [a for a in range(len(lead)) if a not in p_batch]
+    d_axis = len(lead)
+    out_perm = (*p_batch, d_axis, *p_free) if v_left == "1" else (*p_batch, *p_free, d_axis)
+    return "|".join((
+        _perm_text(v_perm), _retyped(v_ty, [v_shape[a] for a in v_perm]), _retyped(v_ty, squeezed),
+        _perm_text(broadcast_dims), _retyped(v_ty, (*lead[:split], keys, head_dim)),
+        _retyped(v_ty, (*heads, keys, head_dim)), _retyped(b_ty or p_ty, (*heads, rows, keys)),
+        _retyped(out_ty, (*heads, rows, head_dim)), _retyped(out_ty, (*lead, head_dim)), _perm_text(out_perm),
+    ))
+
+
 @lru_cache(maxsize=None)
 def _keeps_rows(permutation: str, ty: str) -> str:
     """"1" if transposing scores of type `ty` by `permutation` only moves size-1 axes and keeps the
@@ -360,10 +492,11 @@ def _scores(
     k_permuted = Transpose(Load(kt, tk), _field(layout, 2), _field(layout, 3))
     matmul = (e == Load(m, t), m == Matmul(Load(qt, tq), Load(kt, tk), dims, Acc(t), t), ne(layout).to(String("")))
     yield rule(*matmul, eq(_field(layout, 6)).to(String("view"))).then(
-        Scores(e, q_permuted, k_permuted, f64(1.0), t), Heads(q_permuted, _field(layout, 4)))
+        Scores(e, q_permuted, k_permuted, f64(1.0), t), Heads(q_permuted, _field(layout, 4)),
+        KeyHeads(k_permuted, _field(layout, 5)))
     q_view, k_view = Reshape(q_permuted, _field(layout, 4)), Reshape(k_permuted, _field(layout, 5))
     yield rule(*matmul, eq(_field(layout, 6)).to(String("reshape"))).then(
-        Scores(e, q_view, k_view, f64(1.0), t), Heads(q_view, _field(layout, 4)))
+        Scores(e, q_view, k_view, f64(1.0), t), Heads(q_view, _field(layout, 4)), KeyHeads(k_view, _field(layout, 5)))
     yield rule(e == Binary("mul", x, k, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
         Scores(e, q, key, scale * c, ty))
     yield rule(e == Binary("mul", k, x, ty), Scores(x, q, key, scale, ty), Constant(k, c)).then(
@@ -383,6 +516,24 @@ def _score_views(e: Expr, x: Expr, q: Expr, k: Expr, scale: f64, perm: String, t
         Scores(e, q, k, scale, ty))
     yield rule(e == Reshape(x, ty), Scores(x, q, k, scale, tx), ne(py_string(_keeps_last, tx, ty)).to(String(""))).then(
         Scores(e, q, k, scale, ty))
+
+
+@attention.register
+def _grouped_score_views(e: Expr, x: Expr, y: Expr, q: Expr, k: Expr, scale: f64, perm: String, tx: String,
+                         ty: String, tq: String, tk: String):
+    """Scores moved across their (batch, head) axes, the key axis last (grouped queries: jax.nn's
+    [B, K, T, G, S] scores moved to [G, B, K, T, S]) are the scores of q's rows moved the same way
+    against k broadcast over the moved-in query axes (`_grouped_scores`); Regrouped remembers the
+    move for the row max taken before it."""
+    layout = py_string(_grouped_scores, perm, tx, tq, tk)
+    q_moved = Reshape(Transpose(Reshape(q, _field(layout, 0)), _field(layout, 1), _field(layout, 2)), _field(layout, 3))
+    k_moved = Reshape(Broadcast(Transpose(Reshape(k, _field(layout, 4)), _field(layout, 5), _field(layout, 6)),
+                                _field(layout, 7), _field(layout, 8)), _field(layout, 9))
+    yield rule(e == Transpose(x, perm, ty), Scores(x, q, k, scale, tx), Heads(q, tq), KeyHeads(k, tk),
+               ne(layout).to(String(""))).then(
+        Scores(e, q_moved, k_moved, scale, ty), Heads(q_moved, _field(layout, 3)), KeyHeads(k_moved, _field(layout, 9)),
+        Regrouped(e, x, perm))
+    yield rule(e == Load(Pointwise(y, ty), ty), Regrouped(y, x, perm)).then(Regrouped(e, x, perm))
 
 
 @attention.register
@@ -445,7 +596,8 @@ def _masked_scores(
 @attention.register
 def _softmax(
     e: Expr, s: Expr, x: Expr, row: Expr, r: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, ty: String, tr: String,
-    view: String, narrow: Expr, wide: Expr, tw: String, axes: String, other: Expr, to: String,
+    view: String, narrow: Expr, wide: Expr, tw: String, axes: String, other: Expr, to: String, q0: Expr, k0: Expr,
+    perm: String,
 ):
     """exp(s - rowmax(s)) / rowsum(exp(s - rowmax(s))) over scores s (plain or biased): Shifted, Exps, Probs.
     The row statistics reduce the last (key) axis and are read back at each score's row (`_is_row_view`);
@@ -459,6 +611,13 @@ def _softmax(
     yield rule(
         *row_max, r == Reduce("max", other, axes, Acc(tr), tr), eq(axes).to(py_string(_last_axis, to)),
         Scores(other, q, k, scale, to), Scores(s, q, k, scale, ty),
+    ).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, bias_ty))
+    # the row max of grouped scores taken before they were moved: read back through the same move
+    moved_ok = ne(py_string(_is_permuted_row_view, view, tr, ty, perm)).to(String(""))
+    yield rule(
+        e == Binary("sub", s, row, ty), StatView(row, ty, r, f64(1.0), view), r == Reduce("max", other, axes, Acc(tr), tr),
+        eq(axes).to(py_string(_last_axis, to)), Scores(other, q0, k0, scale, to), Regrouped(s, other, perm),
+        Scores(s, q, k, scale, ty), moved_ok,
     ).then(Shifted(e, q, k, no_bias, scale, ty), BiasType(no_bias, bias_ty))
     yield rule(*row_max, r == Reduce("max", s, axes, Acc(tr), tr), last, Biased(s, q, k, b, scale, ty)).then(
         Shifted(e, q, k, b, scale, ty))
@@ -514,6 +673,27 @@ def _flash_attention(
                            Acc(attention_ty), attention_ty)
     yield rule(*matched, eq(_field(layout, 5)).to(String("reshape"))).then(
         union(o).with_(Pointwise(Reshape(Load(attention_, attention_ty), t), t)))
+
+
+@attention.register
+def _grouped_flash_attention(
+    o: Tensor, p: Expr, vt: Tensor, q: Expr, k: Expr, b: Expr, scale: f64, dims: String, tp: String, tv: String,
+    t: String, tq: String, tb: String,
+):
+    """dot(softmax(q·kᵀ·scale + b), v) (either operand order) with the probabilities' batch and free axes
+    interleaved (grouped queries: [G, B, K, T, S] batched on B, K) = Attention(q, k, v4, b, scale) split
+    and permuted to the product's layout, v4 = v broadcast over the query axes among (batch, head)
+    (`_grouped_value_layout`): each group of query heads reads its K/V head."""
+    for v_left in ("0", "1"):
+        layout = py_string(_grouped_value_layout, dims, tp, tv, t, tq, tb, String(v_left))
+        v4 = Reshape(Broadcast(Reshape(Transpose(Load(vt, tv), _field(layout, 0), _field(layout, 1)), _field(layout, 2)),
+                               _field(layout, 3), _field(layout, 4)), _field(layout, 5))
+        attention_ty = _field(layout, 7)
+        attention_ = Attention(q, k, v4, Reshape(b, _field(layout, 6)), scale, Acc(attention_ty), attention_ty)
+        product = Matmul(Load(vt, tv), p, dims, Acc(t), t) if v_left == "1" else Matmul(p, Load(vt, tv), dims, Acc(t), t)
+        yield rule(o == product, Probs(p, q, k, b, scale, tp), Heads(q, tq), BiasType(b, tb), ne(layout).to(String(""))).then(
+            union(o).with_(Pointwise(Transpose(Reshape(Load(attention_, attention_ty), _field(layout, 8)),
+                                               _field(layout, 9), t), t)))
 
 
 @attention.register
@@ -836,6 +1016,38 @@ def _shared_values_args(draw):
             tensor(draw, (kv_len, head_dim)))
 
 
+def _grouped_queries(q, k, v):
+    """jax.nn.dot_product_attention with grouped queries (G query heads per K/V head): [B, K, T, G, S]
+    scores moved to [G, B, K, T, S] for the softmax, the row max taken before the move, v on the left
+    of a PV batched on B and K only."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def _grouped_args(draw):
+    from hypothesis import strategies as st
+
+    from eqsat.rules import dim, tensor
+
+    # two or more K/V heads and query tokens: otherwise the moved scores only move size-1 axes past
+    # the group axis, and the in-order rules take them (`score_views`)
+    batch, kv_heads, groups = dim(draw, 1, 2), dim(draw, 2, 3), draw(st.sampled_from((2, 3)))
+    q_len, kv_len, head_dim = draw(st.sampled_from((2, 3, 5, 77))), _tokens(draw), _head_dim(draw)
+    return (tensor(draw, (batch, q_len, groups * kv_heads, head_dim)), tensor(draw, (batch, kv_len, kv_heads, head_dim)),
+            tensor(draw, (batch, kv_len, kv_heads, head_dim)))
+
+
+def _moved_keys(q, k, v):
+    """Scores transposed so the keys are no longer last, then soft-maxed over the queries: must not
+    be taken for grouped scores."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).transpose(0, 1, 3, 2)
+    return jnp.einsum("bhkq,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
 def _half_tolerance(leaves):
     """fp16 attention: the kernel's float32 softmax against jax's fp16 one, a few fp16 ulps of |v|."""
     return 1e-2 * max(1.0, max(float(np.max(np.abs(leaf))) for leaf in leaves if leaf.size))
@@ -875,6 +1087,8 @@ def _examples():
         Example(_equinox_attention, _equinox_half_args, ("biased_scores/3", "masked_scores"),
                 name="equinox fp16", tolerance=_half_tolerance, regimes=("zeros", "tiny")),
         Example(_shared_values, _shared_values_args, ("flash_attention",), fires=False),
+        Example(_grouped_queries, _grouped_args, ("grouped_score_views", "softmax", "grouped_flash_attention")),
+        Example(_moved_keys, _square_args, ("grouped_score_views", "flash_attention"), fires=False),
     ]
 
 

@@ -99,10 +99,11 @@ def _extent(ty: str, axis: str) -> str:
 @concat_slice.register
 def _slice_of_concat(x: Expr, y: Expr, axis: i64, split: i64, start: i64, stop: i64, stride: i64,
                      t: String, ts: String):
-    """Concat(x, y)[s:e] = x[s:e] if e <= split, = y[s-split:e-split] if s >= split (along the concat axis)."""
+    """Concat(x, y)[s:e] = x[s:e] if e <= split, = y[s-split:e-split] if s >= split (along the concat
+    axis; forward strides: a reversed slice's [start, stop) is not its interval)."""
     whole = Slice(Concat(x, y, axis, split, t), axis, start, stop, stride, ts)
-    yield rewrite(whole).to(Slice(x, axis, start, stop, stride, ts), stop <= split)
-    yield rewrite(whole).to(Slice(y, axis, start - split, stop - split, stride, ts), start >= split)
+    yield rewrite(whole).to(Slice(x, axis, start, stop, stride, ts), stop <= split, stride >= 1)
+    yield rewrite(whole).to(Slice(y, axis, start - split, stop - split, stride, ts), start >= split, stride >= 1)
 
 
 @concat_slice.register
@@ -220,6 +221,13 @@ def _concat_then_straddle(x, y):
     return jnp.concatenate([x, y], axis=0)[1:-1] * 2.0
 
 
+def _concat_then_reversed(x, y):
+    """A reversal (stride -1 from the end) of a concat: its `stop` -1 is left of the split."""
+    import jax.numpy as jnp
+
+    return jnp.flip(jnp.concatenate([x, y], axis=0), 0) * 2.0
+
+
 def _exp_of_concat(x, y):
     import jax.numpy as jnp
 
@@ -284,6 +292,8 @@ EXAMPLES = [
     Example(_concat_then_columns, _pair, ("slice_across_concat",), support=("absorb",)),
     Example(_concat_then_straddle, _pair_wide, ("slice_of_concat",), fires=False, support=("absorb",),
             name="a slice across the split"),
+    Example(_concat_then_reversed, _pair, ("slice_of_concat",), fires=False, support=("absorb",),
+            name="a reversal of a concat"),
     Example(_exp_of_concat, _pair, ("unary_over_concat",), support=("absorb",)),
     Example(_product_of_concats, _quad, ("binary_over_concats",), support=("absorb",)),
     Example(_geglu, _projection, ("slice_of_binary", "slice_of_matmul"), support=("absorb",)),

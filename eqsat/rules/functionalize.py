@@ -171,10 +171,11 @@ def _forward_store(t: Tensor, starts: String, v: Expr, ty: String, ts: String, a
 @functionalize.register
 def _disjoint_read(t: Tensor, starts: String, v: Expr, ty: String, tv: String, ts: String, axis: i64,
                    start: i64, stop: i64, stride: i64):
-    """Load(AssignStatic(t, starts, v))[s:e] = Load(t)[s:e] when [s, e) misses the box along that axis."""
+    """Load(AssignStatic(t, starts, v))[s:e] = Load(t)[s:e] when [s, e) misses the box along that axis
+    (a forward stride: a reversed slice reads (e, s])."""
     disjoint = py_true(_disjoint, starts, tv, axis.to_string(), start.to_string(), stop.to_string())
     yield rewrite(Slice(Load(AssignStatic(t, starts, v, ty), ty), axis, start, stop, stride, ts)).to(
-        Slice(Load(t, ty), axis, start, stop, stride, ts), value_type(v) == tv, disjoint)
+        Slice(Load(t, ty), axis, start, stop, stride, ts), value_type(v) == tv, disjoint, stride >= 1)
 
 
 # --- dynamic writes ----------------------------------------------------------------------------------
@@ -339,6 +340,16 @@ def _ref_overlap(x, block):
     return r[1:3] * 2.0
 
 
+def _ref_reversed_read(x, block):
+    """Write rows 1:3, read all rows reversed (start n-1, stop -1): not disjoint from the box."""
+    import jax
+    import jax.numpy as jnp
+
+    r = jax.new_ref(x)
+    r[1:3] = block
+    return jnp.flip(jax.freeze(r), 0) * 2.0
+
+
 def _dynamic_corner(x, block, i):
     """A write partial along two axes: not the one-axis dynamic form."""
     from jax import lax
@@ -373,6 +384,8 @@ EXAMPLES = [
     Example(_ref_forward, _rows, ("forward_store", "disjoint_read"), support=("absorb",)),
     Example(_ref_overlap, _block, ("forward_store", "disjoint_read"), fires=False, support=("absorb",),
             name="a read overlapping the written box"),
+    Example(_ref_reversed_read, _block, ("disjoint_read",), fires=False, support=("absorb",),
+            name="a reversed read of the written rows"),
     Example(_dynamic_update, _rows_index, ("assign_dynamic",), support=("absorb",)),
     Example(_dynamic_corner, _block_index, ("assign_dynamic",), fires=False, support=("absorb",),
             name="a dynamic write partial along two axes"),
