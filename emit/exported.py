@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 
 FORMAT = 1
 UNSTABLE_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
@@ -52,9 +53,10 @@ def _platform(arrays) -> str:
 
 
 def concrete_on_one_device(arrays) -> bool:
-    """Whether every array is a concrete `jax.Array` (no tracer) and the process sees one device."""
-    return jax.device_count() == 1 and all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-                                           for a in arrays)
+    """Whether every array is concrete (a `jax.Array` that is no tracer, or a NumPy array) and the
+    process sees one device."""
+    return jax.device_count() == 1 and all(
+        isinstance(a, np.ndarray) or (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)) for a in arrays)
 
 
 class ExportedStages:

@@ -102,3 +102,13 @@ def test_a_stage_that_does_not_serialize_runs_as_before(fresh_plan_cache):
     assert "per_call" in " ".join(run.exported.failures)
     assert run.exported.exports == bool(run.split.prepared_tensors)  # the prepare stage has no callback
     np.testing.assert_allclose(out, 2 * jax.jit(mlp)(*args), rtol=2e-5, atol=5e-4)
+
+
+def test_numpy_weights_go_through_the_exported_stages(fresh_plan_cache):
+    params, x = arguments()
+    numpy_params = {name: np.asarray(value) for name, value in params.items()}
+    out, first = run_fresh((numpy_params, np.asarray(x)))
+    again, second = run_fresh((numpy_params, np.asarray(x)))
+    assert first.exported.exports >= 1 and second.exported.hits == first.exported.exports
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_allclose(out, jax.jit(mlp)(params, x), rtol=2e-5, atol=2e-4)

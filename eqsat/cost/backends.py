@@ -39,9 +39,10 @@ from typing import Sequence
 from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
-from eqsat.cost.mosaic import L2_BANDWIDTH, EpilogueReads, covers, covers_term, is_view, mosaic_work, node_mosaic_work
-from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, compute_flops, dense_dtype, expr_nodes,
-                              nbytes_of, own_bytes, own_flops, reduction_flops, size_of)
+from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, is_view, mosaic_work, node_mosaic_work,
+                                once_flops)
+from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
+                              own_flops, size_of)
 from eqsat.cost.work import mma_seconds
 
 ROUTES = ("triton", "mosaic", "library")
@@ -107,17 +108,7 @@ def _epilogue(kernel: Term) -> Term:
 
 def _flops(expr: Term, scale: float = 1.0, seen: set | None = None) -> float:
     """Vector flops of `expr`'s nodes not in `seen`, each once per element (× `scale`)."""
-    seen = set() if seen is None else seen
-    flops = 0.0
-    for node in expr_nodes(expr):
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.op in COMPUTE_OPS:
-            flops += compute_flops(node.op, node.args[0], size_of(node.ty))
-        elif node.op == "RowReduce":
-            flops += reduction_flops(node.args[0], size_of(node.args[1].ty))
-    return flops * scale
+    return once_flops(expr, seen=seen) * scale
 
 
 def _finalize_seconds(statistics, device) -> float:

@@ -176,9 +176,10 @@ def is_view(expr: Term | None) -> bool:
     return all(node.op in VIEW_OPS or node.op in ("Load", "Lit") for node in expr_nodes(expr))
 
 
-def once_flops(*exprs: Term) -> float:
-    """Vector flops of expressions computed once per element (as an XLA fusion does)."""
-    flops, seen = 0.0, set()
+def once_flops(*exprs: Term, seen: set | None = None) -> float:
+    """Vector flops of expressions computed once per element (as an XLA fusion does), each node once;
+    nodes whose id is in `seen` are not counted again (and those counted are added to it)."""
+    flops, seen = 0.0, set() if seen is None else seen
     for expr in exprs:
         for node in expr_nodes(expr):
             if id(node) in seen:
