@@ -38,8 +38,11 @@ from sd15.workloads import workloads
 # (`extract.prologue.operand_charge`): 10 feed-forward blocks (32x32 and 16x16 latents) store their
 # LayerNorm apply (norm3, read by the GEGLU projection's 40-80 N tiles) and 6 (16x16, 8x8) GEGLU's
 # value * gelu(gate) (read by ff.net.2), 4.503 ms on `h100` against 4.632 ms for the 289-kernel plan (30.08 against 30.24 ms
-# on `h100-calibrated`).
-MAX_UNET_KERNELS = 305
+# on `h100-calibrated`). 309 since the conv template's flat tiles (the model picks row or flat tiles per
+# conv: `eqsat.cost.mma.conv_config`): a flat tile computes its input at each of the 9 taps, so
+# down_blocks.1.resnets.0 and down_blocks.2.resnets.0 store one more GroupNorm+SiLU input each (a
+# pointwise and a finalize), 4.4950 ms on `h100`.
+MAX_UNET_KERNELS = 309
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_unet_step_stores_only_conv_inputs_cheaper_stored(unet_step):
     # epilogue: different output indices); it has no UNet scope.
     assert sum(kernel.component == "" for kernel in pointwise) <= 1
     stored = [kernel for kernel in pointwise if kernel.component]
-    assert 0 < len(stored) <= 48, len(stored)  # 32 conv inputs, 16 matmul A operands (MAX_UNET_KERNELS)
+    assert 0 < len(stored) <= 50, len(stored)  # conv inputs and 16 matmul A operands (MAX_UNET_KERNELS)
     for kernel in stored:
         # Read by convs or matmuls only, as their input (A operand), and the kernel computing it
         # instead would cost more (a conv's template evaluates its input per tap and output-channel
