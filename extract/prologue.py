@@ -156,6 +156,7 @@ def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPr
     """The `ConvPrologue` of a conv reading input class `lhs` with weight class `rhs` (None when
     the template evaluates its input once per element: nothing to add)."""
     from eqsat.conv_params import ConvParams
+    from eqsat.tiling.conv import UncoveredConv
 
     p = ConvParams.parse(params)
     lhs_ty, rhs_ty = graph.class_type[lhs], graph.class_type[rhs]
@@ -163,8 +164,11 @@ def conv_prologue(graph, lhs: int, rhs: int, params: str, out_ty: str) -> ConvPr
         return None
     rhs_shape = parse_type(rhs_ty).shape
     channels = parse_type(lhs_ty).shape[p.lhs_spec[1]]
-    ranges = tuple((start, stop, conv_prologue_evaluations(lhs_ty, rhs_ty, params, out_ty, taps), taps)
-                   for start, stop, taps in weight_ranges(graph, rhs, p.rhs_spec, rhs_shape))
+    try:
+        ranges = tuple((start, stop, conv_prologue_evaluations(lhs_ty, rhs_ty, params, out_ty, taps), taps)
+                       for start, stop, taps in weight_ranges(graph, rhs, p.rhs_spec, rhs_shape))
+    except UncoveredConv:  # a transposed or grouped conv (a backward's): not the template's, no re-evaluation
+        return None
     if all(abs(evaluations - 1.0) < 1e-12 for _, _, evaluations, _ in ranges):
         return None
     return ConvPrologue(lhs, p.lhs_spec[1], channels, ranges,

@@ -10,6 +10,7 @@ from eqsat.cost.hosting import hosts_of
 from eqsat.cost.terms import PARTIAL_FIELDS, partial_tiles
 from eqsat.cost.tiles import ConvPrograms, conv_default_config, conv_output_tiles, matmul_shape
 from eqsat.types import parse_type
+from eqsat.tiling.conv import UncoveredConv
 
 # Instructions per (lane, tile) of a reader's merge (`emit.expr.merge_partials_at`): moments load
 # three fields and run the shifted two-pass block reduction and Chan's step (27 in the PTX of the
@@ -37,7 +38,10 @@ def host_tiles(host, statistic) -> int:
     per N tile (`emit.pallas.matmul.MatmulBlocks`); other hosts one per `PARTIAL_TILE` elements."""
     if host.op == "Conv":
         lhs, rhs, params, _epilogue, ty = host.args
-        return conv_host_tiles(lhs.ty, rhs.ty, params, ty, statistic_slots(statistic))
+        try:
+            return conv_host_tiles(lhs.ty, rhs.ty, params, ty, statistic_slots(statistic))
+        except UncoveredConv:  # a transposed or grouped conv (a backward's): not tiled by the template
+            return partial_tiles(statistic.args[2].ty)
     if host.op == "Matmul":
         return matmul_shape(host).n_tiles
     return partial_tiles(statistic.args[2].ty)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from eqsat.conv_params import ConvParams
 from eqsat.cost.terms import COMPUTE_OPS, HOSTED_OPS, Term, compute_flops, expr_nodes, reduction_flops, size_of
 from eqsat.cost.tiles import ConvPrograms, conv_parts, conv_prologue_evaluations, matmul_shape
+from eqsat.tiling.conv import UncoveredConv
 from eqsat.types import parse_type
 
 
@@ -46,10 +47,13 @@ def conv_prologue_work(conv: Term) -> tuple[float, set[int], dict]:
     lhs, rhs, params, _epilogue, ty = conv.args
     p = ConvParams.parse(params)
     window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
-    programs = ConvPrograms.of(lhs.ty, rhs.ty, params, ty)
+    try:
+        programs = ConvPrograms.of(lhs.ty, rhs.ty, params, ty)
+    except UncoveredConv:  # a transposed or grouped conv (a backward's): the XLA emitter runs it, input once
+        programs = None
     flops, covered, lanes = 0.0, set(), {}
     for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
-        per_point = conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
+        per_point = 1.0 if programs is None else conv_prologue_evaluations(lhs.ty, rhs.ty, params, ty, taps)
         points = size_of(part.ty) * fraction
         stack, seen = [part], set()
         while stack:
@@ -57,12 +61,13 @@ def conv_prologue_work(conv: Term) -> tuple[float, set[int], dict]:
             if id(node) in seen or node.sort != "Expr":
                 continue
             seen.add(id(node))
-            evaluations = programs.evaluations(node.ty, per_point)
+            evaluations = 1.0 if programs is None else programs.evaluations(node.ty, per_point)
             if node.op == "RowReduce":
                 flops += prologue_node_flops(node.op, points, evaluations, size_of(node.args[1].ty), node.args[0])
             elif node.op == "Load" and node.args[0].op in HOSTED_OPS:
                 statistic = node.args[0]
-                lanes[statistic] = lanes.get(statistic, 0.0) + points * programs.evaluations(statistic.ty, per_point)
+                lanes[statistic] = lanes.get(statistic, 0.0) + points * (
+                    1.0 if programs is None else programs.evaluations(statistic.ty, per_point))
             else:
                 flops += prologue_node_flops(node.op, points, evaluations,
                                              name=node.args[0] if node.op in COMPUTE_OPS else "")
