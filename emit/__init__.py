@@ -1,6 +1,6 @@
 """`emit`: a `Plan` becomes a callable of the original function's arguments.
 
-    run = emit.emit(plan, backend="auto")      # "auto" | "pallas" | "mosaic" | "hybrid" | "xla" | "interpret"
+    run = emit.emit(plan, backend="auto")      # "auto" | "pallas" | "mosaic" | "hybrid" | "routed" | "xla" | "interpret"
     outputs = run(*args)                       # the function's own arguments and output structure
 
 Backends:
