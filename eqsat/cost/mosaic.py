@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass, field
 
 from eqsat.conv_params import ConvParams
-from eqsat.cost.terms import (COMPUTE_OPS, VIEW_OPS, Term, args_of, compute_flops, expr_nodes, itemsize_of,
-                              own_flops, reduction_flops, size_of)
+from eqsat.cost.terms import (VIEW_OPS, Term, args_of, expr_nodes, itemsize_of, node_vector_flops, own_flops,
+                              size_of)
 from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
@@ -185,10 +185,7 @@ def once_flops(*exprs: Term, seen: set | None = None) -> float:
             if id(node) in seen:
                 continue
             seen.add(id(node))
-            if node.op in COMPUTE_OPS:
-                flops += compute_flops(node.op, node.args[0], size_of(node.ty))
-            elif node.op == "RowReduce":
-                flops += reduction_flops(node.args[0], size_of(node.args[1].ty))
+            flops += node_vector_flops(node)
     return flops
 
 

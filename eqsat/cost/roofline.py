@@ -85,7 +85,8 @@ from eqsat.cost.prologues import (conv_prologue_flops, conv_prologue_work, matmu
 from eqsat.cost.terms import (  # noqa: F401 (the model's vocabulary, importable from here as before)
     ALU_INSTRUCTIONS, COMPUTE_OPS, DENSE_OPS, EXPR_OPS, HOSTED_OPS, KERNEL_OPS, KNOWN_OPS, LEAF_OPS,
     PARTIAL_FIELDS, PARTIAL_TILE, REDUCTION_FLOPS, VIEW_OPS, ZERO, Cost, Term, args_of, compute_flops,
-    dense_dtype, dtype_of, expr_nodes, itemsize_of, kernel_body, list_items, nbytes_of, nonzero_weight_elements,
+    dense_dtype, dtype_of, expr_nodes, itemsize_of, kernel_body, list_items, nbytes_of, node_vector_flops,
+    nonzero_weight_elements,
     own_bytes, own_flops, partial_tiles, partials_bytes, reduction_flops, size_of)
 from eqsat.cost.tiles import (  # noqa: F401
     CONV_BLOCK_M, CONV_BLOCK_N, CONV_BLOCK_W, CONV_MAX_TILE_ROWS, ConvPrograms, conv_output_tiles, conv_parts,
@@ -241,10 +242,7 @@ def kernel_cost(kernel: Term, device: "str | Device" = "h100", finished: frozens
         if id(node) in seen or node is kernel:
             continue
         seen.add(id(node))
-        if node.op in COMPUTE_OPS:
-            vector_flops += compute_flops(node.op, node.args[0], size_of(node.ty))
-        elif node.op == "RowReduce":
-            vector_flops += reduction_flops(node.args[0], size_of(node.args[1].ty))
+        vector_flops += node_vector_flops(node)
     seconds = device.launch_overhead + device.memory_seconds(nbytes) + device.vector_seconds(vector_flops)
     if dense_flops:
         seconds += _flop_seconds(kernel.op, args_of(kernel), dense_flops, device, weights, kernel)

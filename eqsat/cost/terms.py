@@ -263,3 +263,13 @@ def list_items(lst) -> list:
         items.append(lst.args[0])
         lst = lst.args[1]
     return items
+
+
+def node_vector_flops(node) -> float:
+    """The vector flops of one evaluation of an expression node over its whole type: a compute op's
+    (`compute_flops`), a `RowReduce`'s (`reduction_flops`); views, literals and loads compute none."""
+    if node.op in COMPUTE_OPS:
+        return compute_flops(node.op, node.args[0], size_of(node.ty))
+    if node.op == "RowReduce":
+        return reduction_flops(node.args[0], size_of(node.args[1].ty))
+    return 0.0
