@@ -263,7 +263,8 @@ class Entry:
         class_of = {terms[node]: cls for node, cls in self.classes}
         components = {int(cls): path for cls, path in self.class_components.items()}
         return Plan.build([terms[i] for i in self.roots], program=program, class_of=class_of,
-                          class_components=components, device=device, extractor=self.extractor)
+                          class_components=components, device=device, extractor=self.extractor,
+                          stack_siblings=True)
 
 
 def entry_of(key: str, program, extraction, class_components: dict, stats: dict, caught: list) -> Entry:

@@ -43,6 +43,7 @@ from eqsat.cost import Cost, get_device, hosted_cost, hosted_reductions, kernel_
 from eqsat.cost.merges import finalize_cost, partials_bytes
 from eqsat.cost.roofline import finished_statistics, merge_cost
 from extract.drawing import plan_to_dot, render
+from extract.siblings import stack_sibling_reductions
 
 KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque", "finalize")
 _KIND = {
@@ -132,8 +133,11 @@ class Plan:
 
     @classmethod
     def build(cls, outputs, *, program=None, class_of=None, class_components=None, device="h100",
-              extractor: str = "naive", _outside: frozenset | None = None) -> "Plan":
+              extractor: str = "naive", stack_siblings: bool = False, _outside: frozenset | None = None) -> "Plan":
         """The plan of computing `outputs` (Tensor terms).
+
+        `stack_siblings`: independent sibling reductions run as one stacked kernel (`extract.siblings`,
+        what extraction's plans do; the naive plan keeps one kernel per reduction).
 
         `class_of` maps Tensor terms to e-classes and `class_components` e-classes to component
         paths (see `components_of_classes`); the program's own `components` serve lifted terms.
@@ -143,6 +147,9 @@ class Plan:
         class_of = class_of or {}
         class_components = class_components or {}
         lifted = program.components if program is not None else {}
+        source_of: dict = {}  # a term the sibling pass rebuilt -> the extracted term it stands for
+        if stack_siblings and _outside is None:
+            outputs, source_of = stack_sibling_reductions(outputs, hosted_reductions(outputs))
         hosting = hosted_reductions(outputs)
         if _outside:  # a loop body: a statistic whose host ran before the loop is read, or runs alone
             hosting = {reduction: None if hosts is not None and any(h in _outside for h in hosts) else hosts
@@ -167,9 +174,10 @@ class Plan:
 
         components: list[str | None] = []
         for term in order:
-            component = lifted.get(term)
-            if component is None and term in class_of:
-                component = class_components.get(class_of[term])
+            source = source_of.get(term, term)
+            component = lifted.get(source)
+            if component is None and source in class_of:
+                component = class_components.get(class_of[source])
             components.append(module_path(component) if component is not None else None)
 
         reads = [{term: partials_bytes(term)} if i in finalizes else kernel_reads(term) for i, term in enumerate(order)]
@@ -198,7 +206,7 @@ class Plan:
             if i in finalizes:  # the statistic finished once: a small merge kernel after its last host
                 cost = finalize_cost(term, device)
                 kernels.append(Kernel(i, term, "finalize", components[i] or "", list(reads[i]), [term], cost.bytes,
-                                      cost.flops, cost.seconds, class_of.get(term)))
+                                      cost.flops, cost.seconds, class_of.get(source_of.get(term, term))))
                 continue
             cost = kernel_cost(term, device, finished)
             merge = merge_cost(term, device, finished).seconds
@@ -217,7 +225,7 @@ class Plan:
             component = components[i] or ""
             kernels.append(Kernel(i, term, kernel_kind(term, component), component, list(reads[i]),
                                   [term, *loop_outputs.get(term, ()), *hosted.get(i, ())], cost.bytes,
-                                  cost.flops, cost.seconds, class_of.get(term), body, merge))
+                                  cost.flops, cost.seconds, class_of.get(source_of.get(term, term)), body, merge))
 
         buffers = _buffers([k.outputs for k in kernels], reads, outputs)
         plan = cls(kernels, buffers, list(outputs), device.name, extractor, program)
@@ -595,4 +603,5 @@ def plan_from_extraction(extraction, program=None, handles: dict | None = None, 
             handle_components = {h: program.components.get(t, "") for t, h in handles.items()}
     class_components = components_of_classes(extraction.graph, handle_components)
     return Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
-                      class_components=class_components, device=device, extractor=extraction.extractor)
+                      class_components=class_components, device=device, extractor=extraction.extractor,
+                      stack_siblings=True)
