@@ -101,6 +101,17 @@ def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
     return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
 
 
+def scales_in_exponent(problem: AttentionProblem) -> bool:
+    """Whether natural scores (not `folds_scale_into_exp2`) stay unscaled and the scale goes into
+    the exponent, `2^((s - m) · scale·log2 e)`: without a bias and with a positive scale whose
+    base-2 unit is a normal float32. The difference is taken before any rounding product, so the
+    max key's exponent is exactly 0 (`s · scale` rounded for the max but contracted with `- m` into
+    one FMA for the exponent gave the max key p ~ 8e5 at scores ~3e8: fp16 P overflowed; issue 17)."""
+    unit = problem.scale * LOG2_E
+    return problem.bias is None and not folds_scale_into_exp2(problem) and \
+        float(jnp.finfo(jnp.float32).tiny) <= unit <= float(jnp.finfo(jnp.float32).max)
+
+
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
@@ -115,6 +126,8 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
     qs = [jnp.where(mask, problem.q(inputs, (b, h, rows, ds), mask), 0)
           for (ds, _), mask in zip(pieces, q_masks)]
     base2 = folds_scale_into_exp2(problem)
+    unscaled = scales_in_exponent(problem)
+    natural_unit = problem.scale * LOG2_E if unscaled else LOG2_E
 
     def kv_step(start, carry, *, width: int, tail: bool):
         """Keys `start ..< start + width`; only the `tail` block (past the last full one) masks keys."""
@@ -136,7 +149,7 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         if problem.bias is not None:
             bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, width)) if tail else True
             s = tr.fma(s, problem.scale, problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32))
-        elif not base2:
+        elif not (base2 or unscaled):
             s = s * problem.scale
         if tail:
             s = jnp.where(col_ok, s, -jnp.inf)
@@ -146,9 +159,9 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         if base2:  # s · scale·log2 e - m, one FMA
             p = jnp.exp2(tr.fma(s, problem.scale * LOG2_E, -m_safe[:, None]))
             correction = jnp.exp2(m - m_safe)
-        else:  # natural scores: the difference first (finite for a bias of -3e38), then to base 2
-            p = jnp.exp2((s - m_safe[:, None]) * LOG2_E)
-            correction = jnp.exp2((m - m_safe) * LOG2_E)
+        else:  # natural scores: the difference first (exact at the max, finite for a bias of -3e38), then base 2
+            p = jnp.exp2((s - m_safe[:, None]) * natural_unit)
+            correction = jnp.exp2((m - m_safe) * natural_unit)
         l = l * correction + jnp.sum(p, axis=1)
         new_os = []
         for o, (ds, d_ok) in zip(os, pieces):
