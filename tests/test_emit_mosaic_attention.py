@@ -326,6 +326,32 @@ def test_plan_sdpa_huge_logits_cross_lengths():
     assert_close(mosaic, jit, args[2])
 
 
+@pytest.mark.parametrize("backend", ["mosaic", "pallas"])
+def test_plan_huge_natural_scores_on_both_templates(backend):
+    """Issue 17's inputs through a plan (no bias, a scale of 3e3, q, k ~ 100: logits ~3e8; 20
+    queries x 77 keys, heads of 40) on the Mosaic and the Triton template: the Triton template's
+    natural path had the same bug (NaN rows at 64 and 130 keys in interpret mode)."""
+    rng = np.random.default_rng(13)
+    q, k = (100 * rng.standard_normal((1, 2, n, 40)) for n in (20, 77))
+    args = tuple(x.astype(np.float16) for x in (q, k, rng.standard_normal((1, 2, 77, 40))))
+
+    def attend(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * 3e3
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+    plan = eqsat.optimize(attend, progress=False).lower(*args).plan
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
+    assert float(term.args[4]) == 3e3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        out = np.asarray(emit.emit(plan, backend, interpret=True)(*args), np.float64)
+    expected, max_logit = float64_attention(*args, 3e3, None)
+    assert_within_values(out, args[2], None)
+    atol = 2e-2 + 16 * np.finfo(np.float32).eps * max_logit * float(np.abs(args[2]).max())
+    np.testing.assert_allclose(out, expected, rtol=2e-2, atol=atol)
+
+
 def test_bias_is_kept_unbroadcast_over_what_it_does_not_read():
     """CLIP's causal mask broadcast to [B, H, S, S] in the plan is materialized as [1, 1, S, S]; a
     per-head bias keeps its head axis."""
