@@ -110,7 +110,7 @@ def exponent_unit(scale: float, has_bias: bool) -> tuple[float, float]:
     exponent share, and `unit` is log2 e (sign 0: no raw scores); so too for a scale whose `unit`
     is no normal float32 (0 · -inf would be NaN at a masked key)."""
     unit = abs(scale) * LOG2_E
-    if has_bias or not np.finfo(np.float32).tiny <= unit <= np.finfo(np.float32).max:
+    if has_bias or not float(np.finfo(np.float32).tiny) <= unit <= float(np.finfo(np.float32).max):
         return 0.0, LOG2_E
     return math.copysign(1.0, scale), unit
 
