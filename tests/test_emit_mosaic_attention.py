@@ -137,11 +137,12 @@ def test_a_one_slot_ring():
     check_against_float64(q, k, v, 40**-0.5, causal(20, 130)[None, None], ma.AttentionBlocks(64, 64, 1, 1))
 
 
-@pytest.mark.parametrize("head_dim", [80, 160])
-def test_heads_of_80_and_160(head_dim):
-    """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result."""
+@pytest.mark.parametrize("head_dim,kv_len", [(80, 77), (160, 130)])
+def test_heads_of_80_and_160(head_dim, kv_len):
+    """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result;
+    77 keys in one masked step, or 130 in two full blocks through a 2-slot ring and a masked tail."""
     rng = np.random.default_rng(3)
-    q, k, v = operands(rng, 1, 64, 77, 1, head_dim, jnp.float16, "normal")
+    q, k, v = operands(rng, 1, 64, kv_len, 1, head_dim, jnp.float16, "normal")
     out = ma.build(q, k, v, scale=head_dim**-0.5, out_dtype=jnp.float32, interpret=True)
     assert out.dtype == jnp.float32
     expected, _ = float64_attention(q, k, v, head_dim**-0.5, None)
