@@ -1,7 +1,7 @@
 """The Mosaic GPU attention template (`emit/mosaic/attention.py`) in GPU interpret mode (simulated
 SMEM, warpgroups, barriers, TMA): the template against a float64 softmax on adversarial values
-(logits ~1e4, all-equal scores, rows masked by -inf or finfo.min, keys finite only in the masked
-tail block), plans emitted with `backend="mosaic"` against the XLA emitter and `jax.jit` (77 tokens,
+(logits ~1e4 and ~3e8, all-equal scores, equal logits ~2.5e9, rows masked by -inf or finfo.min,
+keys finite only in the masked tail block; every output within v's range over its weighted keys), plans emitted with `backend="mosaic"` against the XLA emitter and `jax.jit` (77 tokens,
 heads of 40, CLIP's causal bias, batch 1-2), the Triton fallback, and one compile for sm_90a
 without a GPU at an SD 1.5 shape (PTX: wgmma, TMA, no spills).
 

@@ -21,9 +21,10 @@ called once per head-dim piece (`ds` its lanes) and key block. `b` and `h` are p
 
 - Base 2: without a bias, the scores go straight to base 2, `p = 2^(s · scale·log2 e - m)` with
   the running max m kept in base 2: one `fma` and one `ex2.approx` per score (the natural `exp`
-  was libdevice's range-reduced expf, ~10 instructions). With a bias (or a scale above ln 2) the
-  scores stay natural and only their difference to the max goes to base 2, so a bias of -3e38
-  (finfo.min) stays finite as in `jax.nn.softmax`.
+  was libdevice's range-reduced expf, ~10 instructions). With a bias the scores stay natural and
+  only their difference to the max goes to base 2, so a bias of -3e38 (finfo.min) stays finite as
+  in `jax.nn.softmax`; without one and with a scale above ln 2 they stay unscaled and the scale
+  goes into the exponent, `2^((s - m) · scale·log2 e)` (`scales_in_exponent`: exact at the max key).
 - Masks only where a block crosses an edge: the loop runs the full key blocks unmasked; the keys
   past the last full block run once after it in a tail block of their own power-of-two width
   (>= 16: 77 keys in blocks of 64 are 64 + 16 slots, not 128), the only one that masks keys.
