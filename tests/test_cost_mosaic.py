@@ -105,6 +105,12 @@ def _attention(causal):
     return lambda q, k, v: attention(q, k, v, 2, bias=mask if causal else None)
 
 
+def _cross_attention(heads):
+    from sd15.layers import attention
+
+    return lambda q, k, v: attention(q, k, v, heads)
+
+
 CASES = {
     # 77 tokens, K = 40, N = 96: every side padded to the tiles
     "matmul 77x40x96": (_dense, (S((77, 40), F16), S((40, 96), F16), S((96,), F16))),
@@ -115,6 +121,11 @@ CASES = {
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),
     "attention causal": (_attention(True), (S((2, 77, 80), F16),) * 3),
+    # heads of 80 (as they are) over 200 keys: three full key blocks through the ring, then a tail of 8
+    "attention 200 keys head 80": (_cross_attention(2), (S((1, 20, 160), F16), S((1, 200, 160), F16),
+                                                          S((1, 200, 160), F16))),
+    # one head of 160 (64-byte swizzle), 130 queries in two 128-row CTAs, 130 keys: 2 full blocks + a tail
+    "attention 130 head 160": (_cross_attention(1), (S((1, 130, 160), F16),) * 3),
 }
 
 

@@ -1,7 +1,7 @@
 """The Mosaic GPU attention template (`emit/mosaic/attention.py`) in GPU interpret mode (simulated
 SMEM, warpgroups, barriers, TMA): the template against a float64 softmax on adversarial values
-(logits ~1e4, all-equal scores, rows masked by -inf or finfo.min, keys finite only in the masked
-tail block), plans emitted with `backend="mosaic"` against the XLA emitter and `jax.jit` (77 tokens,
+(logits ~1e4 and ~3e8, all-equal scores, equal logits ~2.5e9, rows masked by -inf or finfo.min,
+keys finite only in the masked tail block; every output within v's range over its weighted keys), plans emitted with `backend="mosaic"` against the XLA emitter and `jax.jit` (77 tokens,
 heads of 40, CLIP's causal bias, batch 1-2), the Triton fallback, and one compile for sm_90a
 without a GPU at an SD 1.5 shape (PTX: wgmma, TMA, no spills).
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import emit
@@ -58,12 +58,29 @@ def adversarial_bias(rng, q_len, kv_len):
     return bias[None, None]
 
 
+def assert_within_values(out, v, bias):
+    """Each output lane is an average of v over the keys its row can weight (a finite bias): between
+    their least and greatest value, up to the 16-bit rounding of P and of the output. Holds at any
+    logit magnitude, where the float64 comparison's tolerance (float32 scores) grows with the logits."""
+    v = np.asarray(v, np.float64)[:, :, None]  # [batch, heads, 1, kv, head]
+    shape = out.shape[:3] + (v.shape[3],)
+    weighted = np.ones(shape, bool) if bias is None else np.broadcast_to(np.asarray(bias) > -np.inf, shape)
+    low = np.where(weighted[..., None], v, np.inf).min(axis=3)
+    high = np.where(weighted[..., None], v, -np.inf).max(axis=3)
+    rows = weighted.any(axis=3)[..., None] & np.ones(out.shape, bool)
+    slack = 2e-2 * float(np.abs(v).max())
+    assert np.all(np.isfinite(out[rows])), "a non-finite output where some key has a finite logit"
+    assert np.all((out[rows] >= low[rows] - slack) & (out[rows] <= high[rows] + slack)), \
+        f"outside v's range by {max(float(np.max(low[rows] - out[rows])), float(np.max(out[rows] - high[rows])))}"
+
+
 def check_against_float64(q, k, v, scale, bias, blocks, layouts=ma.Layouts()):
     out = ma.build(q, k, v, scale=scale, bias=bias, blocks=blocks, layouts=layouts, interpret=True)
     out = np.asarray(out, np.float64)
     assert out.shape == q.shape
     expected, max_logit = float64_attention(q, k, v, scale, bias)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert_within_values(out, v, bias)
     atol = 2e-2 + 16 * np.finfo(np.float32).eps * max_logit * float(np.abs(np.asarray(v, np.float64)).max())
     np.testing.assert_allclose(out, expected, rtol=2e-2, atol=atol, equal_nan=True)
 
@@ -74,6 +91,8 @@ def operands(rng, batch, q_len, kv_len, heads, head_dim, dtype, values):
     v = rng.standard_normal((batch, heads, kv_len, head_dim))
     if values == "huge":  # logits ~1e4: q, k ~ 100
         q, k = 100 * q, 100 * k
+    elif values == "extreme":  # every q, k 2e4 (fp16's range): all logits equal, ~2.5e9 at scale 40^-0.5
+        q, k = np.full_like(q, 2e4), np.full_like(k, 2e4)
     elif values == "tiny":  # scores ~1e-6, v near fp16's smallest normal
         q, k, v = 1e-3 * q, 1e-3 * k, 1e-4 * v
     elif values == "offset":  # every score offset by ~1e3 against a spread of ~1
@@ -118,11 +137,12 @@ def test_a_one_slot_ring():
     check_against_float64(q, k, v, 40**-0.5, causal(20, 130)[None, None], ma.AttentionBlocks(64, 64, 1, 1))
 
 
-@pytest.mark.parametrize("head_dim", [80, 160])
-def test_heads_of_80_and_160(head_dim):
-    """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result."""
+@pytest.mark.parametrize("head_dim,kv_len", [(80, 77), (160, 130)])
+def test_heads_of_80_and_160(head_dim, kv_len):
+    """Head dims that wgmma takes as they are (multiples of 16), 32/64-byte swizzles, a float32 result;
+    77 keys in one masked step, or 130 in two full blocks through a 2-slot ring and a masked tail."""
     rng = np.random.default_rng(3)
-    q, k, v = operands(rng, 1, 64, 77, 1, head_dim, jnp.float16, "normal")
+    q, k, v = operands(rng, 1, 64, kv_len, 1, head_dim, jnp.float16, "normal")
     out = ma.build(q, k, v, scale=head_dim**-0.5, out_dtype=jnp.float32, interpret=True)
     assert out.dtype == jnp.float32
     expected, _ = float64_attention(q, k, v, head_dim**-0.5, None)
@@ -135,18 +155,16 @@ def test_heads_of_80_and_160(head_dim):
 def test_adversarial_property(data):
     """Random forms against float64: fp16/bf16; 1, 20 or 77 queries (one or two compute warpgroups);
     10 (a tail only), 64 (no tail), 77 or 130 keys (a tail after one or two full blocks, a ring of
-    2 refilled); heads of 16, 24 (padded to 32), 40 (to 48) and 80; logits ~1e4, offset by ~1e3, tiny,
-    or all equal; no bias, causal with -inf or finfo.min, or rows masked whole / but one key; scales
+    2 refilled); heads of 16, 24 (padded to 32), 40 (to 48) and 80; logits ~1e4 (~3e8 at a scale of
+    3e3), offset by ~1e3, tiny, all equal, or all equal at ~2.5e9 (fp16's range); no bias, causal with -inf or finfo.min, or rows masked whole / but one key; scales
     1/sqrt(d) (base-2 path) or 3e3 (natural); either layout of q and v."""
     dtype = data.draw(st.sampled_from([jnp.float16, jnp.bfloat16]), "dtype")
     q_len = data.draw(st.sampled_from([1, 20, 77]), "q_len")
     kv_len = data.draw(st.sampled_from([10, 64, 77, 130]), "kv_len")
     head_dim = data.draw(st.sampled_from([16, 24, 40, 80]), "head_dim")
-    values = data.draw(st.sampled_from(["normal", "huge", "tiny", "offset", "equal"]), "values")
+    values = data.draw(st.sampled_from(["normal", "huge", "tiny", "offset", "equal", "extreme"]), "values")
     bias_kind = data.draw(st.sampled_from(["none", "causal_inf", "causal_min", "rows"]), "bias")
     scale = data.draw(st.sampled_from([head_dim**-0.5, 3e3]), "scale")
-    # The known bug below (`test_huge_natural_scores_with_a_key_tail`) is held out of the property.
-    assume(not (values == "huge" and scale == 3e3 and kv_len % 64))
     layouts = ma.Layouts(data.draw(st.booleans(), "q_seq_major"), data.draw(st.booleans(), "v_seq_major"))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), "seed"))
     q, k, v = operands(rng, 1, q_len, kv_len, 2, head_dim, dtype, values)
@@ -157,13 +175,46 @@ def test_adversarial_property(data):
     check_against_float64(q, k, v, scale, bias, None, layouts)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (found by test_adversarial_property in session 10, present "
-                   "at 439d705 too): scores ~1e9 on the natural-scale path (scale 3e3) with a masked key tail "
-                   "give inf rows; no tail (64 keys) is right")
-def test_huge_natural_scores_with_a_key_tail():
+@pytest.mark.parametrize("kv_len", [10, 130])
+def test_huge_natural_scores(kv_len):
+    """Issue 17's bug (found by the property in session 10): logits ~3e8 (q, k ~ 100, a scale of
+    3e3) gave inf rows. The max was taken over `s · scale` rounded but the exponent computed as
+    `s · scale - m` contracted into one FMA (XLA's CPU fusions here; the sm_90a PTX did the same):
+    the max key's p came out ~8e5, past fp16. 10 keys (the tail step alone) and 130 (two full
+    blocks and a tail); the scores now stay unscaled and the scale goes into the exponent."""
     rng = np.random.default_rng(55)
-    q, k, v = operands(rng, 1, 1, 10, 2, 40, jnp.float16, "huge")
+    q, k, v = operands(rng, 1, 1, kv_len, 2, 40, jnp.float16, "huge")
     check_against_float64(q, k, v, 3e3, None, None, ma.Layouts(False, False))
+
+
+def test_equal_logits_at_fp16_range_average_every_key():
+    """q = k = 2e4: every logit ~2.5e9 at a scale of 40^-0.5, all equal, so each row averages v over
+    its 77 keys. The one-FMA base-2 form, `2^(s · scale·log2 e - m)` with m = max(s) · scale·log2 e
+    rounded, gave the max key `2^(±2^7)` (m's rounding error): NaN rows. Causal finfo.min bias too."""
+    rng = np.random.default_rng(11)
+    q, k, v = operands(rng, 1, 20, 77, 1, 40, jnp.float16, "extreme")
+    for bias in (None, causal(20, 77)[None, None]):
+        out = np.asarray(ma.build(q, k, v, scale=40**-0.5, bias=bias, interpret=True), np.float64)
+        weights = np.ones((20, 77)) if bias is None else (bias[0, 0] == 0)
+        expected = weights @ np.asarray(v, np.float64)[0, 0] / weights.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(out[0, 0], expected, rtol=0, atol=4e-3)
+
+
+@pytest.mark.parametrize("scale,sign,unit", [(40**-0.5, 1.0, 40**-0.5 * ma.LOG2_E), (3e3, 1.0, 3e3 * ma.LOG2_E),
+                                             (-2.0, -1.0, 2.0 * ma.LOG2_E), (0.0, 0.0, ma.LOG2_E),
+                                             (1e-46, 0.0, ma.LOG2_E), (3e38, 0.0, ma.LOG2_E)])
+def test_exponent_unit(scale, sign, unit):
+    """Without a bias the scores stay unscaled (negated for a negative scale: the max is then the
+    least score) unless the unit is no normal float32; with a bias they are natural."""
+    assert ma.exponent_unit(scale, False) == (sign, unit)
+    assert ma.exponent_unit(scale, True) == (0.0, ma.LOG2_E)
+
+
+def test_negative_scale_with_huge_scores():
+    """A negative scale (the max is the least raw score) at logits ~3e8 against float64."""
+    rng = np.random.default_rng(12)
+    q, k, v = operands(rng, 1, 20, 77, 1, 40, jnp.float16, "huge")
+    check_against_float64(q, k, v, -3e3, None, None)
 
 
 def test_blocks_and_padding():
@@ -274,6 +325,32 @@ def test_plan_sdpa_huge_logits_cross_lengths():
     assert not ma.reads_seq_major(term.args[0]) and not ma.reads_seq_major(term.args[2])
     assert_close(mosaic, xla, args[2])
     assert_close(mosaic, jit, args[2])
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "pallas"])
+def test_plan_huge_natural_scores_on_both_templates(backend):
+    """Issue 17's inputs through a plan (no bias, a scale of 3e3, q, k ~ 100: logits ~3e8; 20
+    queries x 77 keys, heads of 40) on the Mosaic and the Triton template: the Triton template's
+    natural path had the same bug (NaN rows at 64 and 130 keys in interpret mode)."""
+    rng = np.random.default_rng(13)
+    q, k = (100 * rng.standard_normal((1, 2, n, 40)) for n in (20, 77))
+    args = tuple(x.astype(np.float16) for x in (q, k, rng.standard_normal((1, 2, 77, 40))))
+
+    def attend(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * 3e3
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+
+    plan = eqsat.optimize(attend, progress=False).lower(*args).plan
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Attention"]
+    assert float(term.args[4]) == 3e3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        out = np.asarray(emit.emit(plan, backend, interpret=True)(*args), np.float64)
+    expected, max_logit = float64_attention(*args, 3e3, None)
+    assert_within_values(out, args[2], None)
+    atol = 2e-2 + 16 * np.finfo(np.float32).eps * max_logit * float(np.abs(args[2]).max())
+    np.testing.assert_allclose(out, expected, rtol=2e-2, atol=atol)
 
 
 def test_bias_is_kept_unbroadcast_over_what_it_does_not_read():

@@ -14,8 +14,9 @@ One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt
   and refills a slot once both compute warpgroups have arrived on its "consumed" barriers;
 - each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
   block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
-  registers (running max m in base 2, `p = 2^(s·scale·log2 e - m)`: one FMA and one `ex2` per
-  score, FlashAttention-2's rescaling of the output by `2^(m_old - m_new)`), stores P (fp16/bf16)
+  registers (running max m of the unscaled scores, `p = 2^((s - m)·scale·log2 e)`: a subtraction,
+  a multiply and one `ex2` per score, exact at the max key for any magnitude (`exponent_unit`);
+  FlashAttention-2's rescaling of the output by `2^((m_old - m_new)·scale·log2 e)`), stores P (fp16/bf16)
   to SMEM and issues `wgmma` P·V into a fresh accumulator that is added to the rescaled output.
   With two compute warpgroups a shared "schedule" barrier alternates their Q·Kᵀ and softmax phases
   (FA3's ping-pong) so that one's MMAs overlap the other's exponentials;
@@ -41,8 +42,8 @@ step alone, its length rounded up to the key quantum (77 keys: 80 slots at heads
 bias (CLIP's causal mask, or any additive bias) is materialized as a float32
 `[batch', heads', q, kv]` array (`'`: 1 when the bias expression does not read that index) and
 arrives with the K tiles, `[block_q, block_kv]` per compute warpgroup and step; with a bias the
-scores stay natural and only their difference to the max goes to base 2 (a bias of finfo.min
-stays finite, as in `jax.nn.softmax`).
+scores are `q kᵀ·scale + bias` and only their difference to the max goes to base 2 (a bias of
+finfo.min stays finite, as in `jax.nn.softmax`).
 
 `build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output) and v in
 the order `Layouts` says: `[B, S, H, D]` when the plan's view comes from a `[B, S, H·D]`
@@ -98,10 +99,20 @@ def smem_bytes(blocks: AttentionBlocks, ring: int, head: int, dtype, out_dtype, 
                                        jnp.dtype(out_dtype) != jnp.dtype(dtype), has_bias)
 
 
-def folds_scale_into_exp2(scale: float, has_bias: bool) -> bool:
-    """Whether scores go straight to base 2 (`s · scale·log2 e - m`, one FMA): without a bias and
-    when the base-2 scale is at most 1 (no finite `s · scale` overflows)."""
-    return not has_bias and 0.0 < scale * LOG2_E <= 1.0
+def exponent_unit(scale: float, has_bias: bool) -> tuple[float, float]:
+    """`(sign, unit)`: the online softmax keeps the scores `sign · q kᵀ` unscaled (sign ±1, exact)
+    and takes `p = 2^((s - m) · unit)` with m their running max. Without a bias and with a nonzero
+    scale the scale goes into `unit` (`|scale|·log2 e`): the difference `s - m` is taken before any
+    rounding product, so the max key's is exactly 0 and every other key's at most 0, whatever the
+    compiler contracts (`s · scale - m` as one FMA rounds once where the max rounded `s · scale`
+    first: at scores ~3e8 the max key's p was ~8e5 and its fp16 P overflowed, issue 17). With
+    a bias (or a zero scale) the scores are `q kᵀ · scale + bias`, one value the max and the
+    exponent share, and `unit` is log2 e (sign 0: no raw scores); so too for a scale whose `unit`
+    is no normal float32 (0 · -inf would be NaN at a masked key)."""
+    unit = abs(scale) * LOG2_E
+    if has_bias or not float(np.finfo(np.float32).tiny) <= unit <= float(np.finfo(np.float32).max):
+        return 0.0, LOG2_E
+    return math.copysign(1.0, scale), unit
 
 
 # (o [block_q, head] f32, already divided by the row sums) -> [block_q, head] values to store
@@ -122,7 +133,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
     full_steps, tail = divmod(kv_len, bk)
     kv_steps = full_steps + (1 if tail else 0)
     ring = min(stages, kv_steps)  # `build` fitted it to SMEM
-    base2 = folds_scale_into_exp2(scale, has_bias)
+    sign, unit = exponent_unit(scale, has_bias)
     # wgmma wants both operands of an MMA swizzled alike: the head's rows set the swizzle of all four
     operand_transforms = _swizzled(swizzle_bytes(head, dtype), dtype)
     bias_transforms = _swizzled(swizzle_bytes(bk, jnp.float32), jnp.float32)
@@ -197,22 +208,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 if has_bias:
                     s = s * scale + bias
-                elif not base2:
+                elif sign == 0.0:
                     s = s * scale
+                elif sign < 0:
+                    s = -s
                 if masked:
                     cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1) if interpreted else \
                         plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(cols + t * bk < kv_len, s, -jnp.inf)
-                block_max = s.max(axis=1)
-                m_next = jnp.maximum(m, block_max * (scale * LOG2_E) if base2 else block_max)
+                m_next = jnp.maximum(m, s.max(axis=1))
                 m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no finite score so far
-                m_rows = lax.broadcast_in_dim(m_safe, s.shape, [0])
-                if base2:
-                    p = jnp.exp2(s * (scale * LOG2_E) - m_rows)
-                    alpha = jnp.exp2(m - m_safe)
-                else:  # natural scores: the difference first (finite for a bias of -3e38), then base 2
-                    p = jnp.exp2((s - m_rows) * LOG2_E)
-                    alpha = jnp.exp2((m - m_safe) * LOG2_E)
+                # the difference first (exact at the max, finite for a bias of -3e38), then to base 2
+                p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * unit)
+                alpha = jnp.exp2((m - m_safe) * unit)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)

@@ -21,9 +21,10 @@ called once per head-dim piece (`ds` its lanes) and key block. `b` and `h` are p
 
 - Base 2: without a bias, the scores go straight to base 2, `p = 2^(s · scale·log2 e - m)` with
   the running max m kept in base 2: one `fma` and one `ex2.approx` per score (the natural `exp`
-  was libdevice's range-reduced expf, ~10 instructions). With a bias (or a scale above ln 2) the
-  scores stay natural and only their difference to the max goes to base 2, so a bias of -3e38
-  (finfo.min) stays finite as in `jax.nn.softmax`.
+  was libdevice's range-reduced expf, ~10 instructions). With a bias the scores stay natural and
+  only their difference to the max goes to base 2, so a bias of -3e38 (finfo.min) stays finite as
+  in `jax.nn.softmax`; without one and with a scale above ln 2 they stay unscaled and the scale
+  goes into the exponent, `2^((s - m) · scale·log2 e)` (`scales_in_exponent`: exact at the max key).
 - Masks only where a block crosses an edge: the loop runs the full key blocks unmasked; the keys
   past the last full block run once after it in a tail block of their own power-of-two width
   (>= 16: 77 keys in blocks of 64 are 64 + 16 slots, not 128), the only one that masks keys.
@@ -101,6 +102,17 @@ def folds_scale_into_exp2(problem: AttentionProblem) -> bool:
     return problem.bias is None and 0.0 < problem.scale * LOG2_E <= 1.0
 
 
+def scales_in_exponent(problem: AttentionProblem) -> bool:
+    """Whether natural scores (not `folds_scale_into_exp2`) stay unscaled and the scale goes into
+    the exponent, `2^((s - m) · scale·log2 e)`: without a bias and with a positive scale whose
+    base-2 unit is a normal float32. The difference is taken before any rounding product, so the
+    max key's exponent is exactly 0 (`s · scale` rounded for the max but contracted with `- m` into
+    one FMA for the exponent gave the max key p ~ 8e5 at scores ~3e8: fp16 P overflowed; issue 17)."""
+    unit = problem.scale * LOG2_E
+    return problem.bias is None and not folds_scale_into_exp2(problem) and \
+        float(jnp.finfo(jnp.float32).tiny) <= unit <= float(jnp.finfo(jnp.float32).max)
+
+
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
@@ -115,6 +127,8 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
     qs = [jnp.where(mask, problem.q(inputs, (b, h, rows, ds), mask), 0)
           for (ds, _), mask in zip(pieces, q_masks)]
     base2 = folds_scale_into_exp2(problem)
+    unscaled = scales_in_exponent(problem)
+    natural_unit = problem.scale * LOG2_E if unscaled else LOG2_E
 
     def kv_step(start, carry, *, width: int, tail: bool):
         """Keys `start ..< start + width`; only the `tail` block (past the last full one) masks keys."""
@@ -136,7 +150,7 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         if problem.bias is not None:
             bias_mask = jnp.broadcast_to(row_ok & col_ok, (bq, width)) if tail else True
             s = tr.fma(s, problem.scale, problem.bias(inputs, (b, h, rows, score_cols), bias_mask).astype(jnp.float32))
-        elif not base2:
+        elif not (base2 or unscaled):
             s = s * problem.scale
         if tail:
             s = jnp.where(col_ok, s, -jnp.inf)
@@ -146,9 +160,9 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         if base2:  # s · scale·log2 e - m, one FMA
             p = jnp.exp2(tr.fma(s, problem.scale * LOG2_E, -m_safe[:, None]))
             correction = jnp.exp2(m - m_safe)
-        else:  # natural scores: the difference first (finite for a bias of -3e38), then to base 2
-            p = jnp.exp2((s - m_safe[:, None]) * LOG2_E)
-            correction = jnp.exp2((m - m_safe) * LOG2_E)
+        else:  # natural scores: the difference first (exact at the max, finite for a bias of -3e38), then base 2
+            p = jnp.exp2((s - m_safe[:, None]) * natural_unit)
+            correction = jnp.exp2((m - m_safe) * natural_unit)
         l = l * correction + jnp.sum(p, axis=1)
         new_os = []
         for o, (ds, d_ok) in zip(os, pieces):
