@@ -22,9 +22,11 @@ weights, `sd15.params.init_random`), in seconds:
   from the cold run's output, which the same program should reproduce exactly).
 
 Runs, in order, on one cache folder: `cold` (empty folders), `plan cached` (the exported stages
-removed: the plan cache alone), `warm` (plan and exported stages). `--jax-cache` turns JAX's
-persistent compilation cache on in a folder of its own for every run (`cold` then fills it);
-`--both` runs the three without it and then `warm, JAX cache filled` and `warm + JAX cache` with it.
+removed: the plan cache alone), `warm` (plan and exported stages), with JAX's persistent
+compilation cache off (`EQSAT_JAX_CACHE=0`). `--jax-cache` runs them with eqsat's default instead
+(`driver.cache.use_jax_compilation_cache`: JAX's cache on in `<EQSAT_CACHE_DIR>/jax`, so `cold`
+fills it); `--both` runs the three with it off, then `warm, JAX cache filled` and `warm + JAX
+cache` with it on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -83,10 +86,6 @@ def child(component: str, config: str, backend: str, dtype: str, size: int, refe
     from sd15.workloads import workloads
 
     imported = time.perf_counter() - start
-    if os.environ.get("WARM_START_JAX_CACHE"):
-        jax.config.update("jax_compilation_cache_dir", os.environ["WARM_START_JAX_CACHE"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     events = JaxEvents()
     workload = workloads(config=config, components=(component,), dtype=dtype, size=size or None)[component]
     began = time.perf_counter()
@@ -102,20 +101,24 @@ def child(component: str, config: str, backend: str, dtype: str, size: int, refe
     if component == "unet":  # a timestep and a guidance scale as the pipeline passes them
         args = (*args[:2], jnp.asarray(981, jnp.int32), args[3], jnp.asarray(7.5, jnp.float32))
     weights_seconds = time.perf_counter() - began
+    say(f"imported in {imported:.1f} s, weights made in {weights_seconds:.1f} s")
 
     optimized = eqsat.optimize(workload.fn, backend=backend, params_argnums=0, progress=False)
     began = time.perf_counter()
     lowered = optimized.lower(*args)
     plan_seconds = time.perf_counter() - began
+    say(f"planned ({lowered.stats['cache']}) in {plan_seconds:.1f} s")
     events.reset()
     began = time.perf_counter()
     out = jax.block_until_ready(optimized(*args))
     call_seconds = time.perf_counter() - began
+    say(f"first call in {call_seconds:.1f} s")
     first = dict(events.seconds)
     counts = dict(events.counts)
     began = time.perf_counter()
     jax.block_until_ready(optimized(*args))
     second_seconds = time.perf_counter() - began
+    say(f"second call in {second_seconds:.1f} s")
 
     stages = lowered.executable(backend, None).exported
     exported = stages.seconds if stages else {"read": 0.0, "export": 0.0, "write": 0.0}
@@ -143,30 +146,36 @@ def child(component: str, config: str, backend: str, dtype: str, size: int, refe
             "exported_read": stages.hits if stages else None, "exported_written": stages.exports if stages else None,
             "export_failures": stages.failures if stages else None, "export_trace_lower": exported["export"],
             "jax_cache": counts, "max_error": error, "compared_with": compared,
-            "process_seconds": time.perf_counter() - start}
+            "process_seconds": time.perf_counter() - start,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def say(text: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def run(options, label: str, env: dict, reference: str) -> dict:
     command = [sys.executable, "-m", "benchmarks.warm_start", "--child", options.component, options.config,
                options.backend, options.dtype, str(options.size or 0), reference]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=None if options.verbose else subprocess.PIPE,
+                          text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the {label} process failed:\n{done.stderr[-3000:]}")
-    row = {"run": label, "jax_cache_on": "WARM_START_JAX_CACHE" in env, **json.loads(done.stdout.strip().splitlines()[-1])}
+        raise RuntimeError(f"the {label} process failed" + (f":\n{done.stderr[-3000:]}" if done.stderr else ""))
+    row = {"run": label, "jax_cache_on": "EQSAT_JAX_CACHE" not in env, **json.loads(done.stdout.strip().splitlines()[-1])}
     print(format_row(row), flush=True)
     return row
 
 
 def header() -> str:
     return (f"{'run':<24} {'plan':>5} {'exp r/w':>7} {'jax hit':>7} "
-            + " ".join(f"{c:>7}" for c in COLUMNS) + f" {'max err':>8}")
+            + " ".join(f"{c:>7}" for c in COLUMNS) + f" {'max err':>8} {'GiB':>5}")
 
 
 def format_row(row: dict) -> str:
     hits = f"{row['jax_cache']['cache_hits']}/{row['jax_cache']['cache_hits'] + row['jax_cache']['cache_misses']}" \
         if row["jax_cache_on"] else "off"
     return (f"{row['run']:<24} {row['plan_source']:>5} {str(row['exported_read']) + '/' + str(row['exported_written']):>7} "
-            f"{hits:>7} " + " ".join(f"{row['seconds'][c]:>7.2f}" for c in COLUMNS) + f" {row['max_error']:>8.2g}")
+            f"{hits:>7} " + " ".join(f"{row['seconds'][c]:>7.2f}" for c in COLUMNS) + f" {row['max_error']:>8.2g} {row['peak_rss_gib']:>5.1f}")
 
 
 def main(argv=None) -> int:
@@ -176,9 +185,10 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="pallas")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: float16 full, float32 tiny)")
     parser.add_argument("--size", type=int, default=None, help="image side in pixels (default: the config's)")
-    parser.add_argument("--jax-cache", action="store_true", help="JAX's persistent compilation cache on in every run")
+    parser.add_argument("--jax-cache", action="store_true", help="eqsat's default, JAX's persistent compilation cache on, in every run")
     parser.add_argument("--both", action="store_true", help="the three runs without JAX's cache, then two warm with it")
     parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--verbose", action="store_true", help="the processes' progress and warnings on stderr")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -187,8 +197,9 @@ def main(argv=None) -> int:
         return 0
     args.dtype = args.dtype or ("float16" if args.config == "full" else "float32")
     folder = tempfile.mkdtemp(prefix="eqsat-warm-start-")
-    env = {**os.environ, "EQSAT_CACHE_DIR": os.path.join(folder, "eqsat")}
-    with_jax = {**env, "WARM_START_JAX_CACHE": os.path.join(folder, "jax")}
+    with_jax = {**os.environ, "EQSAT_CACHE_DIR": os.path.join(folder, "eqsat")}
+    with_jax.pop("EQSAT_JAX_CACHE", None)  # eqsat's default: JAX's cache on, in <EQSAT_CACHE_DIR>/jax
+    env = {**with_jax, "EQSAT_JAX_CACHE": "0"}
     reference = os.path.join(folder, "cold.npz")
     load = os.getloadavg()
     print(f"{args.component} ({args.config}, {args.dtype}), backend {args.backend}; load {load[0]:.1f}; seconds")
