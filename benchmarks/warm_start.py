@@ -15,8 +15,9 @@ weights, `sd15.params.init_random`), in seconds:
 - first call, split by JAX's monitoring events and `emit.exported.ExportedStages.seconds`: the
   exported stages read (deserialized), jaxprs traced (the emission of every kernel, or only the call
   of an exported stage), StableHLO lowered, XLA's compile (a hit of JAX's persistent compilation
-  cache is its read), the exported stages written, and the rest (the run itself and Python);
-- ready: import + plan + first call, what a user waits for before a first result;
+  cache is its read: `cache_read` in the JSON), the exported stages written;
+- ready: import + plan + those, until the executable is loaded and runs (the goal of issue 18: a
+  warm UNet ready in 10 s); rest: the first call's run (the prepare stage's too) and Python;
 - the second call (the steady run), where the plan came from, the exported stages read and written,
   the persistent cache's hits, and the largest difference from `jax.jit` (the cold run; the others
   from the cold run's output, which the same program should reproduce exactly).
@@ -47,7 +48,8 @@ EVENTS = {
     "/jax/core/compile/backend_compile_duration": "compile",
     "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read",
 }
-COLUMNS = ("import", "plan", "read", "trace", "lower", "compile", "write", "rest", "ready", "second")
+COLUMNS = ("import", "plan", "read", "trace", "lower", "compile", "write", "ready", "rest", "second")
+READY = ("import", "plan", "read", "trace", "lower", "compile", "write")  # until the executable is loaded
 
 
 class JaxEvents:
@@ -124,9 +126,10 @@ def child(component: str, config: str, backend: str, dtype: str, size: int, refe
     exported = stages.seconds if stages else {"read": 0.0, "export": 0.0, "write": 0.0}
     breakdown = {"import": imported, "plan": plan_seconds, "read": exported["read"], "trace": first["trace"],
                  "lower": first["lower"], "compile": first["compile"], "write": exported["write"]}
-    breakdown["rest"] = call_seconds - sum(breakdown[k] for k in ("read", "trace", "lower", "compile", "write"))
-    breakdown["ready"] = imported + plan_seconds + call_seconds
+    breakdown["ready"] = sum(breakdown[k] for k in READY)
+    breakdown["rest"] = imported + plan_seconds + call_seconds - breakdown["ready"]
     breakdown["second"] = second_seconds
+    breakdown["cache_read"] = first["cache_read"]
     stage_seconds = lowered.stats["seconds"]
 
     leaves = [np.asarray(leaf, np.float32) for leaf in jax.tree_util.tree_leaves(out)]
@@ -146,7 +149,7 @@ def child(component: str, config: str, backend: str, dtype: str, size: int, refe
             "exported_read": stages.hits if stages else None, "exported_written": stages.exports if stages else None,
             "export_failures": stages.failures if stages else None, "export_trace_lower": exported["export"],
             "jax_cache": counts, "max_error": error, "compared_with": compared,
-            "process_seconds": time.perf_counter() - start,
+            "process_seconds": time.perf_counter() - start, "load": os.getloadavg()[0],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -168,14 +171,14 @@ def run(options, label: str, env: dict, reference: str) -> dict:
 
 def header() -> str:
     return (f"{'run':<24} {'plan':>5} {'exp r/w':>7} {'jax hit':>7} "
-            + " ".join(f"{c:>7}" for c in COLUMNS) + f" {'max err':>8} {'GiB':>5}")
+            + " ".join(f"{c:>7}" for c in COLUMNS) + f" {'max err':>8} {'GiB':>5} {'load':>5}")
 
 
 def format_row(row: dict) -> str:
     hits = f"{row['jax_cache']['cache_hits']}/{row['jax_cache']['cache_hits'] + row['jax_cache']['cache_misses']}" \
         if row["jax_cache_on"] else "off"
     return (f"{row['run']:<24} {row['plan_source']:>5} {str(row['exported_read']) + '/' + str(row['exported_written']):>7} "
-            f"{hits:>7} " + " ".join(f"{row['seconds'][c]:>7.2f}" for c in COLUMNS) + f" {row['max_error']:>8.2g} {row['peak_rss_gib']:>5.1f}")
+            f"{hits:>7} " + " ".join(f"{row['seconds'][c]:>7.2f}" for c in COLUMNS) + f" {row['max_error']:>8.2g} {row['peak_rss_gib']:>5.1f} {row['load']:>5.1f}")
 
 
 def main(argv=None) -> int:
@@ -217,8 +220,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     after = os.getloadavg()
-    print(f"load after {after[0]:.1f}; 'rest' is the first call's run and Python; 'ready' = import + plan + first "
-          f"call; weights generated in {rows[0]['weights_seconds']:.1f} s (not counted)")
+    print(f"load after {after[0]:.1f}; 'ready': import to executable loaded; 'rest': the first call's run (the prepare "
+          f"stage's too) and Python; weights generated in {rows[0]['weights_seconds']:.1f} s (not counted)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"component": args.component, "config": args.config, "backend": args.backend,
