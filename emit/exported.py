@@ -6,8 +6,10 @@ again (the UNet step's emission: ~18 s of Python on an idle 2-core machine befor
     out = stages.call("per_call", stage_fn, leaves, prepared)   # None: run stage_fn as before
 
 `emit.prepare.Prepared` asks it for its two stages (prepare and per-call) when it is called with
-concrete arrays on one device and `optimize`'s plan cache is on; `Lowered.executable` passes the
-plan's cache key and `<cache dir>/exported` (`driver.cache`).
+concrete arrays on one device and `optimize`'s plan cache is on, for every backend but
+"interpret"; `Lowered.executable` passes the plan's cache key and `<cache dir>/exported`
+(`driver.cache`), and turns JAX's persistent compilation cache on for the executables
+(`driver.cache.use_jax_compilation_cache`). `seconds` says where an instance's time went.
 
 - First call of a signature with no entry: `jax.export.export(jax.jit(stage_fn))` traces and
   lowers the stage once (what the jitted stage did before), the serialized `Exported` is written
