@@ -287,7 +287,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     def sec(entry, key="compile_seconds"):
         return f"{entry[key]:.1f}" if isinstance(entry, dict) and key in entry else "error"
 
-    print("| component | plan cold s | plan warm s (cache) | kernels launched / distinct | trace+lower s | "
+    print("| component | plan cold s | plan warm s (cache) | kernels launched / distinct / lowered | trace+lower s | "
           "ours compile cold / warm s (hits) | XLA compile cold / warm s (hits) | load before / after |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -295,7 +295,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         kernels = warm.get("kernels", {})
         hits = lambda e: e.get("cache_hits", "?") if isinstance(e, dict) else "?"  # noqa: E731
         print(f"| {r['component']} | {sec(r['plan_cold'], 'plan_seconds')} | {sec(warm, 'plan_seconds')} "
-              f"({warm.get('cache')}) | {kernels.get('launched', '?')} / {kernels.get('distinct', '?')} | "
+              f"({warm.get('cache')}) | {kernels.get('launched', '?')} / {kernels.get('distinct', '?')} / "
+              f"{kernels.get('lowered', '?')} | "
               f"{sec(warm, 'trace_lower_seconds')} | {sec(r['compile_ours_cold'])} / {sec(r['compile_ours_warm'])} "
               f"({hits(r['compile_ours_warm'])}) | {sec(r['compile_xla_cold'])} / {sec(r['compile_xla_warm'])} "
               f"({hits(r['compile_xla_warm'])}) | {r['load_before']} / {r['load_after']} |")

@@ -177,13 +177,16 @@ class Lowered:
 
     def _exported_stages(self, backend: str, interpret):
         """The export cache of this plan's stages (`emit.exported`) when the plan cache is on: a plan
-        from the plan cache then also skips tracing and lowering its kernels."""
+        from the plan cache then also skips tracing and lowering its kernels; and JAX's persistent
+        compilation cache in the same folder (`driver.cache.use_jax_compilation_cache`), so the
+        executable is loaded, not compiled."""
         key = self.stats.get("cache_key")
         if not key or self.stats.get("cache") not in ("hit", "miss"):
             return None
-        from driver.cache import exported_dir
+        from driver.cache import exported_dir, use_jax_compilation_cache
         from emit.exported import ExportedStages
 
+        use_jax_compilation_cache()  # and their executables (`EQSAT_JAX_CACHE=0`: not)
         return ExportedStages(exported_dir(), key, backend, interpret)
 
     def partitioning_lines(self) -> list[str]:

@@ -6,8 +6,10 @@ again (the UNet step's emission: ~18 s of Python on an idle 2-core machine befor
     out = stages.call("per_call", stage_fn, leaves, prepared)   # None: run stage_fn as before
 
 `emit.prepare.Prepared` asks it for its two stages (prepare and per-call) when it is called with
-concrete arrays on one device and `optimize`'s plan cache is on; `Lowered.executable` passes the
-plan's cache key and `<cache dir>/exported` (`driver.cache`).
+concrete arrays on one device and `optimize`'s plan cache is on, for every backend but
+"interpret"; `Lowered.executable` passes the plan's cache key and `<cache dir>/exported`
+(`driver.cache`), and turns JAX's persistent compilation cache on for the executables
+(`driver.cache.use_jax_compilation_cache`). `seconds` says where an instance's time went.
 
 - First call of a signature with no entry: `jax.export.export(jax.jit(stage_fn))` traces and
   lowers the stage once (what the jitted stage did before), the serialized `Exported` is written
@@ -30,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -70,6 +73,9 @@ class ExportedStages:
         self.hits = 0       # stages read from the cache
         self.exports = 0    # stages exported and written
         self.failures: dict[str, str] = {}  # entry name -> why the stage did not export
+        # wall seconds: reading and deserializing entries, tracing and lowering stages to export
+        # them, serializing and writing them
+        self.seconds = {"read": 0.0, "export": 0.0, "write": 0.0}
         self._calls: dict[str, object] = {}  # entry name -> jax.jit(Exported.call)
 
     def call(self, stage: str, fn, *args):
@@ -102,6 +108,13 @@ class ExportedStages:
         return self.directory / f"{name}.bin"
 
     def _load(self, name: str):
+        began = time.perf_counter()
+        try:
+            return self._read(name)
+        finally:
+            self.seconds["read"] += time.perf_counter() - began
+
+    def _read(self, name: str):
         path = self.path(name)
         try:
             raw = path.read_bytes()
@@ -109,26 +122,31 @@ class ExportedStages:
             return None
         except OSError as error:
             warnings.warn(f"eqsat export cache: cannot read {path} ({error}); exporting again", ExportCacheWarning,
-                          stacklevel=4)
+                          stacklevel=5)
             return None
         try:
             exported = jax.export.deserialize(bytearray(raw))
         except Exception as error:  # a truncated or foreign file: flatbuffers raises many kinds
             warnings.warn(f"eqsat export cache: ignoring the unreadable entry {path} ({type(error).__name__}: "
-                          f"{error}); exporting again and rewriting it", ExportCacheWarning, stacklevel=4)
+                          f"{error}); exporting again and rewriting it", ExportCacheWarning, stacklevel=5)
             return None
         self.hits += 1
         return exported
 
     def _export(self, name: str, fn, args, platform: str):
         checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in UNSTABLE_CUSTOM_CALLS]
+        began = time.perf_counter()
         try:
             exported = jax.export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(*args)
+            traced = time.perf_counter()
             data = exported.serialize()
         except Exception as error:  # the stage itself is fine; it only does not serialize
             self.failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.seconds["export"] += time.perf_counter() - began
             return None
+        self.seconds["export"] += traced - began
         self._store(name, data)
+        self.seconds["write"] += time.perf_counter() - traced
         self.exports += 1
         return exported
 

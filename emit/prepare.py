@@ -484,7 +484,7 @@ class Prepared:
         self.prepare_runs = 0
         self.cache_hits = 0
         # `emit.exported.ExportedStages`: the stages as stored StableHLO, for concrete calls on one device
-        self.exported = exported if self.backend in ("pallas", "mosaic", "hybrid") else None
+        self.exported = exported if self.backend != "interpret" else None
         self._entry: _Entry | None = None
         self._prepare_jitted = jax.jit(self._prepare_stage)
         self._per_call_jitted = jax.jit(self._per_call_stage)

@@ -32,16 +32,28 @@ result depend on the machine's speed. `result.details["seconds"]` times each ste
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eqsat.cost import dag_cost, get_device
 from extract.greedy import GreedyResult, cpu_clock, extract_greedy
-from extract.ilp import IlpResult, extract_ilp
 from extract.serialized import EGraphData, Selection, load, reachable_classes
 
+if TYPE_CHECKING:
+    from extract.ilp import IlpResult
+
 __all__ = ["Extraction", "extract", "load", "EGraphData", "Selection", "score_selection", "Plan"]
+
+
+def extract_ilp(*args, **kwargs):
+    """`extract.ilp.extract_ilp`, imported on first use: it imports scipy.optimize (1-4 s here), which
+    a process rebuilding its plans from the plan cache (`extract.plan` only) never needs."""
+    from extract.ilp import extract_ilp as solve
+
+    return solve(*args, **kwargs)
 
 
 def __getattr__(name):
@@ -91,6 +103,8 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     device = get_device(device)
     costs = graph.node_costs(device)
     seconds["load"] = time.perf_counter() - started
+    if method != "greedy":  # scipy imported before the CPU-time budget starts, as when it was imported with this module
+        importlib.import_module("extract.ilp")
     deadline = cpu_clock() + time_limit  # CPU seconds: plans do not depend on the machine's load
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:

@@ -112,3 +112,85 @@ def test_numpy_weights_go_through_the_exported_stages(fresh_plan_cache):
     assert first.exported.exports >= 1 and second.exported.hits == first.exported.exports
     np.testing.assert_array_equal(again, out)
     np.testing.assert_allclose(out, jax.jit(mlp)(params, x), rtol=2e-5, atol=2e-4)
+
+
+# --- JAX's persistent compilation cache, which eqsat turns on for the stages' executables ----------
+
+
+@pytest.fixture
+def jax_cache_state():
+    """JAX's compilation cache settings as they were before the test (they are process-wide), every
+    compile written (the test's stages compile in well under JAX's 1 s default), and the
+    persistent cache's hits counted."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+              plan_cache._jax_cache_set_by_eqsat)
+    hits = []
+
+    def listener(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        plan_cache._jax_cache_set_by_eqsat = before[2]
+        compilation_cache.reset_cache()
+
+
+def xla_fresh(args, **options):
+    optimized = eqsat.optimize(mlp, backend="xla", params_argnums=0, **options)
+    out = optimized(*args)
+    return out, optimized.lower(*args).executable("xla", None)
+
+
+def test_a_second_function_loads_the_stages_executables(fresh_plan_cache, jax_cache_state, monkeypatch):
+    monkeypatch.delenv(plan_cache.JAX_CACHE_SWITCH, raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    args = arguments()
+    out, first = xla_fresh(args)
+    stages = 1 + bool(first.split.prepared_tensors)
+    assert first.exported.exports == stages  # the XLA backend's stages are exported too
+    assert jax.config.jax_compilation_cache_dir == str(plan_cache.jax_cache_dir())
+    assert plan_cache.info()["executables"] >= stages
+    hits_before = len(jax_cache_state)
+    again, second = xla_fresh(args)
+    assert second.exported.hits == stages
+    assert len(jax_cache_state) - hits_before >= stages  # each stage's executable read, not compiled
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_allclose(out, jax.jit(mlp)(*args), rtol=2e-5, atol=2e-4)
+    assert plan_cache.clear() == 1 and not plan_cache.jax_cache_dir().exists()
+
+
+def test_the_users_own_jax_cache_is_left_alone(fresh_plan_cache, jax_cache_state, tmp_path, monkeypatch):
+    monkeypatch.delenv(plan_cache.JAX_CACHE_SWITCH, raising=False)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    xla_fresh(arguments())
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    assert not plan_cache.jax_cache_dir().exists() and any((tmp_path / "mine").iterdir())
+
+
+@pytest.mark.parametrize("switch", ["0", "off"])
+def test_opting_out_leaves_jax_cache_off(fresh_plan_cache, jax_cache_state, monkeypatch, switch):
+    monkeypatch.setenv(plan_cache.JAX_CACHE_SWITCH, switch)
+    jax.config.update("jax_compilation_cache_dir", None)
+    out, run = xla_fresh(arguments())
+    assert jax.config.jax_compilation_cache_dir is None and not plan_cache.jax_cache_dir().exists()
+    assert run.exported.exports >= 1  # the exported stages do not depend on it
+    np.testing.assert_allclose(out, jax.jit(mlp)(*arguments()), rtol=2e-5, atol=2e-4)
+
+
+def test_jax_cache_follows_a_moved_eqsat_cache(jax_cache_state, tmp_path, monkeypatch):
+    monkeypatch.delenv(plan_cache.JAX_CACHE_SWITCH, raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    for name in ("one", "two"):
+        monkeypatch.setenv("EQSAT_CACHE_DIR", str(tmp_path / name))
+        xla_fresh(arguments())
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / name / "jax")
+        assert plan_cache.info()["executables"] >= 1
