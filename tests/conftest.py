@@ -30,6 +30,7 @@ temporary folder for the session (what session fixtures and subprocesses see) an
 for each test (`fresh_plan_cache`), so no test sees another's plans, except in a file that opts into
 `module_plan_cache` (one folder per file: the same programs planned once across backends). `EQSAT_AUTO_CHOICE=plan`:
 `backend="auto"` runs the plan on a CPU instead of timing it against `jax.jit` (`driver.auto_choice`).
+`EQSAT_JAX_CACHE=0`: JAX's persistent compilation cache stays off unless a test turns it on.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ os.environ["EQSAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqsat-test-cache-")
 # backend="auto" runs the plan on a CPU, untimed: a test of the plan never runs jax.jit instead
 # (tests/test_auto_choice.py turns the timed choice back on; EQSAT_AUTO_CHOICE=timed runs a suite with it).
 os.environ.setdefault("EQSAT_AUTO_CHOICE", "plan")
+# JAX's persistent compilation cache, which eqsat turns on for cached plans (`driver.cache`), is a
+# process-wide setting: left off for the suite, so no test's compiles land in another test's temporary
+# cache folder (tests/test_export_cache.py turns it on where it tests it).
+os.environ.setdefault("EQSAT_JAX_CACHE", "0")
 
 import eqsat  # noqa: F401  before jax: no CUDA plugin noise on a machine without a GPU (eqsat.quiet_cuda)
 
