@@ -316,7 +316,7 @@ class Entry:
         components = {int(cls): path for cls, path in self.class_components.items()}
         return Plan.build([terms[i] for i in self.roots], program=program, class_of=class_of,
                           class_components=components, device=device, extractor=self.extractor,
-                          stack_siblings=True)
+                          plan_passes=True)
 
 
 def entry_of(key: str, program, extraction, class_components: dict, stats: dict, caught: list) -> Entry:

@@ -840,7 +840,7 @@ def _plan(program, device, rulesets, options, stage, caught, shared: bool = Fals
         extraction.class_components = components_of_classes(extraction.graph, handle_components)
         plan = Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
                           class_components=extraction.class_components, device=device,
-                          extractor=extraction.extractor, stack_siblings=True)
+                          extractor=extraction.extractor, plan_passes=True)
     if extraction.limit_reached:
         message = (f"extraction stopped by its time limit ({options['extract_time_limit']:g} s): the plan is "
                    f"the best found so far")

@@ -44,6 +44,7 @@ from eqsat.cost.merges import finalize_cost, partials_bytes
 from eqsat.cost.roofline import finished_statistics, merge_cost
 from extract.drawing import plan_to_dot, render
 from extract.siblings import stack_sibling_reductions
+from extract.small_kernels import inline_small_kernels
 
 KINDS = ("pointwise", "reduce", "matmul", "conv", "norm", "attention", "gather", "loop", "opaque", "finalize")
 _KIND = {
@@ -133,23 +134,40 @@ class Plan:
 
     @classmethod
     def build(cls, outputs, *, program=None, class_of=None, class_components=None, device="h100",
-              extractor: str = "naive", stack_siblings: bool = False, _outside: frozenset | None = None) -> "Plan":
+              extractor: str = "naive", plan_passes: bool = False, _outside: frozenset | None = None) -> "Plan":
         """The plan of computing `outputs` (Tensor terms).
-
-        `stack_siblings`: independent sibling reductions run as one stacked kernel (`extract.siblings`,
-        what extraction's plans do; the naive plan keeps one kernel per reduction).
 
         `class_of` maps Tensor terms to e-classes and `class_components` e-classes to component
         paths (see `components_of_classes`); the program's own `components` serve lifted terms.
         `_outside` (a loop body's plan): the enclosing plans' kernels, computed before the loop.
+        `plan_passes` (what extraction's plans get; the naive plan keeps one kernel per node): the
+        passes on the extracted plan, which see dependencies across the whole program: independent
+        sibling reductions run as one stacked kernel (`extract.siblings`), and small pointwise
+        kernels are computed in their readers where the model prices that lower
+        (`extract.small_kernels`).
         """
         device = get_device(device)
-        class_of = class_of or {}
-        class_components = class_components or {}
+        options = dict(program=program, class_of=class_of or {}, class_components=class_components or {},
+                       device=device, extractor=extractor)
+        if not plan_passes or _outside is not None:
+            return cls._build(outputs, **options, _outside=_outside)
+        outputs, source_of = stack_sibling_reductions(outputs, hosted_reductions(outputs))
+        plan = cls._build(outputs, **options, source_of=source_of)
+        inlined, rebuilt = inline_small_kernels(plan)
+        if rebuilt:
+            source_of = {**source_of, **{new: source_of.get(old, old) for new, old in rebuilt.items()}}
+            candidate = cls._build(inlined, **options, source_of=source_of)
+            if candidate.seconds < plan.seconds:
+                plan = candidate
+        return plan
+
+    @classmethod
+    def _build(cls, outputs, *, program, class_of, class_components, device, extractor,
+               source_of: dict | None = None, _outside: frozenset | None = None) -> "Plan":
+        """`build` without the plan passes; `source_of` maps a term a pass rebuilt to the extracted
+        term it stands for (its component and e-class)."""
         lifted = program.components if program is not None else {}
-        source_of: dict = {}  # a term the sibling pass rebuilt -> the extracted term it stands for
-        if stack_siblings and _outside is None:
-            outputs, source_of = stack_sibling_reductions(outputs, hosted_reductions(outputs))
+        source_of = source_of or {}
         hosting = hosted_reductions(outputs)
         if _outside:  # a loop body: a statistic whose host ran before the loop is read, or runs alone
             hosting = {reduction: None if hosts is not None and any(h in _outside for h in hosts) else hosts
@@ -212,7 +230,7 @@ class Plan:
             merge = merge_cost(term, device, finished).seconds
             body: list = []
             if term.op == "Loop":
-                body = cls.build(list_items(term.args[2]), program=program, class_of=class_of,
+                body = cls._build(list_items(term.args[2]), program=program, class_of=class_of,
                                  class_components=class_components, device=device, extractor=extractor,
                                  _outside=outside).kernels
                 for other in loop_outputs[term]:  # its other outputs: their writes, not another body
@@ -604,4 +622,4 @@ def plan_from_extraction(extraction, program=None, handles: dict | None = None, 
     class_components = components_of_classes(extraction.graph, handle_components)
     return Plan.build(extraction.terms, program=program, class_of=extraction.class_of,
                       class_components=class_components, device=device, extractor=extraction.extractor,
-                      stack_siblings=True)
+                      plan_passes=True)

@@ -8,7 +8,8 @@ reduction kernel after extraction: on the SD 1.5 UNet's fine-tuning step, 237 mo
 needed. XLA's multi-output fusion merges such siblings; this pass does the same for our plans.
 
 Reductions are stacked when they have the same op (`sum`, `max`, `min`, `moments`), the same body
-type, the same reduced axes, the same output type and an identity epilogue, read at least one large
+type, the same reduced axes, the same output type and an identity epilogue (or a negated sum, whose
+row reduces the negated body), read at least one large
 tensor in common (`MIN_SHARED_FRACTION` of the body), and neither depends on the other, even through other
 stacks (reachability is kept on the contracted kernel graph as stacks form, as XLA's multi-output
 fusion does). The stack is one reduction of the bodies concatenated along a new leading axis,
@@ -55,13 +56,26 @@ def _key(term: Term):
     if term.op != "Reduce":
         return None
     op, body, axes, epilogue, ty = term.args
-    if op not in STACKED_OPS or epilogue.op != "Acc" or not ints(axes):
+    if op not in STACKED_OPS or not ints(axes) or _row_body(term) is None:
         return None
     return op, body.ty, axes, ty
 
 
-def _parents_are_loads(roots, members: set) -> set:
-    """The members read only through `Load` (and not roots themselves)."""
+def _row_body(term: Term) -> Term | None:
+    """What the reduction's row of a stack reduces: its body, or for `-sum(b)` the body `-b` (exact:
+    negation commutes with every rounding); None for any other epilogue."""
+    op, body, _, epilogue, ty = term.args
+    if epilogue.op == "Acc" and epilogue.args[0] == ty:
+        return body
+    negated = epilogue.op == "Unary" and epilogue.args[0] == "neg" and epilogue.args[1].op == "Acc"
+    if op == "sum" and negated and epilogue.args[1].args[0] == ty:  # accumulated in the output's type
+        return Term("Unary", "neg", body, body.ty)
+    return None
+
+
+def reads_only_through_loads(roots, members: set) -> set:
+    """The `members` (kernel terms) read only through `Load` by the terms reachable from `roots`, and
+    not roots themselves: a pass may replace such a read with an expression."""
     bad = {m for m in members if any(r is m for r in roots)}
     seen: set[int] = set()
     stack = list(roots)
@@ -89,7 +103,7 @@ def stack_sibling_reductions(outputs, hosting: dict) -> tuple[list, dict]:
     candidates = {term for term in order if _key(term) is not None}
     if len(candidates) < 2:
         return list(outputs), {}
-    candidates = _parents_are_loads(outputs, candidates)
+    candidates = reads_only_through_loads(outputs, candidates)
 
     ancestors: list[int] = []
     shared: list[set] = []
@@ -142,7 +156,7 @@ def stack_sibling_reductions(outputs, hosting: dict) -> tuple[list, dict]:
                 replace[Term("Load", member, member.ty)] = _row(stacked, row, member)
     if not replace:
         return list(outputs), {}
-    rebuilt = _substitute(outputs, replace)
+    rebuilt = substitute(outputs, replace)
     source_of = {new: old for old, new in rebuilt.items() if new is not old and old.sort == "Tensor"}
     for stacked, members in stacked_members.items():
         source_of[rebuilt.get(stacked, stacked)] = members[0]
@@ -155,7 +169,7 @@ def _stacked(members: list) -> Term:
     body_shape = parse_type(body.ty).shape
     dtype = parse_type(body.ty).dtype
     row_ty = format_type(dtype, (1, *body_shape))
-    rows = [Term("Reshape", m.args[1], row_ty) for m in members]
+    rows = [Term("Reshape", _row_body(m), row_ty) for m in members]
     stacked = rows[0]
     for k, row in enumerate(rows[1:], start=1):
         stacked = Term("Concat", stacked, row, 0, k, format_type(dtype, (k + 1, *body_shape)))
@@ -175,7 +189,7 @@ def _row(stacked: Term, row: int, member: Term) -> Term:
     return Term("Reshape", view, member.ty)
 
 
-def _substitute(roots, replace: dict) -> dict:
+def substitute(roots, replace: dict) -> dict:
     """Every term reachable from `roots` (and from the replacements) -> its rebuilt version, with each
     key of `replace` swapped for its value; iterative (plans are deep)."""
     done: dict = {}
