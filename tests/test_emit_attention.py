@@ -101,6 +101,34 @@ def test_head_dims_80_160_and_cross_lengths(head_dim, q_len, kv_len):
     assert_close(run_template(q, k, v, None), template_reference(q, k, v, None), np.float16)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim,splits", [(512, None), (64, 4), (48, 1)])
+def test_output_lanes_split_over_programs(dtype, head_dim, splits):
+    """The VAE's 512-lane head by default splits its output lanes over 2 programs per query block
+    (`AttentionBlocks.value_splits`), each recomputing the scores; 64 lanes forced into 4 splits of
+    16; 77 queries against 45 keys with a -3e38 bias row and q ~ 30 (logits ~ 1e3 at 512 lanes),
+    against the reference."""
+    rng = np.random.default_rng(8)
+    q = away_from_zero(rng, (1, 1, 77, head_dim), dtype) * dtype(30 if head_dim == 512 else 1)
+    k, v = (away_from_zero(rng, (1, 1, 45, head_dim), dtype) for _ in range(2))
+    bias = causal(77, 45, fill=-3e38)
+    blocks = at.AttentionBlocks.get_default(77, 45, head_dim)
+    if splits is not None:
+        blocks = at.AttentionBlocks(32, 16, value_splits=splits)
+    assert blocks.value_splits == (2 if head_dim == 512 else splits)
+    prologues = {"q": lambda x: x, "k": lambda x: 1 / x, "v": lambda x: 1 / x}
+    out = run_template(q, k, v, bias, blocks, prologues=prologues)
+    qr, kr, vr = (prologues[n](jnp.asarray(x)).astype(x.dtype) for n, x in zip("qkv", (q, k, v)))
+    assert_close(out, at.reference(qr, kr, vr, head_dim**-0.5, bias[None, None]), dtype)
+
+
+def test_a_split_head_must_be_one_piece():
+    rng = np.random.default_rng(9)
+    q = away_from_zero(rng, (1, 1, 16, 80), np.float32)  # 80 lanes = 64 + 16: no even split
+    with pytest.raises(ValueError, match="value splits"):
+        run_template(q, q, q, None, at.AttentionBlocks(16, 16, value_splits=2))
+
+
 def test_rows_with_no_finite_score_are_nan_like_softmax():
     """A bias of -inf over a whole query row (and a fully masked upper block): NaN as in
     `jax.nn.softmax`, and every other row exact; a huge finite bias stays finite."""
@@ -288,6 +316,20 @@ def test_plan_attention_adversarial_scores(dtype, values):
     for other in (xla, jit):
         np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(other, np.float32),
                                    rtol=TOLERANCE[dtype][0], atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_plan_attention_head_dim_512_splits_its_output_lanes(dtype):
+    """The VAE's one head of 512 lanes (two programs per query block share its output lanes), 40
+    queries and 21 keys, q ~ 20 (logits ~ 400): against the XLA emitter and `jax.jit`."""
+    rng = np.random.default_rng(7)
+    args = (normal(rng, (1, 1, 40, 512), dtype, 20.0), normal(rng, (1, 1, 21, 512), dtype),
+            normal(rng, (1, 1, 21, 512), dtype))
+    assert at.AttentionBlocks.get_default(40, 21, 512).value_splits == 2
+    pallas, xla, jit, plan = emitted(sdpa, args)
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    assert_close(pallas, xla, dtype)
+    assert_close(pallas, jit, dtype)
 
 
 def test_plan_clip_causal_attention_reads_heads_through_views():

@@ -168,12 +168,17 @@ _CHEAPEST: dict[ConvGeometry, ConvConfig] = {}
 
 
 def cheapest_conv_tile(geometry: ConvGeometry) -> ConvConfig:
-    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`; the row tile
-    on ties): the tile shape `conv_config` gives the template."""
+    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`): the tile
+    shape `conv_config` gives the template. On ties the tile with fewer dots per program (fewer
+    accumulators live at once), then the earlier candidate: a 1×1 conv's row tile of 2 × 64 pixels
+    and its flat tile of 128 do the same work, but the row tile holds two accumulators through its
+    epilogue, and with a hosted GroupNorm statistic computed per row that spilled (ptxas, sm_90a:
+    255 registers and 88 B of spills against 254 and none for the flat tile)."""
     cached = _CHEAPEST.get(geometry)
     if cached is None:
         candidates = ConvConfig.candidates(geometry)
-        cached = _CHEAPEST[geometry] = min(candidates, key=lambda c: conv_tile_seconds(geometry, c))
+        cached = _CHEAPEST[geometry] = min(
+            candidates, key=lambda c: (conv_tile_seconds(geometry, c), c.tile(geometry)[0]))
     return cached
 
 
