@@ -152,7 +152,9 @@ def test_blocks_are_validated():
     assert at.AttentionBlocks.get_default(1024, 1024, 80) == at.AttentionBlocks(128, 64, num_warps=8)
     assert at.AttentionBlocks.get_default(4096, 4096, 160) == at.AttentionBlocks(128, 64, num_warps=8)
     assert at.AttentionBlocks.get_default(256, 256, 160) == at.AttentionBlocks(64, 64, num_warps=4)
-    assert at.AttentionBlocks.get_default(4096, 4096, 512) == at.AttentionBlocks(64, 32, num_warps=8)
+    assert at.AttentionBlocks.get_default(4096, 4096, 512) == at.AttentionBlocks(64, 32, num_warps=8, value_splits=2)
+    with pytest.raises(ValueError, match="value_splits=3"):
+        at.AttentionBlocks(64, 64, value_splits=3).validate()
 
 
 @pytest.mark.parametrize("head_dim,pieces", [

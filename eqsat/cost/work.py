@@ -45,7 +45,7 @@ from eqsat.cost.partials import fields, statistic_slots, statistic_tiles
 from eqsat.cost.terms import args_of, nonzero_weight_elements, own_flops
 from eqsat.cost.tiles import MatmulShape, conv_parts
 from eqsat.tiling.attention import AttentionBlocks, dot_itemsize, head_pieces, key_loop_trips, tail_width
-from eqsat.tiling.conv import ConvGeometry, KRange
+from eqsat.tiling.conv import ConvGeometry, KRange, single_tap
 from eqsat.tiling.matmul import MatmulBlocks
 from eqsat.tiling.partials import FinalizeConfig
 from eqsat.types import parse_type
@@ -80,7 +80,8 @@ def conv_config(term):
 def _conv_config_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges):
     geometry = ConvGeometry(ConvParams.parse(params), tuple(parse_type(lhs_ty).shape),
                             tuple(parse_type(rhs_ty).shape), tuple(parse_type(out_ty).shape))
-    config = conv_choice.conv_config(geometry, [KRange(channels, None, None) for channels, _ in ranges])
+    config = conv_choice.conv_config(geometry, [KRange(channels, None, None, single_tap(geometry) if taps == 1 else None)
+                                                for channels, taps in ranges])
     return config, geometry, ranges
 
 
