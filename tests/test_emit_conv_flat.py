@@ -246,7 +246,8 @@ def _geometry(batch, channels, size, cout, window=3, stride=1):
     (2, 1280, 8, 1280, 3, 1, True),   # 8x8: row tiles pad 8 columns to 16
     (2, 2560, 8, 1280, 1, 1, True),   # a 1x1 shortcut: flat tiles recompute nothing more
     (1, 128, 512, 128, 3, 1, False),  # VAE 512x512
-], ids=["unet-64", "unet-32", "unet-16", "unet-8", "unet-8-1x1", "vae-512"])
+    (2, 320, 64, 320, 1, 1, True),    # a 1x1 conv at 64x64: row and flat tiles tie; one accumulator wins
+], ids=["unet-64", "unet-32", "unet-16", "unet-8", "unet-8-1x1", "vae-512", "unet-64-1x1"])
 def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels, size, cout, window, stride, flat):
     """The default config is the cheapest candidate by `conv_tile_seconds`: flat tiles (wgmma, at
     most 9 evaluations per element and Cout tile) on the low-resolution convs, row tiles where the
@@ -258,3 +259,36 @@ def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels
                                                           for c in conv.ConvConfig.candidates(geometry))
     dots, m = config.tile(geometry)
     assert m >= 64  # every one of these has >= 64 output pixels per image: wgmma
+
+
+def test_a_flat_conv_of_a_plain_input_pipelines_its_wgmma(tmp_path):
+    """A 3x3 conv on a 32x32 image (flat tiles: one dot per tap) whose input and weight are plain
+    loads, fp16, compiled for sm_90a: its wgmma waits with a group in flight (`wgmma.wait_group 1`:
+    loads overlap the MMA), every global load moves >= 8 bytes, nothing spills. (Row tiles, several
+    dots per column tap, and A tiles computed by a prologue, wait for 0.)"""
+    import re
+
+    from benchmarks import ptx
+    from measure import xla_target
+
+    if xla_target.unavailable_reason() is not None:
+        pytest.skip(str(xla_target.unavailable_reason()))
+    geometry = _geometry(1, 64, 32, 64)
+    assert mma.conv_config(geometry).flat
+    x, w = (Term("Input", name, format_type("float16", shape))
+            for name, shape in (("x", geometry.lhs_shape), ("w", geometry.rhs_shape)))
+    term = _conv_term(Term("Load", x, x.ty), Term("Load", w, w.ty), geometry.params, "float16")
+
+    def fn(x_value, w_value):
+        return conv.run(term, {x: x_value, w: w_value}, interpret=False)
+
+    specs = [jax.ShapeDtypeStruct(shape, jnp.float16) for shape in (geometry.lhs_shape, geometry.rhs_shape)]
+
+    xla_target.compile_for_h100(fn, *specs, keep_dump=tmp_path / "dump")
+    [path] = [p for p in (tmp_path / "dump").glob("*.ptx") if ".entry" in p.read_text()]
+    text = path.read_text()
+    [counts] = ptx.read_ptx(text).values()
+    [resources] = ptx.run_ptxas(path).values()
+    assert counts.wgmma and counts.wgmma_wait_depth >= 1, re.findall(r"wgmma.wait_group.sync.aligned \d+", text)
+    assert counts.vector_load_bytes == counts.global_load_bytes, counts
+    assert resources.spill_bytes == 0, resources
