@@ -190,6 +190,17 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
             _store_partials(layout, partial_ref, part, prefix_size // (layout.fields * layout.slots) + program)
 
 
+def _zero_padded(tile, mask, zero_masked: bool, dot_dtype):
+    """An operand tile as the dot takes it: 0 outside `mask` (zero padding applies after the
+    prologue), by a select unless the operand already reads 0 there (`KRange.lhs_zero_masked`).
+    Without the select a loaded tile reaches the dot as loaded: Triton stages it in shared memory
+    and issues the wgmma asynchronously (`wgmma.wait_group 1`); through the select it is a register
+    operand and every wgmma waits for 0. The flat tile uses that; the row tile keeps the select."""
+    if not zero_masked:
+        tile = jnp.where(mask, tile, 0)
+    return tile if tile.dtype == dot_dtype else tile.astype(dot_dtype)
+
+
 def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtype, n, cols_ok):
     """A row tile's accumulators: `th` output rows × `tw` output columns of one image, each row its
     own [tw, bn] accumulator; each input row's expression computed once per column tap and reused
@@ -240,12 +251,14 @@ def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtyp
                     index = _place(p.lhs_spec, (b, channel[None, :], jnp.full((tw, 1), iy, jnp.int32), ix))
                     a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
                         k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
-                    a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                    # Always through the select: staged in shared memory instead (as the flat tile's
+                    # are), the rows of the UNet's 64² convs spilled 104-168 B at 255 registers.
+                    a = _zero_padded(a, a_mask, False, dot_dtype)
                     for r, ky in targets:
                         if ky not in weights:
                             tap_index = (jnp.full((1, 1), ky, jnp.int32), jnp.reshape(kx, (1, 1)))
                             w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-                            weights[ky] = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                            weights[ky] = _zero_padded(w, w_mask, False, dot_dtype)
                         accs[r] = accs[r] + lax.dot(a, weights[ky], preferred_element_type=jnp.float32)
                 return tuple(accs)
 
@@ -294,10 +307,10 @@ def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dty
                 index = _place(p.lhs_spec, (b, channel[None, :], iy, ix))
                 a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
                     k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
-                a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                a = _zero_padded(a, a_mask, k_range.lhs_zero_masked, dot_dtype)
                 tap_index = (jnp.reshape(ky, (1, 1)), jnp.reshape(kx, (1, 1)))
                 w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-                w = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                w = _zero_padded(w, w_mask, k_range.rhs_zero_masked, dot_dtype)
                 return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
 
             taps = (y1 - y0) * taps_x
@@ -717,6 +730,22 @@ def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int
     return evaluate
 
 
+_ZERO_PRESERVING_VIEWS = {"Reshape": 0, "Transpose": 0, "Slice": 0}
+
+
+def zero_where_masked(expr: Term) -> bool:
+    """Whether `expr`, evaluated under a mask, is 0 at every masked lane: a tensor's load (a masked
+    load reads 0) through views that pass the mask on and converts (0 stays 0). A `Pad` or `Concat`
+    is not: lanes in a pad's border read its fill, whatever the mask."""
+    while True:
+        if expr.op in _ZERO_PRESERVING_VIEWS:
+            expr = expr.args[_ZERO_PRESERVING_VIEWS[expr.op]]
+        elif expr.op == "Unary" and expr.args[0] == "convert":
+            expr = expr.args[1]
+        else:
+            return expr.op == "Load" and expr.args[0].op != "EpilogueReduce"
+
+
 def _hoisted_part(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int, pixel_axis: int):
     """A K range's `hoist`: the values of `expr`'s nodes at a pixel-free index, reused at every tap
     by the nodes whose index there does not vary over the pixels (`emit.expr.CompiledExpr.hoist`)."""
@@ -913,7 +942,8 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
     # Index tiles are [pixels, channels]: a node whose index has length 1 on axis 0 is per (batch, channel).
     ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
                      _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset, ContiguousMemory), part.taps,
-                     _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0))
+                     _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0),
+                     zero_where_masked(part.lhs), zero_where_masked(part.rhs))
               for part in k_ranges(term)]
     config = config or conv_choice.conv_config(geometry, ranges, dot_itemsize(lhs.ty, rhs.ty))
     statistics, computed = [], []

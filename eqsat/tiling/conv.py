@@ -128,6 +128,11 @@ class KRange:
     # (refs, index, mask) -> what `lhs` computes per (batch, channel), evaluated once per channel
     # chunk at pixel (0, 0) and passed to `lhs(..., hoisted=)` at every tap; None: nothing hoisted.
     hoist: Callable | None = None
+    # Whether `lhs` / `rhs` already read 0 wherever their mask is False (a masked load through
+    # views): the template then feeds them to the dot as loaded, not through a select, so Triton
+    # can stage them in shared memory and keep the MMA asynchronous.
+    lhs_zero_masked: bool = False
+    rhs_zero_masked: bool = False
 
     def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
         (kh, kw) = geometry.window
