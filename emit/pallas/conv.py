@@ -160,6 +160,10 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
 
     program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
     fields = [None] * len(statistics)
+    # Each statistic's channel parts depend on the output channels only: found once, not per row.
+    column_parts = [None if layout.per_row else
+                    _column_parts(layout, layout.statistic.slot_at(_place(p.out_spec, (0, n, 0, 0))), cols_ok)
+                    for layout in statistics]
     for acc, oy_tile, ox, rows_ok in tiles:
         out_mask = rows_ok & cols_ok
         out_index = _place(p.out_spec, (b, n, oy_tile, ox))
@@ -178,8 +182,7 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
                                     slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))), tile_row)
                 continue
             row_part = slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
-            col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
-            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part)
+            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, row_part, column_parts[s_i])
             fields[s_i] = part if fields[s_i] is None else _merge_fields(layout, fields[s_i], part)
 
     prefixes = iter(prefix_refs)
@@ -520,21 +523,30 @@ def _distinct_parts(parts: jax.Array, valid: jax.Array, count: int) -> list[jax.
     return found
 
 
-def _tile_partials(layout: _Layout, body, valid, rows_ok, cols_ok, row_part, col_part) -> list[jax.Array]:
-    """A tile's partial statistic of every slot (`[1, slots]` per field: a sum, or count, mean, M2).
-
-    `row_part` [rows, 1] and `col_part` [1, bn] are each element's slot parts (slot = row part + col
-    part). The tile's distinct parts are found by successive minima (at most `MAX_ROW_SLOTS` row
-    parts and the layout's column count), so no index table is read."""
-    n_rows, n_cols = layout.row_parts.shape[1], layout.col_parts.shape[1]
-    cols, slots = next_pow2(n_cols), next_pow2(layout.slots)
-    row_part = jnp.broadcast_to(jnp.asarray(row_part, jnp.int32), rows_ok.shape)
+def _column_parts(layout: _Layout, col_part, cols_ok) -> tuple[jax.Array, jax.Array]:
+    """The channel parts of a tile's columns (`col_part` [1, bn], found by successive minima, at
+    most the layout's column count: no index table is read): `part_of_rank` [cols, 1], the rank-th
+    smallest part (`_NO_PART` past the last), and `in_part` [cols, bn], which column holds which."""
+    n_cols = layout.col_parts.shape[1]
+    cols = next_pow2(n_cols)
     col_part = jnp.broadcast_to(jnp.asarray(col_part, jnp.int32), cols_ok.shape)
     rank = _iota(cols)[:, None]                                                             # [cols, 1]
     part_of_rank = jnp.full((cols, 1), _NO_PART, jnp.int32)
     for r, part in enumerate(_distinct_parts(col_part, cols_ok, n_cols)):
         part_of_rank = jnp.where(rank == r, part, part_of_rank)
-    in_part = (col_part == part_of_rank) & cols_ok                                          # [cols, bn]
+    return part_of_rank, (col_part == part_of_rank) & cols_ok
+
+
+def _tile_partials(layout: _Layout, body, valid, rows_ok, row_part, column_parts) -> list[jax.Array]:
+    """A tile's partial statistic of every slot (`[1, slots]` per field: a sum, or count, mean, M2).
+
+    `row_part` [rows, 1] is each element's pixel part, `column_parts` its columns' channel parts
+    (`_column_parts`; slot = row part + channel part). The tile's distinct pixel parts are found by
+    successive minima (at most `MAX_ROW_SLOTS`), so no index table is read."""
+    n_rows = layout.row_parts.shape[1]
+    slots = next_pow2(layout.slots)
+    row_part = jnp.broadcast_to(jnp.asarray(row_part, jnp.int32), rows_ok.shape)
+    part_of_rank, in_part = column_parts
     slot = _iota(slots)[None, :]                                                            # [1, slots]
     body = jnp.where(valid, body, 0.0)
     fields = [jnp.zeros((1, slots), jnp.float32) for _ in range(layout.fields)]
