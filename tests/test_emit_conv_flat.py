@@ -247,7 +247,8 @@ def _geometry(batch, channels, size, cout, window=3, stride=1):
     (2, 2560, 8, 1280, 1, 1, True),   # a 1x1 shortcut: flat tiles recompute nothing more
     (1, 128, 512, 128, 3, 1, False),  # VAE 512x512
     (2, 320, 64, 320, 1, 1, True),    # a 1x1 conv at 64x64: row and flat tiles tie; one accumulator wins
-], ids=["unet-64", "unet-32", "unet-16", "unet-8", "unet-8-1x1", "vae-512", "unet-64-1x1"])
+    (2, 4, 64, 320, 3, 1, True),      # conv_in: 4 input channels, the row tile 0.7 % cheaper: a tie
+], ids=["unet-64", "unet-32", "unet-16", "unet-8", "unet-8-1x1", "vae-512", "unet-64-1x1", "unet-conv-in"])
 def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels, size, cout, window, stride, flat):
     """The default config is the cheapest candidate by `conv_tile_seconds`: flat tiles (wgmma, at
     most 9 evaluations per element and Cout tile) on the low-resolution convs, row tiles where the
@@ -255,8 +256,8 @@ def test_the_model_chooses_flat_tiles_where_row_tiles_miss_wgmma(batch, channels
     geometry = _geometry(batch, channels, size, cout, window, stride)
     config = mma.conv_config(geometry)
     assert config.flat == flat
-    assert work.conv_tile_seconds(geometry, config) == min(work.conv_tile_seconds(geometry, c)
-                                                          for c in conv.ConvConfig.candidates(geometry))
+    assert work.conv_tile_seconds(geometry, config) <= (1 + mma.TILE_PRICE_TOLERANCE) * min(
+        work.conv_tile_seconds(geometry, c) for c in conv.ConvConfig.candidates(geometry))
     dots, m = config.tile(geometry)
     assert m >= 64  # every one of these has >= 64 output pixels per image: wgmma
 
