@@ -439,3 +439,32 @@ $L__BB0_1:
     assert (kernel.threads, kernel.instructions, kernel.loop_instructions) == (128, 7, 5)
     assert kernel.loop_kinds == {"mov": 1, "ld.global": 1, "ex2": 1, "setp": 1, "bra": 1}
     assert [kind(opcode(s)) for s in statements("@!%p1 st.shared.b16 [%r1], %rs1;")] == ["st.shared"]
+
+
+def test_sm90_vae_head_of_512_lanes_loads_vectors_without_spilling(tmp_path):
+    """The VAE's mid-block attention (one head of 512 lanes over 4096 tokens, q/k/v slices of one
+    fused projection plus a bias, fp16) compiled for sm_90a: k and v are read masked rather than
+    clamped (16-byte loads) and the output lanes are split over 2 programs per query block, so
+    nothing spills (one program accumulating 512 lanes spilled 504 B, 1,304 B with vector loads)."""
+    from benchmarks import ptx
+    from measure.xla_target import compile_for_h100
+
+    def vae_attention(qkv, bias):
+        q, k, v = (qkv[..., i * 512:(i + 1) * 512] + bias[i] for i in range(3))
+        return sdpa(*(x[:, None] for x in (q, k, v)))
+
+    args = [jax.ShapeDtypeStruct((1, 4096, 1536), jnp.float16), jax.ShapeDtypeStruct((3, 512), jnp.float16)]
+    plan = eqsat.optimize(vae_attention).lower(*args).plan
+    assert "Attention" in [k.term.op for k in plan.kernels]
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    rows = []
+    for path in glob.glob(str(tmp_path / "dump" / "*.ptx")):
+        if ".entry" not in open(path).read():
+            continue
+        counts, resources = ptx.read_ptx(open(path).read()), ptx.run_ptxas(path)
+        rows += [(counts[name], resources[name]) for name in counts if "attention" in name]
+    [(counts, resources)] = rows
+    assert resources.spill_bytes == 0, resources
+    assert counts.vector_load_bytes >= 0.9 * counts.global_load_bytes, counts

@@ -57,7 +57,7 @@ def test_fp16_attention_blocks_are_the_measured_ones():
 
 
 def test_fp32_attention_blocks_shrink():
-    assert AttentionBlocks.get_default(4096, 4096, 512, 4) == AttentionBlocks(32, 16, num_warps=4)
+    assert AttentionBlocks.get_default(4096, 4096, 512, 4) == AttentionBlocks(32, 16, num_warps=4, value_splits=2)
     assert AttentionBlocks.get_default(1024, 1024, 256, 4) == AttentionBlocks(32, 64, num_warps=4)
 
 
