@@ -199,17 +199,101 @@ def grid_index(shape: Sequence[int]) -> Index:
 _reshape_groups = reshape_groups
 
 
-def reshape_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
-    """The index into a tensor of `in_shape` that a row-major reshape to `out_shape` reads at `index`."""
+class IndexViews:
+    """How the index entries of one evaluation were built by reshapes, so that a reshape and its
+    inverse give back the entries they started from (GroupNorm reads `x` through
+    `reshape(reshape(x, [N, HW, G, C/G]), [N, H, W, C])`: without this the channel index became
+    `c // 4 * 4 + c % 4`, which Triton cannot prove unit-stride, and every lane loaded alone).
+
+    `linearize(entries, sizes)` and `unravel(flat, sizes)` are the module's functions, with two
+    shortcuts: a flat offset this object built from entries is unravelled back into them (regrouped
+    where the new sizes merge runs of the old axes), and pieces this object cut from one offset are
+    linearized back into it when they cover it whole. Entries of live lanes are in range, so both
+    are exact there; masked lanes may hold other (unused) values. Holds the entries it names, so
+    their ids stay unique while it lives (one evaluation)."""
+
+    def __init__(self):
+        self.composite: dict[int, tuple] = {}  # id(flat) -> (flat, entries, sizes): flat = linearize(entries, sizes)
+        self.pieces: dict[int, tuple] = {}     # id(piece) -> (piece, source, stride, size, total)
+
+    def linearize(self, entries: Sequence[IndexEntry], sizes: Sequence[int]) -> IndexEntry:
+        kept = [(e, n) for e, n in zip(entries, sizes) if n != 1]
+        whole = self._whole_source(kept)
+        if whole is not None:
+            return whole
+        flat = linearize(tuple(entries), sizes)
+        if not is_static(flat) and len(kept) > 1:
+            self.composite[id(flat)] = (flat, tuple(e for e, _ in kept), tuple(n for _, n in kept))
+        return flat
+
+    def _whole_source(self, kept) -> IndexEntry | None:
+        """The offset `kept` (entries, sizes) are the row-major pieces of, when they are all of it."""
+        found = [self.pieces.get(id(e)) for e, _ in kept]
+        if not kept or any(f is None or f[0] is not e for f, (e, _) in zip(found, kept)):
+            return None
+        source, total = found[0][1], found[0][4]
+        stride = 1
+        for (_, n), (_, src, piece_stride, piece_size, _) in zip(reversed(kept), reversed(found)):
+            if src is not source or piece_stride != stride or piece_size != n:
+                return None
+            stride *= n
+        return source if stride == total else None
+
+    def unravel(self, flat: IndexEntry, sizes: Sequence[int]) -> Index:
+        if is_static(flat):
+            return unravel(flat, sizes)
+        regrouped = self._regroup(flat, sizes)
+        if regrouped is not None:
+            return regrouped
+        if sum(size != 1 for size in sizes) == 1:  # one axis holds it all: `flat` itself, in range
+            return tuple(flat if size != 1 else 0 for size in sizes)
+        out = unravel(flat, sizes)
+        stride, total = math.prod(sizes), math.prod(sizes)
+        for entry, size in zip(out, sizes):
+            stride //= size
+            if not is_static(entry):
+                self.pieces[id(entry)] = (entry, flat, stride, size, total)
+        return out
+
+    def _regroup(self, flat, sizes: Sequence[int]) -> Index | None:
+        """`flat`'s own entries, linearized in runs matching `sizes`, when `flat` is a composite
+        whose axis boundaries include every boundary of `sizes`."""
+        record = self.composite.get(id(flat))
+        if record is None or record[0] is not flat:
+            return None
+        _, entries, entry_sizes = record
+        out: list[IndexEntry] = []
+        i = 0
+        for size in sizes:
+            if size == 1:
+                out.append(0)
+                continue
+            run, product = [], 1
+            while product < size and i < len(entries):
+                run.append(i)
+                product *= entry_sizes[i]
+                i += 1
+            if product != size:
+                return None
+            out.append(self.linearize([entries[j] for j in run], [entry_sizes[j] for j in run]))
+        return tuple(out) if i == len(entries) else None
+
+
+def reshape_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int],
+                  views: IndexViews | None = None) -> Index:
+    """The index into a tensor of `in_shape` that a row-major reshape to `out_shape` reads at `index`
+    (`views`: undo the reshapes it recorded, `IndexViews`)."""
     result: list[IndexEntry] = [0] * len(in_shape)
     if math.prod(in_shape) == 0:
         return tuple(result)
+    flatten = linearize if views is None else views.linearize
+    split = unravel if views is None else views.unravel
     for out_axes, in_axes in _reshape_groups(tuple(out_shape), tuple(in_shape)):
         if len(out_axes) == 1 and len(in_axes) == 1:
             result[in_axes[0]] = index[out_axes[0]]
             continue
-        flat = linearize(tuple(index[a] for a in out_axes), [out_shape[a] for a in out_axes])
-        for axis, entry in zip(in_axes, unravel(flat, [in_shape[a] for a in in_axes])):
+        flat = flatten(tuple(index[a] for a in out_axes), [out_shape[a] for a in out_axes])
+        for axis, entry in zip(in_axes, split(flat, [in_shape[a] for a in in_axes])):
             result[axis] = entry
     return tuple(result)
 
@@ -764,6 +848,7 @@ class _Evaluator:
         self.keep: list = []  # hold the index arrays a key names, so their ids stay unique
         self.parent = parent
         self.hoisted = hoisted
+        self.views = parent.views if parent is not None else IndexViews()
 
     def at(self, term: Term, index: Index, mask: Mask, acc: AccFn | None) -> jax.Array:
         key = (id(term), tuple(_key(e) for e in index), _key(mask) if not isinstance(mask, bool) else mask,
@@ -836,7 +921,7 @@ class _Evaluator:
 
     def _Reshape(self, term, index, mask, acc):
         x, ty = term.args
-        inner = reshape_index(index, parse_type(ty).shape, parse_type(x.ty).shape)
+        inner = reshape_index(index, parse_type(ty).shape, parse_type(x.ty).shape, self.views)
         return self.at(x, inner, mask, acc)
 
     def _Transpose(self, term, index, mask, acc):

@@ -95,10 +95,11 @@ def _check_attention(term):
     blocks = AttentionBlocks.get_default(q_shape[-2], k_shape[-2], q_shape[-1])
     w = work.attention_work(term)
     q_blocks = -(-q_shape[-2] // blocks.block_q)
-    assert w.programs == math.prod(q_shape[:-2]) * q_blocks
+    splits = blocks.value_splits  # programs per query block; each computes every score
+    assert w.programs == math.prod(q_shape[:-2]) * q_blocks * splits
     width = sum(p for _, p in head_pieces(q_shape[-1]))
     assert width >= q_shape[-1] and w.useful_mma_flops <= w.mma_flops
-    keys = w.mma_flops / (4.0 * w.programs * blocks.block_q * width)
+    keys = w.mma_flops / (2.0 * (splits + 1) * (w.programs // splits) * blocks.block_q * width)
     assert keys >= k_shape[-2] and keys - k_shape[-2] < blocks.block_k
 
 

@@ -101,6 +101,34 @@ def test_head_dims_80_160_and_cross_lengths(head_dim, q_len, kv_len):
     assert_close(run_template(q, k, v, None), template_reference(q, k, v, None), np.float16)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim,splits", [(512, None), (64, 4), (48, 1)])
+def test_output_lanes_split_over_programs(dtype, head_dim, splits):
+    """The VAE's 512-lane head by default splits its output lanes over 2 programs per query block
+    (`AttentionBlocks.value_splits`), each recomputing the scores; 64 lanes forced into 4 splits of
+    16; 77 queries against 45 keys with a -3e38 bias row and q ~ 30 (logits ~ 1e3 at 512 lanes),
+    against the reference."""
+    rng = np.random.default_rng(8)
+    q = away_from_zero(rng, (1, 1, 77, head_dim), dtype) * dtype(30 if head_dim == 512 else 1)
+    k, v = (away_from_zero(rng, (1, 1, 45, head_dim), dtype) for _ in range(2))
+    bias = causal(77, 45, fill=-3e38)
+    blocks = at.AttentionBlocks.get_default(77, 45, head_dim)
+    if splits is not None:
+        blocks = at.AttentionBlocks(32, 16, value_splits=splits)
+    assert blocks.value_splits == (2 if head_dim == 512 else splits)
+    prologues = {"q": lambda x: x, "k": lambda x: 1 / x, "v": lambda x: 1 / x}
+    out = run_template(q, k, v, bias, blocks, prologues=prologues)
+    qr, kr, vr = (prologues[n](jnp.asarray(x)).astype(x.dtype) for n, x in zip("qkv", (q, k, v)))
+    assert_close(out, at.reference(qr, kr, vr, head_dim**-0.5, bias[None, None]), dtype)
+
+
+def test_a_split_head_must_be_one_piece():
+    rng = np.random.default_rng(9)
+    q = away_from_zero(rng, (1, 1, 16, 80), np.float32)  # 80 lanes = 64 + 16: no even split
+    with pytest.raises(ValueError, match="value splits"):
+        run_template(q, q, q, None, at.AttentionBlocks(16, 16, value_splits=2))
+
+
 def test_rows_with_no_finite_score_are_nan_like_softmax():
     """A bias of -inf over a whole query row (and a fully masked upper block): NaN as in
     `jax.nn.softmax`, and every other row exact; a huge finite bias stays finite."""
@@ -124,7 +152,9 @@ def test_blocks_are_validated():
     assert at.AttentionBlocks.get_default(1024, 1024, 80) == at.AttentionBlocks(128, 64, num_warps=8)
     assert at.AttentionBlocks.get_default(4096, 4096, 160) == at.AttentionBlocks(128, 64, num_warps=8)
     assert at.AttentionBlocks.get_default(256, 256, 160) == at.AttentionBlocks(64, 64, num_warps=4)
-    assert at.AttentionBlocks.get_default(4096, 4096, 512) == at.AttentionBlocks(64, 32, num_warps=8)
+    assert at.AttentionBlocks.get_default(4096, 4096, 512) == at.AttentionBlocks(64, 32, num_warps=8, value_splits=2)
+    with pytest.raises(ValueError, match="value_splits=3"):
+        at.AttentionBlocks(64, 64, value_splits=3).validate()
 
 
 @pytest.mark.parametrize("head_dim,pieces", [
@@ -290,6 +320,20 @@ def test_plan_attention_adversarial_scores(dtype, values):
                                    rtol=TOLERANCE[dtype][0], atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_plan_attention_head_dim_512_splits_its_output_lanes(dtype):
+    """The VAE's one head of 512 lanes (two programs per query block share its output lanes), 40
+    queries and 21 keys, q ~ 20 (logits ~ 400): against the XLA emitter and `jax.jit`."""
+    rng = np.random.default_rng(7)
+    args = (normal(rng, (1, 1, 40, 512), dtype, 20.0), normal(rng, (1, 1, 21, 512), dtype),
+            normal(rng, (1, 1, 21, 512), dtype))
+    assert at.AttentionBlocks.get_default(40, 21, 512).value_splits == 2
+    pallas, xla, jit, plan = emitted(sdpa, args)
+    assert [k.term.op for k in plan.kernels] == ["Attention"]
+    assert_close(pallas, xla, dtype)
+    assert_close(pallas, jit, dtype)
+
+
 def test_plan_clip_causal_attention_reads_heads_through_views():
     """sd15's multi-head attention with CLIP's causal bias: q/k/v are [B, S, H*D] tensors read
     per head through reshape/transpose views, the bias a [1, 1, S, S] constant broadcast."""
@@ -395,3 +439,32 @@ $L__BB0_1:
     assert (kernel.threads, kernel.instructions, kernel.loop_instructions) == (128, 7, 5)
     assert kernel.loop_kinds == {"mov": 1, "ld.global": 1, "ex2": 1, "setp": 1, "bra": 1}
     assert [kind(opcode(s)) for s in statements("@!%p1 st.shared.b16 [%r1], %rs1;")] == ["st.shared"]
+
+
+def test_sm90_vae_head_of_512_lanes_loads_vectors_without_spilling(tmp_path):
+    """The VAE's mid-block attention (one head of 512 lanes over 4096 tokens, q/k/v slices of one
+    fused projection plus a bias, fp16) compiled for sm_90a: k and v are read masked rather than
+    clamped (16-byte loads) and the output lanes are split over 2 programs per query block, so
+    nothing spills (one program accumulating 512 lanes spilled 504 B, 1,304 B with vector loads)."""
+    from benchmarks import ptx
+    from measure.xla_target import compile_for_h100
+
+    def vae_attention(qkv, bias):
+        q, k, v = (qkv[..., i * 512:(i + 1) * 512] + bias[i] for i in range(3))
+        return sdpa(*(x[:, None] for x in (q, k, v)))
+
+    args = [jax.ShapeDtypeStruct((1, 4096, 1536), jnp.float16), jax.ShapeDtypeStruct((3, 512), jnp.float16)]
+    plan = eqsat.optimize(vae_attention).lower(*args).plan
+    assert "Attention" in [k.term.op for k in plan.kernels]
+    report = compile_for_h100(emit.emit(plan, "pallas", interpret=False), *args, keep_dump=tmp_path / "dump")
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    rows = []
+    for path in glob.glob(str(tmp_path / "dump" / "*.ptx")):
+        if ".entry" not in open(path).read():
+            continue
+        counts, resources = ptx.read_ptx(open(path).read()), ptx.run_ptxas(path)
+        rows += [(counts[name], resources[name]) for name in counts if "attention" in name]
+    [(counts, resources)] = rows
+    assert resources.spill_bytes == 0, resources
+    assert counts.vector_load_bytes >= 0.9 * counts.global_load_bytes, counts

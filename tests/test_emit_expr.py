@@ -343,3 +343,68 @@ def test_reduce_at_several_axes_in_one_range():
 
     got = reduce_at("sum", body, (k,), True, (3, 7), value_dtype="float32", out_dtype="float32", budget=40)
     _close(got, data.sum(axis=(0, 2)), rtol=1e-5, atol=1e-5)
+
+
+class _Recording(ArrayMemory):
+    """`ArrayMemory` that keeps the index each load was asked for."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.indices = []
+
+    def load(self, tensor, index, mask):
+        self.indices.append(index)
+        return super().load(tensor, index, mask)
+
+
+def test_a_reshape_and_its_inverse_hand_the_load_the_very_same_index():
+    """GroupNorm over NHWC reads `x` through `reshape(reshape(x, [N, HW, G, C/G]), [N, H, W, C])`:
+    the load sees the channel entry itself (not `c // 4 * 4 + c % 4`, which Triton cannot prove
+    unit-stride: every lane loaded alone and the VAE's 512² convs spilled) and the pixel entries
+    themselves; a coarser regrouping (`[2, 3, 4] -> [24] -> [6, 4]`) merges runs of the entries."""
+    x = _input("x", (2, 6, 5, 8))
+    grouped = Term("Reshape", Term("Unary", "exp", _load(x), x.ty), "f32[2,30,4,2]")
+    expr = Term("Reshape", Term("Unary", "neg", grouped, grouped.ty), x.ty)
+    index = grid_index((2, 6, 5, 8))
+    memory = _Recording({x: jnp.arange(480, dtype=jnp.float32).reshape(2, 6, 5, 8) / 100})
+    got = compile_expr(expr)(memory, index)
+    [seen] = memory.indices
+    assert all(a is b for a, b in zip(seen, index)), "the round trip rebuilt the index"
+    _close(got, _reference(expr, memory.values))
+
+    y = _input("y", (6, 4))
+    merged = Term("Reshape", Term("Reshape", _load(y), "f32[24]"), "f32[2,3,4]")
+    index = grid_index((2, 3, 4))
+    memory = _Recording({y: jnp.arange(24, dtype=jnp.float32).reshape(6, 4)})
+    got = compile_expr(merged)(memory, index)
+    [(rows, cols)] = memory.indices
+    assert cols is index[2]
+    np.testing.assert_array_equal(np.broadcast_to(rows, (2, 3, 4)), np.broadcast_to(index[0] * 3 + index[1], (2, 3, 4)))
+    _close(got, _reference(merged, memory.values))
+
+
+@st.composite
+def reshape_chains(draw):
+    """Chains of 2-5 reshapes (size-1 axes among them) with elementwise ops between: the round
+    trips and regroupings `IndexViews` shortcuts, against the interpreter."""
+    shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=4)))
+    x = _input("x", shape)
+    expr = _load(x)
+    for _ in range(draw(st.integers(2, 5))):
+        cur = parse_type(expr.ty).shape
+        new = draw(st.sampled_from(_factorizations(math.prod(cur)) + [shape]))
+        if draw(st.booleans()):
+            at = draw(st.integers(0, len(new)))
+            new = new[:at] + (1,) + new[at:]
+        expr = Term("Reshape", expr, format_type("float32", new))
+        if draw(st.booleans()):
+            expr = Term("Binary", "add", expr, Term("Iota", len(new) - 1, expr.ty), expr.ty)
+    return expr, x, shape, draw(st.integers(0, 2**31 - 1))
+
+
+@SETTINGS
+@given(reshape_chains())
+def test_random_reshape_chains_match_the_interpreter(case):
+    expr, x, shape, seed = case
+    values = {x: jnp.asarray(np.random.default_rng(seed).normal(size=shape) * 3, jnp.float32)}
+    _close(_whole(expr, values), _reference(expr, values), rtol=2e-6, atol=2e-6)

@@ -53,11 +53,11 @@ def test_fp16_attention_blocks_are_the_measured_ones():
     assert AttentionBlocks.get_default(4096, 77, 40) == AttentionBlocks(256, 64, num_warps=16)
     assert AttentionBlocks.get_default(1024, 1024, 80) == AttentionBlocks(128, 64, num_warps=8)
     assert AttentionBlocks.get_default(256, 256, 160) == AttentionBlocks(64, 64, num_warps=4)
-    assert AttentionBlocks.get_default(4096, 4096, 512) == AttentionBlocks(64, 32, num_warps=8)
+    assert AttentionBlocks.get_default(4096, 4096, 512) == AttentionBlocks(64, 32, num_warps=8, value_splits=2)
 
 
 def test_fp32_attention_blocks_shrink():
-    assert AttentionBlocks.get_default(4096, 4096, 512, 4) == AttentionBlocks(32, 16, num_warps=4)
+    assert AttentionBlocks.get_default(4096, 4096, 512, 4) == AttentionBlocks(32, 16, num_warps=4, value_splits=2)
     assert AttentionBlocks.get_default(1024, 1024, 256, 4) == AttentionBlocks(32, 64, num_warps=4)
 
 

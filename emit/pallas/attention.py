@@ -33,6 +33,10 @@ called once per head-dim piece (`ds` its lanes) and key block. `b` and `h` are p
   own dot and accumulator, so only the last piece has padded lanes (read as zero for k; v's
   padded lanes reach only padded output lanes, which are not stored). Padded query rows are not
   stored.
+- Heads wider than `MAX_VALUE_LANES` (the VAE's 512) split their output lanes over
+  `AttentionBlocks.value_splits` programs per query block: each computes the scores over the
+  whole head and accumulates its share of v's lanes (a [64, 512] fp32 accumulator alone held 128
+  of a thread's 255 registers, and the kernel spilled).
 - The row statistics are `[block_q]` vectors, so each thread holds one per row it owns rather
   than one per score.
 
@@ -55,9 +59,10 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.pallas import triton as tr
+from emit.pallas.contiguous import ContiguousMemory
 from emit.pallas.matmul import MIN_DOT_BLOCK, check_dot_dtypes, store  # noqa: F401 (importable from here)
 from eqsat.tiling.attention import (  # the tiling, shared with the cost model
-    AttentionBlocks, dot_itemsize, fits_shared_memory, head_pieces, key_loop_trips, tail_width)
+    AttentionBlocks, dot_itemsize, fits_shared_memory, head_pieces, key_loop_trips, tail_width, value_lanes)
 from eqsat.types import parse_type
 
 Index = tuple[Any, Any, Any, Any]
@@ -116,14 +121,24 @@ def scales_in_exponent(problem: AttentionProblem) -> bool:
 def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, num_inputs: int):
     inputs, (out_ref,) = refs[:num_inputs], refs[num_inputs:]
     bq, bk = blocks.block_q, blocks.block_k
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = pl.program_id(0), pl.program_id(1)
+    # Program (i, part): query block i, and of the output lanes the part-th of `value_splits`.
+    i, part = lax.div(pl.program_id(2), blocks.value_splits), lax.rem(pl.program_id(2), blocks.value_splits)
     rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     row_ok = rows < problem.q_len
-    # Per head-dim piece: its lanes, and which are inside the head (True: all of them).
-    pieces = [(ds := offset + lax.broadcasted_iota(jnp.int32, (1, width), 1),
-               True if offset + width <= problem.head_dim else ds < problem.head_dim)
-              for offset, width in head_pieces(problem.head_dim)]
+
+    def lanes(offset, width, end):  # a head-dim piece: its lanes, which are inside the head (True: all)
+        ds = offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        return ds, True if end <= problem.head_dim else ds < problem.head_dim
+
+    pieces = [lanes(offset, width, offset + width) for offset, width in head_pieces(problem.head_dim)]
+    if blocks.value_splits == 1:
+        value_pieces = pieces
+    else:  # q·k over the whole head, v and the output over this program's share of the lanes
+        share = value_lanes(problem.head_dim, blocks.value_splits)
+        value_pieces = [lanes(part * share, share, share * blocks.value_splits)]
     q_masks = [jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, ds.shape[1])) for ds, d_ok in pieces]
+    out_masks = [jnp.broadcast_to(ex.both(row_ok, d_ok), (bq, ds.shape[1])) for ds, d_ok in value_pieces]
     qs = [jnp.where(mask, problem.q(inputs, (b, h, rows, ds), mask), 0)
           for (ds, _), mask in zip(pieces, q_masks)]
     base2 = folds_scale_into_exp2(problem)
@@ -165,14 +180,14 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
             correction = jnp.exp2((m - m_safe) * natural_unit)
         l = l * correction + jnp.sum(p, axis=1)
         new_os = []
-        for o, (ds, d_ok) in zip(os, pieces):
+        for o, (ds, d_ok) in zip(os, value_pieces):
             v = problem.v(inputs, (b, h, cols, ds), ex.both(key_ok, d_ok))
             if key_ok is not True:  # p is 0 at padded keys, but 0 * inf is NaN; padded lanes only reach
                 v = jnp.where(key_ok, v, jnp.zeros((), v.dtype))  # padded (never stored) output lanes
             new_os.append(o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32))
         return new_os, m_next, l
 
-    carry = ([jnp.zeros((bq, ds.shape[1]), jnp.float32) for ds, _ in pieces],
+    carry = ([jnp.zeros((bq, ds.shape[1]), jnp.float32) for ds, _ in value_pieces],
              jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
     full_blocks = key_loop_trips(problem.kv_len, bk)
     if full_blocks:
@@ -182,7 +197,7 @@ def attention_kernel(*refs, problem: AttentionProblem, blocks: AttentionBlocks, 
         carry = kv_step(full_blocks * bk, carry, width=tail_width(problem.kv_len, bk), tail=True)
     os, _, l = carry
     inverse = (1.0 / l)[:, None]  # one division per row, not per output lane (0 * inf: NaN, as 0 / 0)
-    for o, (ds, _), mask in zip(os, pieces, q_masks):
+    for o, (ds, _), mask in zip(os, value_pieces, out_masks):
         out = problem.epilogue(inputs, o * inverse, (b, h, rows, ds), mask)
         store(out_ref, ((b * problem.heads + h) * problem.q_len + rows) * problem.head_dim + ds, out, mask)
 
@@ -199,6 +214,10 @@ def build(problem: AttentionProblem, inputs: Sequence[jax.Array], *, blocks: Att
                                                    problem.dot_itemsize)
     blocks.validate()
     width = sum(w for _, w in head_pieces(problem.head_dim))
+    if blocks.value_splits > 1 and (len(head_pieces(problem.head_dim)) > 1
+                                    or value_lanes(problem.head_dim, blocks.value_splits) < MIN_DOT_BLOCK):
+        raise ValueError(f"{blocks.value_splits} value splits of a head of {problem.head_dim} lanes: the head "
+                         f"must be one power-of-two piece of at least {MIN_DOT_BLOCK} lanes per split")
     if not fits_shared_memory(blocks.block_q, blocks.block_k, width, problem.dot_itemsize):
         raise NotImplementedError(f"a head of {problem.head_dim} lanes at {problem.dot_itemsize}-byte operands "
                                   f"does not fit an H100's shared memory even in {blocks.block_q} x "
@@ -206,7 +225,8 @@ def build(problem: AttentionProblem, inputs: Sequence[jax.Array], *, blocks: Att
     kernel = functools.partial(attention_kernel, problem=problem, blocks=blocks, num_inputs=len(inputs))
     shape = (problem.batch, problem.heads, problem.q_len, problem.head_dim)
     (out,) = tr.pallas_call(kernel, inputs, [jax.ShapeDtypeStruct(shape, problem.out_dtype)],
-                            grid=(problem.batch, problem.heads, pl.cdiv(problem.q_len, blocks.block_q)),
+                            grid=(problem.batch, problem.heads,
+                                  pl.cdiv(problem.q_len, blocks.block_q) * blocks.value_splits),
                             name=name, interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     return out
 
@@ -259,8 +279,8 @@ def emit(kernel, ctx) -> dict:
     bias_fn = ex.compile_expr(bias) if bias is not None else None
     tensors = loaded_tensors(*expressions)
 
-    def operand(fn):
-        return lambda refs, index, mask: fn(tr.RefMemory(dict(zip(tensors, refs))), index, mask)
+    def operand(fn, memory=ContiguousMemory):  # masked, not clamped, along the contiguous axis: vector loads
+        return lambda refs, index, mask: fn(memory(dict(zip(tensors, refs))), index, mask)
 
     def epilogue_tile(refs, acc, index, mask):
         def accumulator(acc_ty, at, acc_mask):
@@ -268,7 +288,7 @@ def emit(kernel, ctx) -> dict:
                 raise NotImplementedError("the epilogue reads the accumulator through a view")
             return acc
 
-        return epilogue_fn(tr.RefMemory(dict(zip(tensors, refs))), index, mask, accumulator)
+        return epilogue_fn(ContiguousMemory(dict(zip(tensors, refs))), index, mask, accumulator)
 
     problem = AttentionProblem(batch, heads, q_len, k_shape[2], head_dim, operand(q_fn), operand(k_fn),
                                operand(v_fn), operand(bias_fn) if bias_fn is not None else None, float(scale),

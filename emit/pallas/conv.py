@@ -160,6 +160,10 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
 
     program, programs = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), math.prod(_grid(g, config))
     fields = [None] * len(statistics)
+    # Each statistic's channel parts depend on the output channels only: found once, not per row.
+    column_parts = [None if layout.per_row else
+                    _column_parts(layout, layout.statistic.slot_at(_place(p.out_spec, (0, n, 0, 0))), cols_ok)
+                    for layout in statistics]
     for acc, oy_tile, ox, rows_ok in tiles:
         out_mask = rows_ok & cols_ok
         out_index = _place(p.out_spec, (b, n, oy_tile, ox))
@@ -178,8 +182,7 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
                                     slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))), tile_row)
                 continue
             row_part = slot_at(_place(p.out_spec, (b, 0, oy_tile, ox))) - slot_at(_place(p.out_spec, (0, 0, 0, 0)))
-            col_part = slot_at(_place(p.out_spec, (0, n, 0, 0)))
-            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, cols_ok, row_part, col_part)
+            part = _tile_partials(layout, body, out_mask & body_ok, rows_ok, row_part, column_parts[s_i])
             fields[s_i] = part if fields[s_i] is None else _merge_fields(layout, fields[s_i], part)
 
     prefixes = iter(prefix_refs)
@@ -188,6 +191,17 @@ def _conv_kernel(*refs, geometry: ConvGeometry, ranges: tuple[KRange, ...], epil
             copy_prefix(next(prefixes), partial_ref, prefix_size, program, programs)
         if not layout.per_row:
             _store_partials(layout, partial_ref, part, prefix_size // (layout.fields * layout.slots) + program)
+
+
+def _zero_padded(tile, mask, zero_masked: bool, dot_dtype):
+    """An operand tile as the dot takes it: 0 outside `mask` (zero padding applies after the
+    prologue), by a select unless the operand already reads 0 there (`KRange.lhs_zero_masked`).
+    Without the select a loaded tile reaches the dot as loaded: Triton stages it in shared memory
+    and issues the wgmma asynchronously (`wgmma.wait_group 1`); through the select it is a register
+    operand and every wgmma waits for 0. The flat tile uses that; the row tile keeps the select."""
+    if not zero_masked:
+        tile = jnp.where(mask, tile, 0)
+    return tile if tile.dtype == dot_dtype else tile.astype(dot_dtype)
 
 
 def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtype, n, cols_ok):
@@ -240,12 +254,14 @@ def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtyp
                     index = _place(p.lhs_spec, (b, channel[None, :], jnp.full((tw, 1), iy, jnp.int32), ix))
                     a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
                         k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
-                    a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                    # Always through the select: staged in shared memory instead (as the flat tile's
+                    # are), the rows of the UNet's 64² convs spilled 104-168 B at 255 registers.
+                    a = _zero_padded(a, a_mask, False, dot_dtype)
                     for r, ky in targets:
                         if ky not in weights:
                             tap_index = (jnp.full((1, 1), ky, jnp.int32), jnp.reshape(kx, (1, 1)))
                             w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-                            weights[ky] = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                            weights[ky] = _zero_padded(w, w_mask, False, dot_dtype)
                         accs[r] = accs[r] + lax.dot(a, weights[ky], preferred_element_type=jnp.float32)
                 return tuple(accs)
 
@@ -294,10 +310,10 @@ def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dty
                 index = _place(p.lhs_spec, (b, channel[None, :], iy, ix))
                 a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
                     k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
-                a = jnp.where(a_mask, a, 0).astype(dot_dtype)  # zero padding after the prologue
+                a = _zero_padded(a, a_mask, k_range.lhs_zero_masked, dot_dtype)
                 tap_index = (jnp.reshape(ky, (1, 1)), jnp.reshape(kx, (1, 1)))
                 w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
-                w = jnp.where(w_mask, w, 0).astype(dot_dtype)
+                w = _zero_padded(w, w_mask, k_range.rhs_zero_masked, dot_dtype)
                 return acc + lax.dot(a, w, preferred_element_type=jnp.float32)
 
             taps = (y1 - y0) * taps_x
@@ -507,21 +523,30 @@ def _distinct_parts(parts: jax.Array, valid: jax.Array, count: int) -> list[jax.
     return found
 
 
-def _tile_partials(layout: _Layout, body, valid, rows_ok, cols_ok, row_part, col_part) -> list[jax.Array]:
-    """A tile's partial statistic of every slot (`[1, slots]` per field: a sum, or count, mean, M2).
-
-    `row_part` [rows, 1] and `col_part` [1, bn] are each element's slot parts (slot = row part + col
-    part). The tile's distinct parts are found by successive minima (at most `MAX_ROW_SLOTS` row
-    parts and the layout's column count), so no index table is read."""
-    n_rows, n_cols = layout.row_parts.shape[1], layout.col_parts.shape[1]
-    cols, slots = next_pow2(n_cols), next_pow2(layout.slots)
-    row_part = jnp.broadcast_to(jnp.asarray(row_part, jnp.int32), rows_ok.shape)
+def _column_parts(layout: _Layout, col_part, cols_ok) -> tuple[jax.Array, jax.Array]:
+    """The channel parts of a tile's columns (`col_part` [1, bn], found by successive minima, at
+    most the layout's column count: no index table is read): `part_of_rank` [cols, 1], the rank-th
+    smallest part (`_NO_PART` past the last), and `in_part` [cols, bn], which column holds which."""
+    n_cols = layout.col_parts.shape[1]
+    cols = next_pow2(n_cols)
     col_part = jnp.broadcast_to(jnp.asarray(col_part, jnp.int32), cols_ok.shape)
     rank = _iota(cols)[:, None]                                                             # [cols, 1]
     part_of_rank = jnp.full((cols, 1), _NO_PART, jnp.int32)
     for r, part in enumerate(_distinct_parts(col_part, cols_ok, n_cols)):
         part_of_rank = jnp.where(rank == r, part, part_of_rank)
-    in_part = (col_part == part_of_rank) & cols_ok                                          # [cols, bn]
+    return part_of_rank, (col_part == part_of_rank) & cols_ok
+
+
+def _tile_partials(layout: _Layout, body, valid, rows_ok, row_part, column_parts) -> list[jax.Array]:
+    """A tile's partial statistic of every slot (`[1, slots]` per field: a sum, or count, mean, M2).
+
+    `row_part` [rows, 1] is each element's pixel part, `column_parts` its columns' channel parts
+    (`_column_parts`; slot = row part + channel part). The tile's distinct pixel parts are found by
+    successive minima (at most `MAX_ROW_SLOTS`), so no index table is read."""
+    n_rows = layout.row_parts.shape[1]
+    slots = next_pow2(layout.slots)
+    row_part = jnp.broadcast_to(jnp.asarray(row_part, jnp.int32), rows_ok.shape)
+    part_of_rank, in_part = column_parts
     slot = _iota(slots)[None, :]                                                            # [1, slots]
     body = jnp.where(valid, body, 0.0)
     fields = [jnp.zeros((1, slots), jnp.float32) for _ in range(layout.fields)]
@@ -715,6 +740,22 @@ def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int
                         hoisted=hoisted)
 
     return evaluate
+
+
+_ZERO_PRESERVING_VIEWS = {"Reshape": 0, "Transpose": 0, "Slice": 0}
+
+
+def zero_where_masked(expr: Term) -> bool:
+    """Whether `expr`, evaluated under a mask, is 0 at every masked lane: a tensor's load (a masked
+    load reads 0) through views that pass the mask on and converts (0 stays 0). A `Pad` or `Concat`
+    is not: lanes in a pad's border read its fill, whatever the mask."""
+    while True:
+        if expr.op in _ZERO_PRESERVING_VIEWS:
+            expr = expr.args[_ZERO_PRESERVING_VIEWS[expr.op]]
+        elif expr.op == "Unary" and expr.args[0] == "convert":
+            expr = expr.args[1]
+        else:
+            return expr.op == "Load" and expr.args[0].op != "EpilogueReduce"
 
 
 def _hoisted_part(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int, pixel_axis: int):
@@ -913,7 +954,8 @@ def run(term: Term, operands: Mapping[Term, jax.Array], *, hosted: Sequence[Term
     # Index tiles are [pixels, channels]: a node whose index has length 1 on axis 0 is per (batch, channel).
     ranges = [KRange(part.channels, _operand(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset),
                      _operand(part.rhs, tensors, params.rhs_spec[1], part.rhs_offset, ContiguousMemory), part.taps,
-                     _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0))
+                     _hoisted_part(part.lhs, tensors, params.lhs_spec[1], part.lhs_offset, pixel_axis=0),
+                     zero_where_masked(part.lhs), zero_where_masked(part.rhs))
               for part in k_ranges(term)]
     config = config or conv_choice.conv_config(geometry, ranges, dot_itemsize(lhs.ty, rhs.ty))
     statistics, computed = [], []

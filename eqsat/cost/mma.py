@@ -167,13 +167,28 @@ def conv_tile_seconds(geometry: ConvGeometry, config: ConvConfig, device=None) -
 _CHEAPEST: dict[ConvGeometry, ConvConfig] = {}
 
 
+# Tiles priced within this share of the cheapest count as a tie (`cheapest_conv_tile`): the
+# tile-dependent price is not finer than that (it assumes CONV_PROLOGUE_INSTRUCTIONS per input
+# evaluation whatever the real prologue; conv_in's is a convert).
+TILE_PRICE_TOLERANCE = 0.01
+
+
 def cheapest_conv_tile(geometry: ConvGeometry) -> ConvConfig:
-    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`; the row tile
-    on ties): the tile shape `conv_config` gives the template."""
+    """The `ConvConfig.candidates` tile the model prices lowest (`conv_tile_seconds`): the tile
+    shape `conv_config` gives the template. Among the tiles within `TILE_PRICE_TOLERANCE` of the
+    cheapest, the one with the fewest dots per program (accumulators live at once), then the
+    cheapest, then the earlier candidate. A 1×1 conv's row tile of 2 × 64 pixels and its flat tile
+    of 128 do the same work, and the UNet's conv_in (4 input channels) prices its row tile 0.7 %
+    below the flat one; with two accumulators through an epilogue that computes hosted GroupNorm
+    statistics per row they spilled (ptxas, sm_90a: 255 registers and 88 B, and 16 B), with one
+    they do not (254 registers)."""
     cached = _CHEAPEST.get(geometry)
     if cached is None:
         candidates = ConvConfig.candidates(geometry)
-        cached = _CHEAPEST[geometry] = min(candidates, key=lambda c: conv_tile_seconds(geometry, c))
+        priced = [(conv_tile_seconds(geometry, c), c.tile(geometry)[0], i) for i, c in enumerate(candidates)]
+        cheapest = min(seconds for seconds, _, _ in priced)
+        near = [p for p in priced if p[0] <= cheapest * (1 + TILE_PRICE_TOLERANCE)]
+        cached = _CHEAPEST[geometry] = candidates[min(near, key=lambda p: (p[1], p[0], p[2]))[2]]
     return cached
 
 

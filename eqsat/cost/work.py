@@ -11,7 +11,7 @@ waves. `template_work(kernel)` states that work, from the same config objects th
 |---|---|---|---|---|
 | matmul | batch · M tiles · N tiles | wgmma if block_m >= 64 | 2 · batch · M↑ · N↑ · K↑ (↑: rounded up to the tile) | K / block_k |
 | conv | batch · spatial tiles · Cout tiles | wgmma if the dot's M (a row tile's width, a flat tile's block_m) >= 64 | 2 · batch · tiles · dots · dot M · Cout↑ · Σ_ranges taps · Cin↑ | Σ_ranges taps · Cin↑ / block_k |
-| attention | batch · heads · query blocks | wgmma if block_q >= 64 | 4 · batch · heads · q↑ · keys↑ · head dim↑ (`head_pieces`) | key blocks |
+| attention | batch · heads · query blocks · value splits | wgmma if block_q >= 64 | 2 · batch · heads · q↑ · keys↑ · head dim↑ (`head_pieces`) · (value splits + 1) | key blocks |
 | finalize | slots | none | none | partial values one thread loads (`FinalizeConfig.loads_per_thread`) |
 
 `serial` = waves × serial steps: the dependent steps (a K chunk's loads then its MMA; a merge
@@ -45,7 +45,7 @@ from eqsat.cost.partials import fields, statistic_slots, statistic_tiles
 from eqsat.cost.terms import args_of, nonzero_weight_elements, own_flops
 from eqsat.cost.tiles import MatmulShape, conv_parts
 from eqsat.tiling.attention import AttentionBlocks, dot_itemsize, head_pieces, key_loop_trips, tail_width
-from eqsat.tiling.conv import ConvGeometry, KRange
+from eqsat.tiling.conv import ConvGeometry, KRange, single_tap
 from eqsat.tiling.matmul import MatmulBlocks
 from eqsat.tiling.partials import FinalizeConfig
 from eqsat.types import parse_type
@@ -80,7 +80,8 @@ def conv_config(term):
 def _conv_config_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges):
     geometry = ConvGeometry(ConvParams.parse(params), tuple(parse_type(lhs_ty).shape),
                             tuple(parse_type(rhs_ty).shape), tuple(parse_type(out_ty).shape))
-    config = conv_choice.conv_config(geometry, [KRange(channels, None, None) for channels, _ in ranges])
+    config = conv_choice.conv_config(geometry, [KRange(channels, None, None, single_tap(geometry) if taps == 1 else None)
+                                                for channels, taps in ranges])
     return config, geometry, ranges
 
 
@@ -132,10 +133,11 @@ def attention_work_of(q_ty: str, k_ty: str, v_ty: str | None = None) -> Template
     if kv_len % blocks.block_k:
         keys += tail_width(kv_len, blocks.block_k)
     width = sum(w for _, w in head_pieces(head_dim))
-    padded = 4.0 * heads * q_blocks * blocks.block_q * keys * width
+    splits = blocks.value_splits  # each of a query block's programs computes every score, and its lanes of p·v
+    padded = 2.0 * heads * q_blocks * blocks.block_q * keys * width * (splits + 1)
     mma = "wgmma" if blocks.block_q >= WGMMA_MIN_ROWS and blocks.num_warps >= 4 else "mma.sync"
-    scores = heads * q_blocks * blocks.block_q * keys
-    return TemplateWork("attention", heads * q_blocks, mma, padded, own_flops("Attention", (q_ty, k_ty)),
+    scores = heads * q_blocks * splits * blocks.block_q * keys
+    return TemplateWork("attention", heads * q_blocks * splits, mma, padded, own_flops("Attention", (q_ty, k_ty)),
                         steps=-(-kv_len // blocks.block_k),
                         alu_flops=scores * SOFTMAX_INSTRUCTIONS_PER_SCORE * INSTRUCTION_FLOPS)
 

@@ -44,14 +44,37 @@ def tail_width(kv_len: int, block_k: int) -> int:
     return max(MIN_DOT_BLOCK, next_pow2(kv_len % block_k))
 
 
+# Output lanes one program accumulates at most: a wider head (one power-of-two piece) splits its
+# output lanes over several programs per query block (`AttentionBlocks.value_splits`), each
+# computing the scores over the whole head. The VAE's 512-lane head in one program (64 x 32 blocks,
+# 8 warps) held a [64, 512] fp32 accumulator, 128 of a thread's 255 registers, and spilled 504 B
+# (1,304 B with vectorized k/v loads) in ptxas for sm_90a.
+MAX_VALUE_LANES = 256
+
+
+def value_splits(head_dim: int) -> int:
+    """Programs per query block that share a head's output lanes: width / MAX_VALUE_LANES for a
+    head of one power-of-two piece wider than that, else 1."""
+    pieces = head_pieces(head_dim)
+    width = sum(w for _, w in pieces)
+    return width // MAX_VALUE_LANES if len(pieces) == 1 and width > MAX_VALUE_LANES else 1
+
+
+def value_lanes(head_dim: int, splits: int) -> int:
+    """Output lanes of each of `splits` programs of a query block."""
+    return sum(w for _, w in head_pieces(head_dim)) // splits
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
-    """Tile sizes (powers of two, >= 16) and launch parameters of one attention kernel."""
+    """Tile sizes (powers of two, >= 16) and launch parameters of one attention kernel;
+    `value_splits` programs per query block share the output lanes (`value_splits`)."""
 
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    value_splits: int = 1
 
     @classmethod
     def get_default(cls, q_len: int, kv_len: int, head_dim: int, itemsize: int = 2) -> "AttentionBlocks":
@@ -59,9 +82,9 @@ class AttentionBlocks:
         and a warpgroup (4 warps) per 64 query rows: 256 rows from 4096 queries (heads up to 128
         lanes: at 16 warps ptxas has 128 registers, and a 160-lane accumulator spills), 128 from
         1024 (the k/v loads per score shrink with the rows while the grid still fills the GPU),
-        else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps. Shrunk to short
-        sequences, then to an H100's shared memory (`fits_shared_memory`; `itemsize` is the dots'
-        operand bytes)."""
+        else 64; heads wider than 256 lanes (the VAE's 512): 64 x 32 on 8 warps, the output lanes
+        split over `value_splits(head_dim)` programs. Shrunk to short sequences, then to an H100's
+        shared memory (`fits_shared_memory`; `itemsize` is the dots' operand bytes)."""
         width = sum(w for _, w in head_pieces(head_dim))
         if width > 256:
             block_q, block_k, warps = 64, 32, 8
@@ -77,10 +100,12 @@ class AttentionBlocks:
                 block_k //= 2
             else:
                 break  # the smallest tiles: a head this wide does not fit; Triton's compile says so
-        return cls(block_q, block_k, num_warps=warps)
+        return cls(block_q, block_k, num_warps=warps, value_splits=value_splits(head_dim))
 
     def validate(self) -> None:
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
             if value < MIN_DOT_BLOCK or value != next_pow2(value):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
+        if self.value_splits < 1 or self.value_splits != next_pow2(self.value_splits):
+            raise ValueError(f"value_splits={self.value_splits} must be a power of two >= 1")

@@ -128,6 +128,11 @@ class KRange:
     # (refs, index, mask) -> what `lhs` computes per (batch, channel), evaluated once per channel
     # chunk at pixel (0, 0) and passed to `lhs(..., hoisted=)` at every tap; None: nothing hoisted.
     hoist: Callable | None = None
+    # Whether `lhs` / `rhs` already read 0 wherever their mask is False (a masked load through
+    # views): the template then feeds them to the dot as loaded, not through a select, so Triton
+    # can stage them in shared memory and keep the MMA asynchronous.
+    lhs_zero_masked: bool = False
+    rhs_zero_masked: bool = False
 
     def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
         (kh, kw) = geometry.window
@@ -179,13 +184,19 @@ class ConvConfig:
         picks which: `eqsat.cost.mma.conv_config`): 64-channel K chunks shrunk to the widest K
         range, and halved for 4-byte operands (`itemsize`: a 128-pixel x 128-channel fp32 tile with
         64-channel chunks asked for 249,856 B of shared memory, over an H100's 232,448; fp16:
-        126,976). Software pipelining over 2 stages for one K range, none for several: each column
-        tap loads every input row of the tile and the weights of every row tap, and a kernel with a
-        skip concat or a merged shortcut has a loop per K range (with 3 stages everywhere, one of
-        the UNet step's convs asked for 300 KB of shared memory)."""
+        126,976). Software pipelining over 2 stages where at most one K range runs a window of
+        several taps, none otherwise: each column tap loads every input row of the tile and the
+        weights of every row tap, and a kernel with a skip concat or a merged shortcut has a loop
+        per K range (with 3 stages everywhere, one of the UNet step's convs asked for 300 KB of
+        shared memory). Measured in ptxas for sm_90a and XLA's launches: a 3×3 range with 1×1
+        shortcut or skip ranges at 2 stages asks 48-124 KB, as a lone 3×3 range does, and stages
+        its loads in shared memory instead of registers (168-248 registers against 230-255; the
+        VAE's 512² shortcut conv spilled 48 B at 1 stage, none at 2); two 3×3 ranges at 2 stages
+        asked 225,280 B and spilled 1.2 KB."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
         block_k = min(DEFAULT_BLOCK_K if itemsize <= 2 else DEFAULT_BLOCK_K // 2, max(MIN_BLOCK, next_pow2(widest)))
-        return replace(tile, block_k=block_k, num_stages=2 if len(ranges) <= 1 else 1)
+        windowed = sum(1 for r in ranges if _tap_count(r.window(geometry)) > 1)
+        return replace(tile, block_k=block_k, num_stages=2 if windowed <= 1 else 1)
 
     @classmethod
     def candidates(cls, geometry: ConvGeometry) -> list["ConvConfig"]:
@@ -198,6 +209,18 @@ class ConvConfig:
         for block_m in sorted({min(64, image), min(DEFAULT_BLOCK_M, image)}):
             shapes.append(cls(block_m, block_n, DEFAULT_BLOCK_K, _warps(block_m, block_n), flat=True))
         return shapes
+
+
+def _tap_count(window: tuple[tuple[int, int], tuple[int, int]]) -> int:
+    (y0, y1), (x0, x1) = window
+    return (y1 - y0) * (x1 - x0)
+
+
+def single_tap(geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A K range's `taps` of one tap of `geometry`'s window (the centre): what a cost model that
+    knows only a range's tap count passes for a 1×1 range (`ConvConfig.for_tile` counts taps)."""
+    (kh, kw) = geometry.window
+    return ((kh // 2, kh // 2 + 1), (kw // 2, kw // 2 + 1))
 
 
 def _warps(block_m: int, block_n: int) -> int:
