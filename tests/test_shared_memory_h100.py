@@ -117,3 +117,36 @@ def test_fp32_vae_mid_block_kernels_fit_shared_memory_on_h100():
     for kind in ("matmul", "conv"):
         launches = [b for name, b in shared.items() if kind in name]
         assert launches and max(launches) <= 131_072, shared
+
+
+def test_a_weight_gradient_conv_is_not_the_templates():
+    """A weight gradient is a conv whose window is the whole image (the SD 1.5 fine-tuning step's
+    1x1 shortcut: a 64x64 window over 2 features asked for 266,752-528,896 B of shared memory and
+    failed the H100 compile of the whole step): the template declines it."""
+    from eqsat.conv_params import ConvParams
+    from eqsat.tiling.conv import MAX_WINDOW_TAPS, ConvGeometry, UncoveredConv
+
+    params = ConvParams.parse("strides=1,1;padding=0,0,0,0;lhs_dilation=1,1;rhs_dilation=1,1;lhs_spec=3,0,1,2;"
+                              "rhs_spec=3,0,1,2;out_spec=1,0,2,3;feature_groups=1;batch_groups=1")
+    with pytest.raises(UncoveredConv, match="weight gradient"):
+        ConvGeometry(params, (2, 64, 64, 320), (2, 64, 64, 640), (640, 320, 1, 1))
+    seven = ConvParams.parse("strides=1,1;padding=3,3,3,3;lhs_dilation=1,1;rhs_dilation=1,1;lhs_spec=0,3,1,2;"
+                             "rhs_spec=0,1,2,3;out_spec=0,3,1,2;feature_groups=1;batch_groups=1")
+    assert ConvGeometry(seven, (1, 15, 15, 3), (8, 3, 7, 7), (1, 15, 15, 8)).taps == MAX_WINDOW_TAPS
+
+
+def test_grad_through_pallas_runs_weight_gradients_in_xla():
+    """jax.grad through backend="pallas" of a 1x1 conv net: the weight gradient (a 9x9 window) runs
+    through the XLA emitter with a warning naming it, and the gradients equal jax.grad's."""
+    from emit.pallas import XlaFallbackWarning
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (1, 1, 3, 5), jnp.float32)
+    x = 1e3 + jax.random.normal(jax.random.key(1), (2, 9, 9, 3), jnp.float32)
+    with pytest.warns(XlaFallbackWarning, match="weight gradient"):
+        got = jax.grad(eqsat.optimize(loss, backend="pallas", cache=False, progress=False))(w, x * 1e-3)
+    want = jax.grad(loss)(w, x * 1e-3)
+    assert jnp.allclose(got, want, rtol=1e-4, atol=1e-4)

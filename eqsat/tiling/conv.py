@@ -32,9 +32,14 @@ MAX_TILE_ROWS = 4  # each row of a tile is unrolled: more rows, fewer recomputes
 MIN_BLOCK = MIN_DOT_BLOCK  # Triton's dot needs every dimension >= 16
 
 
+MAX_WINDOW_TAPS = 49  # 7x7: a model's widest filter; wider windows are weight gradients
+
+
 class UncoveredConv(NotImplementedError, ValueError):
     """A conv form the template does not cover (a transposed or grouped conv: the input and weight
-    gradients of a strided conv): the dispatcher runs it with the XLA emitter and warns."""
+    gradients of a strided conv; a window wider than `MAX_WINDOW_TAPS` taps: a weight gradient,
+    which correlates two activations over the whole image): the dispatcher runs it with the XLA
+    emitter (cuDNN's backward-filter kernel on a GPU) and warns."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,12 @@ class ConvGeometry:
             raise UncoveredConv(f"lhs_dilation={p.lhs_dilation} (a transposed conv) is not supported")
         if p.feature_groups != 1 or p.batch_groups != 1:
             raise UncoveredConv(f"grouped convs are not supported ({p.feature_groups=}, {p.batch_groups=})")
+        window = tuple(self.rhs_shape[a] for a in p.rhs_spec[2:])
+        if window[0] * window[1] > MAX_WINDOW_TAPS:
+            # The SD 1.5 fine-tuning step's 1x1 weight gradients (a 64x64 window over 2 features)
+            # asked for 266,752-528,896 B of shared memory and failed the H100 compile.
+            raise UncoveredConv(f"a {window[0]}x{window[1]} window ({window[0] * window[1]} taps, over "
+                                f"{MAX_WINDOW_TAPS}: a weight gradient) is not the template's")
         if self.rhs_shape[p.rhs_spec[1]] != self.in_features:
             raise ValueError(f"weight in-features {self.rhs_shape[p.rhs_spec[1]]} != input features {self.in_features}")
         expected = [0] * 4
