@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 
 from eqsat.cost import kernel_reads, kernels as kernel_order
-from eqsat.term import Term
+from eqsat.term import Term, postorder
 from eqsat.types import format_type, ints, ints_key, parse_type
 
 STACKED_OPS = frozenset({"sum", "max", "min", "moments"})
@@ -77,17 +77,9 @@ def reads_only_through_loads(roots, members: set) -> set:
     """The `members` (kernel terms) read only through `Load` by the terms reachable from `roots`, and
     not roots themselves: a pass may replace such a read with an expression."""
     bad = {m for m in members if any(r is m for r in roots)}
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for child in node.children:
-            if child in members and node.op != "Load":
-                bad.add(child)
-            stack.append(child)
+    for node in postorder(roots):
+        if node.op != "Load":
+            bad.update(child for child in node.children if child in members)
     return members - bad
 
 
