@@ -351,29 +351,6 @@ def _round(x: jax.Array, method: int) -> jax.Array:
     return jnp.where(up, down + 1.0, down)
 
 
-# `reduce_precision:e,m` formats that are a dtype: rounding to them is a cast there and back.
-_PRECISION_FORMATS = {(5, 10): jnp.float16, (8, 7): jnp.bfloat16, (8, 23): jnp.float32}
-
-
-def reduce_precision(x: jax.Array, exponent_bits: int, mantissa_bits: int) -> jax.Array:
-    """`lax.reduce_precision` (float32 `x`) for the formats of a dtype, from casts: the mantissa
-    rounded to nearest even, then, where the format's exponent range is narrower than float32's,
-    results under its smallest normal flushed to a zero of x's sign (XLA's semantics: a value just
-    under the smallest normal that rounds up to it is kept; fp16's own subnormals are not)."""
-    fmt = _PRECISION_FORMATS.get((exponent_bits, mantissa_bits))
-    if fmt is None:
-        raise NotImplementedError(f"reduce_precision to {exponent_bits} exponent and {mantissa_bits} mantissa "
-                                  "bits is not a dtype's format")
-    rounded = x.astype(fmt).astype(jnp.float32)
-    if exponent_bits >= 8:
-        return rounded
-    tiny = float(jnp.finfo(fmt).tiny)
-    scale = float(2.0 ** 24)  # brings every value under `tiny` into the format's normal range
-    small = (x * scale).astype(fmt).astype(jnp.float32) * (1.0 / scale)
-    small = jnp.where(jnp.abs(small) < tiny, x * 0.0, small)
-    return jnp.where(jnp.abs(x) < tiny, small, rounded)
-
-
 def unary(op: str, x: jax.Array, dtype) -> jax.Array:
     """`Unary(op, x, ty)` (`eqsat.lift.apply_unary` semantics) from Triton-lowerable primitives."""
     dtype = jnp.dtype(dtype)
@@ -396,8 +373,6 @@ def unary(op: str, x: jax.Array, dtype) -> jax.Array:
         out = lax.integer_pow(xf, int(param))
     elif name == "round":
         out = _round(xf, int(param))
-    elif name == "reduce_precision":
-        out = reduce_precision(xf.astype(jnp.float32), *ints(param))
     else:
         raise NotImplementedError(f"unary op {op!r} has no Triton-lowerable form")
     return out.astype(dtype)
@@ -432,11 +407,8 @@ def unsupported_ops(term: Term) -> list[str]:
     bad: set[str] = set()
     for node in expr_nodes(term):
         if node.op == "Unary":
-            name, _, param = node.args[0].partition(":")
-            if name == "reduce_precision":
-                if tuple(ints(param)) not in _PRECISION_FORMATS:
-                    bad.add(f"Unary {node.args[0]}")
-            elif node.args[0] != CONVERT and name not in _DIRECT_UNARY and name not in _BUILT_UNARY \
+            name = node.args[0].partition(":")[0]
+            if node.args[0] != CONVERT and name not in _DIRECT_UNARY and name not in _BUILT_UNARY \
                     and name not in _PARAMETRIC_UNARY:
                 bad.add(f"Unary {node.args[0]}")
         elif node.op == "Binary" and node.args[0] not in _DIRECT_BINARY:
