@@ -33,9 +33,8 @@ read other than through `Load` are left alone.
 
 from __future__ import annotations
 
-import math
-
 from eqsat.cost import kernel_reads, kernels as kernel_order
+from eqsat.cost.terms import size_of
 from eqsat.term import Term, postorder
 from eqsat.types import format_type, ints, ints_key, parse_type
 
@@ -46,9 +45,6 @@ MIN_SHARED_FRACTION = 1 / 8
 # Members per stacked kernel at most (one launch, one body per row: a bound on its code size).
 MAX_STACK = 16
 
-
-def _elements(term: Term) -> int:
-    return math.prod(parse_type(term.ty).shape)
 
 
 def _key(term: Term):
@@ -102,12 +98,12 @@ def stack_sibling_reductions(outputs, hosting: dict) -> tuple[list, dict]:
     for i, term in enumerate(order):
         bits = 0
         large = set()
-        least = _elements(term.args[1]) * MIN_SHARED_FRACTION if term in candidates else None
+        least = size_of(term.args[1].ty) * MIN_SHARED_FRACTION if term in candidates else None
         for tensor in kernel_reads(term):
             j = index.get(tensor)
             if j is not None and j != i:
                 bits |= ancestors[j] | (1 << j)
-            if least is not None and _elements(tensor) >= least:
+            if least is not None and size_of(tensor.ty) >= least:
                 large.add(tensor)
         ancestors.append(bits)
         shared.append(large)

@@ -20,18 +20,13 @@ by activation-sized kernels, whose launches its own would dominate).
 
 from __future__ import annotations
 
-import math
-
+from eqsat.cost.terms import size_of
 from eqsat.term import Term
-from eqsat.types import parse_type
 from extract.siblings import reads_only_through_loads, substitute
 
 MIN_READER_RATIO = 16
 MAX_BODY_NODES = 16
 
-
-def _elements(term: Term) -> int:
-    return math.prod(parse_type(term.ty).shape)
 
 
 def _body_nodes(expr: Term, limit: int) -> int:
@@ -51,12 +46,12 @@ def inline_small_kernels(plan) -> tuple[list, dict]:
     outputs = list(plan.outputs)
     smallest_reader: dict = {}
     for kernel in plan.kernels:
-        size = _elements(kernel.term.args[1] if kernel.op == "Reduce" else kernel.term)  # the points it evaluates
+        size = size_of((kernel.term.args[1] if kernel.op == "Reduce" else kernel.term).ty)  # the points it evaluates
         for tensor in kernel.inputs:
             smallest_reader[tensor] = min(size, smallest_reader.get(tensor, size))
     small = {k.term for k in plan.kernels
              if k.op == "Pointwise" and not k.hosted and k.term in smallest_reader
-             and _elements(k.term) * MIN_READER_RATIO <= smallest_reader[k.term]
+             and size_of(k.term.ty) * MIN_READER_RATIO <= smallest_reader[k.term]
              and _body_nodes(k.term.args[0], MAX_BODY_NODES) <= MAX_BODY_NODES}
     small = reads_only_through_loads(outputs, small)
     if not small:
