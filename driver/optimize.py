@@ -308,9 +308,17 @@ class Optimized:
         self._arguments = None  # backend "auto" on a CPU: a thread's concrete call arguments (see _auto_choice)
         self._original_jits: dict = {}  # donating or not -> jax.jit(fn): the other candidate of "auto" on a CPU
         self._said_not_donated = False
+        self._leaf_routes: dict = {}  # argument tree -> emit.prepare.LeafRoute (prepared parameters, see _route)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if self._leaf_routes:  # prepared parameters: a signature that ran takes its route (emit.prepare.LeafRoute)
+            import jax
+
+            leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+            route = self._leaf_routes.get(tree)
+            if route is not None and route.matches(leaves):
+                return route(leaves)
         if differentiation_mode((args, kwargs)) == "reverse":
             return self._call_with_planned_backward(args, kwargs)
         jitted = self._jitted  # set once the first call chose to dispatch through jit
@@ -372,7 +380,27 @@ class Optimized:
             # Pallas kernels have no general derivative: differentiated, the call is fn's own JVP.
             return with_original_derivatives(run, self.fn, args, kwargs, lambda i: self._is_static(i, len(args)),
                                              self.static_argnames)
-        return run(*args, **kwargs)
+        out = run(*args, **kwargs)
+        if not traced and not donate:
+            self._route(run, args, kwargs)
+        return out
+
+    def _route(self, run, args, kwargs) -> None:
+        """After a concrete call that ran a plan with prepared parameters, let the next calls of this
+        signature with the same parameters skip the per-leaf work of the general path
+        (`emit.prepare.LeafRoute`): the host time of a call is then about `jax.jit`'s dispatch."""
+        if (not hasattr(run, "leaf_route") or run.backend == "interpret" or run.donate or self.static_argnums
+                or self.static_argnames):
+            return
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if tree != run.program.in_tree:
+            return
+        route = self._leaf_routes.get(tree)
+        if route is None or route.prepared is not run:
+            route = self._leaf_routes[tree] = run.leaf_route(tree)
+        route.remember(leaves)
 
     def _auto_choice(self, lowered, args, kwargs, traced: bool) -> str:
         """"plan" or "jit": with backend "auto" on a CPU, the faster of the plan and jax.jit for this
@@ -470,6 +498,7 @@ class Optimized:
         state["_jitted"] = None
         state["_arguments"] = None
         state["_original_jits"] = {}
+        state["_leaf_routes"] = {}
         return state
 
     def _donated_inputs(self, program, args, kwargs) -> tuple[str, ...]:

@@ -503,6 +503,12 @@ class Prepared:
         prepared = self.prepared_for([env[name] for name in self.split.prepare_inputs])
         return self.program.results(self._per_call(env, prepared))
 
+    def leaf_route(self, tree) -> "LeafRoute":
+        """This plan called on the flat argument leaves of `tree` (`jax.tree_util.tree_flatten((args,
+        kwargs))`, no static arguments): what `optimize` calls once a signature has run (see
+        `LeafRoute`)."""
+        return LeafRoute(self, tree)
+
     def prepare(self, *args, **kwargs) -> list:
         """The prepared tensors for these arguments (from the cache when their parameters are the
         same objects as last time)."""
@@ -556,6 +562,16 @@ class Prepared:
             if out is not None:
                 return out
         return self._per_call_jitted(leaves, prepared)
+
+    def per_call_callable(self, leaves: list, prepared: list):
+        """What `_per_call` calls for concrete `leaves` and `prepared` of this signature, as one
+        callable `(leaves, prepared) -> values` (the exported stage's jitted call, else the jitted
+        stage)."""
+        if self.exported is not None:
+            stage = self.exported.callable("per_call", self._per_call_stage, leaves, list(prepared))
+            if stage is not None:
+                return lambda leaves, prepared: stage(leaves, list(prepared))
+        return self._per_call_jitted
 
     def _interpret(self, env: dict, known: dict, terms: list) -> list:
         from eqsat.interpret import _Evaluator
@@ -620,6 +636,67 @@ class Prepared:
         split = self.split
         return (f"Prepared({len(split.prepared.kernels)} prepared + {len(split.per_call.kernels)} per-call "
                 f"kernels, backend={self.backend})")
+
+
+class LeafRoute:
+    """One signature's calls on flat argument leaves, with the per-leaf Python work of a call done
+    once: a call of an optimized function with prepared parameters walks its ~700 UNet leaves once
+    (flatten, then an identity check of the parameters against the prepared ones), where the general
+    path walks them six times (signature, tracers, environment, export key) and cost ~1 ms of host
+    time per call, more than `jax.jit`'s whole dispatch.
+
+    `matches(leaves)` says whether a call may take this route: the parameter leaves are the very
+    objects the prepared tensors were made from (so their shapes and dtypes are the signature's),
+    and the few per-call leaves are concrete arrays of the signature's shapes and dtypes. Anything
+    else (new weights, a tracer, another shape) goes the general way, which re-prepares or re-plans.
+    """
+
+    def __init__(self, prepared: Prepared, tree):
+        names = [term.args[0] for term in prepared.program.inputs]
+        index = {name: i for i, name in enumerate(names)}
+        self.prepared = prepared
+        self.tree = tree
+        self.parameter_positions = [index[name] for name in prepared.split.prepare_inputs]
+        self.per_call_positions = [index[name] for name in prepared.split.per_call_inputs]
+        self.per_call_avals = None  # (shape, dtype) per per-call leaf, set by the first routed call
+        self._stage = None  # the per-call stage's jitted callable, resolved by the first routed call
+        self.calls = 0
+
+    def matches(self, leaves: list) -> bool:
+        prepared = self.prepared
+        entry = prepared._entry
+        if prepared.split.prepared_tensors and (
+                entry is None or not entry.holds([leaves[i] for i in self.parameter_positions])):
+            return False
+        avals = self.per_call_avals
+        return avals is not None and all(_leaf_aval(leaves[i]) == aval
+                                         for i, aval in zip(self.per_call_positions, avals))
+
+    def remember(self, leaves: list) -> None:
+        """Record the per-call leaves' shapes and dtypes (types, for Python scalars) after a general
+        call of this signature; a traced call records nothing."""
+        avals = [_leaf_aval(leaves[i]) for i in self.per_call_positions]
+        self.per_call_avals = None if None in avals else avals
+
+    def __call__(self, leaves: list):
+        prepared = self.prepared
+        self.calls += 1
+        values = prepared._entry.values if prepared.split.prepared_tensors else []
+        prepared.cache_hits += bool(prepared.split.prepared_tensors)
+        per_call = [leaves[i] for i in self.per_call_positions]
+        if self._stage is None:
+            self._stage = prepared.per_call_callable(per_call, values)
+        return prepared.program.results(self._stage(per_call, values))
+
+
+def _leaf_aval(leaf):
+    """What a call's signature records of a concrete leaf (`optimize`'s signature does the same):
+    shape and dtype of an array, the type of a Python scalar; None for a tracer."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return leaf.shape, leaf.dtype
+    return type(leaf)
 
 
 class _Entry:
