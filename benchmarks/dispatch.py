@@ -10,7 +10,8 @@ a fresh temporary folder. Two figures per function, each the best of 5 rounds of
   work of a call, which a GPU can hide only while it is busy with earlier calls;
 - `call_us`: per call with the last result waited for (host and device time).
 Since the leaf route (`emit.prepare.LeafRoute`), a signature that ran and is called again with the same
-weight objects walks its leaves once; before it, the CLIP encoder's host time per call was 4× jit's.
+weight objects walks its leaves once; before it, the tiny text encoder's host time per call was 2-4×
+jit's on this CPU (the user's path; `benchmarks.gpu` calls both sides through one `jax.jit`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 through `eqsat.optimize(fn, backend=B)` and through `jax.jit(fn)`, compared, and every failure
 shrunk to a minimal program printed as Python source.
 
-    python -m benchmarks.fuzz --backend xla|pallas --programs N [--seed S] [--json out.json]
+    python -m benchmarks.fuzz --backend xla|pallas|hybrid|mosaic --programs N [--seed S] [--json out.json]
 
 A program (`Program`) is a list of `Step`s over a pool of arrays: each step reads earlier values
 (its `args`; mostly the newest one, through a "view" step that merges axes or adds size-1 ones when
@@ -1684,7 +1684,7 @@ def print_failures(report: Report, file=None) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("xla", "pallas", "interpret"), action="append",
+    parser.add_argument("--backend", choices=("xla", "pallas", "hybrid", "mosaic", "interpret"), action="append",
                         help="eqsat.optimize backend (repeat for several)")
     parser.add_argument("--programs", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
