@@ -313,10 +313,8 @@ class Optimized:
 
     def __call__(self, *args, **kwargs):
         if self._leaf_routes:  # prepared parameters: a signature that ran takes its route (emit.prepare.LeafRoute)
-            import jax
-
-            leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-            route = self._leaf_routes.get(tree)
+            key, leaves = self._route_key(args, kwargs)
+            route = self._leaf_routes.get(key)
             if route is not None and route.matches(leaves):
                 return route(leaves)
         if differentiation_mode((args, kwargs)) == "reverse":
@@ -389,18 +387,33 @@ class Optimized:
         """After a concrete call that ran a plan with prepared parameters, let the next calls of this
         signature with the same parameters skip the per-leaf work of the general path
         (`emit.prepare.LeafRoute`): the host time of a call is then about `jax.jit`'s dispatch."""
-        if (not hasattr(run, "leaf_route") or run.backend == "interpret" or run.donate or self.static_argnums
-                or self.static_argnames):
+        if not hasattr(run, "leaf_route") or run.backend == "interpret" or run.donate:
             return
+        try:
+            key, leaves = self._route_key(args, kwargs)
+            hash(key)
+        except TypeError:  # an unhashable static argument: jax.jit refuses it too
+            return
+        if key[0] != run.program.in_tree:
+            return
+        route = self._leaf_routes.get(key)
+        if route is None or route.prepared is not run:
+            route = self._leaf_routes[key] = run.leaf_route(key[0])
+        route.remember(leaves)
+
+    def _route_key(self, args, kwargs) -> tuple[tuple, list]:
+        """((the dynamic arguments' tree, the static arguments' values), the dynamic leaves)."""
         import jax
 
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        if tree != run.program.in_tree:
-            return
-        route = self._leaf_routes.get(tree)
-        if route is None or route.prepared is not run:
-            route = self._leaf_routes[tree] = run.leaf_route(tree)
-        route.remember(leaves)
+        static = ()
+        if self.static_argnums or self.static_argnames:
+            count = len(args)
+            static = (tuple(arg for i, arg in enumerate(args) if self._is_static(i, count)),
+                      tuple((name, kwargs[name]) for name in self.static_argnames if name in kwargs))
+            args = tuple(arg for i, arg in enumerate(args) if not self._is_static(i, count))
+            kwargs = {name: value for name, value in kwargs.items() if name not in self.static_argnames}
+        leaves, tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
+        return (tree, static), leaves
 
     def _auto_choice(self, lowered, args, kwargs, traced: bool) -> str:
         """"plan" or "jit": with backend "auto" on a CPU, the faster of the plan and jax.jit for this

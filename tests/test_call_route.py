@@ -139,3 +139,18 @@ def test_pickled_functions_start_without_routes():
     copy = pickle.loads(pickle.dumps(fast))
     assert copy._leaf_routes == {}
     np.testing.assert_allclose(np.asarray(copy(params, x, 0.5)), np.asarray(fast(params, x, 0.5)), rtol=1e-6)
+
+
+def test_static_arguments_are_part_of_the_route():
+    def step(params, x, scale, *, steps, guided):
+        out = block(params, x, scale)
+        return out * steps if guided else out - steps
+
+    fast = eqsat.optimize(step, params_argnums=0, backend="xla", static_argnames=("steps", "guided"), progress=False)
+    params, x = make_params(), make_x()
+    for steps, guided in [(3, True), (3, True), (5, True), (5, True), (3, False), (3, True)]:
+        got = fast(params, x, 0.5, steps=steps, guided=guided)
+        want = jax.jit(step, static_argnames=("steps", "guided"))(params, x, 0.5, steps=steps, guided=guided)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4)
+    assert len(fast.lowerings) == 3
+    assert routes_taken(fast) == 3  # the second (3, True), the second (5, True) and the last (3, True)
