@@ -20,7 +20,7 @@ nesting. Every primitive becomes one kernel Tensor term reading its operands thr
 | `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin` | `Reduce(op, Load(x), axes, Acc(ty), ty)`      |
 | `dot_general`                                 | `Matmul(Load(a), Load(b), "lc;rc;lb;rb", Acc(ty), ty)` |
 | `conv_general_dilated`                        | `Conv(Load(x), Load(w), ConvParams.key, Acc(ty), ty)` |
-| `gather` / `scatter*`                         | `Gather` / `AssignScatter`; payload `(primitive, params)` |
+| `gather` / `scatter*`                         | `Gather` / `AssignScatter`; payload `(primitive, params)`; a batched one-hot `scatter-add` (take_along_axis's VJP) is `Pointwise` (`eqsat.one_hot_scatter`) |
 | `dynamic_update_slice`                        | `AssignStatic` (literal starts) / `AssignDynamic`     |
 | `jit`, `pjit`, `closed_call`, `core_call`, `custom_jvp_call`, `custom_vjp_call`, `remat2`/`checkpoint` | inlined |
 | `scan`, `while`, `cond`                       | one `Loop(key, operands, body, i, ty)` per output     |
@@ -97,6 +97,7 @@ from jax._src import source_info_util
 
 from eqsat.conv_params import conv_params_key
 from eqsat.moments import two_pass
+from eqsat.one_hot_scatter import one_hot_scatter_body
 from eqsat.program import Program
 from eqsat.term import Term, tensor_list
 from eqsat.types import dtype_name, format_type, ints, ints_key, is_key
@@ -702,6 +703,9 @@ class _Lifter:
     def _scatter(self, eqn):
         if len(eqn.invars) != 3 or "dimension_numbers" not in eqn.params:
             return self._opaque(eqn)
+        body = one_hot_scatter_body(eqn, *(self.expr(atom) for atom in eqn.invars))
+        if body is not None:  # take_along_axis's VJP: a comparison per output element, no scatter kernel
+            return [self.pointwise(body)]
         ty = _ty(eqn.outvars[0].aval)
         key = self.fresh_key("scatter")
         self.payloads[key] = (eqn.primitive, dict(eqn.params))
