@@ -222,8 +222,12 @@ def test_embedding_gather_and_scatter_add():
     ids = jnp.array([[1, 2], [9, 0]])
     program = roundtrip(lambda e, i: (e[i], jnp.take(e, i, axis=0)), table, ids)
     assert any(k.op == "Gather" for k in program.kernel_terms())
-    program = roundtrip(lambda v, i: jnp.zeros(5).at[i].add(v), jnp.array([1.0, 2.0, 3.0]), jnp.array([1, 1, 4]))
+    # An embedding's gradient (rows scattered whole) is a scatter kernel ...
+    program = roundtrip(lambda g, i: jnp.zeros((10, 3)).at[i].add(g), jnp.ones((2, 2, 3)), ids)
     assert any(k.op == "AssignScatter" for k in program.kernel_terms())
+    # ... a few single values added into a vector compare positions (eqsat.one_hot_scatter).
+    program = roundtrip(lambda v, i: jnp.zeros(5).at[i].add(v), jnp.array([1.0, 2.0, 3.0]), jnp.array([1, 1, 4]))
+    assert all(k.op == "Pointwise" for k in program.kernel_terms())
 
 
 # --- calls, loops, refs ------------------------------------------------------------------------
