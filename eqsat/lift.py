@@ -98,6 +98,7 @@ from jax._src import source_info_util
 from eqsat.conv_params import conv_params_key
 from eqsat.moments import two_pass
 from eqsat.one_hot_scatter import one_hot_scatter_body
+from eqsat.structured_constants import index_formula
 from eqsat.program import Program
 from eqsat.term import Term, tensor_list
 from eqsat.types import dtype_name, format_type, ints, ints_key, is_key
@@ -329,7 +330,8 @@ class _Lifter:
         env: dict = {}
         self.env = env
         for var, const in zip(jaxpr.constvars, consts):
-            env[var] = self.constant(const)
+            formula = index_formula(const)  # a causal mask, a fill: computed where it is read
+            env[var] = self.constant(const) if formula is None else self.pointwise(formula)
         if len(jaxpr.invars) != len(in_values):
             raise LiftError(f"{len(jaxpr.invars)} invars, {len(in_values)} values")
         for var, value in zip(jaxpr.invars, in_values):
