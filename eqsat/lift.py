@@ -705,7 +705,8 @@ class _Lifter:
     def _scatter(self, eqn):
         if len(eqn.invars) != 3 or "dimension_numbers" not in eqn.params:
             return self._opaque(eqn)
-        body = one_hot_scatter_body(eqn, *(self.expr(atom) for atom in eqn.invars))
+        body = one_hot_scatter_body(eqn, *(self.expr(atom) for atom in eqn.invars),
+                                    constant_column=lambda i: self._constant_column(eqn.invars[1], i))
         if body is not None:  # take_along_axis's VJP: a comparison per output element, no scatter kernel
             return [self.pointwise(body)]
         ty = _ty(eqn.outvars[0].aval)
@@ -714,6 +715,43 @@ class _Lifter:
         operand, indices, updates = eqn.invars
         term = Term("AssignScatter", self.tensor(operand), self.expr(indices), self.expr(updates), key, ty)
         return [self.kernel(term)]
+
+    def _constant_column(self, atom, column: int):
+        """Column `column` of the 2-D integer array `atom` as a NumPy array when no input flows into
+        it (it is made of iotas, literals and constants), else None."""
+        if isinstance(atom, core.Literal) or atom.aval.size > 1 << 20:
+            return None
+        count = atom.aval.shape[0]
+
+        def inlined(expr: Term) -> Term:  # a pointwise tensor read at the same index is its body
+            while expr.op == "Load" and expr.args[0].op == "Pointwise":
+                expr = expr.args[0].args[0]
+            return expr
+
+        part = inlined(Term("Load", self.tensor(atom), self.tensor(atom).ty))
+        while part.op == "Concat" and part.args[2] == 1:  # the columns' own parts (x.at[arange, y]: two)
+            left, right, _, width, _ = part.args
+            part, column = (inlined(left), column) if column < width else (inlined(right), column - width)
+        if _shape(part)[1] != 1:
+            part = Term("Slice", part, 1, column, column + 1, 1, _ty_of(atom.aval.dtype, (count, 1)))
+        stack, seen = [part], set()
+        while stack:
+            node = stack.pop()
+            if node in seen or not isinstance(node, Term):
+                continue
+            seen.add(node)
+            if node.op == "Load":
+                tensor = node.args[0]
+                if tensor.op == "Pointwise":
+                    stack.append(tensor.args[0])
+                elif tensor.op != "Constant":
+                    return None  # an input, or a kernel's result
+            else:
+                stack.extend(child for child in node.args if isinstance(child, Term))
+        from eqsat.interpret import evaluate
+
+        with jax.ensure_compile_time_eval():
+            return np.asarray(evaluate([Term("Pointwise", part, part.ty)], {}, self.constants, self.payloads)[0])
 
     # --- calls and loops ----------------------------------------------------------------------
 

@@ -13,6 +13,10 @@ own position with the few indices of its batch row:
 a pointwise expression over the output, which the rule families then fuse with its neighbours
 (the softmax backward). `one_hot_scatter_body` returns it, or None for any other scatter.
 
+Also `x.at[jnp.arange(n), labels].add(u)` (the VJP of `x[jnp.arange(n), labels]`): one index column
+per operand axis, all but one of them free of inputs (the lifter evaluates them) and together
+enumerating the other axes' positions once in row-major order; those axes are then batching axes.
+
 Recognized: `scatter-add` with no update window, one scattered operand axis `d`
 (`inserted_window_dims == scatter_dims_to_operand_dims == (d,)`), every other operand axis a
 batching axis, an index vector of length 1 in the indices' last axis, and at most `MAX_INDICES`
@@ -40,9 +44,11 @@ def _ty(dtype, shape) -> str:
     return format_type(np.dtype(dtype), tuple(shape))
 
 
-def one_hot_scatter_body(eqn, target: Term, indices: Term, updates: Term) -> Term | None:
+def one_hot_scatter_body(eqn, target: Term, indices: Term, updates: Term, constant_column=None) -> Term | None:
     """The per-element expression of `eqn` (a `scatter-add` equation) over `target`, `indices` and
-    `updates` (the operands as `Expr` loads), or None when it is not of the recognized form."""
+    `updates` (the operands as `Expr` loads), or None when it is not of the recognized form.
+    `constant_column(i)`: column `i` of the indices as a NumPy array when it depends on no input
+    (else None), for the `x.at[jnp.arange(n), labels]` spelling (`_enumerated_rows`)."""
     if eqn.primitive.name != "scatter-add" or len(eqn.invars) != 3:
         return None
     params = eqn.params
@@ -50,6 +56,8 @@ def one_hot_scatter_body(eqn, target: Term, indices: Term, updates: Term) -> Ter
     operand, index_atom, update_atom = eqn.invars
     shape = tuple(operand.aval.shape)
     index_shape = tuple(index_atom.aval.shape)
+    if numbers is not None and constant_column is not None and len(index_shape) == 2 and index_shape[-1] > 1:
+        return _enumerated_rows(eqn, target, indices, updates, constant_column)
     if numbers is None or not index_shape or index_shape[-1] != 1:
         return None
     if tuple(numbers.update_window_dims) or len(numbers.inserted_window_dims) != 1:
@@ -104,3 +112,53 @@ def one_hot_scatter_body(eqn, target: Term, indices: Term, updates: Term) -> Ter
         update = row_value(updates, index_shape[:-1], dtype, at, vector=False)
         result = Term("Select", hit, result, Term("Binary", "add", result, update, out_ty), out_ty)
     return result
+
+
+def _enumerated_rows(eqn, target: Term, indices: Term, updates: Term, constant_column) -> Term | None:
+    """`x.at[i_0, ..., i_{n-1}].add(u)` with one index array per operand axis, all but one of them
+    constant and together enumerating every position of the other axes once, in row-major order
+    (`x.at[jnp.arange(b), labels].add(u)`, the VJP of `x[jnp.arange(b), labels]`): the batched form
+    above, with those axes as batching axes."""
+    numbers = eqn.params["dimension_numbers"]
+    operand, index_atom, update_atom = eqn.invars
+    shape = tuple(operand.aval.shape)
+    count, rank = index_atom.aval.shape
+    all_axes = tuple(range(len(shape)))
+    if (tuple(numbers.update_window_dims) or tuple(numbers.operand_batching_dims) or rank != len(shape)
+            or tuple(sorted(numbers.inserted_window_dims)) != all_axes
+            or sorted(numbers.scatter_dims_to_operand_dims) != list(all_axes)
+            or tuple(update_atom.aval.shape) != (count,) or 0 in shape):
+        return None
+    if not np.issubdtype(index_atom.aval.dtype, np.integer):
+        return None
+    mode = eqn.params.get("mode")
+    if mode not in (lax.GatherScatterMode.FILL_OR_DROP, lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+                    lax.GatherScatterMode.CLIP):
+        return None
+    column_of_axis = {axis: column for column, axis in enumerate(numbers.scatter_dims_to_operand_dims)}
+    columns = {axis: constant_column(column_of_axis[axis]) for axis in all_axes}
+    data_axes = [axis for axis in all_axes if columns[axis] is None]
+    if len(data_axes) != 1:
+        return None
+    (axis,) = data_axes
+    batching = tuple(a for a in all_axes if a != axis)
+    batch_shape = tuple(shape[a] for a in batching)
+    if math.prod(batch_shape) != count:
+        return None
+    enumeration = np.indices(batch_shape).reshape(len(batch_shape), -1)
+    if not all(np.array_equal(np.asarray(columns[a]).reshape(-1), enumeration[k]) for k, a in enumerate(batching)):
+        return None
+
+    dtype, index_dtype = operand.aval.dtype, index_atom.aval.dtype
+    out_ty = _ty(dtype, shape)
+    column = column_of_axis[axis]
+    index = Term("Slice", indices, 1, column, column + 1, 1, _ty(index_dtype, (count, 1)))
+    index = Term("Broadcast", Term("Reshape", index, _ty(index_dtype, batch_shape)), ints_key(batching),
+                 _ty(index_dtype, shape))
+    if mode == lax.GatherScatterMode.CLIP:
+        index_ty = _ty(index_dtype, shape)
+        index = Term("Binary", "min", Term("Binary", "max", index, Term("Lit", 0.0, index_ty), index_ty),
+                     Term("Lit", float(shape[axis] - 1), index_ty), index_ty)
+    update = Term("Broadcast", Term("Reshape", updates, _ty(dtype, batch_shape)), ints_key(batching), out_ty)
+    hit = Term("Binary", "eq", index, Term("Iota", axis, _ty(index_dtype, shape)), _ty(np.bool_, shape))
+    return Term("Select", hit, target, Term("Binary", "add", target, update, out_ty), out_ty)

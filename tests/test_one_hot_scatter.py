@@ -89,17 +89,57 @@ def test_batched_scatter_add_equals_jit(data):
             np.testing.assert_array_equal(np.signbit(got[want == 0]), np.signbit(want[want == 0]))
 
 
-def test_other_scatters_still_lift_as_scatters():
-    rows = jnp.arange(4)
+def indexed_cross_entropy(logits, labels):
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), labels])
 
-    def indexed(target, cols, updates):  # x.at[arange, cols].add(u): no batching axes
-        return target.at[rows, cols].add(updates)
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_arange_indexed_gradient_has_no_scatter_and_equals_jit(backend):
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((77, 10)) * 30 - 1e4, jnp.float32)
+    labels = jnp.asarray(rng.integers(-10, 10, 77), jnp.int32)  # negative labels count from the end
+    grad = jax.grad(indexed_cross_entropy)
+    assert "AssignScatter" not in kernel_ops(grad, logits, labels)
+    want = np.asarray(jax.jit(grad)(logits, labels))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = eqsat.optimize(grad, backend=backend, progress=False)
+        np.testing.assert_allclose(np.asarray(fast(logits, labels)), want, rtol=1e-5, atol=1e-7)
+    # Lifted under an outer jit (the enumeration is evaluated at lift time, not traced).
+    np.testing.assert_allclose(np.asarray(jax.jit(eqsat.optimize(grad, progress=False))(logits, labels)), want,
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["clip", "drop", "promise_in_bounds"])
+def test_arange_indexed_scatter_modes_equal_jit(mode):
+    rows = jnp.arange(6)
+
+    def f(target, cols, updates):
+        return target.at[rows, cols].add(updates, mode=mode)
+
+    target = jnp.asarray(np.random.default_rng(3).choice([0.0, -0.0, 5.0], (6, 5)), jnp.float32)
+    cols = jnp.array([0, 4, 9, -7, 2, 2]) if mode != "promise_in_bounds" else jnp.array([0, 4, 1, 3, 2, 2])
+    updates = jnp.array([1.0, np.nan, np.inf, 2.0, -1e30, 3.0], jnp.float32)
+    assert "AssignScatter" not in kernel_ops(f, target, cols, updates)
+    got = np.asarray(eqsat.optimize(f, backend="xla", progress=False)(target, cols, updates))
+    want = np.asarray(jax.jit(f)(target, cols, updates))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_other_scatters_still_lift_as_scatters():
+    def permuted(target, cols, updates):  # rows not an enumeration of the axis
+        return target.at[jnp.array([1, 0, 2, 3]), cols].add(updates)
+
+    def shorter(target, cols, updates):  # fewer rows than the axis has
+        return target.at[jnp.arange(3), cols].add(updates)
 
     def replaced(target, indices, updates):  # scatter (not add): the last write wins
         return target.at[indices].set(updates)
 
     target = jnp.zeros((4, 6), jnp.float32)
-    assert "AssignScatter" in kernel_ops(indexed, target, jnp.array([1, 2, 1, 5]), jnp.ones(4))
+    assert "AssignScatter" in kernel_ops(permuted, target, jnp.array([1, 2, 1, 5]), jnp.ones(4))
+    assert "AssignScatter" in kernel_ops(shorter, target, jnp.array([1, 2, 1]), jnp.ones(3))
     assert "AssignScatter" in kernel_ops(replaced, jnp.zeros(6), jnp.array([1, 1, 3]), jnp.ones(3))
     f, index_shape, update_shape = batched_scatter((3, 4), 1, 17, lax.GatherScatterMode.FILL_OR_DROP)
     assert "AssignScatter" in kernel_ops(f, jnp.zeros((3, 4)), jnp.zeros(index_shape, jnp.int32),
