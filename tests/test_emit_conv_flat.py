@@ -222,8 +222,11 @@ def test_the_model_counts_the_evaluations_the_tiles_make(config):
     used = config or mma.conv_config(geometry, [conv.KRange(16, None, None)] * 2)
     inputs = 2 * 7 * 7 * 16
     per_element = [sum(count) * used.block_k / inputs for count in counts]  # 16 channels: one chunk
-    assert per_element == pytest.approx([prologue_evaluations(geometry, used), prologue_evaluations(geometry, used, (1, 1))])
+    # Both ranges are plain loads: a row tile loads them per output row and tap (`direct`).
+    assert per_element == pytest.approx([prologue_evaluations(geometry, used, direct=True),
+                                         prologue_evaluations(geometry, used, (1, 1), direct=True)])
     if config is None:
+        assert used.flat  # where the roofline's count (a computed input's) is the direct one too
         assert per_element == pytest.approx([roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty),
                                              roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty, 1)])
         images_tiles = conv._grid(geometry, used)[0]

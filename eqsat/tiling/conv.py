@@ -257,15 +257,20 @@ def grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
     return (geometry.batch * config.spatial_tiles(geometry), cdiv(geometry.out_features, config.block_n))
 
 
-def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple[int, int] | None = None) -> float:
+def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple[int, int] | None = None,
+                         direct: bool = False) -> float:
     """How many times the template computes each element of a K range's input expression (per
     input pixel and channel, over all programs), `taps` = (rows, columns) of the range's window
     (default: the whole window; a merged 1×1 shortcut's range runs over one tap). A row tile
     computes, per column tap, each input row its output rows read through the row taps, at its
-    columns; a flat tile computes its pixels' input at every tap:
+    columns; a flat tile computes its pixels' input at every tap. A `direct` range (input and
+    weight plain loads: `KRange.lhs_zero_masked` and `rhs_zero_masked`) is loaded, not computed,
+    so a row tile reads it per output row at every tap (one pipelined dot per row and tap,
+    `emit.pallas.conv._direct_row_sums`); its loads cost bytes from L2, no prologue flops:
 
-        row:  spatial tiles · used input rows · column taps · columns · Cout tiles / input pixels
-        flat: spatial tiles · block_m · row taps · column taps · Cout tiles / input pixels
+        row:         spatial tiles · used input rows · column taps · columns · Cout tiles / input pixels
+        row, direct: spatial tiles · rows · row taps · column taps · columns · Cout tiles / input pixels
+        flat:        spatial tiles · block_m · row taps · column taps · Cout tiles / input pixels
     """
     kh, kw = geometry.window if taps is None else taps
     in_h, in_w = geometry.in_size
@@ -274,6 +279,8 @@ def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple
     if config.flat:
         return tiles * config.block_m * kh * kw * cout_tiles / max(in_h * in_w, 1)
     rows, cols = config.tile(geometry)
+    if direct:
+        return tiles * rows * kh * kw * cols * cout_tiles / max(in_h * in_w, 1)
     stride_y, dil_y = geometry.params.strides[0], geometry.params.rhs_dilation[0]
     input_rows = len({r * stride_y + ky * dil_y for r in range(rows) for ky in range(kh)})
     return tiles * input_rows * kw * cols * cout_tiles / max(in_h * in_w, 1)
