@@ -228,7 +228,7 @@ def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtyp
     for k_range in ranges:
         (y0, y1), (x0, x1) = k_range.window(g)
         chunks = -(-k_range.channels // bk)
-        if k_range.lhs_zero_masked and k_range.rhs_zero_masked:
+        if k_range.direct:
             accs = _direct_row_sums(inputs, g, k_range, config, dot_dtype, n, cols_ok, b, row0, ox, cols_in, accs)
             continue
         # Input row r_in (from the tile's first) feeds output row r through tap ky where
@@ -964,10 +964,17 @@ def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Seq
     if ok is not True and not np.all(ok):
         raise NotImplementedError(f"{reduction!r} reads only part of this conv's output")
     slot_of = np.broadcast_to(slot_at(output_index(pixels, channels)), (geometry.pixels, geometry.out_features))
-    compiled = compile_expr(path[0])
+    # The body below its top views (GroupNorm's reshape to [batch, pixels, groups, channels]), at the
+    # output's own index: a reshape evaluated at an index it then inverts again hid the unit stride
+    # along the output channels from Triton, and what the body reads beside the tile (the time
+    # embedding of `h + temb`) loaded 4 bytes at a time.
+    top = 0
+    while top < len(path) - 1 and path[top].op in ("Reshape", "Transpose"):
+        top += 1
+    compiled = compile_expr(path[top])
 
     def value(refs, out_tile, out_index, mask):
-        body_index, body_ok = _body_index(path, out_index)
+        body_index, body_ok = _body_index(path, out_index, stop=top)
         memory = _TileMemory(RefMemory(dict(zip(tensors, refs))), term, out_tile)
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok

@@ -145,6 +145,11 @@ class KRange:
     lhs_zero_masked: bool = False
     rhs_zero_masked: bool = False
 
+    @property
+    def direct(self) -> bool:
+        """Input and weight are plain loads: the template feeds both to the dot as loaded."""
+        return self.lhs_zero_masked and self.rhs_zero_masked
+
     def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
         (kh, kw) = geometry.window
         taps = self.taps if self.taps is not None else ((0, kh), (0, kw))
@@ -203,10 +208,13 @@ class ConvConfig:
         shortcut or skip ranges at 2 stages asks 48-124 KB, as a lone 3×3 range does, and stages
         its loads in shared memory instead of registers (168-248 registers against 230-255; the
         VAE's 512² shortcut conv spilled 48 B at 1 stage, none at 2); two 3×3 ranges at 2 stages
-        asked 225,280 B and spilled 1.2 KB."""
+        asked 225,280 B and spilled 1.2 KB. A direct range (input and weight plain loads: one dot
+        per output row and tap, `KRange.direct`) stages one row per dot and does not count: the
+        stages only change where loads wait, not the work the cost model counts, so the model,
+        which knows a range by its channels and taps, reads the windowed ranges as computed."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
         block_k = min(DEFAULT_BLOCK_K if itemsize <= 2 else DEFAULT_BLOCK_K // 2, max(MIN_BLOCK, next_pow2(widest)))
-        windowed = sum(1 for r in ranges if _tap_count(r.window(geometry)) > 1)
+        windowed = sum(1 for r in ranges if _tap_count(r.window(geometry)) > 1 and not r.direct)
         return replace(tile, block_k=block_k, num_stages=2 if windowed <= 1 else 1)
 
     @classmethod
