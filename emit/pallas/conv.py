@@ -17,6 +17,13 @@ tap ky (r·sy + ky·dy = that row):
 
 so a 3×3 conv computes its input 3 × (th + 2) / th times per element and output-channel tile,
 not 9 (Pallas Triton cannot shift a tile in registers, so the column taps still recompute).
+A K range whose input and weight are plain loads (`KRange.direct`: nothing to recompute) runs
+`_direct_row_sums` instead: taps inner, each output row's input row loaded at every tap and fed
+to the dot as loaded, one dot per accumulator and tap, so Triton pipelines the loads into shared
+memory and keeps the wgmma in flight (a row reused by several dots of one step, through a select,
+made it wait for every wgmma). A computed input's dots wait for 0 either way, on flat tiles too
+(measured in sm_90a PTX: Triton in jax 0.10.2 keeps no wgmma in flight whose register operand is
+written inside the loop).
 
 Flat tiles (`_flat_tile_sums`): `block_m` consecutive output pixels of one image in row-major
 order (several rows of a 32-, 16- or 8-wide image), one accumulator, the dot's M = block_m (64 or
