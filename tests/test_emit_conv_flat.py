@@ -356,6 +356,14 @@ def test_pipeline_stages_follow_the_windowed_k_ranges():
     assert stages([(256, centre), (128, full)]) == 2
     assert stages([(128, centre), (128, centre), (128, full)]) == 2
     assert stages([(4, full), (380, full)]) == 1
+    # A direct range (plain input and weight: one row per dot) does not count; two computed ones do.
+    direct = lambda c, t: conv.KRange(c, None, None, t, lhs_zero_masked=True, rhs_zero_masked=True)
+    computed = lambda c, t: conv.KRange(c, None, None, t, rhs_zero_masked=True)
+    config = lambda ranges: mma.conv_config(geometry, ranges)
+    assert config([computed(4, full), direct(380, full)]).num_stages == 2
+    assert config([direct(4, full), direct(380, full)]).num_stages == 2
+    assert config([computed(4, full), computed(380, full)]).num_stages == 1
+    assert config([computed(4, full), direct(380, full)]).tile(geometry) == config([]).tile(geometry)
     assert work._conv_config_of(f"f16{list(geometry.lhs_shape)}".replace(" ", ""),
                                 f"f16{list(geometry.rhs_shape)}".replace(" ", ""), geometry.params.key,
                                 f"f16{list(geometry.out_shape)}".replace(" ", ""),
