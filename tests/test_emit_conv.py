@@ -119,6 +119,42 @@ def test_geometry_follows_the_dimension_numbers(layouts, window, strides, paddin
     _close(out, conv.reference(env["x"], env["w"], _params(lhs_shape, rhs_shape, layouts, strides, padding)))
 
 
+ROW_TILES = [conv.ConvConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2, block_w=16),
+             conv.ConvConfig(block_m=64, block_n=16, block_k=16, num_warps=4, num_stages=2, block_w=16)]
+
+
+@pytest.mark.parametrize("config", ROW_TILES, ids=["2-rows", "4-rows"])
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda l: "-".join(l))
+@pytest.mark.parametrize("strides,dilation,padding", [
+    ((1, 1), (1, 1), ((1, 1), (1, 1))),
+    ((2, 1), (1, 1), ((1, 1), (0, 2))),
+    ((1, 1), (2, 2), ((2, 2), (2, 2))),
+], ids=["same", "stride2-asym", "dilated"])
+def test_row_tiles_of_plain_loads_match_computed_inputs(config, layouts, strides, dilation, padding):
+    """Rows of several output rows on a 15x15 image (the last tile partly past the bottom), 19 input
+    channels in 2 chunks of 16 and 20 output channels in 2 tiles: a plain input and weight run the direct
+    loop (`_direct_row_sums`: every row loaded at every tap), `x * 1` the computed one (each input row
+    computed once per column tap, reused by the row taps); both equal lax's conv and the interpreter,
+    NaN and inf included."""
+    lhs_shape, rhs_shape = _operand_shapes(layouts, 2, 15, 15, 19, 20, (3, 3))
+    x, w = _input("x", lhs_shape), _input("w", rhs_shape)
+    params = ConvParams.from_lax(strides, padding, (1, 1), dilation, lax.conv_dimension_numbers(lhs_shape, rhs_shape, layouts))
+    computed = Term("Binary", "mul", _load(x), Term("Lit", 1.0, x.ty), x.ty)
+    assert conv.zero_where_masked(_load(x)) and not conv.zero_where_masked(computed)
+    rng = np.random.default_rng(5)
+    env = {"x": (1e4 + rng.normal(size=lhs_shape)).astype(np.float32), "w": rng.normal(size=rhs_shape).astype(np.float32)}
+    env["x"].flat[40] = np.nan
+    env["x"].flat[700] = np.inf
+    exact = conv.reference(env["x"], env["w"], params)
+    for lhs in (_load(x), computed):
+        out, expected = _run_both(_conv_term(lhs, _load(w), params), env, config)
+        assert np.isnan(np.asarray(exact)).any()
+        np.testing.assert_array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(exact)))
+        finite = np.isfinite(np.asarray(exact))
+        _close(np.where(finite, out, 0), np.where(finite, exact, 0), scale=1e4)
+        _close(np.where(finite, out, 0), np.where(finite, expected, 0), scale=1e4)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_inputs_accumulate_in_fp32(dtype):
     lhs_shape, rhs_shape = (1, 6, 6, 40), (24, 40, 3, 3)

@@ -222,8 +222,11 @@ def test_the_model_counts_the_evaluations_the_tiles_make(config):
     used = config or mma.conv_config(geometry, [conv.KRange(16, None, None)] * 2)
     inputs = 2 * 7 * 7 * 16
     per_element = [sum(count) * used.block_k / inputs for count in counts]  # 16 channels: one chunk
-    assert per_element == pytest.approx([prologue_evaluations(geometry, used), prologue_evaluations(geometry, used, (1, 1))])
+    # Both ranges are plain loads: a row tile loads them per output row and tap (`direct`).
+    assert per_element == pytest.approx([prologue_evaluations(geometry, used, direct=True),
+                                         prologue_evaluations(geometry, used, (1, 1), direct=True)])
     if config is None:
+        assert used.flat  # where the roofline's count (a computed input's) is the direct one too
         assert per_element == pytest.approx([roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty),
                                              roofline.conv_prologue_evaluations(lhs.ty, rhs.ty, params.key, term.ty, 1)])
         images_tiles = conv._grid(geometry, used)[0]
@@ -308,6 +311,39 @@ def test_a_flat_conv_of_a_plain_input_pipelines_its_wgmma(tmp_path):
     assert resources.spill_bytes == 0, resources
 
 
+def test_a_row_tile_of_a_plain_input_pipelines_its_wgmma(tmp_path):
+    """A 3x3 conv on a 64x64 image on row tiles of 2 x 64 pixels (the model's choice there), input
+    and weight plain loads, fp16, compiled for sm_90a: the direct loop (one dot per row and tap)
+    keeps a wgmma group per row in flight (`wgmma.wait_group 2`), loads only vectors, does not
+    spill. Its computed-input loop (each row reused by the row taps) waited for 0 at 255 registers."""
+    import re
+
+    from benchmarks import ptx
+    from measure import xla_target
+
+    if xla_target.unavailable_reason() is not None:
+        pytest.skip(str(xla_target.unavailable_reason()))
+    geometry = _geometry(2, 320, 64, 320)
+    config = mma.conv_config(geometry)
+    assert not config.flat and config.tile(geometry) == (2, 64)
+    x, w = (Term("Input", name, format_type("float16", shape))
+            for name, shape in (("x", geometry.lhs_shape), ("w", geometry.rhs_shape)))
+    term = _conv_term(Term("Load", x, x.ty), Term("Load", w, w.ty), geometry.params, "float16")
+
+    def fn(x_value, w_value):
+        return conv.run(term, {x: x_value, w: w_value}, interpret=False)
+
+    specs = [jax.ShapeDtypeStruct(shape, jnp.float16) for shape in (geometry.lhs_shape, geometry.rhs_shape)]
+    xla_target.compile_for_h100(fn, *specs, keep_dump=tmp_path / "dump")
+    [path] = [p for p in (tmp_path / "dump").glob("*.ptx") if ".entry" in p.read_text()]
+    text = path.read_text()
+    [counts] = ptx.read_ptx(text).values()
+    [resources] = ptx.run_ptxas(path).values()
+    assert counts.wgmma and counts.wgmma_wait_depth >= 2, re.findall(r"wgmma.wait_group.sync.aligned \d+", text)
+    assert counts.vector_load_bytes == counts.global_load_bytes, counts
+    assert resources.spill_bytes == 0, resources
+
+
 def test_pipeline_stages_follow_the_windowed_k_ranges():
     """2 stages where at most one K range runs a multi-tap window (a 3x3 conv, with merged 1x1
     shortcut or skip ranges), 1 where two do (they asked for 225 KB of shared memory and spilled);
@@ -320,6 +356,14 @@ def test_pipeline_stages_follow_the_windowed_k_ranges():
     assert stages([(256, centre), (128, full)]) == 2
     assert stages([(128, centre), (128, centre), (128, full)]) == 2
     assert stages([(4, full), (380, full)]) == 1
+    # A direct range (plain input and weight: one row per dot) does not count; two computed ones do.
+    direct = lambda c, t: conv.KRange(c, None, None, t, lhs_zero_masked=True, rhs_zero_masked=True)
+    computed = lambda c, t: conv.KRange(c, None, None, t, rhs_zero_masked=True)
+    config = lambda ranges: mma.conv_config(geometry, ranges)
+    assert config([computed(4, full), direct(380, full)]).num_stages == 2
+    assert config([direct(4, full), direct(380, full)]).num_stages == 2
+    assert config([computed(4, full), computed(380, full)]).num_stages == 1
+    assert config([computed(4, full), direct(380, full)]).tile(geometry) == config([]).tile(geometry)
     assert work._conv_config_of(f"f16{list(geometry.lhs_shape)}".replace(" ", ""),
                                 f"f16{list(geometry.rhs_shape)}".replace(" ", ""), geometry.params.key,
                                 f"f16{list(geometry.out_shape)}".replace(" ", ""),

@@ -17,6 +17,13 @@ tap ky (r·sy + ky·dy = that row):
 
 so a 3×3 conv computes its input 3 × (th + 2) / th times per element and output-channel tile,
 not 9 (Pallas Triton cannot shift a tile in registers, so the column taps still recompute).
+A K range whose input and weight are plain loads (`KRange.direct`: nothing to recompute) runs
+`_direct_row_sums` instead: taps inner, each output row's input row loaded at every tap and fed
+to the dot as loaded, one dot per accumulator and tap, so Triton pipelines the loads into shared
+memory and keeps the wgmma in flight (a row reused by several dots of one step, through a select,
+made it wait for every wgmma). A computed input's dots wait for 0 either way, on flat tiles too
+(measured in sm_90a PTX: Triton in jax 0.10.2 keeps no wgmma in flight whose register operand is
+written inside the loop).
 
 Flat tiles (`_flat_tile_sums`): `block_m` consecutive output pixels of one image in row-major
 order (several rows of a 32-, 16- or 8-wide image), one accumulator, the dot's M = block_m (64 or
@@ -228,6 +235,9 @@ def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtyp
     for k_range in ranges:
         (y0, y1), (x0, x1) = k_range.window(g)
         chunks = -(-k_range.channels // bk)
+        if k_range.direct:
+            accs = _direct_row_sums(inputs, g, k_range, config, dot_dtype, n, cols_ok, b, row0, ox, cols_in, accs)
+            continue
         # Input row r_in (from the tile's first) feeds output row r through tap ky where
         # r·stride + ky·dilation == r_in: each input row's expression is computed once per column tap.
         uses: dict[int, list[tuple[int, int]]] = {}
@@ -271,6 +281,56 @@ def _row_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtyp
 
     return b, [(acc, jnp.full((tw, 1), row0 + r, jnp.int32), ox, cols_in & (row0 + r < out_h))
                for r, acc in enumerate(accs)]
+
+
+def _direct_row_sums(inputs, g: ConvGeometry, k_range: KRange, config: ConvConfig, dot_dtype, n, cols_ok, b, row0,
+                     ox, cols_in, accs):
+    """A row tile's sums over a K range whose input and weight are plain loads (`KRange.lhs_zero_masked`
+    and `rhs_zero_masked`): taps inner, each output row's input row loaded at every tap and fed to
+    the dot as loaded, one dot per accumulator per tap. Reusing an input row across row taps (as
+    `_row_tile_sums` does for a computed input) puts several dots on one accumulator in one loop
+    step and the row through a select, and Triton then waits for every wgmma (`wait_group 0`);
+    here both operands are pipelined loads and each dot only feeds the loop's next step, so the
+    wgmma stay in flight (`wait_group` = rows). A load costs what a recompute of a plain input
+    costs: nothing but bytes from L2 (`eqsat.tiling.conv.prologue_evaluations`, `direct`)."""
+    p = g.params
+    bk = config.block_k
+    th, tw = config.tile(g)
+    (in_h, in_w) = g.in_size
+    (stride_y, stride_x), (dil_y, dil_x) = p.strides, p.rhs_dilation
+    (pad_y, _), (pad_x, _) = p.padding
+    (y0, y1), (x0, x1) = k_range.window(g)
+    chunks, taps_x = -(-k_range.channels // bk), x1 - x0
+
+    def chunk_step(chunk, accs):
+        channel = chunk * bk + _iota(bk)
+        channel_ok = channel[None, :] < k_range.channels
+        hoisted = None if k_range.hoist is None else \
+            k_range.hoist(inputs, _place(p.lhs_spec, (b, channel[None, :], 0, 0)), channel_ok)
+        w_mask = (channel[:, None] < k_range.channels) & cols_ok
+
+        def tap(t, accs):
+            ky, kx = lax.div(t, taps_x), lax.rem(t, taps_x)
+            ix = ox * stride_x - pad_x + (x0 + kx) * dil_x
+            x_ok = cols_in & (ix >= 0) & (ix < in_w)
+            tap_index = (jnp.reshape(ky, (1, 1)), jnp.reshape(kx, (1, 1)))
+            w = k_range.rhs(inputs, _place(p.rhs_spec, (n, channel[:, None], *tap_index)), w_mask)
+            w = _zero_padded(w, w_mask, True, dot_dtype)
+            accs = list(accs)
+            for r in range(th):
+                iy = (row0 + r) * stride_y - pad_y + (y0 + ky) * dil_y
+                a_mask = x_ok & (iy >= 0) & (iy < in_h) & channel_ok
+                index = _place(p.lhs_spec, (b, channel[None, :], jnp.full((tw, 1), iy, jnp.int32), ix))
+                a = k_range.lhs(inputs, index, a_mask) if hoisted is None else \
+                    k_range.lhs(inputs, index, a_mask, hoisted=hoisted)
+                a = _zero_padded(a, a_mask, True, dot_dtype)
+                accs[r] = accs[r] + lax.dot(a, w, preferred_element_type=jnp.float32)
+            return tuple(accs)
+
+        taps = (y1 - y0) * taps_x
+        return tap(jnp.int32(0), accs) if taps == 1 else lax.fori_loop(0, taps, tap, accs)
+
+    return chunk_step(0, accs) if chunks == 1 else lax.fori_loop(0, chunks, chunk_step, accs)
 
 
 def _flat_tile_sums(inputs, g: ConvGeometry, ranges, config: ConvConfig, dot_dtype, n, cols_ok):
@@ -742,7 +802,7 @@ def _operand(expr: Term, tensors: Sequence[Term], feature_axis: int, offset: int
     return evaluate
 
 
-_ZERO_PRESERVING_VIEWS = {"Reshape": 0, "Transpose": 0, "Slice": 0}
+_ZERO_PRESERVING_VIEWS = {"Reshape": 0, "Transpose": 0, "Slice": 0, "Broadcast": 0}
 
 
 def zero_where_masked(expr: Term) -> bool:
@@ -911,10 +971,17 @@ def _statistic(reduction: Term, term: Term, geometry: ConvGeometry, tensors: Seq
     if ok is not True and not np.all(ok):
         raise NotImplementedError(f"{reduction!r} reads only part of this conv's output")
     slot_of = np.broadcast_to(slot_at(output_index(pixels, channels)), (geometry.pixels, geometry.out_features))
-    compiled = compile_expr(path[0])
+    # The body below its top views (GroupNorm's reshape to [batch, pixels, groups, channels]), at the
+    # output's own index: a reshape evaluated at an index it then inverts again hid the unit stride
+    # along the output channels from Triton, and what the body reads beside the tile (the time
+    # embedding of `h + temb`) loaded 4 bytes at a time.
+    top = 0
+    while top < len(path) - 1 and path[top].op in ("Reshape", "Transpose"):
+        top += 1
+    compiled = compile_expr(path[top])
 
     def value(refs, out_tile, out_index, mask):
-        body_index, body_ok = _body_index(path, out_index)
+        body_index, body_ok = _body_index(path, out_index, stop=top)
         memory = _TileMemory(RefMemory(dict(zip(tensors, refs))), term, out_tile)
         body_mask = mask if body_ok is True else mask & body_ok
         return compiled(memory, body_index, body_mask).astype(jnp.float32), body_ok

@@ -145,6 +145,11 @@ class KRange:
     lhs_zero_masked: bool = False
     rhs_zero_masked: bool = False
 
+    @property
+    def direct(self) -> bool:
+        """Input and weight are plain loads: the template feeds both to the dot as loaded."""
+        return self.lhs_zero_masked and self.rhs_zero_masked
+
     def window(self, geometry: ConvGeometry) -> tuple[tuple[int, int], tuple[int, int]]:
         (kh, kw) = geometry.window
         taps = self.taps if self.taps is not None else ((0, kh), (0, kw))
@@ -203,10 +208,13 @@ class ConvConfig:
         shortcut or skip ranges at 2 stages asks 48-124 KB, as a lone 3×3 range does, and stages
         its loads in shared memory instead of registers (168-248 registers against 230-255; the
         VAE's 512² shortcut conv spilled 48 B at 1 stage, none at 2); two 3×3 ranges at 2 stages
-        asked 225,280 B and spilled 1.2 KB."""
+        asked 225,280 B and spilled 1.2 KB. A direct range (input and weight plain loads: one dot
+        per output row and tap, `KRange.direct`) stages one row per dot and does not count: the
+        stages only change where loads wait, not the work the cost model counts, so the model,
+        which knows a range by its channels and taps, reads the windowed ranges as computed."""
         widest = max((r.channels for r in ranges), default=geometry.in_features)
         block_k = min(DEFAULT_BLOCK_K if itemsize <= 2 else DEFAULT_BLOCK_K // 2, max(MIN_BLOCK, next_pow2(widest)))
-        windowed = sum(1 for r in ranges if _tap_count(r.window(geometry)) > 1)
+        windowed = sum(1 for r in ranges if _tap_count(r.window(geometry)) > 1 and not r.direct)
         return replace(tile, block_k=block_k, num_stages=2 if windowed <= 1 else 1)
 
     @classmethod
@@ -257,15 +265,20 @@ def grid(geometry: ConvGeometry, config: ConvConfig) -> tuple[int, int]:
     return (geometry.batch * config.spatial_tiles(geometry), cdiv(geometry.out_features, config.block_n))
 
 
-def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple[int, int] | None = None) -> float:
+def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple[int, int] | None = None,
+                         direct: bool = False) -> float:
     """How many times the template computes each element of a K range's input expression (per
     input pixel and channel, over all programs), `taps` = (rows, columns) of the range's window
     (default: the whole window; a merged 1×1 shortcut's range runs over one tap). A row tile
     computes, per column tap, each input row its output rows read through the row taps, at its
-    columns; a flat tile computes its pixels' input at every tap:
+    columns; a flat tile computes its pixels' input at every tap. A `direct` range (input and
+    weight plain loads: `KRange.lhs_zero_masked` and `rhs_zero_masked`) is loaded, not computed,
+    so a row tile reads it per output row at every tap (one pipelined dot per row and tap,
+    `emit.pallas.conv._direct_row_sums`); its loads cost bytes from L2, no prologue flops:
 
-        row:  spatial tiles · used input rows · column taps · columns · Cout tiles / input pixels
-        flat: spatial tiles · block_m · row taps · column taps · Cout tiles / input pixels
+        row:         spatial tiles · used input rows · column taps · columns · Cout tiles / input pixels
+        row, direct: spatial tiles · rows · row taps · column taps · columns · Cout tiles / input pixels
+        flat:        spatial tiles · block_m · row taps · column taps · Cout tiles / input pixels
     """
     kh, kw = geometry.window if taps is None else taps
     in_h, in_w = geometry.in_size
@@ -274,6 +287,8 @@ def prologue_evaluations(geometry: ConvGeometry, config: ConvConfig, taps: tuple
     if config.flat:
         return tiles * config.block_m * kh * kw * cout_tiles / max(in_h * in_w, 1)
     rows, cols = config.tile(geometry)
+    if direct:
+        return tiles * rows * kh * kw * cols * cout_tiles / max(in_h * in_w, 1)
     stride_y, dil_y = geometry.params.strides[0], geometry.params.rhs_dilation[0]
     input_rows = len({r * stride_y + ky * dil_y for r in range(rows) for ky in range(kh)})
     return tiles * input_rows * kw * cols * cout_tiles / max(in_h * in_w, 1)
