@@ -61,17 +61,23 @@ from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
                                  fit_smem)                                            # with the cost model)
+from eqsat.tiling.mosaic import matmul_blocks, reads_in_place
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
 SM_COUNT = 132  # H100 SXM5
 
 
-def interpret_params():
-    """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU."""
+def interpret_params(tma_zero_fill: bool = False):
+    """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU.
+    `tma_zero_fill`: a read past the end of an array gives zeros, as TMA's does (the interpreter
+    raises by default); its only way there also starts SMEM and outputs at zero, not NaN, so the
+    kernels that read past no end keep the NaN fill that shows a value never written."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     host_threads.check()
+    if tma_zero_fill:
+        return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     return InterpretGPUParams()
 
 
@@ -120,7 +126,10 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
-            a_window: AWindow | None = None):
+            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None):
+    """`in_place`: `(M, N)` when A, B and the output are the unpadded `[batch, ., .]` arrays
+    (`reads_in_place`): the last tiles start early, K's tail is TMA's zero fill. Otherwise they are
+    the padded flat `[batch * M↑, .]` views (`m_padded` rows per batch entry)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -168,8 +177,13 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     def _scope(pipeline_allocs, out_smem, operand_smems, barriers):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
-        rows0 = b_idx * m_padded + m_idx * tile_m  # first row of the CTA tile in the flat [B*M, ...] views
-        cols0 = n_idx * cta_n + wg * tile_n
+        if in_place is None:
+            m0, n0 = m_idx * tile_m, n_idx * cta_n
+            rows0 = b_idx * m_padded + m0  # first row of the CTA tile in the flat [B*M, ...] views
+        else:  # the last tiles end at M and N (their first rows and columns are their neighbour's too)
+            m0 = jnp.minimum(m_idx * tile_m, in_place[0] - tile_m)
+            n0 = jnp.minimum(n_idx * cta_n, in_place[1] - cta_n)
+        cols0 = n0 + wg * tile_n
 
         def compute_context(run_pipeline):
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -181,7 +195,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                 for em in range(tile_m // epi_m):
                     for en in range(tile_n // epi_n):
                         slot = (em * (tile_n // epi_n) + en) % 2
-                        row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
+                        row_slice = pl.ds(m0 + em * epi_m, epi_m)
                         col_slice = pl.ds(cols0 + en * epi_n, epi_n)
                         tiles = []
                         for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
@@ -208,20 +222,22 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
                         out_smem[wg, slot] = value.astype(out_dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                                out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+                        out_tile = out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice] if in_place is None \
+                            else out_gmem.at[b_idx, row_slice, col_slice]
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile)
 
         def mma(_, a_smem, b_smem, acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * tile_n, tile_n)])
             plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
             return acc_ref
 
-        a_rows = tile_m if a_window is None else tile_m + a_window.halo
-        pipeline(mma, compute_context)(
-            a_gmem.at[pl.ds(rows0, a_rows), :],
-            b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n_idx * cta_n, cta_n)],
-            allocations=pipeline_allocs,
-        )
+        if in_place is not None:
+            a_tiles, b_tiles = a_gmem.at[b_idx, pl.ds(m0, tile_m), :], b_gmem.at[b_idx, :, pl.ds(n0, cta_n)]
+        else:
+            a_rows = tile_m if a_window is None else tile_m + a_window.halo
+            a_tiles = a_gmem.at[pl.ds(rows0, a_rows), :]
+            b_tiles = b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n0, cta_n)]
+        pipeline(mma, compute_context)(a_tiles, b_tiles, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -248,12 +264,14 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     n = b.shape[2]
     if a_window is not None:
         m, k = m - a_window.halo, b.shape[1]
-    blocks = blocks or MosaicBlocks.get_default(m, n, k)
+    blocks = blocks or (matmul_blocks(m, n, k) if a_window is None else MosaicBlocks.get_default(m, n, k))
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
+    if a_window is None and reads_in_place(m, n, k, blocks):
+        return _build_in_place(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
     if a_window is None:
         a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
     elif batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
@@ -302,6 +320,49 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     else:
         out = call(False)(*operands_in)
     return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def _build_in_place(a, b, epilogue, operands, out_dtype, blocks, interpret, name) -> jax.Array:
+    """`build` on the unpadded arrays (`reads_in_place`): no copy before the kernel, none after."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    batch, m, k = a.shape
+    n = b.shape[2]
+    kp = -(-k // blocks.tile_k) * blocks.tile_k
+    arrays, kinds, shared = [], [], []
+    for operand in operands:
+        if operand.array.shape[0] not in (1, batch):
+            raise ValueError(f"epilogue operand {operand.array.shape} for batch {batch}")
+        arrays.append(operand.array)
+        kinds.append(operand.kind)
+        shared.append(operand.array.shape[0] == 1)
+    blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
+    grid = (-(-n // blocks.cta_tile_n), -(-m // blocks.tile_m), batch)
+    out_type = jax.ShapeDtypeStruct((batch, m, n), out_dtype)
+
+    def call(interpret_here):
+        return plgpu.kernel(
+            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=m,
+                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
+                              in_place=(m, n)),
+            out_type=out_type,
+            grid=grid,
+            grid_names=("n", "m", "b"),
+            num_threads=blocks.compute_wgs + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            kernel_name=_kernel_name(name),
+            interpret=interpret_params(tma_zero_fill=True) if interpret_here else None,
+        )
+
+    operands_in = (a, b, *arrays)
+    if interpret is None:
+        return lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
+                                      default=lambda *xs: call(False)(*xs))
+    if interpret:
+        return one_at_a_time(call(True), out_type, operands_in)
+    return call(False)(*operands_in)
 
 
 def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]) -> jax.Array:

@@ -2,6 +2,7 @@
 the templates and by the cost model (`eqsat.cost.mosaic`) alike.
 
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
+    reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
@@ -96,6 +97,42 @@ def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
     bytes, over the 232,448 Mosaic allows)."""
     while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
         blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
+    return blocks
+
+
+ROW_TILE = 8  # rows of the SMEM tiles a TMA copy fills (wgmma's 8 x 128-byte core matrices)
+SWIZZLE_HALVES = 64  # 16-bit elements of one 128-byte swizzle row: the minor tile of every operand
+
+
+def reads_in_place(m: int, n: int, k: int, blocks: MosaicBlocks) -> bool:
+    """Whether the matmul template reads A `[batch, M, K]`, B `[batch, K, N]` and writes the output
+    `[batch, M, N]` as they lie, with no padded copy and no slice. TMA fills a box's elements past
+    the end of an array with zeros, so a K tail (K < tile_k) adds nothing; the last M and N tiles
+    start early (clamped to end at M and N: they recompute rows and columns of their neighbour,
+    the same values, written twice), so no store leaves the array. Mosaic GPU 0.10.2 tiles the
+    global array itself for a swizzled TMA copy (`launch_context.TileTransform.transform_gmem_shape`):
+    a dimension larger than its tile must be a multiple of it ("When no rounding mode is specified,
+    dimension 1 must have size smaller or a multiple of its tiling 8, but got 77"), so M must be a
+    multiple of 8 and N, K multiples of 64 (K may also be below 64); and every stride but the last
+    a multiple of 16 bytes (K a multiple of 8). A partially out-of-bounds store is dropped whole by
+    GPU interpret mode (`Buffer.__setitem__` raises, `store_buffer_content` ignores it) where TMA
+    clips it, hence the clamped tiles and M >= tile_m, N >= cta_tile_n."""
+    return (m >= blocks.tile_m and m % ROW_TILE == 0 and n >= blocks.cta_tile_n and n % SWIZZLE_HALVES == 0
+            and (k % blocks.tile_k == 0 or k < blocks.tile_k) and k % ROW_TILE == 0)
+
+
+def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
+    """The matmul template's tiles for `m x k @ k x n`: `MosaicBlocks.get_default`, or where that
+    cannot read the operands in place (`reads_in_place`) and a narrower tile can, the widest such
+    (a 64-row tile for 72-127 rows; one 64-column warpgroup for N = 64)."""
+    blocks = MosaicBlocks.get_default(max(m, 1), max(n, 1), max(k, 1))
+    if reads_in_place(m, n, k, blocks):
+        return blocks
+    for tile_m in (blocks.tile_m, 64):
+        for tile_n, wgs in ((blocks.tile_n, blocks.compute_wgs), (128, 2), (64, 2), (128, 1), (64, 1)):
+            candidate = dataclasses.replace(blocks, tile_m=tile_m, tile_n=tile_n, compute_wgs=wgs)
+            if reads_in_place(m, n, k, candidate):
+                return candidate
     return blocks
 
 

@@ -1,0 +1,123 @@
+"""The Mosaic GPU matmul without XLA glue (`emit/mosaic/matmul.py`, `reads_in_place`): A, B, the
+epilogue's operands and the output used as they lie, the K tail filled with zeros by TMA, the last M
+and N tiles clamped to end at the array's edge. In GPU interpret mode against the plain-jnp
+reference and, through `backend="mosaic"`, against the XLA emitter and `jax.jit` on adversarial
+values; compiled for sm_90a without a GPU, the plan launches the Mosaic kernel and nothing else.
+
+GPU interpret mode costs ~10 s per small kernel here: shapes are tiny, one plan serves every value."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import emit
+import eqsat
+from emit.mosaic import TritonFallbackWarning
+from emit.mosaic import matmul as mm
+from emit.pallas import XlaFallbackWarning
+from tests.test_emit_matmul import assert_close
+from tests.test_emit_mosaic import f16_adversarial
+
+
+def test_which_shapes_are_read_in_place():
+    """Rows a multiple of 8, N of 64, K of 64 or below 64 (a multiple of 8): in place; 77 rows, N = 96
+    or K = 72 are not (Mosaic's tiled TMA). A 64-row tile is taken when 128 would exceed M."""
+    assert mm.reads_in_place(136, 192, 40, mm.matmul_blocks(136, 192, 40))
+    assert mm.reads_in_place(8192, 1280, 320, mm.matmul_blocks(8192, 1280, 320))
+    for m, n, k in ((77, 64, 64), (154, 320, 768), (128, 96, 64), (128, 64, 72), (128, 64, 36), (32, 64, 64)):
+        assert not mm.reads_in_place(m, n, k, mm.matmul_blocks(m, n, k)), (m, n, k)
+    blocks = mm.matmul_blocks(96, 64, 64)
+    assert blocks.tile_m == 64 and blocks.cta_tile_n == 64 and mm.reads_in_place(96, 64, 64, blocks)
+
+
+def scale_bias_residual(acc, tiles):
+    residual, bias, scale = tiles
+    return acc * scale + bias + residual.astype(jnp.float32)
+
+
+def test_template_in_place_matches_reference():
+    """72 rows (a tile and one clamped to rows 8-71), K = 40 (one step: 24 columns of
+    TMA's zero fill), N = 192 (a 128-column CTA and one clamped to columns 64-191), every epilogue
+    operand kind, a float32 result: no copy of any operand and the result unsliced."""
+    rng = np.random.default_rng(0)
+    m, k, n = 72, 40, 192
+    a = jnp.asarray(rng.standard_normal((1, m, k)), jnp.float16)
+    w = jnp.asarray(0.3 * rng.standard_normal((1, k, n)), jnp.float16)
+    residual = jnp.asarray(rng.standard_normal((1, m, n)), jnp.float16)
+    bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+    scale = jnp.asarray(rng.standard_normal((1, m)), jnp.float32)
+    blocks = mm.MosaicBlocks(64, 64, 64, stages=2, compute_wgs=2)
+    assert mm.reads_in_place(m, n, k, blocks)
+    operands = [mm.EpilogueOperand("tile", residual), mm.EpilogueOperand("col", bias),
+                mm.EpilogueOperand("row", scale)]
+    out = mm.build(a, w, epilogue=scale_bias_residual, operands=operands, out_dtype=jnp.float32, blocks=blocks,
+                   interpret=True)
+    expected = mm.reference(a, w, scale_bias_residual, [residual, bias[:, None, :], scale[:, :, None]], jnp.float32)
+    assert out.shape == (1, m, n)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+def dense_gelu_residual(x, w, b, r):
+    return jax.nn.gelu(x @ w + b, approximate=False) + r
+
+
+_RUNS: dict = {}
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_in_place_plan_matches_xla_and_jit_on_adversarial_values(data):
+    """Batch 2 x 72 tokens (144 rows: a clamped last tile), K = 40, N = 128, fp16, through
+    `backend="mosaic"`: bias, erf GELU and residual in the epilogue, offsets large against the
+    spread, constant rows, zeros, huge and tiny scales."""
+    x = f16_adversarial(data.draw, (2, 72, 40))
+    w = f16_adversarial(data.draw, (40, 128), scales=(1.0, 1e-2, 0.0, 30.0), offsets=(0.0, 0.5, -4.0))
+    b = f16_adversarial(data.draw, (1, 128))[0]
+    r = f16_adversarial(data.draw, (2, 72, 128))
+    args = (x, w, b, r)
+    if "plan" not in _RUNS:
+        plan = eqsat.optimize(dense_gelu_residual, progress=False).lower(*args).plan
+        (term,) = [k.term for k in plan.kernels if k.term.op == "Matmul"]
+        from eqsat.cost.mosaic import mosaic_work
+
+        assert mosaic_work(term).glue == ()
+        _RUNS["plan"] = emit.emit(plan, "mosaic", interpret=True), emit.emit(plan, "xla")
+    mosaic, xla = _RUNS["plan"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        out = mosaic(*args)
+    with np.errstate(all="ignore"):
+        bound = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)) + np.abs(b) + np.abs(r)
+    assert_close(out, xla(*args), bound, np.float16)
+    assert_close(out, jax.jit(dense_gelu_residual)(*args), bound, np.float16)
+
+
+@pytest.mark.parametrize("shape", [(2, 72, 40, 128), (1, 4096, 320, 1280)])
+def test_in_place_plan_compiles_to_the_mosaic_kernel_alone(shape):
+    """Compiled for sm_90a without a GPU, a dense layer with bias and residual read in place is one
+    launch: the Mosaic GPU kernel, no pad, transpose or slice fusion around it (SD 1.5's 64x64
+    latent's to_out: 4096 tokens, 320 -> 1280 is the second shape)."""
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
+    batch, tokens, k, n = shape
+    args = (jax.ShapeDtypeStruct((batch, tokens, k), jnp.float16), jax.ShapeDtypeStruct((k, n), jnp.float16),
+            jax.ShapeDtypeStruct((n,), jnp.float16), jax.ShapeDtypeStruct((batch, tokens, n), jnp.float16))
+    plan = eqsat.optimize(lambda x, w, b, r: x @ w + b + r, progress=False).lower(*args).plan
+    assert [k.term.op for k in plan.kernels] == ["Matmul"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category
