@@ -19,9 +19,15 @@ warpgroups (learnt from jax's `pallas/ops/gpu/hopper_matmul_mgpu.py`):
   accumulator in registers (`emit.expr`, as every template does), the result is cast and stored
   to SMEM and written back by TMA (two slots, so the next sub-tile overlaps the store).
 
-Shapes the tiles do not divide (77 tokens, K = 40, N = 1280 at a 192 tile) are zero-padded by the
-wrapper to the tile grid (`pad_to`) and the output is sliced back: zeros in K add nothing, padded
-rows and columns are computed and dropped. Operands are fp16 or bf16 (both the same), accumulation
+A, B, the epilogue's operands and the output are used as they lie when Mosaic's tiled TMA can
+address them (`reads_in_place`: M a multiple of 8, N of 64, K of 64 or below 64; SD 1.5's UNet and
+VAE matmuls): the K tail is TMA's zero fill, and the last M and N tiles start early so they end at
+the array's edge (recomputing some of their neighbour's rows or columns, the same values) — no
+store leaves the array, which GPU interpret mode could not check (it drops a partially
+out-of-bounds store whole). Other shapes (77 tokens: Mosaic GPU 0.10.2 raises "dimension 1 must
+have size smaller or a multiple of its tiling 8, but got 77" for the unpadded array; N = 96; K = 72)
+are zero-padded by the wrapper to the tile grid (`pad_to`) and the output is sliced back: zeros in
+K add nothing, padded rows and columns are computed and dropped. Operands are fp16 or bf16 (both the same), accumulation
 is fp32; anything else raises `NotImplementedError`, and `emit.mosaic` runs that kernel through
 the Pallas Triton template instead.
 
@@ -41,7 +47,8 @@ warpgroups and all.
 
 Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
 writes the normalized A once (`emit` materializes every operand expression that is more than a
-view); statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
+view), and so does an operand that is a permuting view (a `[B, C, H, W]` activation read as
+tokens); statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
 """
 
 from __future__ import annotations
