@@ -27,14 +27,18 @@ from tests.test_emit_mosaic import f16_adversarial
 
 
 def test_which_shapes_are_read_in_place():
-    """Rows a multiple of 8, N of 64, K of 64 or below 64 (a multiple of 8): in place; 77 rows, N = 96
-    or K = 72 are not (Mosaic's tiled TMA). A 64-row tile is taken when 128 would exceed M."""
-    assert mm.reads_in_place(136, 192, 40, mm.matmul_blocks(136, 192, 40))
-    assert mm.reads_in_place(8192, 1280, 320, mm.matmul_blocks(8192, 1280, 320))
-    for m, n, k in ((77, 64, 64), (154, 320, 768), (128, 96, 64), (128, 64, 72), (128, 64, 36), (32, 64, 64)):
+    """Rows a multiple of 8, N and K of the minor tile (64, or 32 with a 64-byte swizzle; K may be
+    below it): in place; 77 rows or K = 72 are not (Mosaic's tiled TMA), nor 32 rows (below one
+    64-row tile: its store would leave the array). A 64-row tile is taken when 128 would exceed M."""
+    for m, n, k in ((136, 192, 40), (8192, 1280, 320), (128, 32, 32), (128, 96, 64), (96, 64, 64)):
+        assert mm.reads_in_place(m, n, k, mm.matmul_blocks(m, n, k)), (m, n, k)
+    for m, n, k in ((77, 64, 64), (154, 320, 768), (128, 64, 72), (128, 64, 36), (32, 64, 64)):
         assert not mm.reads_in_place(m, n, k, mm.matmul_blocks(m, n, k)), (m, n, k)
     blocks = mm.matmul_blocks(96, 64, 64)
-    assert blocks.tile_m == 64 and blocks.cta_tile_n == 64 and mm.reads_in_place(96, 64, 64, blocks)
+    assert blocks.tile_m == 64 and blocks.cta_tile_n == 64
+    assert mm.matmul_blocks(128, 96, 64).tile_k == 32  # N = 96: whole 32-element tiles, a 64-byte swizzle
+    place = mm.matmul_in_place(154, 96, 32, mm.matmul_blocks(154, 96, 32))
+    assert place.b and not place.a and not place.out  # B is used as it lies even where A and the output are not
 
 
 def scale_bias_residual(acc, tiles):
@@ -61,6 +65,26 @@ def test_template_in_place_matches_reference():
                    interpret=True)
     expected = mm.reference(a, w, scale_bias_residual, [residual, bias[:, None, :], scale[:, :, None]], jnp.float32)
     assert out.shape == (1, m, n)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 77, 32, 96), (1, 128, 32, 32), (1, 72, 96, 40)])
+def test_partly_in_place_matches_reference(shape):
+    """Each array on its own: 77 rows (A, the residual, the per-row scale and the output padded; B
+    [32, 96] as it lies, in 32-element tiles), N = 32 (all in place: 32-wide warpgroup, 64-byte
+    swizzle), K = 96 with N = 40 (A and the residual as they lie, read past their end; B and the
+    output padded)."""
+    batch, m, k, n = shape
+    rng = np.random.default_rng(m + n)
+    a = jnp.asarray(rng.standard_normal((batch, m, k)), jnp.float16)
+    w = jnp.asarray(0.3 * rng.standard_normal((batch, k, n)), jnp.float16)
+    residual = jnp.asarray(rng.standard_normal((batch, m, n)), jnp.float16)
+    bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+    scale = jnp.asarray(rng.standard_normal((batch, m)), jnp.float32)
+    operands = [mm.EpilogueOperand("tile", residual), mm.EpilogueOperand("col", bias),
+                mm.EpilogueOperand("row", scale)]
+    out = mm.build(a, w, epilogue=scale_bias_residual, operands=operands, out_dtype=jnp.float32, interpret=True)
+    expected = mm.reference(a, w, scale_bias_residual, [residual, bias[:, None, :], scale[:, :, None]], jnp.float32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
@@ -121,3 +145,31 @@ def test_in_place_plan_compiles_to_the_mosaic_kernel_alone(shape):
     if report is None:
         pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category
+
+
+@pytest.mark.parametrize("tokens,k,n,expected", [
+    (72, 40, 128, ()),                                                         # all in place
+    (128, 32, 32, ()),                                                         # N = 32: 32-element K steps
+    (154, 32, 96, ("A laid out", "residual padded", "output sliced")),         # 154 rows: not whole 8-row tiles
+    (77, 40, 96, ("A laid out", "B laid out", "residual padded", "output sliced")),  # K = 40 with N = 96
+    (128, 72, 64, ("A laid out", "B laid out")),                               # K = 72: no whole 64 or 32 tile
+])
+def test_the_model_counts_the_launches_compiled_around_the_kernel(tokens, k, n, expected):
+    """`x @ w + b + r` compiled for sm_90a: the XLA launches beside the Mosaic kernel are the glue
+    `eqsat.cost.mosaic` charges, one for one."""
+    from eqsat.cost.mosaic import mosaic_work
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
+    args = (jax.ShapeDtypeStruct((tokens, k), jnp.float16), jax.ShapeDtypeStruct((k, n), jnp.float16),
+            jax.ShapeDtypeStruct((n,), jnp.float16), jax.ShapeDtypeStruct((tokens, n), jnp.float16))
+    plan = eqsat.optimize(lambda x, w, b, r: x @ w + b + r, progress=False).lower(*args).plan
+    (term,) = [kernel.term for kernel in plan.kernels]
+    assert tuple(g.what for g in mosaic_work(term).glue) == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category == {"Pallas (Mosaic GPU)": 1, **({"loop fusion": len(expected)} if expected else {})}

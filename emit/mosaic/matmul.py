@@ -68,7 +68,7 @@ from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
                                  fit_smem)                                            # with the cost model)
-from eqsat.tiling.mosaic import matmul_blocks, reads_in_place
+from eqsat.tiling.mosaic import matmul_blocks, matmul_in_place, reads_in_place, tile_fits, vector_fits  # noqa: F401
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
@@ -133,10 +133,11 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
-            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None):
-    """`in_place`: `(M, N)` when A, B and the output are the unpadded `[batch, ., .]` arrays
-    (`reads_in_place`): the last tiles start early, K's tail is TMA's zero fill. Otherwise they are
-    the padded flat `[batch * M↑, .]` views (`m_padded` rows per batch entry)."""
+            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False):
+    """`batched`: A, B and the output are `[batch, ., .]` arrays (each padded to the tiles or not,
+    `InPlace`); `in_place`: `(M, N)` when the output is written unpadded, its last tiles clamped to
+    end there. Otherwise (the conv's A window) A and the output are flat `[batch * M↑, .]` views
+    (`m_padded` rows per batch entry) and B `[batch * K↑, N↑]`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -186,7 +187,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
         if in_place is None:
             m0, n0 = m_idx * tile_m, n_idx * cta_n
-            rows0 = b_idx * m_padded + m0  # first row of the CTA tile in the flat [B*M, ...] views
+            rows0 = b_idx * m_padded + m0  # first row of the CTA tile in the flat [B*M, ...] views (a window)
         else:  # the last tiles end at M and N (their first rows and columns are their neighbour's too)
             m0 = jnp.minimum(m_idx * tile_m, in_place[0] - tile_m)
             n0 = jnp.minimum(n_idx * cta_n, in_place[1] - cta_n)
@@ -229,8 +230,8 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
                         out_smem[wg, slot] = value.astype(out_dtype)
                         plgpu.commit_smem()
-                        out_tile = out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice] if in_place is None \
-                            else out_gmem.at[b_idx, row_slice, col_slice]
+                        out_tile = out_gmem.at[b_idx, row_slice, col_slice] if batched else \
+                            out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice]
                         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile)
 
         def mma(_, a_smem, b_smem, acc_ref):
@@ -238,7 +239,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
             return acc_ref
 
-        if in_place is not None:
+        if batched:
             a_tiles, b_tiles = a_gmem.at[b_idx, pl.ds(m0, tile_m), :], b_gmem.at[b_idx, :, pl.ds(n0, cta_n)]
         else:
             a_rows = tile_m if a_window is None else tile_m + a_window.halo
@@ -277,15 +278,12 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
-    if a_window is None and reads_in_place(m, n, k, blocks):
-        return _build_in_place(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
     if a_window is None:
-        a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
-    elif batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
+        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
+    if batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
         raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
                          f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
-    else:
-        a_flat = a[0]
+    a_flat = a[0]
     b_flat = pad_to(b, (batch, kp, np_)).reshape(batch * kp, np_)
     arrays, kinds, shared = [], [], []
     for operand in operands:
@@ -302,57 +300,77 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
 
     def call(interpret_here):
-        run_blocks = blocks
         return plgpu.kernel(
-            functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
+            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
                               k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
                               a_window=a_window),
             out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
             grid=grid,
             grid_names=("n", "m", "b"),
-            num_threads=run_blocks.compute_wgs + 1,
+            num_threads=blocks.compute_wgs + 1,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=_kernel_name(name),
             interpret=interpret_params() if interpret_here else None,
         )
 
-    operands_in = (a_flat, b_flat, *arrays)
-    out_type = jax.ShapeDtypeStruct((batch * mp, np_), out_dtype)
-    if interpret is None:  # decided where it is lowered: interpreted on a CPU, compiled for the GPU elsewhere
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
-                                     default=lambda *xs: call(False)(*xs))
-    elif interpret:
-        out = one_at_a_time(call(True), out_type, operands_in)
-    else:
-        out = call(False)(*operands_in)
+    out = _launch(call, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), (a_flat, b_flat, *arrays), interpret)
     return out.reshape(batch, mp, np_)[:, :m, :n]
 
 
-def _build_in_place(a, b, epilogue, operands, out_dtype, blocks, interpret, name) -> jax.Array:
-    """`build` on the unpadded arrays (`reads_in_place`): no copy before the kernel, none after."""
+def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
+    """The kernel `call(interpreted)` on `operands`: interpreted on a CPU (one at a time), compiled
+    for the GPU; `interpret=None` decides where it is lowered."""
+    if interpret is None:
+        return lax.platform_dependent(*operands, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
+                                      default=lambda *xs: call(False)(*xs))
+    if interpret:
+        return one_at_a_time(call(True), out_type, operands)
+    return call(False)(*operands)
+
+
+def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name) -> jax.Array:
+    """`build` without an A window: each of A, B, the output and a residual used as it lies where
+    `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
+    clamped), padded to the tile grid where not; row and column vectors are never padded."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     batch, m, k = a.shape
     n = b.shape[2]
+    mp = -(-m // blocks.tile_m) * blocks.tile_m
+    np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
+    place = matmul_in_place(m, n, k, blocks, out_dtype.itemsize)
+    a3 = a if place.a else pad_to(a, (batch, mp, kp))
+    b3 = b if place.b else pad_to(b, (batch, kp, np_))
+    rows, cols = (m, n) if place.out else (mp, np_)
     arrays, kinds, shared = [], [], []
     for operand in operands:
-        if operand.array.shape[0] not in (1, batch):
-            raise ValueError(f"epilogue operand {operand.array.shape} for batch {batch}")
-        arrays.append(operand.array)
+        array = operand.array
+        if array.shape[0] not in (1, batch):
+            raise ValueError(f"epilogue operand {array.shape} for batch {batch}")
+        itemsize = jnp.dtype(array.dtype).itemsize
+        if operand.kind == "tile" and not tile_fits(m, n, blocks, itemsize):
+            array = pad_to(array, (array.shape[0], rows, cols))
+        elif operand.kind != "tile" and not vector_fits(array.shape[1], itemsize):
+            array = pad_to(array, (array.shape[0], rows if operand.kind == "row" else cols))
+        arrays.append(array)
         kinds.append(operand.kind)
-        shared.append(operand.array.shape[0] == 1)
+        shared.append(array.shape[0] == 1)
+    # a box past the end of an array: TMA's zero fill (the interpreter's, asked for)
+    extents = {"tile": (mp, np_), "col": (np_,), "row": (mp,)}
+    past_end = (a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
+                any(x.shape[1:] != extents[kind] for kind, x in zip(kinds, arrays)))
     blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
                       [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
-    grid = (-(-n // blocks.cta_tile_n), -(-m // blocks.tile_m), batch)
-    out_type = jax.ShapeDtypeStruct((batch, m, n), out_dtype)
+    grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
+    out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
 
     def call(interpret_here):
         return plgpu.kernel(
-            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=m,
+            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
                               k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
-                              in_place=(m, n)),
+                              in_place=(m, n) if place.out else None, batched=True),
             out_type=out_type,
             grid=grid,
             grid_names=("n", "m", "b"),
@@ -360,16 +378,11 @@ def _build_in_place(a, b, epilogue, operands, out_dtype, blocks, interpret, name
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=_kernel_name(name),
-            interpret=interpret_params(tma_zero_fill=True) if interpret_here else None,
+            interpret=interpret_params(tma_zero_fill=past_end) if interpret_here else None,
         )
 
-    operands_in = (a, b, *arrays)
-    if interpret is None:
-        return lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
-                                      default=lambda *xs: call(False)(*xs))
-    if interpret:
-        return one_at_a_time(call(True), out_type, operands_in)
-    return call(False)(*operands_in)
+    out = _launch(call, out_type, (a3, b3, *arrays), interpret)
+    return out if place.out else out[:, :m, :n]
 
 
 def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]) -> jax.Array:

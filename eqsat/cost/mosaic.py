@@ -7,7 +7,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
-| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]`, B `[K↑, cta_n]`, epilogue tiles / vectors | an operand that is not a view of one tensor in `[batch, rows, K]` order: written laid out (its prologue computed once there); where the arrays cannot be read in place (`reads_in_place`: M not a multiple of 8, N or K of 64, or smaller than the tiles) A, B and a residual padded to the tiles and the output sliced back |
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]`, B `[K↑, cta_n]`, epilogue tiles / vectors | an operand that is not a view of one tensor in `[batch, rows, K]` order: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
 | conv | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
@@ -46,7 +46,7 @@ from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps,
-                                 reads_in_place)
+                                 matmul_in_place, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -276,28 +276,40 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     mp, np_, kp = (_round_up(shape.m, blocks.tile_m), _round_up(shape.n, blocks.cta_tile_n),
                    _round_up(shape.k, blocks.tile_k))
     ctas = shape.batch * (mp // blocks.tile_m) * (np_ // blocks.cta_tile_n)
-    # unpadded arrays (`reads_in_place`): the kernel reads and writes them as they lie
-    unpadded = reads_in_place(shape.m, shape.n, shape.k, blocks)
-    ma, na, ka = (shape.m, shape.n, shape.k) if unpadded else (mp, np_, kp)
-    a_bytes, b_bytes = shape.batch * ma * ka * item, shape.batch * ka * na * item
+    # which arrays the kernel uses as they lie (`matmul_in_place`), which are padded to the tiles
+    place = matmul_in_place(shape.m, shape.n, shape.k, blocks, out_item)
+    m, n, k, batch = shape.m, shape.n, shape.k, shape.batch
+    (ma, ka), (kb, nb) = (m, k) if place.a else (mp, kp), (k, n) if place.b else (kp, np_)
+    rows, cols = (m, n) if place.out else (mp, np_)
+    a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = []
-    if not (in_place(lhs) and shape.lhs_ordered and is_view(lhs)) or (ma, ka) != (shape.m, shape.k):
+    if not (in_place(lhs) and shape.lhs_ordered and is_view(lhs) and place.a):
         glue.append(Glue("A laid out", a_bytes))
-    if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs)) or (ka, na) != (shape.k, shape.n):
+    if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs) and place.b):
         glue.append(Glue("B laid out", b_bytes))
     tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
-    epilogue_read = shape.batch * (sum(reads.tiles) * ma * na + sum(reads.cols) * na + sum(reads.rows) * ma)
-    if (ma, na) != (shape.m, shape.n):
-        for item_bytes in reads.tiles:
-            glue.append(Glue("residual padded", shape.batch * mp * np_ * item_bytes))
-        store = shape.batch * mp * np_ * out_item
-        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))  # the padded store, read back
+    epilogue_read = 0
+    for item_bytes in reads.tiles:
+        if tile_fits(m, n, blocks, item_bytes):
+            epilogue_read += batch * m * n * item_bytes
+        else:
+            epilogue_read += batch * rows * cols * item_bytes
+            glue.append(Glue("residual padded", batch * rows * cols * item_bytes))
+    for what, vectors, length, padded in (("column", reads.cols, n, cols), ("row", reads.rows, m, rows)):
+        for item_bytes in vectors:
+            if vector_fits(length, item_bytes):
+                epilogue_read += batch * length * item_bytes
+            else:
+                epilogue_read += batch * padded * item_bytes
+                glue.append(Glue(f"{what} vector padded", batch * padded * item_bytes))
+    if not place.out:
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item))  # read back
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
                         2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
-                      shape.batch * ma * na * out_item, shape.batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
+                      batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
 
 
 # --- conv ----------------------------------------------------------------------------------------
