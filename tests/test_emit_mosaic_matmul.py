@@ -173,3 +173,39 @@ def test_the_model_counts_the_launches_compiled_around_the_kernel(tokens, k, n, 
     if report is None:
         pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.by_category == {"Pallas (Mosaic GPU)": 1, **({"loop fusion": len(expected)} if expected else {})}
+
+
+def test_a_prepared_torch_layout_weight_is_read_in_place_per_call():
+    """A torch `[out, in]` weight (`einsum("bsk,nk->bsn")`) marked as a parameter: the prepare stage
+    stores it `[K, N]` and the per-call kernel reads it through a `Transpose` view; the model charges
+    that no glue (the transposes cancel) and the per-call executable, compiled for sm_90a, is the
+    Mosaic kernel alone. The plan before the split still charges the weight's layout (prepared once)."""
+    import functools
+
+    from eqsat.cost.mosaic import mosaic_work, stored_axes
+    from measure.compare import emitted_per_call
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
+    S = jax.ShapeDtypeStruct
+
+    def linear(params, x, r):
+        return jnp.einsum("bsk,nk->bsn", x, params["w"]) + params["b"] + r
+
+    args = ({"w": S((320, 640), jnp.float16), "b": S((320,), jnp.float16)}, S((2, 64, 640), jnp.float16),
+            S((2, 64, 320), jnp.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = eqsat.optimize(linear, progress=False, backend="mosaic", params_argnums=0, cache=False,
+                              interpret=False)
+        lowered = fast.lower(*args)
+    (planned,) = [k.term for k in lowered.plan.kernels if k.term.op == "Matmul"]
+    (per_call,) = [k.term for k in lowered.split.per_call.kernels if k.term.op == "Matmul"]
+    assert per_call.args[1].op == "Transpose" and stored_axes(per_call.args[1]) == (1, 0)
+    assert [g.what for g in mosaic_work(planned).glue] == ["B laid out"]
+    assert mosaic_work(per_call).glue == ()
+    report = compile_for_h100(functools.partial(emitted_per_call, fast), lowered.split.prepared_specs(), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category

@@ -163,14 +163,37 @@ def covers_term(kernel: Term) -> bool:
 # --- operand expressions -------------------------------------------------------------------------
 
 
-def in_place(expr: Term | None) -> bool:
-    """Whether an operand expression is one tensor read as it lies (a `Load`, through reshapes):
-    the template's TMA reads it without a copy. None (types only, an e-node): assumed so."""
+def stored_axes(expr: Term | None) -> tuple[int, ...] | None:
+    """For an operand expression that reads one tensor as it lies up to one permutation (a `Load`
+    through reshapes, under at most one `Transpose`: a prepared weight stored `[K, N]` and read back
+    as the `[N, K]` the plan names), each of its axes' position in the stored row-major order;
+    None for anything else. Types only (None): the identity."""
     if expr is None:
-        return True
-    while expr.op == "Reshape":
-        expr = expr.args[0]
-    return expr.op == "Load"
+        return None
+    perm = None
+    node = expr
+    if node.op == "Transpose":
+        perm, node = ints(node.args[1]), node.args[0]
+    while node.op == "Reshape":
+        node = node.args[0]
+    if node.op != "Load":
+        return None
+    rank = len(parse_type(expr.ty).shape)
+    return tuple(perm) if perm is not None else tuple(range(rank))
+
+
+def read_in_order(expr: Term | None, order: tuple[int, ...], ordered_by_type: bool) -> bool:
+    """Whether the template reads the operand `expr` as it lies when it wants its axes in `order`
+    (batch, rows, K for A; batch, K, columns for B): a view of one tensor whose stored order lists
+    them so (size-1 axes aside; transposes cancel, no copy). Types only: `ordered_by_type`."""
+    if expr is None:
+        return ordered_by_type
+    axes = stored_axes(expr)
+    if axes is None:
+        return False
+    shape = parse_type(expr.ty).shape
+    kept = [axes[a] for a in order if shape[a] != 1]
+    return kept == sorted(kept)
 
 
 def is_view(expr: Term | None) -> bool:
@@ -241,6 +264,8 @@ class MatmulLayout:
     k: int
     lhs_ordered: bool   # A's axes are (batch, rows, K) already
     rhs_ordered: bool   # B's axes are (batch, K, columns) already
+    lhs_order: tuple[int, ...] = ()  # A's axes in the order the template reads them
+    rhs_order: tuple[int, ...] = ()
 
 
 def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
@@ -251,7 +276,7 @@ def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
     batch, k = math.prod(lhs[a] for a in lb), math.prod(lhs[a] for a in lc)
     m, n = math.prod(lhs[a] for a in lf), math.prod(rhs[a] for a in rf)
     return MatmulLayout(batch, m, n, k, (*lb, *lf, *lc) == tuple(range(len(lhs))),
-                        (*rb, *rc, *rf) == tuple(range(len(rhs))))
+                        (*rb, *rc, *rf) == tuple(range(len(rhs))), (*lb, *lf, *lc), (*rb, *rc, *rf))
 
 
 def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
@@ -283,9 +308,9 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = []
-    if not (in_place(lhs) and shape.lhs_ordered and is_view(lhs) and place.a):
+    if not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
         glue.append(Glue("A laid out", a_bytes))
-    if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs) and place.b):
+    if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
     tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
