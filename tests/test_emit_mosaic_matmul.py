@@ -209,3 +209,98 @@ def test_a_prepared_torch_layout_weight_is_read_in_place_per_call():
     if report is None:
         pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category
+
+
+# --- the A prologue in the kernel ------------------------------------------------------------------
+
+
+def geglu_out(h, w):
+    """SD 1.5's GEGLU feed-forward out: value * gelu(gate) from the two halves of one projection."""
+    k = h.shape[-1] // 2
+    return (h[..., :k] * jax.nn.gelu(h[..., k:], approximate=False)) @ w
+
+
+def norm_apply(x, mean, rstd, gamma, beta, w):
+    """A normalization applied from row statistics computed elsewhere, then the projection."""
+    return ((x - mean[..., None]) * rstd[..., None] * gamma + beta).astype(jnp.float16) @ w
+
+
+def prologue_case(name, rng):
+    """Adversarial fp16 inputs: offsets large against the spread with the statistics that cancel
+    them, constant rows, zero rows, magnitudes near fp16's range in the GEGLU's value half."""
+    if name == "geglu":
+        h = rng.standard_normal((2, 72, 128)) * np.where(rng.random((2, 72, 1)) < 0.2, 0.0, 3.0)
+        h[:, :, :64] *= 300.0  # value half ~1e3: products near fp16's 65504 after the matmul's bound
+        h[0, 5] = 7.0          # a constant row (gelu's gate constant too)
+        return geglu_out, (h.astype(np.float16), (0.05 * rng.standard_normal((64, 96))).astype(np.float16))
+    x = 2000.0 + rng.standard_normal((2, 72, 64)) * 0.5
+    x[1, 3] = 2000.0                                   # a constant row: rstd huge, (x - mean) zero
+    mean, std = x.mean(-1), x.std(-1)
+    rstd = 1.0 / np.sqrt(std**2 + 1e-5)
+    args = (x, mean, rstd, rng.standard_normal(64), rng.standard_normal(64), 0.2 * rng.standard_normal((64, 64)))
+    return norm_apply, tuple(np.asarray(a, np.float32 if i in (1, 2) else np.float16) for i, a in enumerate(args))
+
+
+@pytest.mark.parametrize("name", ["geglu", "norm"])
+def test_prologue_in_the_kernel_matches_xla_and_jit(name):
+    """The A expression computed per A tile in SMEM by the compute warpgroup (no XLA fusion before
+    the kernel: the model charges none), through `backend="mosaic"` against the XLA emitter and
+    `jax.jit`: GEGLU's halves read as two column windows of one tensor; a normalization from row
+    statistics (float32 row vectors) and gamma, beta (K vectors) on 2 x 72 tokens (an M tail)."""
+    from eqsat.cost.mosaic import mosaic_work, prologue_reads
+
+    fn, args = prologue_case(name, np.random.default_rng(3))
+    plan = eqsat.optimize(fn, progress=False).lower(*args).plan
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Matmul"]
+    assert [k.term.op for k in plan.kernels] == ["Matmul"]
+    lhs, rhs, dims, _, ty = term.args
+    assert not isinstance(prologue_reads(lhs, rhs, dims, ty), str)
+    assert "A laid out" not in {g.what for g in mosaic_work(term).glue}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        out = np.asarray(emit.emit(plan, "mosaic", interpret=True)(*args), np.float64)
+    for expected in (emit.emit(plan, "xla")(*args), jax.jit(fn)(*args)):
+        expected = np.asarray(expected, np.float64)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(out, expected, rtol=2e-2, atol=4e-3 * scale)
+
+
+def test_a_prologue_over_a_row_reduce_stays_an_xla_fusion():
+    """A LayerNorm whose statistics the operand computes itself (a `RowReduce` over the whole row,
+    before the first K step) is not computed in the kernel: the model charges its fusion."""
+    from eqsat.cost.mosaic import mosaic_work, prologue_reads
+
+    def layer_norm_dense(x, w):
+        mean = x.mean(-1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)) @ w
+
+    args = (np.ones((72, 64), np.float16), np.ones((64, 64), np.float16))
+    plan = eqsat.optimize(layer_norm_dense, progress=False).lower(*args).plan
+    (term,) = [k.term for k in plan.kernels if k.term.op == "Matmul"]
+    lhs, rhs, dims, _, ty = term.args
+    assert "RowReduce" in prologue_reads(lhs, rhs, dims, ty)
+    assert "A laid out" in {g.what for g in mosaic_work(term).glue}
+
+
+@pytest.mark.parametrize("name", ["geglu", "norm"])
+def test_prologue_plans_compile_to_the_mosaic_kernel_alone(name):
+    """SD 1.5's 64x64-latent GEGLU out (2 x 4096 tokens, [., 2560] -> 320) and a normalization
+    applied to 320 channels, compiled for sm_90a: the Mosaic kernel is the only launch."""
+    from measure.xla_target import compile_for_h100, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
+    S = jax.ShapeDtypeStruct
+    if name == "geglu":
+        fn, args = geglu_out, (S((2, 4096, 2560), jnp.float16), S((1280, 320), jnp.float16))
+    else:
+        fn, args = norm_apply, (S((2, 4096, 320), jnp.float16), S((2, 4096), jnp.float32), S((2, 4096), jnp.float32),
+                                S((320,), jnp.float16), S((320,), jnp.float16), S((320, 640), jnp.float16))
+    plan = eqsat.optimize(fn, progress=False).lower(*args).plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        report = compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
+    assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category

@@ -68,7 +68,8 @@ from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
                                  fit_smem)                                            # with the cost model)
-from eqsat.tiling.mosaic import matmul_blocks, matmul_in_place, reads_in_place, tile_fits, vector_fits  # noqa: F401
+from eqsat.tiling.mosaic import (matmul_blocks, matmul_in_place, prologue_blocks, reads_in_place,  # noqa: F401
+                                 tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
@@ -116,6 +117,43 @@ class AWindow:
 EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class PrologueSource:
+    """An array the A prologue reads. `tile`: a 2-D `[rows, pitch]` array whose `[tile_m, tile_k]`
+    blocks are read at row `row0 + batch · batch_rows + m` and column `col0 + k` (a tensor laid out
+    `[rows, K]`, or a column window of a wider one: GEGLU's halves); `col`: `[batch', K]` (along K:
+    a LayerNorm's gamma and beta); `row`: `[batch', M]` (one value per row: a mean, a reciprocal
+    deviation)."""
+
+    kind: str
+    array: jax.Array
+    row0: int = 0
+    batch_rows: int = 0
+    col0: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _SourceLayout:
+    """What the kernel needs of a `PrologueSource` (static: no array)."""
+
+    kind: str
+    row0: int
+    batch_rows: int
+    col0: int
+    shared: bool  # a vector with batch' = 1
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """A computed from its sources in the kernel: `fn(values)` maps each source's values at a
+    `[tile_m, tile_k]` A tile (vectors broadcast to it), in `sources`' order, to the tile (any
+    float dtype; cast to the operands')."""
+
+    fn: Callable[[Sequence[jax.Array]], jax.Array]
+    sources: tuple[PrologueSource, ...]
+
+
 def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
     """`x` zero-padded at the end of each axis to `shape` (no copy when it has it already)."""
     if tuple(x.shape) == tuple(shape):
@@ -133,20 +171,45 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
-            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False):
+            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False,
+            prologue: tuple | None = None):
     """`batched`: A, B and the output are `[batch, ., .]` arrays (each padded to the tiles or not,
     `InPlace`); `in_place`: `(M, N)` when the output is written unpadded, its last tiles clamped to
     end there. Otherwise (the conv's A window) A and the output are flat `[batch * M↑, .]` views
-    (`m_padded` rows per batch entry) and B `[batch * K↑, N↑]`."""
+    (`m_padded` rows per batch entry) and B `[batch * K↑, N↑]`. `prologue`: `(fn, sources)` (a
+    `Prologue`'s, the arrays dropped): A is computed per pipeline step from the sources' blocks
+    (`a_gmem` the first source, the others after the epilogue's operands) by the compute warpgroup
+    (one), stored to a 2-slot SMEM stage and fed to wgmma from there."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    operand_gmems, out_gmem = refs[:len(kinds)], refs[len(kinds)]
+    operand_gmems, out_gmem = refs[:len(kinds)], refs[-1]
+    prologue_fn, sources = prologue if prologue is not None else (None, ())
+    source_gmems = (a_gmem, *refs[len(kinds):-1]) if prologue is not None else ()
     tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
     epi_m, epi_n, wgs = blocks.epi_m, blocks.epi_n, blocks.compute_wgs
     out_dtype = out_gmem.dtype
-    transforms = _swizzled(tile_k, a_gmem.dtype)
+    mma_dtype = b_gmem.dtype
+    transforms = _swizzled(tile_k, mma_dtype)
     k_steps = k_padded // tile_k
+
+    def source_spec(source):
+        if source.kind == "tile":
+            return plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=_swizzled(tile_k, source.dtype),
+                                   memory_space=plgpu.SMEM, delay_release=1)
+        if source.kind == "col":
+            return plgpu.BlockSpec((tile_k,), lambda k: (k,), memory_space=plgpu.SMEM, delay_release=1)
+        # the same block at every step (the pipeline takes only blocks indexed by the step): re-read, tile_m values
+        return plgpu.BlockSpec((tile_m,), lambda k: (k * 0,), memory_space=plgpu.SMEM, delay_release=1)
+
+    if prologue is not None:
+        a_specs = [source_spec(source) for source in sources]
+    elif a_window is None:
+        a_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
+                                   memory_space=plgpu.SMEM, delay_release=1)]
+    else:
+        a_specs = [plgpu.BlockSpec((pl.Element(tile_m), tile_k), a_window.offset, transforms=transforms,
+                                   memory_space=plgpu.SMEM, delay_release=1)]
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -154,10 +217,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             grid=(k_steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
-                                memory_space=plgpu.SMEM, delay_release=1) if a_window is None else
-                plgpu.BlockSpec((pl.Element(tile_m), tile_k), a_window.offset, transforms=transforms,
-                                memory_space=plgpu.SMEM, delay_release=1),
+                *a_specs,
                 plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=1),
             ],
@@ -174,15 +234,19 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
     ignore = lambda *_, **__: None  # noqa: E731 (the allocations do not depend on the bodies)
 
+    stage_alloc = {} if prologue is None else {"a_stage": plgpu.SMEM((2, tile_m, tile_k), mma_dtype,
+                                                                      transforms=transforms)}
+
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(*(source_gmems or (a_gmem,)), b_gmem),
         out_smem=plgpu.SMEM((wgs, 2, epi_m, epi_n), out_dtype, transforms=_swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
         barriers=plgpu.Barrier(num_barriers=max(1, wgs * len(kinds))),
         collective_axes="wg",
+        **stage_alloc,
     )
-    def _scope(pipeline_allocs, out_smem, operand_smems, barriers):
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
         if in_place is None:
@@ -239,6 +303,42 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
             return acc_ref
 
+        def source_values(smems):
+            values = []
+            for source, smem in zip(sources, smems):
+                if source.kind == "tile":
+                    values.append(smem[...])
+                    continue
+                axis = 1 if source.kind == "col" else 0
+                vector = smem[...] if interpreted else \
+                    plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                values.append(lax.broadcast_in_dim(vector, (tile_m, tile_k), (axis,)))
+            return values
+
+        def mma_with_prologue(indices, *refs):
+            *smems, b_smem, acc_ref = refs
+            # the stage the MMA of two steps ago read: `wgmma_wait(1)` below let it finish
+            stage = a_stage.at[lax.rem(indices[0], 2)]
+            stage[...] = prologue_fn(source_values(smems)).astype(mma_dtype)
+            plgpu.commit_smem()  # the stores become visible to the async proxy wgmma reads through
+            plgpu.wgmma(acc_ref, stage, b_smem)
+            plgpu.wgmma_wait(1)
+            return acc_ref
+
+        if prologue is not None:
+            views = []
+            for source, gmem in zip(sources, source_gmems):
+                batch_at = 0 if source.shared else b_idx
+                if source.kind == "tile":
+                    views.append(gmem.at[pl.ds(source.row0 + b_idx * source.batch_rows + m0, tile_m),
+                                         pl.ds(source.col0, k_padded)])
+                elif source.kind == "col":
+                    views.append(gmem.at[batch_at])
+                else:
+                    views.append(gmem.at[batch_at, pl.ds(m0, tile_m)])
+            pipeline(mma_with_prologue, compute_context)(*views, b_gmem.at[b_idx, :, pl.ds(n0, cta_n)],
+                                                         allocations=pipeline_allocs)
+            return
         if batched:
             a_tiles, b_tiles = a_gmem.at[b_idx, pl.ds(m0, tile_m), :], b_gmem.at[b_idx, :, pl.ds(n0, cta_n)]
         else:
@@ -252,7 +352,8 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
 def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
-          interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None) -> jax.Array:
+          interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None,
+          prologue: Prologue | None = None) -> jax.Array:
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
@@ -273,13 +374,15 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     if a_window is not None:
         m, k = m - a_window.halo, b.shape[1]
     blocks = blocks or (matmul_blocks(m, n, k) if a_window is None else MosaicBlocks.get_default(m, n, k))
+    if prologue is not None:
+        blocks = prologue_blocks(blocks)
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
     if a_window is None:
-        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
+        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue)
     if batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
         raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
                          f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
@@ -329,7 +432,7 @@ def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
     return call(False)(*operands)
 
 
-def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name) -> jax.Array:
+def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None) -> jax.Array:
     """`build` without an A window: each of A, B, the output and a residual used as it lies where
     `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
     clamped), padded to the tile grid where not; row and column vectors are never padded."""
@@ -341,7 +444,10 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
     place = matmul_in_place(m, n, k, blocks, out_dtype.itemsize)
-    a3 = a if place.a else pad_to(a, (batch, mp, kp))
+    if prologue is not None and kp != k:
+        raise NotImplementedError(f"an A prologue at K = {k}, not a multiple of {blocks.tile_k} (its last step would "
+                                  "read the columns after K of its sources, not TMA's zeros)")
+    a3 = None if prologue is not None else a if place.a else pad_to(a, (batch, mp, kp))
     b3 = b if place.b else pad_to(b, (batch, kp, np_))
     rows, cols = (m, n) if place.out else (mp, np_)
     arrays, kinds, shared = [], [], []
@@ -357,12 +463,19 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
         arrays.append(array)
         kinds.append(operand.kind)
         shared.append(array.shape[0] == 1)
-    # a box past the end of an array: TMA's zero fill (the interpreter's, asked for)
+    # a box past the end of an array: TMA's zero fill (the interpreter's, asked for); a prologue's
+    # sources are read past their last row at an M tail
     extents = {"tile": (mp, np_), "col": (np_,), "row": (mp,)}
-    past_end = (a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
+    past_end = (prologue is not None or a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
                 any(x.shape[1:] != extents[kind] for kind, x in zip(kinds, arrays)))
-    blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
-                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
+    sources = () if prologue is None else prologue.sources
+    blocks = fit_smem(blocks, jnp.dtype(b.dtype).itemsize, out_dtype.itemsize,
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)],
+                      prologue=None if prologue is None else
+                      [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
+    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
+                                  source.kind != "tile" and source.array.shape[0] == 1, jnp.dtype(source.array.dtype))
+                    for source in sources)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
     out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
 
@@ -370,7 +483,8 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
         return plgpu.kernel(
             functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
                               k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
-                              in_place=(m, n) if place.out else None, batched=True),
+                              in_place=(m, n) if place.out else None, batched=True,
+                              prologue=None if prologue is None else (prologue.fn, layouts)),
             out_type=out_type,
             grid=grid,
             grid_names=("n", "m", "b"),
@@ -381,7 +495,11 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name)
             interpret=interpret_params(tma_zero_fill=past_end) if interpret_here else None,
         )
 
-    out = _launch(call, out_type, (a3, b3, *arrays), interpret)
+    if prologue is None:
+        inputs = (a3, b3, *arrays)
+    else:
+        inputs = (sources[0].array, b3, *arrays, *(source.array for source in sources[1:]))
+    out = _launch(call, out_type, inputs, interpret)
     return out if place.out else out[:, :m, :n]
 
 
@@ -510,6 +628,98 @@ def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int
     return tensors, operands
 
 
+def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
+                       values: Callable[[Term], jax.Array]) -> Prologue | None:
+    """The A operand expression as a `Prologue` the kernel computes per A tile in SMEM, or None when
+    A is read as it lies or the expression is not a form the kernel takes
+    (`eqsat.cost.mosaic.prologue_declined`, or a load `prologue_sources` cannot map without a
+    gather): then XLA computes A whole, one fusion, before the kernel."""
+    from eqsat.cost.mosaic import prologue_declined
+
+    if prologue_declined(lhs, rhs, dims, ty) is not None:
+        return None
+    shape = tuple(math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.k_shape))
+    tile_k = prologue_blocks(matmul_blocks(shape[1], math.prod(axes.n_shape), shape[2])).tile_k
+    try:
+        tensors, sources = prologue_sources(lhs, axes, shape, values, tile_k)
+    except NotImplementedError:
+        return None
+    # one source per distinct window (a tensor loaded twice at the same place is read once)
+    unique, of_load = {}, []
+    for tensor, source in zip(tensors, sources):
+        key = (id(tensor), source.kind, source.row0, source.batch_rows, source.col0)
+        of_load.append(unique.setdefault(key, (len(unique), source))[0])
+    distinct = [source for _, source in sorted(unique.values(), key=lambda pair: pair[0])]
+    compiled = ex.compile_expr(lhs)
+    rank = len(parse_type(lhs.ty).shape)
+    with_batch = bool(axes.batch_shape)
+
+    def tile(values_at):
+        tm, tk = values_at[0].shape
+        b = np.zeros((1, 1), np.int64) if with_batch else 0
+        index = axes.lhs_index(rank, b, np.arange(tm).reshape(tm, 1), np.arange(tk).reshape(1, tk))
+        memory = _TileMemory(tensors, [values_at[i] for i in of_load])
+        value = compiled(memory, index, True)
+        if memory.cursor != len(tensors):
+            raise AssertionError("the prologue's loads in the kernel differ from the host's")
+        return jnp.broadcast_to(value, (tm, tk))
+
+    return Prologue(tile, tuple(distinct))
+
+
+def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
+                     tile_k: int = 64):
+    """`(tensors, sources)`: each `Load` of the A expression, in the order the expression compiler
+    meets them, as the `PrologueSource` the kernel reads it through (no copy: a reshape of the
+    tensor as it lies). Raises `NotImplementedError` for a load that would need a gather."""
+    from eqsat.tiling.mosaic import minor_tile
+    from eqsat.tiling.mosaic import fits_tiles as tiles_fit
+
+    batch, m, k = shape
+    rank = len(parse_type(lhs.ty).shape)
+    b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
+    index = axes.lhs_index(rank, b, np.arange(m).reshape(1, m, 1), np.arange(k).reshape(1, 1, k))
+    memory = _RecordingMemory()
+    ex.compile_expr(lhs)(memory, index, True)
+    loads = []
+    for tensor, at in memory.loads:
+        tensor_shape = parse_type(tensor.ty).shape
+        dtype = jnp.dtype(parse_type(tensor.ty).dtype)
+        if dtype.itemsize not in (2, 4) or not jnp.issubdtype(dtype, jnp.floating):
+            raise NotImplementedError(f"a prologue source of dtype {dtype}")
+        flat = np.broadcast_to(np.asarray(ex.linearize(at, tensor_shape), np.int64), shape)
+        size = max(math.prod(tensor_shape), 1)
+        value = jnp.reshape(values(tensor), (-1,))
+        by_batch = batch > 1 and not np.array_equal(flat, np.broadcast_to(flat[:1], flat.shape))
+        by_row = m > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :1], flat.shape))
+        by_col = k > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :, :1], flat.shape))
+        if by_col and (by_row or by_batch):
+            first = flat[:, :, :1]
+            pitch = int(flat[0, 1, 0] - flat[0, 0, 0]) if m > 1 else k
+            batch_step = int(flat[1, 0, 0] - flat[0, 0, 0]) if batch > 1 else 0
+            expected = (flat[0, 0, 0] + np.arange(batch).reshape(batch, 1, 1) * batch_step
+                        + np.arange(m).reshape(1, m, 1) * pitch + np.arange(k).reshape(1, 1, k))
+            row0, col0 = divmod(int(flat[0, 0, 0]), max(pitch, 1))
+            if (not np.array_equal(flat, expected) or pitch < k or col0 + k > pitch or size % pitch
+                    or batch_step % max(pitch, 1) or first.min() < 0):
+                raise NotImplementedError(f"the prologue reads {tensor!r} other than in [rows, K] tiles")
+            rows = size // pitch
+            if not tiles_fit(rows, pitch, minor_tile(tile_k, dtype.itemsize)):
+                raise NotImplementedError(f"a prologue source [{rows}, {pitch}] Mosaic's TMA cannot tile")
+            loads.append((tensor, PrologueSource("tile", value.reshape(rows, pitch), row0, batch_step // pitch, col0)))
+            continue
+        kind, table = ("row", flat[:, :, 0]) if by_row or by_batch else ("col", flat[:, 0, :])
+        table = table if by_batch else table[:1]
+        if table.size != value.size or not np.array_equal(table.reshape(-1), np.arange(value.size)):
+            raise NotImplementedError(f"the prologue reads {tensor!r} other than as a vector as it lies")
+        if not vector_fits(table.shape[1], dtype.itemsize):
+            raise NotImplementedError(f"a prologue vector of {table.shape[1]} {dtype} (a stride TMA cannot take)")
+        loads.append((tensor, PrologueSource(kind, value.reshape(table.shape))))
+    if not any(source.kind == "tile" for _, source in loads):
+        raise NotImplementedError("a prologue that reads no [rows, K] tile")
+    return [t for t, _ in loads], [source for _, source in loads]
+
+
 def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape: tuple[int, int, int]):
     """`value` with its axes ordered batch, first, second and flattened to `shape` `[batch, ., .]`."""
     order = (*batch_axes, *first_axes, *second_axes)
@@ -550,8 +760,14 @@ def emit(kernel, ctx) -> dict:
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    lhs_value, rhs_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([lhs, rhs])
-    a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
+    prologue = in_kernel_prologue(lhs, rhs, dims, ty, axes, ctx.value)
+    evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
+    if prologue is None:  # A read as it lies, or computed whole by XLA (one fusion) into [batch, rows, K]
+        lhs_value, rhs_value = evaluator.run([lhs, rhs])
+        a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
+    else:
+        (rhs_value,) = evaluator.run([rhs])
+        a = jax.ShapeDtypeStruct((batch, m, k), jnp.dtype(lhs_type.dtype))
     w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
@@ -573,5 +789,5 @@ def emit(kernel, ctx) -> dict:
         return jnp.reshape(value, (em, en))
 
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
-                interpret=ctx.interpret, name=kernel.name)
+                interpret=ctx.interpret, name=kernel.name, prologue=prologue)
     return {term: out.reshape(out_type.shape)}

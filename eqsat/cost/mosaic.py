@@ -46,7 +46,7 @@ from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps,
-                                 matmul_in_place, tile_fits, vector_fits)
+                                 fits_tiles, matmul_in_place, minor_tile, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -284,6 +284,65 @@ def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
     return tiled_matmul_blocks(max(m, 1), max(n, 1), max(k, 1))
 
 
+# A expressions the matmul template computes in the kernel, per A tile in SMEM: elementwise ops on
+# [rows, K] tiles of tensors as they lie (a column window of one: GEGLU's halves) and on vectors
+# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `RowReduce`
+# (the statistics of a LayerNorm computed in the operand: its whole row before the first step), not
+# a `Transpose` (a permuted source, NCHW read as tokens: not [rows, K] tiles).
+PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Broadcast", "Slice"})
+
+
+def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
+    """The A prologue's sources as the matmul template reads them in the kernel, `(kind, itemsize)`
+    each (`tile`, `col` along K, `row` along the rows); or why the template does not compute this A
+    in the kernel (A read as it lies needs no prologue; other forms XLA computes whole, one fusion).
+    By sizes and types, as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by
+    their indices and also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
+    shape = matmul_layout(lhs.ty, rhs.ty, dims)
+    batch, m, n, k = shape.batch, shape.m, shape.n, shape.k
+    blocks = prologue_blocks(matmul_blocks(m, n, k))
+    if read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and matmul_in_place(m, n, k, blocks).a:
+        return "A is read as it lies"
+    ops = {node.op for node in expr_nodes(lhs)}
+    if not ops <= PROLOGUE_OPS:
+        return f"an A expression with {', '.join(sorted(ops - PROLOGUE_OPS))}"
+    if k % blocks.tile_k:
+        return f"K = {k} is not a multiple of the {blocks.tile_k}-element steps"
+    reads, seen = [], set()
+    for node in expr_nodes(lhs):
+        if node.op != "Load" or id(node.args[0]) in seen:
+            continue
+        tensor = node.args[0]
+        seen.add(id(tensor))
+        size, item = size_of(tensor.ty), _itemsize(tensor.ty)
+        dims_of = parse_type(tensor.ty).shape
+        if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
+            return f"a source of {parse_type(tensor.ty).dtype}"
+        if size >= batch * m * k and dims_of:
+            pitch = dims_of[-1]
+            if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(blocks.tile_k, item)):
+                return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
+            # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
+            reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
+        elif size in (m, batch * m) and vector_fits(m, item):
+            reads.append(("row", item))
+        elif size in (k, batch * k) and vector_fits(k, item):
+            reads.append(("col", item))
+        else:
+            return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    if not any(kind == "tile" for kind, _ in reads):
+        return "no [rows, K] tile"
+    return reads
+
+
+def prologue_declined(lhs: Term | None, rhs: Term | None, dims: str, out_ty: str) -> str | None:
+    """None when the matmul template computes A in the kernel (`prologue_reads`), else why not."""
+    if lhs is None or rhs is None:
+        return "types only"
+    reads = prologue_reads(lhs, rhs, dims, out_ty)
+    return reads if isinstance(reads, str) else None
+
+
 def matmul_work(term: Term) -> MosaicWork:
     lhs, rhs, dims, epilogue, ty = term.args
     return matmul_work_of(lhs.ty, rhs.ty, dims, ty, lhs, rhs, epilogue)
@@ -297,7 +356,11 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
-    blocks = fit_smem(matmul_blocks(shape.m, shape.n, shape.k), item, out_item, reads.smem_operands)
+    prologue = prologue_reads(lhs, rhs, dims, out_ty) if lhs is not None and rhs is not None else "types only"
+    in_kernel = not isinstance(prologue, str)
+    blocks = matmul_blocks(shape.m, shape.n, shape.k)
+    blocks = fit_smem(prologue_blocks(blocks) if in_kernel else blocks, item, out_item, reads.smem_operands,
+                      prologue=prologue if in_kernel else None)
     mp, np_, kp = (_round_up(shape.m, blocks.tile_m), _round_up(shape.n, blocks.cta_tile_n),
                    _round_up(shape.k, blocks.tile_k))
     ctas = shape.batch * (mp // blocks.tile_m) * (np_ // blocks.cta_tile_n)
@@ -308,11 +371,16 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = []
-    if not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
+    if in_kernel:  # the prologue's sources as they lie instead of A
+        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
+    elif not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
         glue.append(Glue("A laid out", a_bytes))
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
-    tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
+    a_tile_bytes = blocks.tile_m * kp * item if not in_kernel else sum(
+        size * {"tile": blocks.tile_m * kp, "col": kp, "row": blocks.tile_m * (kp // blocks.tile_k)}[kind]
+        for kind, size in prologue)
+    tma = ctas * (a_tile_bytes + kp * blocks.cta_tile_n * item)
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
     epilogue_read = 0
@@ -331,8 +399,10 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
                 glue.append(Glue(f"{what} vector padded", batch * padded * item_bytes))
     if not place.out:
         glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item))  # read back
+    # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
+    again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
-                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k)
+                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k, alu_flops=again)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
                       batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
 

@@ -79,12 +79,16 @@ class MosaicBlocks:
 
 
 def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-                      operands: Sequence[tuple[str, int]] = ()) -> int:
+                      operands: Sequence[tuple[str, int]] = (), prologue: Sequence[tuple[str, int]] | None = None) -> int:
     """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
     tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
     vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
     wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
     ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
+    if prologue is not None:  # the ring holds the prologue's source blocks instead of A; A's two stage slots
+        tm, tk = blocks.tile_m, blocks.tile_k
+        sources = sum(size * {"tile": tm * tk, "col": tk, "row": tm}[kind] for kind, size in prologue)
+        ring = blocks.stages * (sources + tk * blocks.cta_tile_n * itemsize) + 2 * tm * tk * itemsize
     epilogue = wgs * 2 * em * en * out_itemsize
     for kind, size in operands:
         epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
@@ -92,11 +96,11 @@ def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
 
 
 def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-             operands: Sequence[tuple[str, int]] = ()) -> MosaicBlocks:
+             operands: Sequence[tuple[str, int]] = (), prologue: Sequence[tuple[str, int]] | None = None) -> MosaicBlocks:
     """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
     buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4 (4 need 246,880
     bytes, over the 232,448 Mosaic allows)."""
-    while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
+    while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands, prologue) > SMEM_BYTES:
         blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
     return blocks
 
@@ -175,6 +179,12 @@ def matmul_in_place(m: int, n: int, k: int, blocks: "MosaicBlocks", out_itemsize
 def reads_in_place(m: int, n: int, k: int, blocks: "MosaicBlocks") -> bool:
     """Whether A, B and the output are all used as they lie (`matmul_in_place`)."""
     return matmul_in_place(m, n, k, blocks).all
+
+
+def prologue_blocks(blocks: MosaicBlocks) -> MosaicBlocks:
+    """`blocks` for a matmul whose A prologue runs in the kernel: one compute warpgroup (it computes
+    each A tile once into SMEM; two would each compute it for their own columns)."""
+    return dataclasses.replace(blocks, compute_wgs=1)
 
 
 def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
