@@ -128,9 +128,8 @@ CASES = {
     "matmul geglu prologue": (lambda h, w: (h[:, :64] * jax.nn.gelu(h[:, 64:], approximate=True)) @ w,
                               (S((136, 128), F16), S((64, 96), F16))),
     # a normalization applied from row statistics in the kernel: (x - mean) * rstd * gamma + beta
-    "matmul norm prologue": (lambda x, mu, r, g, b, w: ((x - mu[:, None]) * r[:, None] * g + b) @ w,
-                             (S((136, 64), F16), S((136,), F16), S((136,), F16), S((64,), F16), S((64,), F16),
-                              S((64, 64), F16))),
+    "matmul norm prologue": (lambda x, st, g, b, w: ((x - st[0][:, None]) * st[1][:, None] * g + b) @ w,
+                             (S((136, 64), F16), S((2, 136), F16), S((64,), F16), S((64,), F16), S((64, 64), F16))),
     # 15x15 image, GroupNorm with 3 channels per group + SiLU, 3x3 conv to 16 channels
     "conv 15x15 gn": (_gn_silu_conv, (S((1, 15, 15, 6), F16), S((16, 6, 3, 3), F16), S((16,), F16),
                                       S((6,), F16), S((6,), F16))),

@@ -220,9 +220,10 @@ def geglu_out(h, w):
     return (h[..., :k] * jax.nn.gelu(h[..., k:], approximate=False)) @ w
 
 
-def norm_apply(x, mean, rstd, gamma, beta, w):
-    """A normalization applied from row statistics computed elsewhere, then the projection."""
-    return ((x - mean[..., None]) * rstd[..., None] * gamma + beta).astype(jnp.float16) @ w
+def norm_apply(x, stats, gamma, beta, w):
+    """A normalization applied from row statistics computed elsewhere (stacked `[2, ..., rows]`: the
+    mean and the reciprocal deviation, as a hosted statistic's finished moments), then the projection."""
+    return ((x - stats[0][..., None]) * stats[1][..., None] * gamma + beta).astype(jnp.float16) @ w
 
 
 def prologue_case(name, rng):
@@ -236,9 +237,9 @@ def prologue_case(name, rng):
     x = 2000.0 + rng.standard_normal((2, 72, 64)) * 0.5
     x[1, 3] = 2000.0                                   # a constant row: rstd huge, (x - mean) zero
     mean, std = x.mean(-1), x.std(-1)
-    rstd = 1.0 / np.sqrt(std**2 + 1e-5)
-    args = (x, mean, rstd, rng.standard_normal(64), rng.standard_normal(64), 0.2 * rng.standard_normal((64, 64)))
-    return norm_apply, tuple(np.asarray(a, np.float32 if i in (1, 2) else np.float16) for i, a in enumerate(args))
+    stats = np.stack([mean, 1.0 / np.sqrt(std**2 + 1e-5)]).astype(np.float32)
+    args = (x, stats, rng.standard_normal(64), rng.standard_normal(64), 0.2 * rng.standard_normal((64, 64)))
+    return norm_apply, tuple(a if i == 1 else np.asarray(a, np.float16) for i, a in enumerate(args))
 
 
 @pytest.mark.parametrize("name", ["geglu", "norm"])
@@ -246,7 +247,8 @@ def test_prologue_in_the_kernel_matches_xla_and_jit(name):
     """The A expression computed per A tile in SMEM by the compute warpgroup (no XLA fusion before
     the kernel: the model charges none), through `backend="mosaic"` against the XLA emitter and
     `jax.jit`: GEGLU's halves read as two column windows of one tensor; a normalization from row
-    statistics (float32 row vectors) and gamma, beta (K vectors) on 2 x 72 tokens (an M tail)."""
+    statistics (two float32 row vectors stacked in one tensor, each read at its row) and gamma,
+    beta (K vectors) on 2 x 72 tokens (an M tail)."""
     from eqsat.cost.mosaic import mosaic_work, prologue_reads
 
     fn, args = prologue_case(name, np.random.default_rng(3))
@@ -297,8 +299,8 @@ def test_prologue_plans_compile_to_the_mosaic_kernel_alone(name, tmp_path, monke
     if name == "geglu":
         fn, args = geglu_out, (S((2, 4096, 2560), jnp.float16), S((1280, 320), jnp.float16))
     else:
-        fn, args = norm_apply, (S((2, 4096, 320), jnp.float16), S((2, 4096), jnp.float32), S((2, 4096), jnp.float32),
-                                S((320,), jnp.float16), S((320,), jnp.float16), S((320, 640), jnp.float16))
+        fn, args = norm_apply, (S((2, 4096, 320), jnp.float16), S((2, 2, 4096), jnp.float32), S((320,), jnp.float16),
+                                S((320,), jnp.float16), S((320, 640), jnp.float16))
     plan = eqsat.optimize(fn, progress=False).lower(*args).plan
     with warnings.catch_warnings():
         warnings.simplefilter("error", TritonFallbackWarning)

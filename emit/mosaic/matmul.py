@@ -121,9 +121,9 @@ EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
 class PrologueSource:
     """An array the A prologue reads. `tile`: a 2-D `[rows, pitch]` array whose `[tile_m, tile_k]`
     blocks are read at row `row0 + batch · batch_rows + m` and column `col0 + k` (a tensor laid out
-    `[rows, K]`, or a column window of a wider one: GEGLU's halves); `col`: `[batch', K]` (along K:
-    a LayerNorm's gamma and beta); `row`: `[batch', M]` (one value per row: a mean, a reciprocal
-    deviation)."""
+    `[rows, K]`, or a column window of a wider one: GEGLU's halves); `col`: `[rows, K]`, its row
+    `row0 + batch · batch_rows` a vector along K (a LayerNorm's gamma and beta); `row`: `[rows, M]`,
+    likewise one value per row of A (a mean, a second moment: hosted statistics stacked)."""
 
     kind: str
     array: jax.Array
@@ -140,7 +140,6 @@ class _SourceLayout:
     row0: int
     batch_rows: int
     col0: int
-    shared: bool  # a vector with batch' = 1
     dtype: Any
 
 
@@ -328,7 +327,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         if prologue is not None:
             views = []
             for source, gmem in zip(sources, source_gmems):
-                batch_at = 0 if source.shared else b_idx
+                batch_at = source.row0 + b_idx * source.batch_rows  # a vector's row in its [rows, length] view
                 if source.kind == "tile":
                     views.append(gmem.at[pl.ds(source.row0 + b_idx * source.batch_rows + m0, tile_m),
                                          pl.ds(source.col0, k_padded)])
@@ -473,8 +472,7 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
                       [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)],
                       prologue=None if prologue is None else
                       [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
-    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
-                                  source.kind != "tile" and source.array.shape[0] == 1, jnp.dtype(source.array.dtype))
+    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0, jnp.dtype(source.array.dtype))
                     for source in sources)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
     out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
@@ -710,11 +708,18 @@ def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Calla
             continue
         kind, table = ("row", flat[:, :, 0]) if by_row or by_batch else ("col", flat[:, 0, :])
         table = table if by_batch else table[:1]
-        if table.size != value.size or not np.array_equal(table.reshape(-1), np.arange(value.size)):
+        length, start = table.shape[1], int(table[0, 0])
+        batch_step = int(table[1, 0] - table[0, 0]) if by_batch else 0
+        expected = start + np.arange(table.shape[0]).reshape(-1, 1) * batch_step + np.arange(length).reshape(1, -1)
+        # a window of `length` values at a row of the tensor viewed [size / length, length]: a vector
+        # as it lies, or one slot of stacked ones (a mean and a second moment, a statistic per batch entry)
+        if (not np.array_equal(table, expected) or start % length or batch_step % length or size % length
+                or start < 0):
             raise NotImplementedError(f"the prologue reads {tensor!r} other than as a vector as it lies")
-        if not vector_fits(table.shape[1], dtype.itemsize):
-            raise NotImplementedError(f"a prologue vector of {table.shape[1]} {dtype} (a stride TMA cannot take)")
-        loads.append((tensor, PrologueSource(kind, value.reshape(table.shape))))
+        if not vector_fits(length, dtype.itemsize):
+            raise NotImplementedError(f"a prologue vector of {length} {dtype} (a stride TMA cannot take)")
+        loads.append((tensor, PrologueSource(kind, value.reshape(size // length, length), start // length,
+                                             batch_step // length)))
     if not any(source.kind == "tile" for _, source in loads):
         raise NotImplementedError("a prologue that reads no [rows, K] tile")
     return [t for t, _ in loads], [source for _, source in loads]

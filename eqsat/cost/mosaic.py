@@ -324,10 +324,10 @@ def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[
                 return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
             # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
             reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
-        elif size in (m, batch * m) and vector_fits(m, item):
-            reads.append(("row", item))
-        elif size in (k, batch * k) and vector_fits(k, item):
-            reads.append(("col", item))
+        elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
+            reads.extend([("row", item)] * max(1, size // (batch * m)))
+        elif size % k == 0 and vector_fits(k, item):
+            reads.extend([("col", item)] * max(1, size // (batch * k)))
         else:
             return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
     if not any(kind == "tile" for kind, _ in reads):
