@@ -45,10 +45,17 @@ XLA's CPU worker pool; `import eqsat` sizes that pool (`eqsat.host_threads`; too
 deadlocked one run in two on 2 cores), so the interpreted kernel is the compiled one, two compute
 warpgroups and all.
 
-Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
-writes the normalized A once (`emit` materializes every operand expression that is more than a
-view), and so does an operand that is a permuting view (a `[B, C, H, W]` activation read as
-tokens); statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
+The A prologue (`Prologue`, `in_kernel_prologue`): an elementwise A expression over `[rows, K]`
+tiles of tensors as they lie (a column window of one: GEGLU's value and gate halves), vectors along
+the rows (a mean and a second moment, each a row of a stacked tensor) and along K (gamma, beta) is
+computed in the kernel: the memory warpgroup TMA-loads the sources' blocks for each step, the
+compute warpgroup (one: it computes each A tile once, where two would each compute it for their own
+columns) evaluates the expression on them in registers, stores the A tile to a 2-slot SMEM stage
+(the MMA of two steps ago, which read that slot, is done after `wgmma_wait(1)`) and issues wgmma
+from there. Not in the kernel (XLA computes A whole, one fusion, before it): a `RowReduce` in A (a
+LayerNorm computing its own statistics needs the whole row before the first step), a permuted
+source (NCHW read as tokens), K not a multiple of the step, any load that is not such a window.
+Statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
 """
 
 from __future__ import annotations
