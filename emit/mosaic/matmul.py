@@ -441,7 +441,8 @@ def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
 def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None) -> jax.Array:
     """`build` without an A window: each of A, B, the output and a residual used as it lies where
     `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
-    clamped), padded to the tile grid where not; row and column vectors are never padded."""
+    clamped), padded to the tile grid where not (a row or column vector only when its stride is not
+    16-byte aligned, `vector_fits`); with a `prologue`, A is computed in the kernel from its sources."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     batch, m, k = a.shape
