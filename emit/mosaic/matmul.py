@@ -480,8 +480,8 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
                       [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)],
                       prologue=None if prologue is None else
                       [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
-    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0, jnp.dtype(source.array.dtype))
-                    for source in sources)
+    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
+                                  jnp.dtype(source.array.dtype)) for source in sources)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
     out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
 

@@ -79,10 +79,13 @@ class MosaicBlocks:
 
 
 def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-                      operands: Sequence[tuple[str, int]] = (), prologue: Sequence[tuple[str, int]] | None = None) -> int:
+                      operands: Sequence[tuple[str, int]] = (),
+                      prologue: Sequence[tuple[str, int]] | None = None) -> int:
     """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
     tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
-    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
+    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`. With an A `prologue` (its
+    sources' `(kind, itemsize)`), the ring holds the sources' blocks in place of A's, and A has a
+    2-slot stage of its own."""
     wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
     ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
     if prologue is not None:  # the ring holds the prologue's source blocks instead of A; A's two stage slots
@@ -96,7 +99,8 @@ def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
 
 
 def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-             operands: Sequence[tuple[str, int]] = (), prologue: Sequence[tuple[str, int]] | None = None) -> MosaicBlocks:
+             operands: Sequence[tuple[str, int]] = (),
+             prologue: Sequence[tuple[str, int]] | None = None) -> MosaicBlocks:
     """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
     buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4 (4 need 246,880
     bytes, over the 232,448 Mosaic allows)."""
