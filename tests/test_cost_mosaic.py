@@ -63,8 +63,16 @@ def _implied(launch) -> dict:
     ctas = math.prod(grid)
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)
         blocks, kinds, kp = body.keywords["blocks"], body.keywords["kinds"], body.keywords["k_padded"]
-        item = operands[0][1].itemsize
-        tma = ctas * kp * (blocks.tile_m + blocks.cta_tile_n) * item
+        item = operands[1][1].itemsize  # B's
+        prologue = body.keywords.get("prologue")
+        if prologue is None:
+            tma = ctas * kp * (blocks.tile_m + blocks.cta_tile_n) * item
+        else:  # A's prologue sources: tiles and K vectors per step, row vectors re-read at each step
+            steps = kp // blocks.tile_k
+            tma = ctas * kp * blocks.cta_tile_n * item
+            for source in prologue[1]:
+                per_step = {"tile": blocks.tile_m * blocks.tile_k, "col": blocks.tile_k, "row": blocks.tile_m}
+                tma += ctas * steps * per_step[source.kind] * source.dtype.itemsize
         for kind, (_shape, dtype) in zip(kinds, operands[2:]):
             tma += ctas * dtype.itemsize * {"tile": blocks.tile_m * blocks.cta_tile_n, "col": blocks.cta_tile_n,
                                              "row": blocks.tile_m}[kind]
@@ -114,6 +122,14 @@ def _cross_attention(heads):
 CASES = {
     # 77 tokens, K = 40, N = 96: every side padded to the tiles
     "matmul 77x40x96": (_dense, (S((77, 40), F16), S((40, 96), F16), S((96,), F16))),
+    # 136 rows (a multiple of 8), K = 40 (below one 64-wide step), N = 192: read and written in place
+    "matmul 136x40x192 in place": (_dense, (S((136, 40), F16), S((40, 192), F16), S((192,), F16))),
+    # GEGLU's value * gelu(gate) computed in the kernel from the two halves of a [136, 128] tensor
+    "matmul geglu prologue": (lambda h, w: (h[:, :64] * jax.nn.gelu(h[:, 64:], approximate=True)) @ w,
+                              (S((136, 128), F16), S((64, 96), F16))),
+    # a normalization applied from row statistics in the kernel: (x - mean) * rstd * gamma + beta
+    "matmul norm prologue": (lambda x, st, g, b, w: ((x - st[0][:, None]) * st[1][:, None] * g + b) @ w,
+                             (S((136, 64), F16), S((2, 136), F16), S((64,), F16), S((64,), F16), S((64, 64), F16))),
     # 15x15 image, GroupNorm with 3 channels per group + SiLU, 3x3 conv to 16 channels
     "conv 15x15 gn": (_gn_silu_conv, (S((1, 15, 15, 6), F16), S((16, 6, 3, 3), F16), S((16,), F16),
                                       S((6,), F16), S((6,), F16))),
@@ -161,6 +177,26 @@ def test_the_layout_fusions_the_model_counts():
         term = next(k.term for k in _plan(fn, args).plan.kernels if k.op in DENSE)
         glue = {g.what for g in mosaic_work(term).glue}
         assert expected <= glue, (case, glue)
+
+
+def test_an_in_place_matmul_launches_on_the_unpadded_arrays_and_the_model_counts_no_glue(launches):
+    """M a multiple of 8, N of 64, K below 64: the kernel is launched on the arrays as they are (no
+    pad before it, its output not sliced after it) and the model charges no fusion around it; a
+    77-row matmul still pads (Mosaic's tiled TMA needs whole 8-row tiles) and the model says so."""
+    fn, args = CASES["matmul 136x40x192 in place"]
+    lowered = _plan(fn, args)
+    (term,) = [k.term for k in lowered.plan.kernels if k.op in DENSE]
+    assert mosaic_work(term).glue == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        out = jax.eval_shape(emit.emit(lowered.plan, "mosaic", interpret=False), *args)
+    (launch,) = launches
+    assert launch["body"].keywords["in_place"] == (136, 192)
+    assert [shape for shape, _ in launch["operands"][:2]] == [(1, 136, 40), (1, 40, 192)]
+    assert out.shape == (136, 192)
+    fn, args = CASES["matmul 77x40x96"]
+    (term,) = [k.term for k in _plan(fn, args).plan.kernels if k.op in DENSE]
+    assert {g.what for g in mosaic_work(term).glue} == {"A laid out", "B laid out", "output sliced"}
 
 
 def test_smem_fit_keeps_the_stages_a_residual_leaves_room_for():

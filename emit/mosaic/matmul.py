@@ -19,9 +19,15 @@ warpgroups (learnt from jax's `pallas/ops/gpu/hopper_matmul_mgpu.py`):
   accumulator in registers (`emit.expr`, as every template does), the result is cast and stored
   to SMEM and written back by TMA (two slots, so the next sub-tile overlaps the store).
 
-Shapes the tiles do not divide (77 tokens, K = 40, N = 1280 at a 192 tile) are zero-padded by the
-wrapper to the tile grid (`pad_to`) and the output is sliced back: zeros in K add nothing, padded
-rows and columns are computed and dropped. Operands are fp16 or bf16 (both the same), accumulation
+A, B, the epilogue's operands and the output are used as they lie when Mosaic's tiled TMA can
+address them (`reads_in_place`: M a multiple of 8, N of 64, K of 64 or below 64; SD 1.5's UNet and
+VAE matmuls): the K tail is TMA's zero fill, and the last M and N tiles start early so they end at
+the array's edge (recomputing some of their neighbour's rows or columns, the same values) — no
+store leaves the array, which GPU interpret mode could not check (it drops a partially
+out-of-bounds store whole). Other shapes (77 tokens: Mosaic GPU 0.10.2 raises "dimension 1 must
+have size smaller or a multiple of its tiling 8, but got 77" for the unpadded array; N = 96; K = 72)
+are zero-padded by the wrapper to the tile grid (`pad_to`) and the output is sliced back: zeros in
+K add nothing, padded rows and columns are computed and dropped. Operands are fp16 or bf16 (both the same), accumulation
 is fp32; anything else raises `NotImplementedError`, and `emit.mosaic` runs that kernel through
 the Pallas Triton template instead.
 
@@ -39,9 +45,17 @@ XLA's CPU worker pool; `import eqsat` sizes that pool (`eqsat.host_threads`; too
 deadlocked one run in two on 2 cores), so the interpreted kernel is the compiled one, two compute
 warpgroups and all.
 
-Not here yet: the A-side prologue (a LayerNorm apply) runs before the kernel as an XLA fusion that
-writes the normalized A once (`emit` materializes every operand expression that is more than a
-view); statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
+The A prologue (`Prologue`, `in_kernel_prologue`): an elementwise A expression over `[rows, K]`
+tiles of tensors as they lie (a column window of one: GEGLU's value and gate halves), vectors along
+the rows (a mean and a second moment, each a row of a stacked tensor) and along K (gamma, beta) is
+computed in the kernel: the memory warpgroup TMA-loads the sources' blocks for each step, the
+compute warpgroup (one: it computes each A tile once, where two would each compute it for their own
+columns) evaluates the expression on them in registers, stores the A tile to a 2-slot SMEM stage
+(the MMA of two steps ago, which read that slot, is done after `wgmma_wait(1)`) and issues wgmma
+from there. Not in the kernel (XLA computes A whole, one fusion, before it): a `RowReduce` in A (a
+LayerNorm computing its own statistics needs the whole row before the first step), a permuted
+source (NCHW read as tokens), K not a multiple of the step, any load that is not such a window.
+Statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
 """
 
 from __future__ import annotations
@@ -61,17 +75,24 @@ from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
                                  fit_smem)                                            # with the cost model)
+from eqsat.tiling.mosaic import (matmul_blocks, matmul_in_place, prologue_blocks, reads_in_place,  # noqa: F401
+                                 tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
 SM_COUNT = 132  # H100 SXM5
 
 
-def interpret_params():
-    """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU."""
+def interpret_params(tma_zero_fill: bool = False):
+    """GPU interpret mode (simulated SMEM, threads, barriers; race detection) for a CPU.
+    `tma_zero_fill`: a read past the end of an array gives zeros, as TMA's does (the interpreter
+    raises by default); its only way there also starts SMEM and outputs at zero, not NaN, so the
+    kernels that read past no end keep the NaN fill that shows a value never written."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     host_threads.check()
+    if tma_zero_fill:
+        return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     return InterpretGPUParams()
 
 
@@ -103,6 +124,42 @@ class AWindow:
 EpilogueFn = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class PrologueSource:
+    """An array the A prologue reads. `tile`: a 2-D `[rows, pitch]` array whose `[tile_m, tile_k]`
+    blocks are read at row `row0 + batch · batch_rows + m` and column `col0 + k` (a tensor laid out
+    `[rows, K]`, or a column window of a wider one: GEGLU's halves); `col`: `[rows, K]`, its row
+    `row0 + batch · batch_rows` a vector along K (a LayerNorm's gamma and beta); `row`: `[rows, M]`,
+    likewise one value per row of A (a mean, a second moment: hosted statistics stacked)."""
+
+    kind: str
+    array: jax.Array
+    row0: int = 0
+    batch_rows: int = 0
+    col0: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _SourceLayout:
+    """What the kernel needs of a `PrologueSource` (static: no array)."""
+
+    kind: str
+    row0: int
+    batch_rows: int
+    col0: int
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """A computed from its sources in the kernel: `fn(values)` maps each source's values at a
+    `[tile_m, tile_k]` A tile (vectors broadcast to it), in `sources`' order, to the tile (any
+    float dtype; cast to the operands')."""
+
+    fn: Callable[[Sequence[jax.Array]], jax.Array]
+    sources: tuple[PrologueSource, ...]
+
+
 def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
     """`x` zero-padded at the end of each axis to `shape` (no copy when it has it already)."""
     if tuple(x.shape) == tuple(shape):
@@ -120,16 +177,45 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
-            a_window: AWindow | None = None):
+            a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False,
+            prologue: tuple | None = None):
+    """`batched`: A, B and the output are `[batch, ., .]` arrays (each padded to the tiles or not,
+    `InPlace`); `in_place`: `(M, N)` when the output is written unpadded, its last tiles clamped to
+    end there. Otherwise (the conv's A window) A and the output are flat `[batch * M↑, .]` views
+    (`m_padded` rows per batch entry) and B `[batch * K↑, N↑]`. `prologue`: `(fn, sources)` (a
+    `Prologue`'s, the arrays dropped): A is computed per pipeline step from the sources' blocks
+    (`a_gmem` the first source, the others after the epilogue's operands) by the compute warpgroup
+    (one), stored to a 2-slot SMEM stage and fed to wgmma from there."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    operand_gmems, out_gmem = refs[:len(kinds)], refs[len(kinds)]
+    operand_gmems, out_gmem = refs[:len(kinds)], refs[-1]
+    prologue_fn, sources = prologue if prologue is not None else (None, ())
+    source_gmems = (a_gmem, *refs[len(kinds):-1]) if prologue is not None else ()
     tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
     epi_m, epi_n, wgs = blocks.epi_m, blocks.epi_n, blocks.compute_wgs
     out_dtype = out_gmem.dtype
-    transforms = _swizzled(tile_k, a_gmem.dtype)
+    mma_dtype = b_gmem.dtype
+    transforms = _swizzled(tile_k, mma_dtype)
     k_steps = k_padded // tile_k
+
+    def source_spec(source):
+        if source.kind == "tile":
+            return plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=_swizzled(tile_k, source.dtype),
+                                   memory_space=plgpu.SMEM, delay_release=1)
+        if source.kind == "col":
+            return plgpu.BlockSpec((tile_k,), lambda k: (k,), memory_space=plgpu.SMEM, delay_release=1)
+        # the same block at every step (the pipeline takes only blocks indexed by the step): re-read, tile_m values
+        return plgpu.BlockSpec((tile_m,), lambda k: (k * 0,), memory_space=plgpu.SMEM, delay_release=1)
+
+    if prologue is not None:
+        a_specs = [source_spec(source) for source in sources]
+    elif a_window is None:
+        a_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
+                                   memory_space=plgpu.SMEM, delay_release=1)]
+    else:
+        a_specs = [plgpu.BlockSpec((pl.Element(tile_m), tile_k), a_window.offset, transforms=transforms,
+                                   memory_space=plgpu.SMEM, delay_release=1)]
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -137,10 +223,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             grid=(k_steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
-                                memory_space=plgpu.SMEM, delay_release=1) if a_window is None else
-                plgpu.BlockSpec((pl.Element(tile_m), tile_k), a_window.offset, transforms=transforms,
-                                memory_space=plgpu.SMEM, delay_release=1),
+                *a_specs,
                 plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms,
                                 memory_space=plgpu.SMEM, delay_release=1),
             ],
@@ -157,19 +240,28 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
     ignore = lambda *_, **__: None  # noqa: E731 (the allocations do not depend on the bodies)
 
+    stage_alloc = {} if prologue is None else {"a_stage": plgpu.SMEM((2, tile_m, tile_k), mma_dtype,
+                                                                      transforms=transforms)}
+
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(*(source_gmems or (a_gmem,)), b_gmem),
         out_smem=plgpu.SMEM((wgs, 2, epi_m, epi_n), out_dtype, transforms=_swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
         barriers=plgpu.Barrier(num_barriers=max(1, wgs * len(kinds))),
         collective_axes="wg",
+        **stage_alloc,
     )
-    def _scope(pipeline_allocs, out_smem, operand_smems, barriers):
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
-        rows0 = b_idx * m_padded + m_idx * tile_m  # first row of the CTA tile in the flat [B*M, ...] views
-        cols0 = n_idx * cta_n + wg * tile_n
+        if in_place is None:
+            m0, n0 = m_idx * tile_m, n_idx * cta_n
+            rows0 = b_idx * m_padded + m0  # first row of the CTA tile in the flat [B*M, ...] views (a window)
+        else:  # the last tiles end at M and N (their first rows and columns are their neighbour's too)
+            m0 = jnp.minimum(m_idx * tile_m, in_place[0] - tile_m)
+            n0 = jnp.minimum(n_idx * cta_n, in_place[1] - cta_n)
+        cols0 = n0 + wg * tile_n
 
         def compute_context(run_pipeline):
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -181,7 +273,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                 for em in range(tile_m // epi_m):
                     for en in range(tile_n // epi_n):
                         slot = (em * (tile_n // epi_n) + en) % 2
-                        row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
+                        row_slice = pl.ds(m0 + em * epi_m, epi_m)
                         col_slice = pl.ds(cols0 + en * epi_n, epi_n)
                         tiles = []
                         for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
@@ -208,27 +300,66 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
                         out_smem[wg, slot] = value.astype(out_dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                                out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+                        out_tile = out_gmem.at[b_idx, row_slice, col_slice] if batched else \
+                            out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice]
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile)
 
         def mma(_, a_smem, b_smem, acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * tile_n, tile_n)])
             plgpu.wgmma_wait(1)  # the newest MMA stays in flight; its buffers are released next step
             return acc_ref
 
-        a_rows = tile_m if a_window is None else tile_m + a_window.halo
-        pipeline(mma, compute_context)(
-            a_gmem.at[pl.ds(rows0, a_rows), :],
-            b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n_idx * cta_n, cta_n)],
-            allocations=pipeline_allocs,
-        )
+        def source_values(smems):
+            values = []
+            for source, smem in zip(sources, smems):
+                if source.kind == "tile":
+                    values.append(smem[...])
+                    continue
+                axis = 1 if source.kind == "col" else 0
+                vector = smem[...] if interpreted else \
+                    plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                values.append(lax.broadcast_in_dim(vector, (tile_m, tile_k), (axis,)))
+            return values
+
+        def mma_with_prologue(indices, *refs):
+            *smems, b_smem, acc_ref = refs
+            # the stage the MMA of two steps ago read: `wgmma_wait(1)` below let it finish
+            stage = a_stage.at[lax.rem(indices[0], 2)]
+            stage[...] = prologue_fn(source_values(smems)).astype(mma_dtype)
+            plgpu.commit_smem()  # the stores become visible to the async proxy wgmma reads through
+            plgpu.wgmma(acc_ref, stage, b_smem)
+            plgpu.wgmma_wait(1)
+            return acc_ref
+
+        if prologue is not None:
+            views = []
+            for source, gmem in zip(sources, source_gmems):
+                batch_at = source.row0 + b_idx * source.batch_rows  # a vector's row in its [rows, length] view
+                if source.kind == "tile":
+                    views.append(gmem.at[pl.ds(source.row0 + b_idx * source.batch_rows + m0, tile_m),
+                                         pl.ds(source.col0, k_padded)])
+                elif source.kind == "col":
+                    views.append(gmem.at[batch_at])
+                else:
+                    views.append(gmem.at[batch_at, pl.ds(m0, tile_m)])
+            pipeline(mma_with_prologue, compute_context)(*views, b_gmem.at[b_idx, :, pl.ds(n0, cta_n)],
+                                                         allocations=pipeline_allocs)
+            return
+        if batched:
+            a_tiles, b_tiles = a_gmem.at[b_idx, pl.ds(m0, tile_m), :], b_gmem.at[b_idx, :, pl.ds(n0, cta_n)]
+        else:
+            a_rows = tile_m if a_window is None else tile_m + a_window.halo
+            a_tiles = a_gmem.at[pl.ds(rows0, a_rows), :]
+            b_tiles = b_gmem.at[pl.ds(b_idx * k_padded, k_padded), pl.ds(n0, cta_n)]
+        pipeline(mma, compute_context)(a_tiles, b_tiles, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
-          interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None) -> jax.Array:
+          interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None,
+          prologue: Prologue | None = None) -> jax.Array:
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
@@ -248,19 +379,20 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     n = b.shape[2]
     if a_window is not None:
         m, k = m - a_window.halo, b.shape[1]
-    blocks = blocks or MosaicBlocks.get_default(m, n, k)
+    blocks = blocks or (matmul_blocks(m, n, k) if a_window is None else MosaicBlocks.get_default(m, n, k))
+    if prologue is not None:
+        blocks = prologue_blocks(blocks)
     blocks.validate()
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
     if a_window is None:
-        a_flat = pad_to(a, (batch, mp, kp)).reshape(batch * mp, kp)
-    elif batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
+        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue)
+    if batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
         raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
                          f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
-    else:
-        a_flat = a[0]
+    a_flat = a[0]
     b_flat = pad_to(b, (batch, kp, np_)).reshape(batch * kp, np_)
     arrays, kinds, shared = [], [], []
     for operand in operands:
@@ -277,31 +409,104 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
 
     def call(interpret_here):
-        run_blocks = blocks
         return plgpu.kernel(
-            functools.partial(_kernel, blocks=run_blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
+            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
                               k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
                               a_window=a_window),
             out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
             grid=grid,
             grid_names=("n", "m", "b"),
-            num_threads=run_blocks.compute_wgs + 1,
+            num_threads=blocks.compute_wgs + 1,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=_kernel_name(name),
             interpret=interpret_params() if interpret_here else None,
         )
 
-    operands_in = (a_flat, b_flat, *arrays)
-    out_type = jax.ShapeDtypeStruct((batch * mp, np_), out_dtype)
-    if interpret is None:  # decided where it is lowered: interpreted on a CPU, compiled for the GPU elsewhere
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
-                                     default=lambda *xs: call(False)(*xs))
-    elif interpret:
-        out = one_at_a_time(call(True), out_type, operands_in)
-    else:
-        out = call(False)(*operands_in)
+    out = _launch(call, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), (a_flat, b_flat, *arrays), interpret)
     return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
+    """The kernel `call(interpreted)` on `operands`: interpreted on a CPU (one at a time), compiled
+    for the GPU; `interpret=None` decides where it is lowered."""
+    if interpret is None:
+        return lax.platform_dependent(*operands, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
+                                      default=lambda *xs: call(False)(*xs))
+    if interpret:
+        return one_at_a_time(call(True), out_type, operands)
+    return call(False)(*operands)
+
+
+def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None) -> jax.Array:
+    """`build` without an A window: each of A, B, the output and a residual used as it lies where
+    `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
+    clamped), padded to the tile grid where not (a row or column vector only when its stride is not
+    16-byte aligned, `vector_fits`); with a `prologue`, A is computed in the kernel from its sources."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    batch, m, k = a.shape
+    n = b.shape[2]
+    mp = -(-m // blocks.tile_m) * blocks.tile_m
+    np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
+    kp = -(-k // blocks.tile_k) * blocks.tile_k
+    place = matmul_in_place(m, n, k, blocks, out_dtype.itemsize)
+    if prologue is not None and kp != k:
+        raise NotImplementedError(f"an A prologue at K = {k}, not a multiple of {blocks.tile_k} (its last step would "
+                                  "read the columns after K of its sources, not TMA's zeros)")
+    a3 = None if prologue is not None else a if place.a else pad_to(a, (batch, mp, kp))
+    b3 = b if place.b else pad_to(b, (batch, kp, np_))
+    rows, cols = (m, n) if place.out else (mp, np_)
+    arrays, kinds, shared = [], [], []
+    for operand in operands:
+        array = operand.array
+        if array.shape[0] not in (1, batch):
+            raise ValueError(f"epilogue operand {array.shape} for batch {batch}")
+        itemsize = jnp.dtype(array.dtype).itemsize
+        if operand.kind == "tile" and not tile_fits(m, n, blocks, itemsize):
+            array = pad_to(array, (array.shape[0], rows, cols))
+        elif operand.kind != "tile" and not vector_fits(array.shape[1], itemsize):
+            array = pad_to(array, (array.shape[0], rows if operand.kind == "row" else cols))
+        arrays.append(array)
+        kinds.append(operand.kind)
+        shared.append(array.shape[0] == 1)
+    # a box past the end of an array: TMA's zero fill (the interpreter's, asked for); a prologue's
+    # sources are read past their last row at an M tail
+    extents = {"tile": (mp, np_), "col": (np_,), "row": (mp,)}
+    past_end = (prologue is not None or a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
+                any(x.shape[1:] != extents[kind] for kind, x in zip(kinds, arrays)))
+    sources = () if prologue is None else prologue.sources
+    blocks = fit_smem(blocks, jnp.dtype(b.dtype).itemsize, out_dtype.itemsize,
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)],
+                      prologue=None if prologue is None else
+                      [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
+    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
+                                  jnp.dtype(source.array.dtype)) for source in sources)
+    grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
+    out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
+
+    def call(interpret_here):
+        return plgpu.kernel(
+            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
+                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
+                              in_place=(m, n) if place.out else None, batched=True,
+                              prologue=None if prologue is None else (prologue.fn, layouts)),
+            out_type=out_type,
+            grid=grid,
+            grid_names=("n", "m", "b"),
+            num_threads=blocks.compute_wgs + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            kernel_name=_kernel_name(name),
+            interpret=interpret_params(tma_zero_fill=past_end) if interpret_here else None,
+        )
+
+    if prologue is None:
+        inputs = (a3, b3, *arrays)
+    else:
+        inputs = (sources[0].array, b3, *arrays, *(source.array for source in sources[1:]))
+    out = _launch(call, out_type, inputs, interpret)
+    return out if place.out else out[:, :m, :n]
 
 
 def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]) -> jax.Array:
@@ -429,6 +634,105 @@ def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int
     return tensors, operands
 
 
+def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
+                       values: Callable[[Term], jax.Array]) -> Prologue | None:
+    """The A operand expression as a `Prologue` the kernel computes per A tile in SMEM, or None when
+    A is read as it lies or the expression is not a form the kernel takes
+    (`eqsat.cost.mosaic.prologue_declined`, or a load `prologue_sources` cannot map without a
+    gather): then XLA computes A whole, one fusion, before the kernel."""
+    from eqsat.cost.mosaic import prologue_declined
+
+    if prologue_declined(lhs, rhs, dims, ty) is not None:
+        return None
+    shape = tuple(math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.k_shape))
+    tile_k = prologue_blocks(matmul_blocks(shape[1], math.prod(axes.n_shape), shape[2])).tile_k
+    try:
+        tensors, sources = prologue_sources(lhs, axes, shape, values, tile_k)
+    except NotImplementedError:
+        return None
+    # one source per distinct window (a tensor loaded twice at the same place is read once)
+    unique, of_load = {}, []
+    for tensor, source in zip(tensors, sources):
+        key = (id(tensor), source.kind, source.row0, source.batch_rows, source.col0)
+        of_load.append(unique.setdefault(key, (len(unique), source))[0])
+    distinct = [source for _, source in sorted(unique.values(), key=lambda pair: pair[0])]
+    compiled = ex.compile_expr(lhs)
+    rank = len(parse_type(lhs.ty).shape)
+    with_batch = bool(axes.batch_shape)
+
+    def tile(values_at):
+        tm, tk = values_at[0].shape
+        b = np.zeros((1, 1), np.int64) if with_batch else 0
+        index = axes.lhs_index(rank, b, np.arange(tm).reshape(tm, 1), np.arange(tk).reshape(1, tk))
+        memory = _TileMemory(tensors, [values_at[i] for i in of_load])
+        value = compiled(memory, index, True)
+        if memory.cursor != len(tensors):
+            raise AssertionError("the prologue's loads in the kernel differ from the host's")
+        return jnp.broadcast_to(value, (tm, tk))
+
+    return Prologue(tile, tuple(distinct))
+
+
+def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
+                     tile_k: int = 64):
+    """`(tensors, sources)`: each `Load` of the A expression, in the order the expression compiler
+    meets them, as the `PrologueSource` the kernel reads it through (no copy: a reshape of the
+    tensor as it lies). Raises `NotImplementedError` for a load that would need a gather."""
+    from eqsat.tiling.mosaic import minor_tile
+    from eqsat.tiling.mosaic import fits_tiles as tiles_fit
+
+    batch, m, k = shape
+    rank = len(parse_type(lhs.ty).shape)
+    b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
+    index = axes.lhs_index(rank, b, np.arange(m).reshape(1, m, 1), np.arange(k).reshape(1, 1, k))
+    memory = _RecordingMemory()
+    ex.compile_expr(lhs)(memory, index, True)
+    loads = []
+    for tensor, at in memory.loads:
+        tensor_shape = parse_type(tensor.ty).shape
+        dtype = jnp.dtype(parse_type(tensor.ty).dtype)
+        if dtype.itemsize not in (2, 4) or not jnp.issubdtype(dtype, jnp.floating):
+            raise NotImplementedError(f"a prologue source of dtype {dtype}")
+        flat = np.broadcast_to(np.asarray(ex.linearize(at, tensor_shape), np.int64), shape)
+        size = max(math.prod(tensor_shape), 1)
+        value = jnp.reshape(values(tensor), (-1,))
+        by_batch = batch > 1 and not np.array_equal(flat, np.broadcast_to(flat[:1], flat.shape))
+        by_row = m > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :1], flat.shape))
+        by_col = k > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :, :1], flat.shape))
+        if by_col and (by_row or by_batch):
+            first = flat[:, :, :1]
+            pitch = int(flat[0, 1, 0] - flat[0, 0, 0]) if m > 1 else k
+            batch_step = int(flat[1, 0, 0] - flat[0, 0, 0]) if batch > 1 else 0
+            expected = (flat[0, 0, 0] + np.arange(batch).reshape(batch, 1, 1) * batch_step
+                        + np.arange(m).reshape(1, m, 1) * pitch + np.arange(k).reshape(1, 1, k))
+            row0, col0 = divmod(int(flat[0, 0, 0]), max(pitch, 1))
+            if (not np.array_equal(flat, expected) or pitch < k or col0 + k > pitch or size % pitch
+                    or batch_step % max(pitch, 1) or first.min() < 0):
+                raise NotImplementedError(f"the prologue reads {tensor!r} other than in [rows, K] tiles")
+            rows = size // pitch
+            if not tiles_fit(rows, pitch, minor_tile(tile_k, dtype.itemsize)):
+                raise NotImplementedError(f"a prologue source [{rows}, {pitch}] Mosaic's TMA cannot tile")
+            loads.append((tensor, PrologueSource("tile", value.reshape(rows, pitch), row0, batch_step // pitch, col0)))
+            continue
+        kind, table = ("row", flat[:, :, 0]) if by_row or by_batch else ("col", flat[:, 0, :])
+        table = table if by_batch else table[:1]
+        length, start = table.shape[1], int(table[0, 0])
+        batch_step = int(table[1, 0] - table[0, 0]) if by_batch else 0
+        expected = start + np.arange(table.shape[0]).reshape(-1, 1) * batch_step + np.arange(length).reshape(1, -1)
+        # a window of `length` values at a row of the tensor viewed [size / length, length]: a vector
+        # as it lies, or one slot of stacked ones (a mean and a second moment, a statistic per batch entry)
+        if (not np.array_equal(table, expected) or start % length or batch_step % length or size % length
+                or start < 0):
+            raise NotImplementedError(f"the prologue reads {tensor!r} other than as a vector as it lies")
+        if not vector_fits(length, dtype.itemsize):
+            raise NotImplementedError(f"a prologue vector of {length} {dtype} (a stride TMA cannot take)")
+        loads.append((tensor, PrologueSource(kind, value.reshape(size // length, length), start // length,
+                                             batch_step // length)))
+    if not any(source.kind == "tile" for _, source in loads):
+        raise NotImplementedError("a prologue that reads no [rows, K] tile")
+    return [t for t, _ in loads], [source for _, source in loads]
+
+
 def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape: tuple[int, int, int]):
     """`value` with its axes ordered batch, first, second and flattened to `shape` `[batch, ., .]`."""
     order = (*batch_axes, *first_axes, *second_axes)
@@ -469,8 +773,14 @@ def emit(kernel, ctx) -> dict:
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    lhs_value, rhs_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([lhs, rhs])
-    a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
+    prologue = in_kernel_prologue(lhs, rhs, dims, ty, axes, ctx.value)
+    evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
+    if prologue is None:  # A read as it lies, or computed whole by XLA (one fusion) into [batch, rows, K]
+        lhs_value, rhs_value = evaluator.run([lhs, rhs])
+        a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
+    else:
+        (rhs_value,) = evaluator.run([rhs])
+        a = jax.ShapeDtypeStruct((batch, m, k), jnp.dtype(lhs_type.dtype))
     w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
@@ -492,5 +802,5 @@ def emit(kernel, ctx) -> dict:
         return jnp.reshape(value, (em, en))
 
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
-                interpret=ctx.interpret, name=kernel.name)
+                interpret=ctx.interpret, name=kernel.name, prologue=prologue)
     return {term: out.reshape(out_type.shape)}

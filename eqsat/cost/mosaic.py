@@ -7,7 +7,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
-| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]`, B `[K↑, cta_n]`, epilogue tiles / vectors | an operand that is not a view of one tensor in `[batch, rows, K]` order or that the tiles do not divide: written laid out (its prologue computed once there); the padded output sliced back |
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
 | conv | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
@@ -45,7 +45,9 @@ from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
-                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps)
+                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps,
+                                 fits_tiles, matmul_in_place, minor_tile, prologue_blocks, tile_fits, vector_fits)
+from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
 MOSAIC_OPS = frozenset({"Matmul", "Conv", "Attention"})
@@ -161,14 +163,37 @@ def covers_term(kernel: Term) -> bool:
 # --- operand expressions -------------------------------------------------------------------------
 
 
-def in_place(expr: Term | None) -> bool:
-    """Whether an operand expression is one tensor read as it lies (a `Load`, through reshapes):
-    the template's TMA reads it without a copy. None (types only, an e-node): assumed so."""
+def stored_axes(expr: Term | None) -> tuple[int, ...] | None:
+    """For an operand expression that reads one tensor as it lies up to one permutation (a `Load`
+    through reshapes, under at most one `Transpose`: a prepared weight stored `[K, N]` and read back
+    as the `[N, K]` the plan names), each of its axes' position in the stored row-major order;
+    None for anything else. Types only (None): the identity."""
     if expr is None:
-        return True
-    while expr.op == "Reshape":
-        expr = expr.args[0]
-    return expr.op == "Load"
+        return None
+    perm = None
+    node = expr
+    if node.op == "Transpose":
+        perm, node = ints(node.args[1]), node.args[0]
+    while node.op == "Reshape":
+        node = node.args[0]
+    if node.op != "Load":
+        return None
+    rank = len(parse_type(expr.ty).shape)
+    return tuple(perm) if perm is not None else tuple(range(rank))
+
+
+def read_in_order(expr: Term | None, order: tuple[int, ...], ordered_by_type: bool) -> bool:
+    """Whether the template reads the operand `expr` as it lies when it wants its axes in `order`
+    (batch, rows, K for A; batch, K, columns for B): a view of one tensor whose stored order lists
+    them so (size-1 axes aside; transposes cancel, no copy). Types only: `ordered_by_type`."""
+    if expr is None:
+        return ordered_by_type
+    axes = stored_axes(expr)
+    if axes is None:
+        return False
+    shape = parse_type(expr.ty).shape
+    kept = [axes[a] for a in order if shape[a] != 1]
+    return kept == sorted(kept)
 
 
 def is_view(expr: Term | None) -> bool:
@@ -239,6 +264,8 @@ class MatmulLayout:
     k: int
     lhs_ordered: bool   # A's axes are (batch, rows, K) already
     rhs_ordered: bool   # B's axes are (batch, K, columns) already
+    lhs_order: tuple[int, ...] = ()  # A's axes in the order the template reads them
+    rhs_order: tuple[int, ...] = ()
 
 
 def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
@@ -249,12 +276,71 @@ def matmul_layout(lhs_ty: str, rhs_ty: str, dims: str) -> MatmulLayout:
     batch, k = math.prod(lhs[a] for a in lb), math.prod(lhs[a] for a in lc)
     m, n = math.prod(lhs[a] for a in lf), math.prod(rhs[a] for a in rf)
     return MatmulLayout(batch, m, n, k, (*lb, *lf, *lc) == tuple(range(len(lhs))),
-                        (*rb, *rc, *rf) == tuple(range(len(rhs))))
+                        (*rb, *rc, *rf) == tuple(range(len(rhs))), (*lb, *lf, *lc), (*rb, *rc, *rf))
 
 
 def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
     """The template's `MosaicBlocks` for an `m x k @ k x n` matmul (`emit.mosaic.matmul`)."""
-    return MosaicBlocks.get_default(max(m, 1), max(n, 1), max(k, 1))
+    return tiled_matmul_blocks(max(m, 1), max(n, 1), max(k, 1))
+
+
+# A expressions the matmul template computes in the kernel, per A tile in SMEM: elementwise ops on
+# [rows, K] tiles of tensors as they lie (a column window of one: GEGLU's halves) and on vectors
+# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `RowReduce`
+# (the statistics of a LayerNorm computed in the operand: its whole row before the first step), not
+# a `Transpose` (a permuted source, NCHW read as tokens: not [rows, K] tiles).
+PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Broadcast", "Slice"})
+
+
+def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
+    """The A prologue's sources as the matmul template reads them in the kernel, `(kind, itemsize)`
+    each (`tile`, `col` along K, `row` along the rows); or why the template does not compute this A
+    in the kernel (A read as it lies needs no prologue; other forms XLA computes whole, one fusion).
+    By sizes and types, as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by
+    their indices and also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
+    shape = matmul_layout(lhs.ty, rhs.ty, dims)
+    batch, m, n, k = shape.batch, shape.m, shape.n, shape.k
+    blocks = prologue_blocks(matmul_blocks(m, n, k))
+    if read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and matmul_in_place(m, n, k, blocks).a:
+        return "A is read as it lies"
+    ops = {node.op for node in expr_nodes(lhs)}
+    if not ops <= PROLOGUE_OPS:
+        return f"an A expression with {', '.join(sorted(ops - PROLOGUE_OPS))}"
+    if k % blocks.tile_k:
+        return f"K = {k} is not a multiple of the {blocks.tile_k}-element steps"
+    reads, seen = [], set()
+    for node in expr_nodes(lhs):
+        if node.op != "Load" or id(node.args[0]) in seen:
+            continue
+        tensor = node.args[0]
+        seen.add(id(tensor))
+        size, item = size_of(tensor.ty), _itemsize(tensor.ty)
+        dims_of = parse_type(tensor.ty).shape
+        if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
+            return f"a source of {parse_type(tensor.ty).dtype}"
+        if size >= batch * m * k and dims_of:
+            pitch = dims_of[-1]
+            if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(blocks.tile_k, item)):
+                return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
+            # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
+            reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
+        elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
+            reads.extend([("row", item)] * max(1, size // (batch * m)))
+        elif size % k == 0 and vector_fits(k, item):
+            reads.extend([("col", item)] * max(1, size // (batch * k)))
+        else:
+            return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    if not any(kind == "tile" for kind, _ in reads):
+        return "no [rows, K] tile"
+    return reads
+
+
+def prologue_declined(lhs: Term | None, rhs: Term | None, dims: str, out_ty: str) -> str | None:
+    """None when the matmul template computes A in the kernel (`prologue_reads`), else why not."""
+    if lhs is None or rhs is None:
+        return "types only"
+    reads = prologue_reads(lhs, rhs, dims, out_ty)
+    return reads if isinstance(reads, str) else None
 
 
 def matmul_work(term: Term) -> MosaicWork:
@@ -270,29 +356,55 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
-    blocks = fit_smem(matmul_blocks(shape.m, shape.n, shape.k), item, out_item, reads.smem_operands)
+    prologue = prologue_reads(lhs, rhs, dims, out_ty) if lhs is not None and rhs is not None else "types only"
+    in_kernel = not isinstance(prologue, str)
+    blocks = matmul_blocks(shape.m, shape.n, shape.k)
+    blocks = fit_smem(prologue_blocks(blocks) if in_kernel else blocks, item, out_item, reads.smem_operands,
+                      prologue=prologue if in_kernel else None)
     mp, np_, kp = (_round_up(shape.m, blocks.tile_m), _round_up(shape.n, blocks.cta_tile_n),
                    _round_up(shape.k, blocks.tile_k))
     ctas = shape.batch * (mp // blocks.tile_m) * (np_ // blocks.cta_tile_n)
-    a_bytes, b_bytes = shape.batch * mp * kp * item, shape.batch * kp * np_ * item
+    # which arrays the kernel uses as they lie (`matmul_in_place`), which are padded to the tiles
+    place = matmul_in_place(shape.m, shape.n, shape.k, blocks, out_item)
+    m, n, k, batch = shape.m, shape.n, shape.k, shape.batch
+    (ma, ka), (kb, nb) = (m, k) if place.a else (mp, kp), (k, n) if place.b else (kp, np_)
+    rows, cols = (m, n) if place.out else (mp, np_)
+    a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = []
-    if not (in_place(lhs) and shape.lhs_ordered and is_view(lhs)) or (mp, kp) != (shape.m, shape.k):
+    if in_kernel:  # the prologue's sources as they lie instead of A
+        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
+    elif not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
         glue.append(Glue("A laid out", a_bytes))
-    if not (in_place(rhs) and shape.rhs_ordered and is_view(rhs)) or (kp, np_) != (shape.k, shape.n):
+    if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
-    tma = ctas * (blocks.tile_m * kp + kp * blocks.cta_tile_n) * item
+    a_tile_bytes = blocks.tile_m * kp * item if not in_kernel else sum(
+        size * {"tile": blocks.tile_m * kp, "col": kp, "row": blocks.tile_m * (kp // blocks.tile_k)}[kind]
+        for kind, size in prologue)
+    tma = ctas * (a_tile_bytes + kp * blocks.cta_tile_n * item)
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
-    epilogue_read = shape.batch * (sum(reads.tiles) * mp * np_ + sum(reads.cols) * np_ + sum(reads.rows) * mp)
-    if (mp, np_) != (shape.m, shape.n):
-        for item_bytes in reads.tiles:
-            glue.append(Glue("residual padded", shape.batch * mp * np_ * item_bytes))
-        store = shape.batch * mp * np_ * out_item
-        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))  # the padded store, read back
+    epilogue_read = 0
+    for item_bytes in reads.tiles:
+        if tile_fits(m, n, blocks, item_bytes):
+            epilogue_read += batch * m * n * item_bytes
+        else:
+            epilogue_read += batch * rows * cols * item_bytes
+            glue.append(Glue("residual padded", batch * rows * cols * item_bytes))
+    for what, vectors, length, padded in (("column", reads.cols, n, cols), ("row", reads.rows, m, rows)):
+        for item_bytes in vectors:
+            if vector_fits(length, item_bytes):
+                epilogue_read += batch * length * item_bytes
+            else:
+                epilogue_read += batch * padded * item_bytes
+                glue.append(Glue(f"{what} vector padded", batch * padded * item_bytes))
+    if not place.out:
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item))  # read back
+    # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
+    again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
-                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k)
+                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k, alu_flops=again)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
-                      shape.batch * mp * np_ * out_item, shape.batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
+                      batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
 
 
 # --- conv ----------------------------------------------------------------------------------------

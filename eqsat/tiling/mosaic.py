@@ -2,6 +2,7 @@
 the templates and by the cost model (`eqsat.cost.mosaic`) alike.
 
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
+    reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
@@ -65,9 +66,10 @@ class MosaicBlocks:
         return cls(tile_m, tile_n, 64, stages=max(2, min(4, k_steps)), compute_wgs=compute_wgs)
 
     def validate(self) -> None:
-        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
-            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k} must be multiples of 64 "
-                             "(wgmma rows per warpgroup; 128-byte swizzle of halves)")
+        if self.tile_m % 64 or self.tile_k not in (32, 64) or self.tile_n % self.tile_k or self.tile_n > 256:
+            raise ValueError(f"tiles {self.tile_m}x{self.tile_n}x{self.tile_k}: tile_m must be multiples of 64 "
+                             "(wgmma rows per warpgroup), tile_k 64 or 32 (one 128- or 64-byte swizzle row of "
+                             "halves) and tile_n a multiple of tile_k up to 256 (B's minor SMEM tile, wgmma's N)")
         if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
             raise ValueError(f"epilogue tile {self.epi_m}x{self.epi_n} must divide {self.tile_m}x{self.tile_n}")
         if self.stages < 2:
@@ -77,12 +79,19 @@ class MosaicBlocks:
 
 
 def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-                      operands: Sequence[tuple[str, int]] = ()) -> int:
+                      operands: Sequence[tuple[str, int]] = (),
+                      prologue: Sequence[tuple[str, int]] | None = None) -> int:
     """Shared memory of one CTA: the ring of `stages` A `[tile_m, tile_k]` and B `[tile_k, cta_tile_n]`
     tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
-    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`."""
+    vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`. With an A `prologue` (its
+    sources' `(kind, itemsize)`), the ring holds the sources' blocks in place of A's, and A has a
+    2-slot stage of its own."""
     wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
     ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
+    if prologue is not None:  # the ring holds the prologue's source blocks instead of A; A's two stage slots
+        tm, tk = blocks.tile_m, blocks.tile_k
+        sources = sum(size * {"tile": tm * tk, "col": tk, "row": tm}[kind] for kind, size in prologue)
+        ring = blocks.stages * (sources + tk * blocks.cta_tile_n * itemsize) + 2 * tm * tk * itemsize
     epilogue = wgs * 2 * em * en * out_itemsize
     for kind, size in operands:
         epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
@@ -90,13 +99,120 @@ def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
 
 
 def fit_smem(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
-             operands: Sequence[tuple[str, int]] = ()) -> MosaicBlocks:
+             operands: Sequence[tuple[str, int]] = (),
+             prologue: Sequence[tuple[str, int]] | None = None) -> MosaicBlocks:
     """`blocks` with as many pipeline stages (down to 2) as fit `SMEM_BYTES` beside the epilogue's
     buffers: a 128 x 256 tile with a residual read in the epilogue keeps 3 of its 4 (4 need 246,880
     bytes, over the 232,448 Mosaic allows)."""
-    while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands) > SMEM_BYTES:
+    while blocks.stages > 2 and matmul_smem_bytes(blocks, itemsize, out_itemsize, operands, prologue) > SMEM_BYTES:
         blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
     return blocks
+
+
+ROW_TILE = 8  # rows of the SMEM tiles a TMA copy fills (wgmma's 8 x 128-byte core matrices)
+SWIZZLE_BYTES = 128  # the widest swizzle: a minor tile dimension spans at most 128 bytes
+
+
+def minor_tile(width: int, itemsize: int) -> int:
+    """Elements along the minor axis of the SMEM tiles of a `width`-element tile row: the TMA
+    copy's tiling (8, swizzle / itemsize), the swizzle the widest of 128, 64, 32 bytes the row
+    holds (`plgpu.find_swizzle`)."""
+    swizzle = next(s for s in (128, 64, 32, 16) if (width * itemsize) % s == 0)
+    return swizzle // itemsize
+
+
+def fits_tiles(rows: int, cols: int, minor: int) -> bool:
+    """Whether Mosaic GPU 0.10.2 TMA-copies tiles of a `[rows, cols]` array as it lies: it tiles the
+    global array itself (`launch_context.TileTransform.transform_gmem_shape`), so a dimension larger
+    than its tile must be a multiple of it ("When no rounding mode is specified, dimension 1 must
+    have size smaller or a multiple of its tiling 8, but got 77"), and every stride but the last
+    must be a multiple of 16 bytes (`cols` a multiple of 8 for 16-bit elements)."""
+    return (rows % ROW_TILE == 0 or rows < ROW_TILE) and (cols % minor == 0 or cols < minor) and cols % 8 == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """Which arrays the matmul template uses as they lie (no padded copy before the kernel, no slice
+    after it): A `[batch, M, K]`, B `[batch, K, N]`, the output `[batch, M, N]` and a residual read
+    in the epilogue. A box past the end of an array is read as zeros by TMA (the K tail adds
+    nothing; rows and columns past M and N are computed and never stored). The output is written
+    in place only with tiles that stay inside it: the last M and N tiles start early, so they end
+    at the array's edge (recomputing some of their neighbour's rows or columns, the same values,
+    written twice); GPU interpret mode drops a partially out-of-bounds store whole
+    (`Buffer.__setitem__` raises, `store_buffer_content` ignores it) where TMA clips it, so M and N
+    must hold one tile. An output written padded keeps the tiles on the grid, and then a residual
+    that fits the tiles is read past its end (zeros, on rows and columns dropped)."""
+
+    a: bool
+    b: bool
+    out: bool
+    residual: bool
+
+    @property
+    def all(self) -> bool:
+        return self.a and self.b and self.out
+
+
+def vector_fits(length: int, itemsize: int) -> bool:
+    """Whether a `[batch', length]` row or column vector of the epilogue is TMA-copied as it lies:
+    its batch stride a multiple of 16 bytes (a bias of 96 halves is, a per-token float32 scale of
+    77 rows is not: "async_copy requires all GMEM strides except the last one to be a multiple of
+    16 bytes"), else it is padded to the tiles."""
+    return (length * itemsize) % 16 == 0
+
+
+def tile_fits(m: int, n: int, blocks: "MosaicBlocks", itemsize: int) -> bool:
+    """Whether an `[M, N]` array of `itemsize`-byte elements read (or written) in `epi_m x epi_n`
+    epilogue tiles can be TMA-copied as it lies (`fits_tiles`)."""
+    return m % ROW_TILE == 0 and fits_tiles(m, n, minor_tile(blocks.epi_n, itemsize))
+
+
+def matmul_in_place(m: int, n: int, k: int, blocks: "MosaicBlocks", out_itemsize: int = 2,
+                    residual_itemsize: int = 2) -> InPlace:
+    """`InPlace` of an `m x k @ k x n` matmul (16-bit operands) at `blocks`."""
+    q = blocks.tile_k  # the operands' minor tile (`validate`: tile_k is one swizzle row)
+    k_fits = k % q == 0 or k < q
+    return InPlace(
+        a=m % ROW_TILE == 0 and k_fits and fits_tiles(m, k, q),
+        b=k_fits and fits_tiles(k, n, q),
+        out=m >= blocks.tile_m and n >= blocks.cta_tile_n and tile_fits(m, n, blocks, out_itemsize),
+        residual=tile_fits(m, n, blocks, residual_itemsize),
+    )
+
+
+def reads_in_place(m: int, n: int, k: int, blocks: "MosaicBlocks") -> bool:
+    """Whether A, B and the output are all used as they lie (`matmul_in_place`)."""
+    return matmul_in_place(m, n, k, blocks).all
+
+
+def prologue_blocks(blocks: MosaicBlocks) -> MosaicBlocks:
+    """`blocks` for a matmul whose A prologue runs in the kernel: one compute warpgroup (it computes
+    each A tile once into SMEM; two would each compute it for their own columns)."""
+    return dataclasses.replace(blocks, compute_wgs=1)
+
+
+def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
+    """The matmul template's tiles for `m x k @ k x n`: `MosaicBlocks.get_default`, or where that
+    cannot use the operands in place (`matmul_in_place`) and other tiles can, the widest such: a
+    64-row tile for 64-127 rows, one 64-column warpgroup for N = 64, and for N a multiple of 32 but
+    not of 64 (96, 160) or below 64, 32-element K steps (a 64-byte swizzle: every operand's minor
+    tile 32 elements) with warpgroups of N up to 128 columns (96: one, 32: one of 32)."""
+    blocks = MosaicBlocks.get_default(max(m, 1), max(n, 1), max(k, 1))
+
+    def score(candidate):
+        place = matmul_in_place(m, n, k, candidate)
+        return place.out + place.a + place.b + place.residual
+
+    best = blocks
+    for tile_k in (64, 32):
+        widths = [(w, g) for g in (2, 1) for w in (128, 96, 64, 32) if w % tile_k == 0]
+        for tile_m in (blocks.tile_m, 64):
+            for tile_n, wgs in [(blocks.tile_n, blocks.compute_wgs)] + sorted(widths, key=lambda c: -c[0] * c[1]):
+                candidate = dataclasses.replace(blocks, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, compute_wgs=wgs,
+                                                epi_n=64 if tile_n % 64 == 0 else 32)
+                if score(candidate) > score(best):
+                    best = candidate
+    return best
 
 
 # --- conv ---------------------------------------------------------------------------------------
