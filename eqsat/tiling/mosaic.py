@@ -3,6 +3,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
 
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
+    HaloGrid, halo_conv_uncovered, halo_blocks,      the haloed conv's grid, what it takes, its tiles and SMEM
+    halo_smem_bytes                                  (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -195,6 +197,90 @@ def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> MosaicBlock
     B tile loaded to save < 3 % of padded rows)."""
     blocks = MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
     return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloGrid:
+    """The haloed conv template's grid (`emit.mosaic.conv_halo`): per image, the input zero-padded by
+    the conv's padding as a flat `[Hp * Wp, C]` grid of pitch `Wp = px0 + W + px1` (no rounding: A
+    tiles are loaded from SMEM into registers at any row); output pixel `(oy, ox)` is flat row
+    `q = oy * Wp + ox` (columns `ox >= Wo` computed and dropped) and tap `(ky, kx)` reads padded row
+    `q + ky * Wp + kx`. A CTA owns `tile_m` flat rows `[q0, q0 + tile_m)` of one image and stages the
+    padded rows `[q0 // Wp, q0 // Wp + staged_rows)` of the input in SMEM: `staged_rows` is the
+    most any CTA needs for its rows and the halo."""
+
+    geometry: ConvGeometry
+    tile_m: int
+
+    @property
+    def pitch(self) -> int:
+        (px0, px1) = self.geometry.params.padding[1]
+        return px0 + self.geometry.in_size[1] + px1
+
+    @property
+    def out_rows(self) -> int:
+        """Flat rows per image that hold outputs (`Ho` rows of the pitch)."""
+        return self.geometry.out_size[0] * self.pitch
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.out_rows // self.tile_m)
+
+    @property
+    def halo(self) -> int:
+        kh, kw = self.geometry.window
+        return (kh - 1) * self.pitch + (kw - 1)
+
+    @property
+    def staged_rows(self) -> int:
+        wp = self.pitch
+        return max(-(-(m * self.tile_m % wp + self.tile_m + self.halo) // wp) for m in range(self.m_tiles))
+
+    @property
+    def staging(self) -> int:
+        """SMEM rows of one staged chunk: the staged padded rows, rounded up to 64 (prologue slabs)."""
+        return -(-self.staged_rows * self.pitch // 64) * 64
+
+
+def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int) -> str | None:
+    """Why the haloed template does not take this conv (None when it does): it reads the input by
+    per-row TMA copies of `[W, 64]` channel chunks, so it needs unit strides and dilations, at most
+    a 3x3 window, channels a multiple of 64 of a 16-bit dtype, and a row of at most 256 pixels (a
+    TMA box side)."""
+    p = geometry.params
+    if tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1):
+        return f"strides {tuple(p.strides)}, dilation {tuple(p.rhs_dilation)}"
+    if any(k > 3 for k in geometry.window):
+        return f"a {geometry.window} window"
+    if geometry.in_features % CHUNK or itemsize != 2:
+        return f"{geometry.in_features} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
+    if geometry.in_size[1] > 256:
+        return f"rows of {geometry.in_size[1]} pixels (a TMA box side is at most 256)"
+    return None
+
+
+def halo_blocks(out_rows: int, out_features: int) -> MosaicBlocks:
+    """The haloed template's tiles: one compute warpgroup, `tile_m` 64 or 128 (whichever pads an
+    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least), a
+    3-slot weight ring."""
+    def padded(size, tile):
+        return -(-size // tile) * tile
+
+    tile_m = min((128, 64), key=lambda t: (padded(out_rows, t), -t))
+    tile_n = min((128, 64), key=lambda t: (padded(out_features, t), -t))
+    return MosaicBlocks(tile_m, tile_n, CHUNK, stages=3, compute_wgs=1)
+
+
+def halo_smem_bytes(grid: HaloGrid, blocks: MosaicBlocks, vectors: int, operands: Sequence[tuple[str, int]],
+                    out_itemsize: int) -> int:
+    """Shared memory of one haloed-conv CTA: two staged chunks, the weight ring, the row mask, the
+    prologue's per-channel vectors (two slots, float32), the epilogue's output and operand sub-tiles."""
+    staged = 2 * grid.staging * CHUNK * 2
+    ring = blocks.stages * CHUNK * blocks.tile_n * 2
+    epilogue = 2 * blocks.epi_m * blocks.epi_n * out_itemsize
+    for kind, size in operands:
+        epilogue += size * {"tile": blocks.epi_m * blocks.epi_n, "row": blocks.epi_m, "col": blocks.epi_n}[kind]
+    return staged + ring + grid.staging * 2 + vectors * 2 * CHUNK * 4 + epilogue
 
 
 # --- attention ----------------------------------------------------------------------------------
