@@ -240,7 +240,7 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                        for smem in vector_smems]
             for s in range(grid.staging // 64):
                 rows = staged.at[slot, pl.ds(s * 64, 64)]
-                mask = lax.broadcast_in_dim(load(mask_smem.at[pl.ds(s * 64, 64)], plgpu.Layout.WGMMA.reduce(1)),
+                mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
                                             (64, CHUNK), (0,))
                 value = prologue(load(rows, plgpu.Layout.WGMMA), vectors)
                 rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
@@ -295,7 +295,7 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
         staged=plgpu.SMEM((2, grid.staging, CHUNK), dtype),
         ring=plgpu.SMEM((stages, CHUNK, tile_n), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         a_tiles=plgpu.SMEM((2, tile_m, CHUNK), dtype, transforms=mm._swizzled(CHUNK, dtype)),
-        mask_smem=plgpu.SMEM((grid.staging,), mask_gmem.dtype),
+        mask_smem=plgpu.SMEM((grid.staging // 64, 64), mask_gmem.dtype),
         vector_smems=[plgpu.SMEM((2, CHUNK), ref.dtype) for ref in vector_gmems],
         out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
@@ -334,7 +334,7 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, *, prologue=lambda slab, _
     batch = g.batch
     m_padded = grid.m_tiles * grid.tile_m
     n_padded = w.shape[1]
-    mask = jnp.asarray(row_mask(grid))
+    mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
     arrays, kinds, shared = [], [], []
     for operand in operands:
         a = operand.array
@@ -393,3 +393,54 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     valid = (oy < ho) & (ox < wo)
     oy, ox = np.where(valid, oy, 0), np.where(valid, ox, 0)
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
+
+
+# --- emit: a plan's Conv term --------------------------------------------------------------------------
+
+
+def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
+    """`{kernel.term: value}` for a plan's `Conv` kernel as the haloed template, or `HaloUncovered`.
+    `parts` are its K ranges (`emit.pallas.conv.k_ranges`); `tile_epilogue(tensors)` the epilogue on
+    an `[epi_m, epi_n]` sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`)."""
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    lhs, rhs, _params_key, epilogue, ty = term.args
+    params, out_type = geometry.params, parse_type(ty)
+    lhs_type = parse_type(lhs.ty)
+    if tuple(params.lhs_spec) != NHWC:
+        raise HaloUncovered(f"an input of layout {params.lhs_spec} (the template stages NHWC rows)")
+    reason = halo_conv_uncovered(geometry, jnp.dtype(lhs_type.dtype).itemsize)
+    if reason is not None:
+        raise HaloUncovered(reason)
+    if len(parts) != 1:
+        raise HaloUncovered(f"{len(parts)} K ranges")
+    (part,) = parts
+    window = tuple(geometry.window)
+    if part.taps != ((0, window[0]), (0, window[1])) or part.lhs_offset or part.rhs_offset:
+        raise HaloUncovered(f"a K range over taps {part.taps} from channel {part.lhs_offset}")
+    tensors, sources, vectors = prologue_sources(part.lhs, lhs_type.shape, ctx.value)
+    x_tensor = tensors[sources.index("input")]
+    x = ctx.value(x_tensor)
+    if jnp.dtype(x.dtype) != jnp.dtype(lhs_type.dtype):
+        raise HaloUncovered(f"an input tensor of {x.dtype} under a {lhs_type.dtype} input expression")
+
+    blocks = halo_blocks(HaloGrid(geometry, 64).out_rows, geometry.out_features)
+    grid = HaloGrid(geometry, blocks.tile_m)
+    n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
+    m_padded = grid.m_tiles * grid.tile_m
+    out_index = output_index(grid, m_padded, geometry.out_features)
+    epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
+                                               ctx.value)
+
+    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known.values = ctx.values
+    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([part.rhs])
+    from emit.mosaic.conv import layout_weights
+    from eqsat.tiling.mosaic import RangeTaps
+
+    w = layout_weights(w.astype(x.dtype), params.rhs_spec, RangeTaps(geometry.in_features, part.taps, 0, 0), n_padded)
+    flat = build(x, w, grid, prologue=slab_prologue(part.lhs, tensors, sources), vectors=vectors,
+                 epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype, blocks=blocks,
+                 interpret=ctx.interpret, name=kernel.name)
+    return {term: unflatten(flat, grid, geometry.out_features)}
