@@ -49,11 +49,10 @@ from jax import lax
 from emit import expr as ex
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import _place
-from eqsat.tiling.mosaic import CHUNK, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered  # noqa: F401
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered,
+                                 halo_uncovered)
 from eqsat.types import parse_type
 
-NHWC = (0, 3, 1, 2)
-PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose", "Broadcast", "Slice"})
 
 
 class HaloUncovered(NotImplementedError):
@@ -311,10 +310,10 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
 
-def build(x: jax.Array, w: jax.Array, grid: HaloGrid, *, prologue=lambda slab, _: slab,
+def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, prologue=lambda slab, _: slab,
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
-          operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
-          interpret: Any = None, name: str = "conv") -> jax.Array:
+          operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
+          name: str = "conv") -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output): `x` the raw NHWC input, `w` from `emit.mosaic.conv.layout_weights` (`[taps * C, N↑]`),
     `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', C]` tables, `operands`
@@ -327,7 +326,6 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, *, prologue=lambda slab, _
     reason = halo_conv_uncovered(g, jnp.dtype(x.dtype).itemsize)
     if reason is not None:
         raise HaloUncovered(reason)
-    blocks = blocks or halo_blocks(grid.out_rows, g.out_features)
     if blocks.tile_m != grid.tile_m:
         raise ValueError(f"blocks' tile_m {blocks.tile_m} is not the grid's {grid.tile_m}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -408,25 +406,31 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
     lhs, rhs, _params_key, epilogue, ty = term.args
     params, out_type = geometry.params, parse_type(ty)
     lhs_type = parse_type(lhs.ty)
-    if tuple(params.lhs_spec) != NHWC:
-        raise HaloUncovered(f"an input of layout {params.lhs_spec} (the template stages NHWC rows)")
-    reason = halo_conv_uncovered(geometry, jnp.dtype(lhs_type.dtype).itemsize)
+    reason = halo_uncovered(geometry, [(part.channels, part.taps) for part in parts],
+                            jnp.dtype(lhs_type.dtype).itemsize, lhs, lhs.ty)
     if reason is not None:
         raise HaloUncovered(reason)
-    if len(parts) != 1:
-        raise HaloUncovered(f"{len(parts)} K ranges")
     (part,) = parts
-    window = tuple(geometry.window)
-    if part.taps != ((0, window[0]), (0, window[1])) or part.lhs_offset or part.rhs_offset:
-        raise HaloUncovered(f"a K range over taps {part.taps} from channel {part.lhs_offset}")
+    if part.lhs_offset or part.rhs_offset:
+        raise HaloUncovered(f"a K range from channel {part.lhs_offset}")
     tensors, sources, vectors = prologue_sources(part.lhs, lhs_type.shape, ctx.value)
     x_tensor = tensors[sources.index("input")]
     x = ctx.value(x_tensor)
     if jnp.dtype(x.dtype) != jnp.dtype(lhs_type.dtype):
         raise HaloUncovered(f"an input tensor of {x.dtype} under a {lhs_type.dtype} input expression")
 
-    blocks = halo_blocks(HaloGrid(geometry, 64).out_rows, geometry.out_features)
-    grid = HaloGrid(geometry, blocks.tile_m)
+    grid_of = functools.partial(HaloGrid, geometry)
+    # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
+    probe = grid_of(128)
+    _, probe_operands = mm.mapped_operands(epilogue, output_index(probe, probe.m_tiles * 128, geometry.out_features),
+                                           (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
+    blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
+                         [jnp.dtype(v.dtype).itemsize for v in vectors],
+                         [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
+                         jnp.dtype(out_type.dtype).itemsize)
+    if blocks is None:
+        raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
     m_padded = grid.m_tiles * grid.tile_m
     out_index = output_index(grid, m_padded, geometry.out_features)
@@ -440,7 +444,7 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
     from eqsat.tiling.mosaic import RangeTaps
 
     w = layout_weights(w.astype(x.dtype), params.rhs_spec, RangeTaps(geometry.in_features, part.taps, 0, 0), n_padded)
-    flat = build(x, w, grid, prologue=slab_prologue(part.lhs, tensors, sources), vectors=vectors,
-                 epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype, blocks=blocks,
+    flat = build(x, w, grid, blocks, prologue=slab_prologue(part.lhs, tensors, sources), vectors=vectors,
+                 epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name)
     return {term: unflatten(flat, grid, geometry.out_features)}

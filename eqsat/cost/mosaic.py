@@ -45,7 +45,8 @@ from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
-                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps)
+                                 FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, halo_blocks,
+                                 halo_input_loads, halo_uncovered, padded_head, plan_taps)
 from eqsat.types import ints, parse_type
 
 MOSAIC_OPS = frozenset({"Matmul", "Conv", "Attention"})
@@ -328,11 +329,11 @@ def window_of(taps: int, window: tuple[int, int]) -> tuple:
 
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, lhs)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None) -> MosaicWork:
+                 epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork:
     """`emit.mosaic.conv.build` on this conv: the flat padded grid's CTAs, its pipeline steps
     (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
     and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
@@ -347,6 +348,10 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
+    if halo_uncovered(geometry, ranges, _itemsize(lhs_ty), lhs, lhs_ty) is None:
+        work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, lhs)
+        if work is not None:
+            return work
     taps = plan_taps(grid, ranges)
     steps = sum(r.steps for r in taps)
     cout = geometry.out_features
@@ -373,6 +378,62 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
                         steps=steps)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read, store, m_padded * n_padded,
                       tuple(glue), blocks.compute_wgs + 1)
+
+
+def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
+                   epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork | None:
+    """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
+    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per 64-channel chunk the
+    staged input rows (the CTA's and the halo) and the input expression's per-channel vectors by TMA,
+    per step (tap x chunk) a `[64, tile_n]` weight tile; the input read as it lies (no fusion), the
+    fusions: the weights as `[taps·C, N↑]`, per-channel tables gathered from per-group statistics, a
+    residual mapped onto the flat rows, the output unflattened. The input expression runs on every
+    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): its flops
+    beyond one evaluation per element are `alu_flops`."""
+    item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    batch, cin, cout = geometry.batch, geometry.in_features, geometry.out_features
+    out_elements = size_of(out_ty)
+    loads = halo_input_loads(lhs, lhs_ty) if lhs is not None else ([], [])
+    vector_loads = loads[1]
+    vectors = [_itemsize(node.args[0].ty) for node in vector_loads]
+    reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    grid_of = lambda tile_m: HaloGrid(geometry, tile_m)  # noqa: E731
+    blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item)
+    if blocks is None:
+        return None
+    grid = grid_of(blocks.tile_m)
+    kh, kw = geometry.window
+    chunks, taps = cin // CHUNK, kh * kw
+    steps = chunks * taps
+    m_padded = grid.m_tiles * blocks.tile_m
+    n_padded = _round_up(cout, blocks.tile_n)
+    ctas = batch * grid.m_tiles * (n_padded // blocks.tile_n)
+    width = geometry.in_size[1]
+    sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+    per_cta = (chunks * (grid.staged_rows * width * CHUNK * item + sum(vectors) * CHUNK)
+               + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
+               + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
+                              + sum(reads.rows) * blocks.epi_m))
+    x_bytes = size_of(lhs_ty) * item
+    w_bytes = taps * cin * n_padded * item
+    vector_bytes = sum(batch * cin * v for v in vectors)
+    mask_bytes = grid.m_tiles * grid.staging * 2
+    epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+    glue = [Glue("weights laid out", w_bytes)]
+    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
+    if gathered:  # per-group statistics gathered per channel (one small fusion)
+        glue.append(Glue("prologue vectors per channel", sum(batch * cin * _itemsize(n.args[0].ty) for n in gathered)))
+    for item_bytes in reads.tiles:
+        glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
+    store = batch * m_padded * n_padded * out_item
+    glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
+    evaluated = ctas * chunks * grid.staging * CHUNK  # the prologue runs on every staged slab
+    per_element = once_flops(lhs) / max(size_of(lhs_ty), 1) if lhs is not None else 0.0
+    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
+    work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
+                        steps=steps, alu_flops=max(0.0, evaluated - size_of(lhs_ty)) * per_element)
+    return MosaicWork(work, blocks.stages, ctas * per_cta, x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read,
+                      store, batch * m_padded * n_padded, tuple(glue), 1)
 
 
 # --- attention -----------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
 
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
-    HaloGrid, halo_conv_uncovered, halo_blocks,      the haloed conv's grid, what it takes, its tiles and SMEM
-    halo_smem_bytes                                  (emit.mosaic.conv_halo)
+    HaloGrid, halo_uncovered, halo_input_loads,      the haloed conv's grid, what it takes, its tiles and SMEM
+    halo_blocks, halo_smem_bytes                     (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -17,6 +17,7 @@ import dataclasses
 from typing import Sequence
 
 from eqsat.tiling.conv import ConvGeometry
+from eqsat.types import parse_type
 
 # An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
 SMEM_BYTES = 232448 - 1024
@@ -259,28 +260,100 @@ def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int) -> str | None:
     return None
 
 
-def halo_blocks(out_rows: int, out_features: int) -> MosaicBlocks:
+NHWC = (0, 3, 1, 2)
+# What the haloed conv's input expression may hold: loads, literals, elementwise ops and views.
+PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose", "Broadcast", "Slice"})
+
+
+def _loads_by_parent(expr):
+    """The expression's nodes (each once) and its loads once per distinct parent: a tensor read
+    through two views (a statistic's mean and variance, two slices of one load) is two reads, as
+    the expression compiler evaluates it at two indices."""
+    nodes, loads, seen, stack = [], [], set(), [(expr, None)]
+    while stack:
+        node, parent = stack.pop()
+        if node.op == "Load" and (id(node), id(parent)) not in seen:
+            seen.add((id(node), id(parent)))
+            loads.append(node)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        if node.op != "Load":  # a Load's tensor is another kernel's, not part of the expression
+            stack.extend((a, node) for a in node.args if hasattr(a, "op"))
+    return nodes, loads
+
+
+def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
+    """The input expression's loads as the haloed conv reads them: `(input loads, vector loads)`,
+    the first those of a tensor of the expression's own type (staged by TMA), the others the per-
+    channel vectors (one per distinct read: `_loads_by_parent`); None when it holds an op the kernel
+    does not evaluate or reads no such tensor. (The template checks the index of each load itself:
+    `emit.mosaic.conv_halo.prologue_sources`.)"""
+    nodes, loads = _loads_by_parent(expr)
+    if any(node.op not in PROLOGUE_OPS for node in nodes):
+        return None
+    lhs_shape, lhs_dtype = parse_type(lhs_ty).shape, parse_type(lhs_ty).dtype
+    is_input = [parse_type(n.args[0].ty).shape == lhs_shape and parse_type(n.args[0].ty).dtype == lhs_dtype
+                for n in loads]
+    if not any(is_input):
+        return None
+    return ([n for n, i in zip(loads, is_input) if i], [n for n, i in zip(loads, is_input) if not i])
+
+
+def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], itemsize: int, lhs=None,
+                   lhs_ty: str | None = None) -> str | None:
+    """Why the haloed template does not take a conv (None when it does): `halo_conv_uncovered`, an
+    input other than NHWC, more than one K range or one over part of the window (a concat, a merged
+    shortcut), and, when the input expression `lhs` is known, one `halo_input_loads` refuses."""
+    reason = halo_conv_uncovered(geometry, itemsize)
+    if reason is not None:
+        return reason
+    if tuple(geometry.params.lhs_spec) != NHWC:
+        return f"an input of layout {geometry.params.lhs_spec} (the template stages NHWC rows)"
+    kh, kw = geometry.window
+    if len(ranges) != 1 or tuple(ranges[0][1]) != ((0, kh), (0, kw)):
+        return f"K ranges {list(ranges)}"
+    if lhs is not None and halo_input_loads(lhs, lhs_ty) is None:
+        return "an input expression the kernel does not evaluate"
+    return None
+
+
+def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int] = (),
+                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2) -> MosaicBlocks | None:
     """The haloed template's tiles: one compute warpgroup, `tile_m` 64 or 128 (whichever pads an
     image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least), a
-    3-slot weight ring."""
+    3-slot weight ring; then, while the CTA's SMEM (`halo_smem_bytes`) exceeds `SMEM_BYTES`, 64
+    columns and a 2-slot ring. None when even that does not fit (rows too wide to stage: 128 x 128
+    images at 128 columns fit, 256 x 256 do not). `grid_of(tile_m)` is the conv's `HaloGrid`;
+    `vectors` the itemsizes of the input expression's per-channel vectors, `operands` the
+    epilogue's `(kind, itemsize)`."""
     def padded(size, tile):
         return -(-size // tile) * tile
 
     tile_m = min((128, 64), key=lambda t: (padded(out_rows, t), -t))
     tile_n = min((128, 64), key=lambda t: (padded(out_features, t), -t))
-    return MosaicBlocks(tile_m, tile_n, CHUNK, stages=3, compute_wgs=1)
+    grid = grid_of(tile_m)
+    for blocks in (MosaicBlocks(tile_m, tile_n, CHUNK, stages=3, compute_wgs=1),
+                   MosaicBlocks(tile_m, 64, CHUNK, stages=3, compute_wgs=1),
+                   MosaicBlocks(tile_m, 64, CHUNK, stages=2, compute_wgs=1)):
+        if halo_smem_bytes(grid, blocks, vectors, operands, out_itemsize) <= SMEM_BYTES:
+            return blocks
+    return None
 
 
-def halo_smem_bytes(grid: HaloGrid, blocks: MosaicBlocks, vectors: int, operands: Sequence[tuple[str, int]],
+def halo_smem_bytes(grid: HaloGrid, blocks: MosaicBlocks, vectors: Sequence[int], operands: Sequence[tuple[str, int]],
                     out_itemsize: int) -> int:
-    """Shared memory of one haloed-conv CTA: two staged chunks, the weight ring, the row mask, the
-    prologue's per-channel vectors (two slots, float32), the epilogue's output and operand sub-tiles."""
+    """Shared memory of one haloed-conv CTA: two staged chunks, two A tiles, the weight ring, the row
+    mask, the input expression's per-channel vectors (two slots each), the epilogue's two output
+    sub-tiles and one sub-tile (or vector) of each operand."""
     staged = 2 * grid.staging * CHUNK * 2
+    a_tiles = 2 * blocks.tile_m * CHUNK * 2
     ring = blocks.stages * CHUNK * blocks.tile_n * 2
     epilogue = 2 * blocks.epi_m * blocks.epi_n * out_itemsize
     for kind, size in operands:
         epilogue += size * {"tile": blocks.epi_m * blocks.epi_n, "row": blocks.epi_m, "col": blocks.epi_n}[kind]
-    return staged + ring + grid.staging * 2 + vectors * 2 * CHUNK * 4 + epilogue
+    return staged + a_tiles + ring + grid.staging * 2 + sum(2 * CHUNK * v for v in vectors) + epilogue
 
 
 # --- attention ----------------------------------------------------------------------------------
