@@ -107,7 +107,9 @@ def _emitted(fn, args):
     return emit.emit(plan, "mosaic", interpret=True), emit.emit(plan, "xla"), plan
 
 
-def _run_haloed(mosaic, args):
+def _run_haloed(mosaic, args, traced: bool = True):
+    """`mosaic(*args)`; when it traces the plan here (`traced`), its conv must be the haloed kernel
+    over the plan's input itself."""
     calls = []
     original = ch.build
 
@@ -120,7 +122,7 @@ def _run_haloed(mosaic, args):
         warnings.simplefilter("ignore", XlaFallbackWarning)
         patch.setattr(ch, "build", spy)
         out = mosaic(*args)
-    assert calls == [args[0].shape], calls  # the kernel staged the plan's input itself
+    assert calls == ([args[0].shape] if traced else []), calls  # the kernel stages the plan's input itself
     return out
 
 
@@ -179,10 +181,11 @@ def test_groupnorm_silu_conv_matches_xla_and_jit_on_adversarial_values(data):
     w = (data.draw(st.sampled_from((0.1, 0.0))) * rng.standard_normal((64, 192, 3, 3))).astype(np.float16)
     b = (rng.standard_normal(64) + data.draw(st.sampled_from((0.0, 5.0)))).astype(np.float16)
     args = (x, gamma, beta, w, b)
-    if "plan" not in _PLANS:
+    first = "plan" not in _PLANS
+    if first:
         _PLANS["plan"] = _emitted(_gn_silu_conv, args)[:2]
     mosaic, xla = _PLANS["plan"]
-    out = _run_haloed(mosaic, args)
+    out = _run_haloed(mosaic, args, traced=first)
     _assert_close(out, xla(*args), jax.jit(_gn_silu_conv)(*args), scale=_bound(gamma, beta, w, b))
 
 
@@ -208,15 +211,15 @@ def test_convs_it_does_not_take_run_on_the_flat_grid_template():
 
 @pytest.mark.slow
 def test_compiles_for_sm90a_reading_the_input_in_place(tmp_path, monkeypatch):
-    """A GroupNorm+SiLU 3x3 conv, 2 x 16x16x128 -> 128 fp16: the haloed kernel compiles for an H100:
+    """A GroupNorm+SiLU 3x3 conv, 2 x 16x16x192 -> 128 fp16: the haloed kernel compiles for an H100:
     wgmma with one MMA in flight, TMA loads (input rows, vectors, weights) and stores, no spills."""
     from measure.xla_target import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"no deviceless H100 compile here: {reason}")
-    args = (jax.ShapeDtypeStruct((2, 16, 16, 128), jnp.float16), jax.ShapeDtypeStruct((128,), jnp.float16),
-            jax.ShapeDtypeStruct((128,), jnp.float16), jax.ShapeDtypeStruct((128, 128, 3, 3), jnp.float16),
+    args = (jax.ShapeDtypeStruct((2, 16, 16, 192), jnp.float16), jax.ShapeDtypeStruct((192,), jnp.float16),
+            jax.ShapeDtypeStruct((192,), jnp.float16), jax.ShapeDtypeStruct((128, 192, 3, 3), jnp.float16),
             jax.ShapeDtypeStruct((128,), jnp.float16))
     plan = eqsat.optimize(_gn_silu_conv, extractor="greedy", progress=False).lower(*args).plan
     (conv,) = [k for k in plan.kernels if k.kind == "conv"]
