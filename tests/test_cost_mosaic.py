@@ -66,7 +66,7 @@ def _implied(launch) -> dict:
         blocks, halo, n_vectors = kw["blocks"], kw["grid"], kw["n_vectors"]
         (_b, _h, width, channels), item = operands[0][0], operands[0][1].itemsize
         chunks, taps = channels // 64, math.prod(halo.geometry.window)
-        vectors = sum(dtype.itemsize for _shape, dtype in operands[3:3 + n_vectors])
+        vectors = sum(shape[1] * dtype.itemsize for shape, dtype in operands[3:3 + n_vectors])  # [B', rows, C]
         sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
                                          "row": blocks.epi_m}[kind]

@@ -91,11 +91,13 @@ class _Recording:
 
 
 def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list, list]:
-    """`(tensors, sources, vectors)` of the input expression `expr` (type `lhs_shape`, NHWC), one
+    """`(tensors, sources, tables)` of the input expression `expr` (type `lhs_shape`, NHWC), one
     source per `Load` in the compiler's order: `"input"` for the tensor read at the expression's own
-    index (the kernel stages it by TMA), or an index into `vectors`, the `[B' , C]` tables of loads
-    that depend on the image and the channel only (a GroupNorm's statistics gathered per channel,
-    gamma, beta; B' is 1 when it does not depend on the image)."""
+    index (the kernel stages it by TMA), or the n-th row of `tables` (counted across them), `[B', R,
+    C]` arrays of the loads that depend on the image and the channel only (a GroupNorm's statistics
+    per channel, gamma, beta; B' is 1 when none depends on the image). Vectors that are views of a
+    tensor are read in place (a table each); when any must be gathered (a statistic per group read
+    per channel), all are gathered into one float32 table: one small XLA fusion, not one each."""
     missing = sorted({node.op for node in ex.expr_nodes(expr)} - PROLOGUE_OPS)
     if missing:
         raise HaloUncovered(f"an input expression with {', '.join(missing)}")
@@ -104,7 +106,7 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list
     memory = _Recording()
     ex.compile_expr(expr)(memory, index, True)
     identity = np.arange(int(np.prod(shape))).reshape(shape)
-    tensors, sources, vectors = [], [], []
+    tensors, sources, vectors, gathered = [], [], [], False
     for tensor, at in memory.loads:
         tshape = parse_type(tensor.ty).shape
         flat = np.broadcast_to(np.asarray(ex.linearize(at, tshape), np.int64), shape)
@@ -122,6 +124,7 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list
                 vectors.append(value.reshape(table.shape))
             else:
                 vectors.append(value[table])  # a statistic per group -> per channel: a small gather
+                gathered = True
             sources.append(len(vectors) - 1)
         else:
             raise HaloUncovered(f"the input expression reads {tensor!r} other than at the input's own index or "
@@ -129,7 +132,11 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list
         tensors.append(tensor)
     if "input" not in sources:
         raise HaloUncovered("an input expression that reads no input tensor at its own index")
-    return tensors, sources, vectors
+    if not gathered:
+        return tensors, sources, [v[:, None, :] for v in vectors]
+    images = max(v.shape[0] for v in vectors)
+    table = jnp.stack([jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32) for v in vectors], axis=1)
+    return tensors, sources, [table]
 
 
 class _SlabMemory:
@@ -145,7 +152,7 @@ class _SlabMemory:
         if self.cursor >= len(self.tensors) or self.tensors[self.cursor] is not tensor:
             raise AssertionError(f"the input expression's loads in the kernel differ from the host's at {tensor!r}")
         self.cursor += 1
-        return self.tiles[self.cursor - 1]
+        return self.tiles[self.cursor - 1].astype(parse_type(tensor.ty).dtype)  # a float32 table's row
 
 
 def slab_prologue(expr, tensors, sources):
@@ -210,7 +217,7 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                 plgpu.copy_gmem_to_smem(x_gmem.at[b_idx, y, :, channels], staged.at[slot, pl.ds(i * wp + px0, width)],
                                         staged_barriers.at[slot])
             for v in range(n_vectors):
-                plgpu.copy_gmem_to_smem(vector_gmems[v].at[0 if vector_shared[v] else b_idx, channels],
+                plgpu.copy_gmem_to_smem(vector_gmems[v].at[0 if vector_shared[v] else b_idx, :, channels],
                                         vector_smems[v].at[slot], staged_barriers.at[slot])
 
         def fetch_weights(step):
@@ -235,8 +242,8 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                 stage(chunk + 1, 1 - slot)
 
             plgpu.barrier_wait(staged_barriers.at[slot])
-            vectors = [lax.broadcast_in_dim(load(smem.at[slot], plgpu.Layout.WGMMA.reduce(0)), (64, CHUNK), (1,))
-                       for smem in vector_smems]
+            vectors = [lax.broadcast_in_dim(load(smem.at[slot, row], plgpu.Layout.WGMMA.reduce(0)), (64, CHUNK), (1,))
+                       for smem in vector_smems for row in range(smem.shape[1])]
             for s in range(grid.staging // 64):
                 rows = staged.at[slot, pl.ds(s * 64, 64)]
                 mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
@@ -295,7 +302,7 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
         ring=plgpu.SMEM((stages, CHUNK, tile_n), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         a_tiles=plgpu.SMEM((2, tile_m, CHUNK), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         mask_smem=plgpu.SMEM((grid.staging // 64, 64), mask_gmem.dtype),
-        vector_smems=[plgpu.SMEM((2, CHUNK), ref.dtype) for ref in vector_gmems],
+        vector_smems=[plgpu.SMEM((2, ref.shape[1], CHUNK), ref.dtype) for ref in vector_gmems],
         out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
         staged_barriers=plgpu.Barrier(num_arrivals=grid.staged_rows + n_vectors, num_barriers=2),
@@ -316,7 +323,7 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, p
           name: str = "conv") -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output): `x` the raw NHWC input, `w` from `emit.mosaic.conv.layout_weights` (`[taps * C, N↑]`),
-    `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', C]` tables, `operands`
+    `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', R, C]` tables, `operands`
     the epilogue's, laid out over `[B', m_padded, N↑]` flat rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -341,7 +348,6 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, p
         arrays.append(mm.pad_to(a, target))
         kinds.append(operand.kind)
         shared.append(a.shape[0] == 1)
-    vectors = [v.reshape(v.shape[0], -1) for v in vectors]
 
     def call(interpret_here):
         return plgpu.kernel(
@@ -425,7 +431,7 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
     _, probe_operands = mm.mapped_operands(epilogue, output_index(probe, probe.m_tiles * 128, geometry.out_features),
                                            (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
     blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
-                         [jnp.dtype(v.dtype).itemsize for v in vectors],
+                         [jnp.dtype(v.dtype).itemsize for v in vectors for _ in range(v.shape[1])],
                          [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
                          jnp.dtype(out_type.dtype).itemsize)
     if blocks is None:

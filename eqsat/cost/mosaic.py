@@ -395,7 +395,9 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     out_elements = size_of(out_ty)
     loads = halo_input_loads(lhs, lhs_ty) if lhs is not None else ([], [])
     vector_loads = loads[1]
-    vectors = [_itemsize(node.args[0].ty) for node in vector_loads]
+    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
+    # views of per-channel tensors are read in place; with any gather all go into one float32 table
+    vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     grid_of = lambda tile_m: HaloGrid(geometry, tile_m)  # noqa: E731
     blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item)
@@ -416,13 +418,12 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                               + sum(reads.rows) * blocks.epi_m))
     x_bytes = size_of(lhs_ty) * item
     w_bytes = taps * cin * n_padded * item
-    vector_bytes = sum(batch * cin * v for v in vectors)
+    vector_bytes = sum(batch * cin * v for v in vectors)  # B' = batch: at most
     mask_bytes = grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
     glue = [Glue("weights laid out", w_bytes)]
-    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
-    if gathered:  # per-group statistics gathered per channel (one small fusion)
-        glue.append(Glue("prologue vectors per channel", sum(batch * cin * _itemsize(n.args[0].ty) for n in gathered)))
+    if gathered:  # per-group statistics gathered per channel, with the other vectors (one small fusion)
+        glue.append(Glue("prologue vectors per channel", vector_bytes))
     for item_bytes in reads.tiles:
         glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     store = batch * m_padded * n_padded * out_item
