@@ -26,12 +26,13 @@ K ranges (`emit.pallas.conv.k_ranges`): `concat(h, skip)` inputs and a merged 1x
 only its nonzero taps (the shortcut: its centre tap). Stride 2 is four phases, each a range's
 channel block; a nearest-2x upsample is part of the input expression.
 
-The input expression of each range (a GroupNorm apply + SiLU from hosted statistics, an upsample
-view, an NCHW permute) is evaluated whole before the kernel as one XLA fusion that writes the
-laid-out input (padding applied after it, so a tap in the padding reads 0, not prologue(0)):
-each input element is computed once, but it costs HBM writes of the shifted copies and a read, and
-each tap re-reads its rows through L2 (9 input tiles per output tile for a 3x3, not one haloed tile
-in SMEM with the prologue applied there, which issue 17 asks for and this does not do yet). The epilogue (bias, time-embedding row, residual, cast)
+Convs the haloed template covers (`emit.mosaic.conv_halo`: stride 1, up to 3x3, one K range, an
+NHWC input of 64k channels) run there: it reads the input as it lies and applies the input
+expression in SMEM. For the others, the input expression of each range (a GroupNorm apply + SiLU
+from hosted statistics, an upsample view, an NCHW permute) is evaluated whole before the kernel as
+one XLA fusion that writes the laid-out input (padding applied after it, so a tap in the padding
+reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the
+shifted copies and a read, and each tap re-reads its rows through L2. The epilogue (bias, time-embedding row, residual, cast)
 is mapped onto the flat grid on the host (`emit.mosaic.matmul.mapped_operands`). Statistics the
 plan hosts on the conv are left to the driver (its own reduce kernel), as the matmul template does.
 
