@@ -64,15 +64,15 @@ def _implied(launch) -> dict:
     if body.func is conv_halo._kernel:  # the haloed conv: raw input rows, vectors and weights per chunk
         kw = body.keywords
         blocks, halo, n_vectors = kw["blocks"], kw["grid"], kw["n_vectors"]
-        (_b, _h, width, channels), item = operands[0][0], operands[0][1].itemsize
+        (_, _, width, channels), item = operands[0][0], operands[0][1].itemsize
         chunks, taps = channels // 64, math.prod(halo.geometry.window)
         vectors = sum(shape[1] * dtype.itemsize for shape, dtype in operands[3:3 + n_vectors])  # [B', rows, C]
         sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
                                          "row": blocks.epi_m}[kind]
                        for kind, (_shape, dtype) in zip(kw["kinds"], operands[3 + n_vectors:]))
-        tma = ctas * (chunks * (halo.staged_rows * width * 64 * item + vectors * 64) + chunks * taps * 64 * blocks.tile_n
-                      * item + halo.staging * 2 + sub_tiles * epilogue)
+        staged = chunks * (halo.staged_rows * width * 64 * item + vectors * 64)
+        tma = ctas * (staged + chunks * taps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
         return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * chunks * taps * 64,
                 "tma_bytes": tma, "stages": blocks.stages}
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)

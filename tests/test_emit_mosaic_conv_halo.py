@@ -30,7 +30,7 @@ from emit.mosaic import conv_halo as ch
 from emit.pallas import XlaFallbackWarning
 from emit.pallas.conv import ConvGeometry
 from eqsat.conv_params import ConvParams
-from eqsat.tiling.mosaic import HaloGrid, RangeTaps, halo_blocks
+from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks, RangeTaps, halo_blocks
 from sd15 import layers
 from tests.test_emit_mosaic import compile_mosaic
 
@@ -42,11 +42,11 @@ def _params(x_shape, w_shape, padding) -> ConvParams:
                       out_spec=tuple(numbers.out_spec))
 
 
-def _haloed_conv(x, w, params):
+def _haloed_conv(x, w, params, blocks=None):
     out_shape = jax.eval_shape(lambda: mc.reference(x, w, params)).shape
     geometry = ConvGeometry(params, x.shape, w.shape, out_shape)
     grid_of = functools.partial(HaloGrid, geometry)
-    blocks = halo_blocks(grid_of, grid_of(128).out_rows, out_shape[-1])
+    blocks = blocks or halo_blocks(grid_of, grid_of(128).out_rows, out_shape[-1], batch=x.shape[0])
     grid = grid_of(blocks.tile_m)
     window = w.shape[:2]
     n_padded = -(-out_shape[-1] // blocks.tile_n) * blocks.tile_n
@@ -61,18 +61,20 @@ def _haloed_conv(x, w, params):
     return run(x, w)
 
 
-@pytest.mark.parametrize("shape,window,out", [
-    ((1, 15, 15, 64), 3, 64),                                                     # 2 CTAs of 128 rows, pitch 17
-    pytest.param((2, 7, 9, 128), 3, 80, marks=pytest.mark.slow),  # two chunks, two images, N padded to 128
-    ((2, 5, 6, 128), 1, 72),                                                      # a 1x1: no halo
+@pytest.mark.parametrize("shape,window,out,tiles", [
+    ((1, 15, 15, 64), 3, 64, None),                                     # 4 CTAs of 64 rows, pitch 17
+    ((1, 15, 15, 64), 3, 80, (128, 128)),                               # 2 CTAs of 128 rows, N padded to 128
+    pytest.param((2, 7, 9, 128), 3, 80, None, marks=pytest.mark.slow),  # two chunks, two images
+    ((2, 5, 6, 128), 1, 72, None),                                      # a 1x1: no halo
 ])
-def test_the_haloed_kernel_matches_lax_conv(shape, window, out):
+def test_the_haloed_kernel_matches_lax_conv(shape, window, out, tiles):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float16)
     w = jnp.asarray(0.1 * rng.standard_normal((window, window, shape[-1], out)), jnp.float16)
     pad = window // 2
     params = _params(x.shape, w.shape, ((pad, pad), (pad, pad)))
-    got = _haloed_conv(x, w, params)
+    blocks = None if tiles is None else MosaicBlocks(*tiles, 64, stages=3, compute_wgs=1)
+    got = _haloed_conv(x, w, params, blocks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(mc.reference(x, w, params)), rtol=2e-3, atol=2e-3)
 
 

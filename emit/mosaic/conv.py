@@ -32,9 +32,10 @@ expression in SMEM. For the others, the input expression of each range (a GroupN
 from hosted statistics, an upsample view, an NCHW permute) is evaluated whole before the kernel as
 one XLA fusion that writes the laid-out input (padding applied after it, so a tap in the padding
 reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the
-shifted copies and a read, and each tap re-reads its rows through L2. The epilogue (bias, time-embedding row, residual, cast)
-is mapped onto the flat grid on the host (`emit.mosaic.matmul.mapped_operands`). Statistics the
-plan hosts on the conv are left to the driver (its own reduce kernel), as the matmul template does.
+shifted copies and a read, and each tap re-reads its rows through L2. The epilogue (bias,
+time-embedding row, residual, cast) is mapped onto the flat grid on the host
+(`emit.mosaic.matmul.mapped_operands`). Statistics the plan hosts on the conv are left to the
+driver (its own reduce kernel), as the matmul template does.
 
 Raises `NotImplementedError` (the kernel then runs through the Triton template with a
 `TritonFallbackWarning`) for: operands other than two fp16 or two bf16, transposed or grouped

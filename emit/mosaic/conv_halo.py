@@ -17,18 +17,23 @@ padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per 64-channel chun
    the chunk on the padded grid; rows in the padding copy a clamped input row. Two staging slots:
    chunk c + 1 arrives while chunk c computes.
 2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the input
-   expression is applied (its per-channel operands, such as the GroupNorm scale from the hosted
-   statistics, arrive by TMA as 64-vectors), padding is zeroed after it by a host-computed row mask
+   expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and beta as
+   they lie; a GroupNorm's per-group statistics gathered per channel on the host, with the other
+   vectors, into one small float32 table), padding is zeroed after it by a host-computed row mask
    (so a tap in the padding reads 0, not prologue(0)), and the slab is stored back in place.
-3. Taps: for each tap the A tile is `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` loaded
-   into registers (any row: no 8-row SMEM tile alignment, no shifted copies), and wgmma multiplies it
-   with the tap's `[64, tile_n]` weight tile from a 3-slot TMA ring (one MMA kept in flight).
+3. Taps: for each tap, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any row: no 8-row
+   SMEM tile alignment, no shifted copies of the input) are copied through registers into a
+   swizzled A tile (two slots), and wgmma multiplies it with the tap's `[64, tile_n]` weight tile
+   from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip the
+   copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
 
 Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
-stage them (`staged_rows * Wp / tile_m` evaluations per element). The epilogue is the matmul's
+stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
 Weights are laid out as `[taps * chunks * 64, N↑]` (one XLA fusion), and the flat output is sliced
-back to the conv's output layout (one more); the input is read by the kernel itself.
+back to the conv's output layout (one more); the input is read by the kernel itself. Tiles:
+`eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would not
+fill the SMs).
 
 Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input whose
 channels are a multiple of 64 (TMA reads 64-channel chunks of halves), rows of at most 256 pixels,
@@ -52,7 +57,6 @@ from emit.pallas.conv import _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered,
                                  halo_uncovered)
 from eqsat.types import parse_type
-
 
 
 class HaloUncovered(NotImplementedError):
@@ -279,8 +283,10 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                 tiles = []
                 for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
                     batch = 0 if operand_shared[o] else b_idx
-                    src = {"tile": lambda: gmem.at[batch, row_slice, col_slice], "row": lambda: gmem.at[batch, row_slice],
-                           "col": lambda: gmem.at[batch, col_slice]}[kind]()
+                    if kind == "tile":
+                        src = gmem.at[batch, row_slice, col_slice]
+                    else:
+                        src = gmem.at[batch, row_slice if kind == "row" else col_slice]
                     plgpu.copy_gmem_to_smem(src, smem, operand_barriers.at[o])
                     plgpu.barrier_wait(operand_barriers.at[o])
                     if kind == "tile":
@@ -433,7 +439,7 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
     blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
                          [jnp.dtype(v.dtype).itemsize for v in vectors for _ in range(v.shape[1])],
                          [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
-                         jnp.dtype(out_type.dtype).itemsize)
+                         jnp.dtype(out_type.dtype).itemsize, geometry.batch)
     if blocks is None:
         raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
     grid = grid_of(blocks.tile_m)

@@ -401,7 +401,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     grid_of = lambda tile_m: HaloGrid(geometry, tile_m)  # noqa: E731
-    blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item)
+    blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
     if blocks is None:
         return None
     grid = grid_of(blocks.tile_m)
@@ -434,8 +434,9 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - size_of(lhs_ty)) * per_element)
-    return MosaicWork(work, blocks.stages, ctas * per_cta, x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read,
-                      store, batch * m_padded * n_padded, tuple(glue), 1)
+    kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
+    return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
+                      tuple(glue), 1)
 
 
 # --- attention -----------------------------------------------------------------------------------

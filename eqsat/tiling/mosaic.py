@@ -319,20 +319,32 @@ def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], 
     return None
 
 
+SM_COUNT = 132  # H100 SXM5
+
+
 def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int] = (),
-                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2) -> MosaicBlocks | None:
+                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2, batch: int = 1) -> MosaicBlocks | None:
     """The haloed template's tiles: one compute warpgroup, `tile_m` 64 or 128 (whichever pads an
-    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least), a
-    3-slot weight ring; then, while the CTA's SMEM (`halo_smem_bytes`) exceeds `SMEM_BYTES`, 64
-    columns and a 2-slot ring. None when even that does not fit (rows too wide to stage: 128 x 128
-    images at 128 columns fit, 256 x 256 do not). `grid_of(tile_m)` is the conv's `HaloGrid`;
-    `vectors` the itemsizes of the input expression's per-channel vectors, `operands` the
-    epilogue's `(kind, itemsize)`."""
+    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least);
+    then, while the CTAs do not fill the SMs (an 8x8 image of 1280 channels: 20 CTAs of 128 x 128),
+    64 columns, then 64 rows (80 CTAs; and a 64 x 64 accumulator leaves the prologue registers: 128 x
+    128 spilled there); a 3-slot weight ring, 2 slots where SMEM asks. None when even 64 columns and
+    2 slots do not fit SMEM (`halo_smem_bytes`: rows too wide to stage; 128 x 128 images fit, 256 x
+    256 do not). `grid_of(tile_m)` is the conv's `HaloGrid`; `vectors` the itemsizes of the input
+    expression's per-channel vectors, `operands` the epilogue's `(kind, itemsize)`."""
     def padded(size, tile):
         return -(-size // tile) * tile
 
     tile_m = min((128, 64), key=lambda t: (padded(out_rows, t), -t))
     tile_n = min((128, 64), key=lambda t: (padded(out_features, t), -t))
+
+    def ctas(tm, tn):
+        return batch * (padded(out_rows, tm) // tm) * (padded(out_features, tn) // tn)
+
+    if ctas(tile_m, tile_n) < SM_COUNT and tile_n == 128:
+        tile_n = 64
+    if ctas(tile_m, tile_n) < SM_COUNT and tile_m == 128:
+        tile_m = 64
     grid = grid_of(tile_m)
     for blocks in (MosaicBlocks(tile_m, tile_n, CHUNK, stages=3, compute_wgs=1),
                    MosaicBlocks(tile_m, 64, CHUNK, stages=3, compute_wgs=1),
