@@ -233,3 +233,32 @@ def test_compiles_for_sm90a_reading_the_input_in_place(tmp_path, monkeypatch):
     assert counts.tma_loads >= 4, counts
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx_path.read_text()), "no TMA store"
     assert resources.spill_bytes == 0, resources
+
+
+def test_a_conv_over_a_matmul_output_viewed_as_nhwc():
+    """A transformer block's proj_out: a 1x1 conv over `[B, H·W, C]` viewed as NHWC, plus a residual.
+    The kernel stages the `[B, H·W, C]` tensor's rows through the view (no layout fusion)."""
+    rng = np.random.default_rng(5)
+    t = jnp.asarray(rng.standard_normal((2, 35, 64)), jnp.float16)
+    w = jnp.asarray(0.1 * rng.standard_normal((64, 64, 1, 1)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal(64), jnp.float16)
+    r = jnp.asarray(rng.standard_normal((2, 5, 7, 64)), jnp.float16)
+
+    def proj_out(t, w, b, r):
+        return layers.conv2d({"c.weight": w, "c.bias": b}, "c", (t * 0.5).reshape(2, 5, 7, 64)) + r
+
+    args = (t, w, b, r)
+    mosaic, xla, plan = _emitted(proj_out, args)
+    (conv,) = [k for k in plan.kernels if k.kind == "conv"]
+    loads = [n.args[0] for n in emit.expr.expr_nodes(conv.term.args[0]) if n.op == "Load"]
+    assert any(tuple(eqsat.types.parse_type(x.ty).shape) == (2, 35, 64) for x in loads), conv.term.args[0]
+    calls = []
+    original = ch.build
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("ignore", XlaFallbackWarning)
+        patch.setattr(ch, "build", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+        out = mosaic(*args)
+    assert calls == [(2, 5, 7, 64)]
+    scale = float(np.max(np.abs(np.asarray(xla(*args), np.float32)))) + 1.0
+    _assert_close(out, xla(*args), jax.jit(proj_out)(*args), scale=scale)

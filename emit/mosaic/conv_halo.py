@@ -114,8 +114,8 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list
     for tensor, at in memory.loads:
         tshape = parse_type(tensor.ty).shape
         flat = np.broadcast_to(np.asarray(ex.linearize(at, tshape), np.int64), shape)
-        if tuple(tshape) == shape and np.array_equal(flat, identity):
-            sources.append("input")
+        if int(np.prod(tshape)) == identity.size and np.array_equal(flat, identity):
+            sources.append("input")  # the input, or a tensor whose reshape it is ([B, H·W, C] as NHWC)
         elif np.array_equal(flat, np.broadcast_to(flat[:, :1, :1, :], shape)):
             dtype = jnp.dtype(parse_type(tensor.ty).dtype)
             if dtype.itemsize not in (2, 4) or dtype.kind != "f":
@@ -427,7 +427,7 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
         raise HaloUncovered(f"a K range from channel {part.lhs_offset}")
     tensors, sources, vectors = prologue_sources(part.lhs, lhs_type.shape, ctx.value)
     x_tensor = tensors[sources.index("input")]
-    x = ctx.value(x_tensor)
+    x = jnp.reshape(ctx.value(x_tensor), lhs_type.shape)  # a view: the same elements in the same order
     if jnp.dtype(x.dtype) != jnp.dtype(lhs_type.dtype):
         raise HaloUncovered(f"an input tensor of {x.dtype} under a {lhs_type.dtype} input expression")
 

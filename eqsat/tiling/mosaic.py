@@ -14,6 +14,7 @@ Itemsizes are plain byte counts here; the templates pass their dtypes' (`jnp.dty
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from eqsat.tiling.conv import ConvGeometry
@@ -286,7 +287,8 @@ def _loads_by_parent(expr):
 
 def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
     """The input expression's loads as the haloed conv reads them: `(input loads, vector loads)`,
-    the first those of a tensor of the expression's own type (staged by TMA), the others the per-
+    the first those of a tensor of the expression's size and dtype (staged by TMA: the input itself
+    or a `[B, H·W, C]` matmul output viewed as NHWC), the others the per-
     channel vectors (one per distinct read: `_loads_by_parent`); None when it holds an op the kernel
     does not evaluate or reads no such tensor. (The template checks the index of each load itself:
     `emit.mosaic.conv_halo.prologue_sources`.)"""
@@ -294,7 +296,8 @@ def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
     if any(node.op not in PROLOGUE_OPS for node in nodes):
         return None
     lhs_shape, lhs_dtype = parse_type(lhs_ty).shape, parse_type(lhs_ty).dtype
-    is_input = [parse_type(n.args[0].ty).shape == lhs_shape and parse_type(n.args[0].ty).dtype == lhs_dtype
+    size = math.prod(lhs_shape)
+    is_input = [math.prod(parse_type(n.args[0].ty).shape) == size and parse_type(n.args[0].ty).dtype == lhs_dtype
                 for n in loads]
     if not any(is_input):
         return None
@@ -325,10 +328,10 @@ SM_COUNT = 132  # H100 SXM5
 def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int] = (),
                 operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2, batch: int = 1) -> MosaicBlocks | None:
     """The haloed template's tiles: one compute warpgroup, `tile_m` 64 or 128 (whichever pads an
-    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least);
-    then, while the CTAs do not fill the SMs (an 8x8 image of 1280 channels: 20 CTAs of 128 x 128),
-    64 columns, then 64 rows (80 CTAs; and a 64 x 64 accumulator leaves the prologue registers: 128 x
-    128 spilled there); a 3-slot weight ring, 2 slots where SMEM asks. None when even 64 columns and
+    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least), at
+    most 128 x 64 (a 128 x 128 fp32 accumulator beside a GroupNorm prologue spilled: 216 bytes at
+    the VAE's 64 x 64 x 512); then, while the CTAs do not fill the SMs (an 8x8 image of 1280
+    channels: 40 CTAs of 128 x 64), 64 rows; a 3-slot weight ring, 2 slots where SMEM asks. None when even 64 columns and
     2 slots do not fit SMEM (`halo_smem_bytes`: rows too wide to stage; 128 x 128 images fit, 256 x
     256 do not). `grid_of(tile_m)` is the conv's `HaloGrid`; `vectors` the itemsizes of the input
     expression's per-channel vectors, `operands` the epilogue's `(kind, itemsize)`."""
@@ -337,12 +340,12 @@ def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int
 
     tile_m = min((128, 64), key=lambda t: (padded(out_rows, t), -t))
     tile_n = min((128, 64), key=lambda t: (padded(out_features, t), -t))
+    if tile_m * tile_n > 128 * 64:  # one warpgroup's 128 x 128 fp32 accumulator and the prologue spill
+        tile_n = 64
 
     def ctas(tm, tn):
         return batch * (padded(out_rows, tm) // tm) * (padded(out_features, tn) // tn)
 
-    if ctas(tile_m, tile_n) < SM_COUNT and tile_n == 128:
-        tile_n = 64
     if ctas(tile_m, tile_n) < SM_COUNT and tile_m == 128:
         tile_m = 64
     grid = grid_of(tile_m)
