@@ -200,6 +200,7 @@ def test_the_haloed_conv_reads_its_input_as_it_lies(launches):
     (term,) = [k.term for k in lowered.plan.kernels if k.op == "Conv"]
     glue = [g.what for g in mosaic_work(term).glue]
     assert glue == ["weights laid out", "prologue vectors per channel", "output unflattened"], glue
+    assert mosaic_work(term).work.alu_flops > 0  # the prologue again on halo rows and per output-channel tile
     with warnings.catch_warnings():
         warnings.simplefilter("error", TritonFallbackWarning)
         jax.eval_shape(emit.emit(lowered.plan, "mosaic", interpret=False), *args)

@@ -36,6 +36,7 @@ fits them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -400,7 +401,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     # views of per-channel tensors are read in place; with any gather all go into one float32 table
     vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
-    grid_of = lambda tile_m: HaloGrid(geometry, tile_m)  # noqa: E731
+    grid_of = functools.partial(HaloGrid, geometry)
     blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
     if blocks is None:
         return None
