@@ -57,10 +57,24 @@ def launches(monkeypatch):
 
 def _implied(launch) -> dict:
     """CTAs, wgmma flops, TMA bytes and stages a recorded launch's template config implies."""
-    from emit.mosaic import attention, matmul
+    from emit.mosaic import attention, conv_halo, matmul
 
     body, grid, operands = launch["body"], launch["grid"], launch["operands"]
     ctas = math.prod(grid)
+    if body.func is conv_halo._kernel:  # the haloed conv: raw input rows, vectors and weights per chunk
+        kw = body.keywords
+        blocks, halo, n_vectors = kw["blocks"], kw["grid"], kw["n_vectors"]
+        (_, _, width, channels), item = operands[0][0], operands[0][1].itemsize
+        chunks, taps = channels // 64, math.prod(halo.geometry.window)
+        vectors = sum(shape[1] * dtype.itemsize for shape, dtype in operands[3:3 + n_vectors])  # [B', rows, C]
+        sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+        epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
+                                         "row": blocks.epi_m}[kind]
+                       for kind, (_shape, dtype) in zip(kw["kinds"], operands[3 + n_vectors:]))
+        staged = chunks * (halo.staged_rows * width * 64 * item + vectors * 64)
+        tma = ctas * (staged + chunks * taps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
+        return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * chunks * taps * 64,
+                "tma_bytes": tma, "stages": blocks.stages}
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)
         blocks, kinds, kp = body.keywords["blocks"], body.keywords["kinds"], body.keywords["k_padded"]
         item = operands[1][1].itemsize  # B's
@@ -100,6 +114,14 @@ def _gn_silu_conv(x, w, b, gamma, beta):
     return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 2, 1e-5)))
 
 
+def _gn_silu_conv_residual(x, w, b, gamma, beta, r):
+    from sd15 import layers
+
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    groups = x.shape[-1] // 3  # 3 channels per group
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, groups, 1e-5))) + r
+
+
 def _stride2_conv(x, w, b):
     from sd15 import layers
 
@@ -133,6 +155,10 @@ CASES = {
     # 15x15 image, GroupNorm with 3 channels per group + SiLU, 3x3 conv to 16 channels
     "conv 15x15 gn": (_gn_silu_conv, (S((1, 15, 15, 6), F16), S((16, 6, 3, 3), F16), S((16,), F16),
                                       S((6,), F16), S((6,), F16))),
+    # 192 channels (3 per group) on a 15x15 image, 2 images: the haloed template (raw input staged by
+    # TMA, the prologue in SMEM), a residual and per-image statistics
+    "conv 15x15 gn haloed": (_gn_silu_conv_residual, (S((2, 15, 15, 192), F16), S((80, 192, 3, 3), F16), S((80,), F16),
+                                                      S((192,), F16), S((192,), F16), S((2, 15, 15, 80), F16))),
     "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),
@@ -197,6 +223,25 @@ def test_an_in_place_matmul_launches_on_the_unpadded_arrays_and_the_model_counts
     fn, args = CASES["matmul 77x40x96"]
     (term,) = [k.term for k in _plan(fn, args).plan.kernels if k.op in DENSE]
     assert {g.what for g in mosaic_work(term).glue} == {"A laid out", "B laid out", "output sliced"}
+
+
+def test_the_haloed_conv_reads_its_input_as_it_lies(launches):
+    """A GroupNorm+SiLU conv over 192 channels runs on the haloed template: the kernel's first operand
+    is the plan's NHWC input itself, and the model charges no fusion for it (only the weights' layout,
+    the statistics gathered per channel and the output's slice)."""
+    from emit.mosaic import conv_halo
+
+    fn, args = CASES["conv 15x15 gn haloed"]
+    lowered = _plan(fn, args)
+    (term,) = [k.term for k in lowered.plan.kernels if k.op == "Conv"]
+    glue = [g.what for g in mosaic_work(term).glue]
+    assert glue == ["weights laid out", "prologue vectors per channel", "output unflattened"], glue
+    assert mosaic_work(term).work.alu_flops > 0  # the prologue again on halo rows and per output-channel tile
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        jax.eval_shape(emit.emit(lowered.plan, "mosaic", interpret=False), *args)
+    (launch,) = [rec for rec in launches if rec["body"].func is conv_halo._kernel]
+    assert launch["operands"][0] == ((2, 15, 15, 192), jnp.dtype(jnp.float16))
 
 
 def test_smem_fit_keeps_the_stages_a_residual_leaves_room_for():

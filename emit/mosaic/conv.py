@@ -26,14 +26,16 @@ K ranges (`emit.pallas.conv.k_ranges`): `concat(h, skip)` inputs and a merged 1x
 only its nonzero taps (the shortcut: its centre tap). Stride 2 is four phases, each a range's
 channel block; a nearest-2x upsample is part of the input expression.
 
-The input expression of each range (a GroupNorm apply + SiLU from hosted statistics, an upsample
-view, an NCHW permute) is evaluated whole before the kernel as one XLA fusion that writes the
-laid-out input (padding applied after it, so a tap in the padding reads 0, not prologue(0)):
-each input element is computed once, but it costs HBM writes of the shifted copies and a read, and
-each tap re-reads its rows through L2 (9 input tiles per output tile for a 3x3, not one haloed tile
-in SMEM with the prologue applied there, which issue 17 asks for and this does not do yet). The epilogue (bias, time-embedding row, residual, cast)
-is mapped onto the flat grid on the host (`emit.mosaic.matmul.mapped_operands`). Statistics the
-plan hosts on the conv are left to the driver (its own reduce kernel), as the matmul template does.
+Convs the haloed template covers (`emit.mosaic.conv_halo`: stride 1, up to 3x3, one K range, an
+NHWC input of 64k channels) run there: it reads the input as it lies and applies the input
+expression in SMEM. For the others, the input expression of each range (a GroupNorm apply + SiLU
+from hosted statistics, an upsample view, an NCHW permute) is evaluated whole before the kernel as
+one XLA fusion that writes the laid-out input (padding applied after it, so a tap in the padding
+reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the
+shifted copies and a read, and each tap re-reads its rows through L2. The epilogue (bias,
+time-embedding row, residual, cast) is mapped onto the flat grid on the host
+(`emit.mosaic.matmul.mapped_operands`). Statistics the plan hosts on the conv are left to the
+driver (its own reduce kernel), as the matmul template does.
 
 Raises `NotImplementedError` (the kernel then runs through the Triton template with a
 `TritonFallbackWarning`) for: operands other than two fp16 or two bf16, transposed or grouped
@@ -51,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from emit import expr as ex
+from emit.mosaic import conv_halo
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
@@ -186,6 +189,34 @@ def _geometry(term: Term) -> ConvGeometry:
     return geometry
 
 
+def sub_tile_epilogue(epilogue: Term, out_spec):
+    """`tensors -> (acc [em, en], operand tiles) -> the epilogue on an output sub-tile`, the n-th
+    operand tile answering the n-th `Load` of `tensors` (as `emit.mosaic.matmul.mapped_operands`
+    met them on the host)."""
+    compiled = ex.compile_expr(epilogue)
+
+    def of(tensors):
+        def tile_epilogue(acc, tiles):
+            em, en = acc.shape
+            index = _place(out_spec, (np.zeros((1, 1), np.int64), np.arange(en).reshape(1, en),
+                                      np.arange(em).reshape(em, 1), np.zeros((1, 1), np.int64)))
+            check = mm._reads_accumulator_at(index)
+
+            def accumulator(acc_ty, at, mask):
+                check(at)
+                return acc
+
+            memory = mm._TileMemory(tensors, tiles)
+            value = compiled(memory, index, True, accumulator)
+            if memory.cursor != len(tensors):
+                raise AssertionError("the epilogue's loads in the kernel differ from the host's")
+            return jnp.broadcast_to(value, (em, en))
+
+        return tile_epilogue
+
+    return of
+
+
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Conv` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
     Mosaic GPU kernel. Hosted statistics are left to the driver; forms not covered raise
@@ -216,6 +247,10 @@ def emit(kernel, ctx) -> dict:
     for tensor in loaded_tensors(lhs, rhs, epilogue):
         if tensor in ctx.partials:
             ctx.value(tensor)  # statistics are read finished here (merged once)
+    try:
+        return conv_halo.emit(kernel, ctx, geometry, parts, sub_tile_epilogue(epilogue, params.out_spec))
+    except conv_halo.HaloUncovered:
+        pass  # the flat-grid template below: its input laid out by an XLA fusion
     m_padded = -(-grid.rows // blocks.tile_m) * blocks.tile_m
     q = np.arange(m_padded).reshape(1, m_padded, 1)
     out_index, _valid = grid.output_index(q, np.arange(geometry.out_features).reshape(1, 1, -1))
@@ -240,24 +275,7 @@ def emit(kernel, ctx) -> dict:
         inputs.append(layout_input(x.astype(dot_dtype), grid, params.lhs_spec, r))
         weights.append(layout_weights(w.astype(dot_dtype), params.rhs_spec, r, n_padded))
 
-    compiled = ex.compile_expr(epilogue)
-
-    def tile_epilogue(acc, tiles):
-        em, en = acc.shape
-        index = _place(params.out_spec, (np.zeros((1, 1), np.int64), np.arange(en).reshape(1, en),
-                                         np.arange(em).reshape(em, 1), np.zeros((1, 1), np.int64)))
-        check = mm._reads_accumulator_at(index)
-
-        def accumulator(acc_ty, at, mask):
-            check(at)
-            return acc
-
-        memory = mm._TileMemory(tensors, tiles)
-        value = compiled(memory, index, True, accumulator)
-        if memory.cursor != len(tensors):
-            raise AssertionError("the epilogue's loads in the kernel differ from the host's")
-        return jnp.broadcast_to(value, (em, en))
-
-    flat = build(inputs, weights, ranges, grid, epilogue=tile_epilogue, operands=operands,
+    flat = build(inputs, weights, ranges, grid, epilogue=sub_tile_epilogue(epilogue, params.out_spec)(tensors),
+                 operands=operands,
                  out_dtype=out_type.dtype, blocks=blocks, interpret=ctx.interpret, name=kernel.name)
     return {term: unflatten(flat, grid, geometry.out_features)}

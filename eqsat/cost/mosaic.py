@@ -8,7 +8,8 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
+| conv (haloed: stride 1, ≤ 3x3, one K range, NHWC, 64k channels) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · taps · C | per 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the prologue's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights as `[taps·C, N↑]`; per-group statistics gathered per channel (one float32 table, when the prologue reads any); a residual on the flat rows; the output unflattened (the input is read as it lies, the prologue runs in SMEM: its repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
 ↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
@@ -35,6 +36,7 @@ fits them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,8 +47,9 @@ from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
-                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, padded_head, plan_taps,
-                                 fits_tiles, matmul_in_place, minor_tile, prologue_blocks, tile_fits, vector_fits)
+                                 FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
+                                 halo_blocks, halo_input_loads, halo_uncovered, matmul_in_place, minor_tile, padded_head,
+                                 plan_taps, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -440,11 +443,11 @@ def window_of(taps: int, window: tuple[int, int]) -> tuple:
 
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, lhs)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None) -> MosaicWork:
+                 epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork:
     """`emit.mosaic.conv.build` on this conv: the flat padded grid's CTAs, its pipeline steps
     (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
     and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
@@ -459,6 +462,10 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
+    if halo_uncovered(geometry, ranges, _itemsize(lhs_ty), lhs, lhs_ty) is None:
+        work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, lhs)
+        if work is not None:
+            return work
     taps = plan_taps(grid, ranges)
     steps = sum(r.steps for r in taps)
     cout = geometry.out_features
@@ -485,6 +492,64 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
                         steps=steps)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read, store, m_padded * n_padded,
                       tuple(glue), blocks.compute_wgs + 1)
+
+
+def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
+                   epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork | None:
+    """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
+    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per 64-channel chunk the
+    staged input rows (the CTA's and the halo) and the input expression's per-channel vectors by TMA,
+    per step (tap x chunk) a `[64, tile_n]` weight tile; the input read as it lies (no fusion), the
+    fusions: the weights as `[taps·C, N↑]`, per-channel tables gathered from per-group statistics, a
+    residual mapped onto the flat rows, the output unflattened. The input expression runs on every
+    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): its flops
+    beyond one evaluation per element are `alu_flops`."""
+    item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
+    batch, cin, cout = geometry.batch, geometry.in_features, geometry.out_features
+    out_elements = size_of(out_ty)
+    loads = halo_input_loads(lhs, lhs_ty) if lhs is not None else ([], [])
+    vector_loads = loads[1]
+    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
+    # views of per-channel tensors are read in place; with any gather all go into one float32 table
+    vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
+    reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    grid_of = functools.partial(HaloGrid, geometry)
+    blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
+    if blocks is None:
+        return None
+    grid = grid_of(blocks.tile_m)
+    kh, kw = geometry.window
+    chunks, taps = cin // CHUNK, kh * kw
+    steps = chunks * taps
+    m_padded = grid.m_tiles * blocks.tile_m
+    n_padded = _round_up(cout, blocks.tile_n)
+    ctas = batch * grid.m_tiles * (n_padded // blocks.tile_n)
+    width = geometry.in_size[1]
+    sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+    per_cta = (chunks * (grid.staged_rows * width * CHUNK * item + sum(vectors) * CHUNK)
+               + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
+               + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
+                              + sum(reads.rows) * blocks.epi_m))
+    x_bytes = size_of(lhs_ty) * item
+    w_bytes = taps * cin * n_padded * item
+    vector_bytes = sum(batch * cin * v for v in vectors)  # B' = batch: at most
+    mask_bytes = grid.m_tiles * grid.staging * 2
+    epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+    glue = [Glue("weights laid out", w_bytes)]
+    if gathered:  # per-group statistics gathered per channel, with the other vectors (one small fusion)
+        glue.append(Glue("prologue vectors per channel", vector_bytes))
+    for item_bytes in reads.tiles:
+        glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
+    store = batch * m_padded * n_padded * out_item
+    glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
+    evaluated = ctas * chunks * grid.staging * CHUNK  # the prologue runs on every staged slab
+    per_element = once_flops(lhs) / max(size_of(lhs_ty), 1) if lhs is not None else 0.0
+    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
+    work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
+                        steps=steps, alu_flops=max(0.0, evaluated - size_of(lhs_ty)) * per_element)
+    kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
+    return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
+                      tuple(glue), 1)
 
 
 # --- attention -----------------------------------------------------------------------------------

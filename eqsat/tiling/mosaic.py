@@ -4,6 +4,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
+    HaloGrid, halo_uncovered, halo_input_loads,      the haloed conv's grid, what it takes, its tiles and SMEM
+    halo_blocks, halo_smem_bytes                     (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -13,9 +15,11 @@ Itemsizes are plain byte counts here; the templates pass their dtypes' (`jnp.dty
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from eqsat.tiling.conv import ConvGeometry
+from eqsat.types import parse_type
 
 # An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
 SMEM_BYTES = 232448 - 1024
@@ -311,6 +315,176 @@ def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> MosaicBlock
     B tile loaded to save < 3 % of padded rows)."""
     blocks = MosaicBlocks.get_default(grid.rows, out_features, steps * CHUNK)
     return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloGrid:
+    """The haloed conv template's grid (`emit.mosaic.conv_halo`): per image, the input zero-padded by
+    the conv's padding as a flat `[Hp * Wp, C]` grid of pitch `Wp = px0 + W + px1` (no rounding: A
+    tiles are loaded from SMEM into registers at any row); output pixel `(oy, ox)` is flat row
+    `q = oy * Wp + ox` (columns `ox >= Wo` computed and dropped) and tap `(ky, kx)` reads padded row
+    `q + ky * Wp + kx`. A CTA owns `tile_m` flat rows `[q0, q0 + tile_m)` of one image and stages the
+    padded rows `[q0 // Wp, q0 // Wp + staged_rows)` of the input in SMEM: `staged_rows` is the
+    most any CTA needs for its rows and the halo."""
+
+    geometry: ConvGeometry
+    tile_m: int
+
+    @property
+    def pitch(self) -> int:
+        (px0, px1) = self.geometry.params.padding[1]
+        return px0 + self.geometry.in_size[1] + px1
+
+    @property
+    def out_rows(self) -> int:
+        """Flat rows per image that hold outputs (`Ho` rows of the pitch)."""
+        return self.geometry.out_size[0] * self.pitch
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.out_rows // self.tile_m)
+
+    @property
+    def halo(self) -> int:
+        kh, kw = self.geometry.window
+        return (kh - 1) * self.pitch + (kw - 1)
+
+    @property
+    def staged_rows(self) -> int:
+        wp = self.pitch
+        return max(-(-(m * self.tile_m % wp + self.tile_m + self.halo) // wp) for m in range(self.m_tiles))
+
+    @property
+    def staging(self) -> int:
+        """SMEM rows of one staged chunk: the staged padded rows, rounded up to 64 (prologue slabs)."""
+        return -(-self.staged_rows * self.pitch // 64) * 64
+
+
+def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int) -> str | None:
+    """Why the haloed template does not take this conv (None when it does): it reads the input by
+    per-row TMA copies of `[W, 64]` channel chunks, so it needs unit strides and dilations, at most
+    a 3x3 window, channels a multiple of 64 of a 16-bit dtype, and a row of at most 256 pixels (a
+    TMA box side)."""
+    p = geometry.params
+    if tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1):
+        return f"strides {tuple(p.strides)}, dilation {tuple(p.rhs_dilation)}"
+    if any(k > 3 for k in geometry.window):
+        return f"a {geometry.window} window"
+    if geometry.in_features % CHUNK or itemsize != 2:
+        return f"{geometry.in_features} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
+    if geometry.in_size[1] > 256:
+        return f"rows of {geometry.in_size[1]} pixels (a TMA box side is at most 256)"
+    return None
+
+
+NHWC = (0, 3, 1, 2)
+# What the haloed conv's input expression may hold: loads, literals, elementwise ops and views.
+PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Transpose", "Broadcast", "Slice"})
+
+
+def _loads_by_parent(expr):
+    """The expression's nodes (each once) and its loads once per distinct parent: a tensor read
+    through two views (a statistic's mean and variance, two slices of one load) is two reads, as
+    the expression compiler evaluates it at two indices."""
+    nodes, loads, seen, stack = [], [], set(), [(expr, None)]
+    while stack:
+        node, parent = stack.pop()
+        if node.op == "Load" and (id(node), id(parent)) not in seen:
+            seen.add((id(node), id(parent)))
+            loads.append(node)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        if node.op != "Load":  # a Load's tensor is another kernel's, not part of the expression
+            stack.extend((a, node) for a in node.args if hasattr(a, "op"))
+    return nodes, loads
+
+
+def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
+    """The input expression's loads as the haloed conv reads them: `(input loads, vector loads)`,
+    the first those of a tensor of the expression's size and dtype (staged by TMA: the input itself
+    or a `[B, H·W, C]` matmul output viewed as NHWC), the others the per-
+    channel vectors (one per distinct read: `_loads_by_parent`); None when it holds an op the kernel
+    does not evaluate or reads no such tensor. (The template checks the index of each load itself:
+    `emit.mosaic.conv_halo.prologue_sources`.)"""
+    nodes, loads = _loads_by_parent(expr)
+    if any(node.op not in PROLOGUE_OPS for node in nodes):
+        return None
+    lhs_shape, lhs_dtype = parse_type(lhs_ty).shape, parse_type(lhs_ty).dtype
+    size = math.prod(lhs_shape)
+    is_input = [math.prod(parse_type(n.args[0].ty).shape) == size and parse_type(n.args[0].ty).dtype == lhs_dtype
+                for n in loads]
+    if not any(is_input):
+        return None
+    return ([n for n, i in zip(loads, is_input) if i], [n for n, i in zip(loads, is_input) if not i])
+
+
+def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], itemsize: int, lhs=None,
+                   lhs_ty: str | None = None) -> str | None:
+    """Why the haloed template does not take a conv (None when it does): `halo_conv_uncovered`, an
+    input other than NHWC, more than one K range or one over part of the window (a concat, a merged
+    shortcut), and, when the input expression `lhs` is known, one `halo_input_loads` refuses."""
+    reason = halo_conv_uncovered(geometry, itemsize)
+    if reason is not None:
+        return reason
+    if tuple(geometry.params.lhs_spec) != NHWC:
+        return f"an input of layout {geometry.params.lhs_spec} (the template stages NHWC rows)"
+    kh, kw = geometry.window
+    if len(ranges) != 1 or tuple(ranges[0][1]) != ((0, kh), (0, kw)):
+        return f"K ranges {list(ranges)}"
+    if lhs is not None and halo_input_loads(lhs, lhs_ty) is None:
+        return "an input expression the kernel does not evaluate"
+    return None
+
+
+SM_COUNT = 132  # H100 SXM5
+
+
+def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int] = (),
+                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2, batch: int = 1) -> MosaicBlocks | None:
+    """The haloed template's tiles: one compute warpgroup, `tile_m` 64 or 128 (whichever pads an
+    image's output rows least, 128 among equals), `tile_n` 128 or 64 (whichever pads N least), at
+    most 128 x 64 (a 128 x 128 fp32 accumulator beside a GroupNorm prologue spilled: 216 bytes at
+    the VAE's 64 x 64 x 512); then, while the CTAs do not fill the SMs (an 8x8 image of 1280
+    channels: 40 CTAs of 128 x 64), 64 rows; a 3-slot weight ring, 2 slots where SMEM asks. None when even 64 columns and
+    2 slots do not fit SMEM (`halo_smem_bytes`: rows too wide to stage; 128 x 128 images fit, 256 x
+    256 do not). `grid_of(tile_m)` is the conv's `HaloGrid`; `vectors` the itemsizes of the input
+    expression's per-channel vectors, `operands` the epilogue's `(kind, itemsize)`."""
+    def padded(size, tile):
+        return -(-size // tile) * tile
+
+    tile_m = min((128, 64), key=lambda t: (padded(out_rows, t), -t))
+    tile_n = min((128, 64), key=lambda t: (padded(out_features, t), -t))
+    if tile_m * tile_n > 128 * 64:  # one warpgroup's 128 x 128 fp32 accumulator and the prologue spill
+        tile_n = 64
+
+    def ctas(tm, tn):
+        return batch * (padded(out_rows, tm) // tm) * (padded(out_features, tn) // tn)
+
+    if ctas(tile_m, tile_n) < SM_COUNT and tile_m == 128:
+        tile_m = 64
+    grid = grid_of(tile_m)
+    for blocks in (MosaicBlocks(tile_m, tile_n, CHUNK, stages=3, compute_wgs=1),
+                   MosaicBlocks(tile_m, 64, CHUNK, stages=3, compute_wgs=1),
+                   MosaicBlocks(tile_m, 64, CHUNK, stages=2, compute_wgs=1)):
+        if halo_smem_bytes(grid, blocks, vectors, operands, out_itemsize) <= SMEM_BYTES:
+            return blocks
+    return None
+
+
+def halo_smem_bytes(grid: HaloGrid, blocks: MosaicBlocks, vectors: Sequence[int], operands: Sequence[tuple[str, int]],
+                    out_itemsize: int) -> int:
+    """Shared memory of one haloed-conv CTA: two staged chunks, two A tiles, the weight ring, the row
+    mask, the input expression's per-channel vectors (two slots each), the epilogue's two output
+    sub-tiles and one sub-tile (or vector) of each operand."""
+    staged = 2 * grid.staging * CHUNK * 2
+    a_tiles = 2 * blocks.tile_m * CHUNK * 2
+    ring = blocks.stages * CHUNK * blocks.tile_n * 2
+    epilogue = 2 * blocks.epi_m * blocks.epi_n * out_itemsize
+    for kind, size in operands:
+        epilogue += size * {"tile": blocks.epi_m * blocks.epi_n, "row": blocks.epi_m, "col": blocks.epi_n}[kind]
+    return staged + a_tiles + ring + grid.staging * 2 + sum(2 * CHUNK * v for v in vectors) + epilogue
 
 
 # --- attention ----------------------------------------------------------------------------------

@@ -1,0 +1,462 @@
+"""The haloed Mosaic GPU conv: a plan's `Conv` whose input is read as the plan has it (NHWC, unpadded)
+and whose input expression (a GroupNorm apply + SiLU from hosted statistics, any elementwise
+expression of the input and per-channel vectors) is evaluated inside the kernel, once per staged
+input element, so no XLA fusion lays out or normalizes the input.
+
+    HaloGrid   the flat padded grid of one image and what a CTA stages (`eqsat.tiling.mosaic`)
+    build      the kernel over the raw input, weights laid out per (tap, chunk), a row mask
+    emit       a plan's `Conv` kernel as this template, or `HaloUncovered` (then `emit.mosaic.conv`'s
+               flat-grid template runs it)
+
+One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
+grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
+padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per 64-channel chunk of the input:
+
+1. TMA: each padded row `r0 + i` the CTA needs (`staged_rows` of them, its rows and the halo) is
+   one `[W, 64]` copy from the input into a staging buffer at SMEM row `i * Wp + px0`, so SMEM holds
+   the chunk on the padded grid; rows in the padding copy a clamped input row. Two staging slots:
+   chunk c + 1 arrives while chunk c computes.
+2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the input
+   expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and beta as
+   they lie; a GroupNorm's per-group statistics gathered per channel on the host, with the other
+   vectors, into one small float32 table), padding is zeroed after it by a host-computed row mask
+   (so a tap in the padding reads 0, not prologue(0)), and the slab is stored back in place.
+3. Taps: for each tap, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any row: no 8-row
+   SMEM tile alignment, no shifted copies of the input) are copied through registers into a
+   swizzled A tile (two slots), and wgmma multiplies it with the tap's `[64, tile_n]` weight tile
+   from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip the
+   copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
+
+Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
+stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
+(`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
+Weights are laid out as `[taps * chunks * 64, N↑]` (one XLA fusion), and the flat output is sliced
+back to the conv's output layout (one more); the input is read by the kernel itself. Tiles:
+`eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would not
+fill the SMs).
+
+Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input whose
+channels are a multiple of 64 (TMA reads 64-channel chunks of halves), rows of at most 256 pixels,
+one K range (no concat, no merged shortcut), an input expression that reads the input at its own
+index and otherwise only per-channel (and per-image) vectors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from emit import expr as ex
+from emit.mosaic import matmul as mm
+from emit.pallas.conv import _place
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered,
+                                 halo_uncovered)
+from eqsat.types import parse_type
+
+
+class HaloUncovered(NotImplementedError):
+    """A conv the haloed template does not take: `emit.mosaic.conv` runs its flat-grid template."""
+
+
+# --- host side: the row mask and the prologue's operands ----------------------------------------------
+
+
+def row_mask(grid: HaloGrid) -> np.ndarray:
+    """`[m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in the padding
+    (and past its staged rows)."""
+    (h, w), wp = grid.geometry.in_size, grid.pitch
+    (py0, _), (px0, _) = grid.geometry.params.padding
+    j = np.arange(grid.staging)
+    first = (np.arange(grid.m_tiles) * grid.tile_m) // wp
+    yp, xp = first[:, None] + j[None, :] // wp, j % wp
+    inside = (j < grid.staged_rows * wp) & (xp >= px0) & (xp < px0 + w)
+    return (inside & (yp >= py0) & (yp < py0 + h)).astype(np.float16)
+
+
+class _Recording:
+    """The host pass over the input expression: each `Load` (tensor, NumPy index) in the order the
+    expression compiler meets them; values are scalars."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self):
+        self.loads = []
+
+    def load(self, tensor, index, mask):
+        if any(not (ex.is_static(e) or isinstance(e, np.ndarray)) for e in index):
+            raise HaloUncovered(f"the input expression reads {tensor!r} at an index computed on the device")
+        self.loads.append((tensor, tuple(index)))
+        return jnp.zeros((), parse_type(tensor.ty).dtype)
+
+
+def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list, list]:
+    """`(tensors, sources, tables)` of the input expression `expr` (type `lhs_shape`, NHWC), one
+    source per `Load` in the compiler's order: `"input"` for the tensor read at the expression's own
+    index (the kernel stages it by TMA), or the n-th row of `tables` (counted across them), `[B', R,
+    C]` arrays of the loads that depend on the image and the channel only (a GroupNorm's statistics
+    per channel, gamma, beta; B' is 1 when none depends on the image). Vectors that are views of a
+    tensor are read in place (a table each); when any must be gathered (a statistic per group read
+    per channel), all are gathered into one float32 table: one small XLA fusion, not one each."""
+    missing = sorted({node.op for node in ex.expr_nodes(expr)} - PROLOGUE_OPS)
+    if missing:
+        raise HaloUncovered(f"an input expression with {', '.join(missing)}")
+    shape = tuple(lhs_shape)
+    index = tuple(np.arange(n).reshape([n if a == d else 1 for a in range(4)]) for d, n in enumerate(shape))
+    memory = _Recording()
+    ex.compile_expr(expr)(memory, index, True)
+    identity = np.arange(int(np.prod(shape))).reshape(shape)
+    tensors, sources, vectors, gathered = [], [], [], False
+    for tensor, at in memory.loads:
+        tshape = parse_type(tensor.ty).shape
+        flat = np.broadcast_to(np.asarray(ex.linearize(at, tshape), np.int64), shape)
+        if int(np.prod(tshape)) == identity.size and np.array_equal(flat, identity):
+            sources.append("input")  # the input, or a tensor whose reshape it is ([B, H·W, C] as NHWC)
+        elif np.array_equal(flat, np.broadcast_to(flat[:, :1, :1, :], shape)):
+            dtype = jnp.dtype(parse_type(tensor.ty).dtype)
+            if dtype.itemsize not in (2, 4) or dtype.kind != "f":
+                raise HaloUncovered(f"a per-channel operand of dtype {dtype}")
+            table = flat[:, 0, 0, :]
+            by_image = shape[0] > 1 and not np.array_equal(table, np.broadcast_to(table[:1], table.shape))
+            table = table if by_image else table[:1]
+            value = jnp.reshape(values(tensor), (-1,))
+            if table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size)):
+                vectors.append(value.reshape(table.shape))
+            else:
+                vectors.append(value[table])  # a statistic per group -> per channel: a small gather
+                gathered = True
+            sources.append(len(vectors) - 1)
+        else:
+            raise HaloUncovered(f"the input expression reads {tensor!r} other than at the input's own index or "
+                                "per channel")
+        tensors.append(tensor)
+    if "input" not in sources:
+        raise HaloUncovered("an input expression that reads no input tensor at its own index")
+    if not gathered:
+        return tensors, sources, [v[:, None, :] for v in vectors]
+    images = max(v.shape[0] for v in vectors)
+    table = jnp.stack([jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32) for v in vectors], axis=1)
+    return tensors, sources, [table]
+
+
+class _SlabMemory:
+    """The in-kernel pass: the n-th `Load` is the staged input slab or a per-channel vector
+    broadcast over the slab, in the order the host met them."""
+
+    chunk_elements = ex.DEFAULT_CHUNK_ELEMENTS
+
+    def __init__(self, tensors, tiles):
+        self.tensors, self.tiles, self.cursor = tensors, tiles, 0
+
+    def load(self, tensor, index, mask):
+        if self.cursor >= len(self.tensors) or self.tensors[self.cursor] is not tensor:
+            raise AssertionError(f"the input expression's loads in the kernel differ from the host's at {tensor!r}")
+        self.cursor += 1
+        return self.tiles[self.cursor - 1].astype(parse_type(tensor.ty).dtype)  # a float32 table's row
+
+
+def slab_prologue(expr, tensors, sources):
+    """(input slab [64, 64], vector tiles [64, 64] each) -> the input expression on the slab."""
+    compiled = ex.compile_expr(expr)
+    index = _place(NHWC, (np.zeros((1, 1), np.int64), np.arange(CHUNK).reshape(1, CHUNK), np.zeros((1, 1), np.int64),
+                          np.arange(64).reshape(64, 1)))
+
+    def prologue(slab, vector_tiles):
+        memory = _SlabMemory(tensors, [slab if s == "input" else vector_tiles[s] for s in sources])
+        value = compiled(memory, index, True)
+        if memory.cursor != len(tensors):
+            raise AssertionError("the input expression's loads in the kernel differ from the host's")
+        return jnp.broadcast_to(value, slab.shape)
+
+    return prologue
+
+
+# --- the kernel ----------------------------------------------------------------------------------------
+
+
+def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBlocks, n_vectors: int,
+            vector_shared: tuple[bool, ...], kinds: tuple[str, ...], operand_shared: tuple[bool, ...],
+            prologue, epilogue, interpreted: bool, m_padded: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    vector_gmems = refs[:n_vectors]
+    operand_gmems = refs[n_vectors:n_vectors + len(kinds)]
+    out_gmem = refs[n_vectors + len(kinds)]
+    g = grid.geometry
+    (height, width), wp = g.in_size, grid.pitch
+    (py0, _), (px0, _) = g.params.padding
+    kh, kw = g.window
+    taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
+    chunks = g.in_features // CHUNK
+    steps = chunks * len(taps)
+    tile_m, tile_n, stages = blocks.tile_m, blocks.tile_n, blocks.stages
+    epi_m, epi_n = blocks.epi_m, blocks.epi_n
+    dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
+    n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
+    q0 = m_idx * tile_m
+    first_row = lax.div(q0, wp)
+    a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
+
+    def load(ref, layout):
+        # GPU interpret mode has no `plgpu.load` of a sliced ref; layouts are the compiler's business
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=layout)
+
+    def operand_smem(kind, dt):
+        if kind == "tile":
+            return plgpu.SMEM((epi_m, epi_n), dt, transforms=mm._swizzled(epi_n, dt))
+        return plgpu.SMEM((epi_m if kind == "row" else epi_n,), dt)
+
+    def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
+              ring_barriers, mask_barrier, operand_barriers, acc_ref):
+
+        def stage(chunk, slot):
+            channels = pl.ds(chunk * CHUNK, CHUNK)
+            for i in range(grid.staged_rows):
+                y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
+                plgpu.copy_gmem_to_smem(x_gmem.at[b_idx, y, :, channels], staged.at[slot, pl.ds(i * wp + px0, width)],
+                                        staged_barriers.at[slot])
+            for v in range(n_vectors):
+                plgpu.copy_gmem_to_smem(vector_gmems[v].at[0 if vector_shared[v] else b_idx, :, channels],
+                                        vector_smems[v].at[slot], staged_barriers.at[slot])
+
+        def fetch_weights(step):
+            chunk, tap = lax.div(step, len(taps)), lax.rem(step, len(taps))
+            rows = pl.ds((tap * chunks + chunk) * CHUNK, CHUNK)
+            slot = lax.rem(step, stages)
+            plgpu.copy_gmem_to_smem(w_gmem.at[rows, pl.ds(n_idx * tile_n, tile_n)], ring.at[slot],
+                                    ring_barriers.at[slot])
+
+        plgpu.copy_gmem_to_smem(mask_gmem.at[m_idx], mask_smem, mask_barrier)
+        stage(0, 0)
+        for step in range(min(stages - 1, steps)):
+            fetch_weights(jnp.int32(step))
+        plgpu.barrier_wait(mask_barrier)
+
+        @pl.loop(0, chunks)
+        def _chunk(chunk):
+            slot = lax.rem(chunk, 2)
+
+            @pl.when(chunk + 1 < chunks)
+            def _prefetch():
+                stage(chunk + 1, 1 - slot)
+
+            plgpu.barrier_wait(staged_barriers.at[slot])
+            vectors = [lax.broadcast_in_dim(load(smem.at[slot, row], plgpu.Layout.WGMMA.reduce(0)), (64, CHUNK), (1,))
+                       for smem in vector_smems for row in range(smem.shape[1])]
+            for s in range(grid.staging // 64):
+                rows = staged.at[slot, pl.ds(s * 64, 64)]
+                mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
+                                            (64, CHUNK), (0,))
+                value = prologue(load(rows, plgpu.Layout.WGMMA), vectors)
+                rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
+            plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
+
+            for t, (ky, kx) in enumerate(taps):
+                step = chunk * len(taps) + t
+                ring_slot = lax.rem(step, stages)
+                plgpu.barrier_wait(ring_barriers.at[ring_slot])
+                a_slot = a_tiles.at[t % 2] if len(taps) % 2 == 0 else a_tiles.at[lax.rem(step, 2)]
+                a_slot[...] = load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+                plgpu.commit_smem()  # the A tile is seen by the tensor cores
+                plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
+                plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
+
+                @pl.when(step + stages - 1 < steps)
+                def _next():
+                    fetch_weights(step + stages - 1)
+
+            plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
+
+        plgpu.wgmma_wait(0)
+        acc = acc_ref[...]
+        rows0 = b_idx * m_padded + q0
+        for em in range(tile_m // epi_m):
+            for en in range(tile_n // epi_n):
+                slot = (em * (tile_n // epi_n) + en) % 2
+                row_slice = pl.ds(q0 + em * epi_m, epi_m)
+                col_slice = pl.ds(n_idx * tile_n + en * epi_n, epi_n)
+                tiles = []
+                for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
+                    batch = 0 if operand_shared[o] else b_idx
+                    if kind == "tile":
+                        src = gmem.at[batch, row_slice, col_slice]
+                    else:
+                        src = gmem.at[batch, row_slice if kind == "row" else col_slice]
+                    plgpu.copy_gmem_to_smem(src, smem, operand_barriers.at[o])
+                    plgpu.barrier_wait(operand_barriers.at[o])
+                    if kind == "tile":
+                        tiles.append(smem[...])
+                    else:
+                        axis = 1 if kind == "col" else 0
+                        vector = load(smem, plgpu.Layout.WGMMA.reduce(1 - axis))
+                        tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
+                value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[slot] = value.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @functools.partial(
+        pl.run_scoped,
+        staged=plgpu.SMEM((2, grid.staging, CHUNK), dtype),
+        ring=plgpu.SMEM((stages, CHUNK, tile_n), dtype, transforms=mm._swizzled(CHUNK, dtype)),
+        a_tiles=plgpu.SMEM((2, tile_m, CHUNK), dtype, transforms=mm._swizzled(CHUNK, dtype)),
+        mask_smem=plgpu.SMEM((grid.staging // 64, 64), mask_gmem.dtype),
+        vector_smems=[plgpu.SMEM((2, ref.shape[1], CHUNK), ref.dtype) for ref in vector_gmems],
+        out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
+        operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
+        staged_barriers=plgpu.Barrier(num_arrivals=grid.staged_rows + n_vectors, num_barriers=2),
+        ring_barriers=plgpu.Barrier(num_barriers=stages),
+        mask_barrier=plgpu.Barrier(),
+        operand_barriers=plgpu.Barrier(num_barriers=max(1, len(kinds))),
+    )
+    def _scope(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
+               ring_barriers, mask_barrier, operand_barriers):
+        pl.run_scoped(functools.partial(_body, staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems,
+                                        staged_barriers, ring_barriers, mask_barrier, operand_barriers),
+                      plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+
+def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, prologue=lambda slab, _: slab,
+          vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
+          operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
+          name: str = "conv") -> jax.Array:
+    """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
+    output): `x` the raw NHWC input, `w` from `emit.mosaic.conv.layout_weights` (`[taps * C, N↑]`),
+    `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', R, C]` tables, `operands`
+    the epilogue's, laid out over `[B', m_padded, N↑]` flat rows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    g = grid.geometry
+    if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
+        raise HaloUncovered(f"operands {x.dtype} x {w.dtype}")
+    reason = halo_conv_uncovered(g, jnp.dtype(x.dtype).itemsize)
+    if reason is not None:
+        raise HaloUncovered(reason)
+    if blocks.tile_m != grid.tile_m:
+        raise ValueError(f"blocks' tile_m {blocks.tile_m} is not the grid's {grid.tile_m}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    batch = g.batch
+    m_padded = grid.m_tiles * grid.tile_m
+    n_padded = w.shape[1]
+    mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
+    arrays, kinds, shared = [], [], []
+    for operand in operands:
+        a = operand.array
+        target = {"tile": (a.shape[0], m_padded, n_padded), "col": (a.shape[0], n_padded),
+                  "row": (a.shape[0], m_padded)}[operand.kind]
+        arrays.append(mm.pad_to(a, target))
+        kinds.append(operand.kind)
+        shared.append(a.shape[0] == 1)
+
+    def call(interpret_here):
+        return plgpu.kernel(
+            functools.partial(_kernel, grid=grid, blocks=blocks, n_vectors=len(vectors),
+                              vector_shared=tuple(v.shape[0] == 1 for v in vectors), kinds=tuple(kinds),
+                              operand_shared=tuple(shared), prologue=prologue, epilogue=epilogue,
+                              interpreted=interpret_here, m_padded=m_padded),
+            out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
+            grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
+            grid_names=("n", "m", "b"),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            kernel_name=mm._kernel_name(name),
+            interpret=mm.interpret_params() if interpret_here else None,
+        )
+
+    operands_in = (x, w, mask, *vectors, *arrays)
+    out_type = jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype)
+    if interpret is None:
+        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
+                                     default=lambda *xs: call(False)(*xs))
+    elif interpret:
+        out = mm.one_at_a_time(call(True), out_type, operands_in)
+    else:
+        out = call(False)(*operands_in)
+    return out.reshape(batch, m_padded, n_padded)
+
+
+def unflatten(out: jax.Array, grid: HaloGrid, out_features: int) -> jax.Array:
+    """`build`'s flat rows as the conv's output (its `out_spec` layout)."""
+    g = grid.geometry
+    (ho, wo), wp = g.out_size, grid.pitch
+    out = out[:, :ho * wp, :out_features].reshape(g.batch, ho, wp, out_features)[:, :, :wo, :]
+    order = [0] * 4
+    for position, axis in enumerate(g.params.out_spec):
+        order[axis] = (0, 3, 1, 2)[position]
+    return jnp.transpose(out, order)
+
+
+def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
+    """The conv output's index at each flat row and channel, `[batch, m_padded, N]` (clamped to 0 off
+    the output), for mapping the epilogue's operands onto the flat rows."""
+    g = grid.geometry
+    (ho, wo), wp = g.out_size, grid.pitch
+    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    b = np.arange(g.batch).reshape(g.batch, 1, 1)
+    oy, ox = q // wp, q % wp
+    valid = (oy < ho) & (ox < wo)
+    oy, ox = np.where(valid, oy, 0), np.where(valid, ox, 0)
+    return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
+
+
+# --- emit: a plan's Conv term --------------------------------------------------------------------------
+
+
+def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
+    """`{kernel.term: value}` for a plan's `Conv` kernel as the haloed template, or `HaloUncovered`.
+    `parts` are its K ranges (`emit.pallas.conv.k_ranges`); `tile_epilogue(tensors)` the epilogue on
+    an `[epi_m, epi_n]` sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`)."""
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    lhs, rhs, _params_key, epilogue, ty = term.args
+    params, out_type = geometry.params, parse_type(ty)
+    lhs_type = parse_type(lhs.ty)
+    reason = halo_uncovered(geometry, [(part.channels, part.taps) for part in parts],
+                            jnp.dtype(lhs_type.dtype).itemsize, lhs, lhs.ty)
+    if reason is not None:
+        raise HaloUncovered(reason)
+    (part,) = parts
+    if part.lhs_offset or part.rhs_offset:
+        raise HaloUncovered(f"a K range from channel {part.lhs_offset}")
+    tensors, sources, vectors = prologue_sources(part.lhs, lhs_type.shape, ctx.value)
+    x_tensor = tensors[sources.index("input")]
+    x = jnp.reshape(ctx.value(x_tensor), lhs_type.shape)  # a view: the same elements in the same order
+    if jnp.dtype(x.dtype) != jnp.dtype(lhs_type.dtype):
+        raise HaloUncovered(f"an input tensor of {x.dtype} under a {lhs_type.dtype} input expression")
+
+    grid_of = functools.partial(HaloGrid, geometry)
+    # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
+    probe = grid_of(128)
+    _, probe_operands = mm.mapped_operands(epilogue, output_index(probe, probe.m_tiles * 128, geometry.out_features),
+                                           (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
+    blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
+                         [jnp.dtype(v.dtype).itemsize for v in vectors for _ in range(v.shape[1])],
+                         [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
+                         jnp.dtype(out_type.dtype).itemsize, geometry.batch)
+    if blocks is None:
+        raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    grid = grid_of(blocks.tile_m)
+    n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
+    m_padded = grid.m_tiles * grid.tile_m
+    out_index = output_index(grid, m_padded, geometry.out_features)
+    epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
+                                               ctx.value)
+
+    known = _Evaluator({}, ctx.constants, ctx.payloads)
+    known.values = ctx.values
+    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([part.rhs])
+    from emit.mosaic.conv import layout_weights
+    from eqsat.tiling.mosaic import RangeTaps
+
+    w = layout_weights(w.astype(x.dtype), params.rhs_spec, RangeTaps(geometry.in_features, part.taps, 0, 0), n_padded)
+    flat = build(x, w, grid, blocks, prologue=slab_prologue(part.lhs, tensors, sources), vectors=vectors,
+                 epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
+                 interpret=ctx.interpret, name=kernel.name)
+    return {term: unflatten(flat, grid, geometry.out_features)}
