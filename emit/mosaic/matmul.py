@@ -368,8 +368,6 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     With `a_window` (batch 1), `a` is `[1, m + halo, columns]` laid out by the caller (`m` a multiple
     of `blocks.tile_m`, `columns` of `tile_k`) and read through the window's offsets; `b`'s K is the
     steps times `tile_k`."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or (a_window is None and a.shape[2] != b.shape[1]):
         raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
     if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
@@ -409,19 +407,11 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
 
     def call(interpret_here):
-        return plgpu.kernel(
-            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
-                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
-                              a_window=a_window),
-            out_type=jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
-            grid=grid,
-            grid_names=("n", "m", "b"),
-            num_threads=blocks.compute_wgs + 1,
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            kernel_name=_kernel_name(name),
-            interpret=interpret_params() if interpret_here else None,
-        )
+        body = functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
+                                 k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
+                                 a_window=a_window)
+        return _warp_specialized(body, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), grid, blocks, name,
+                                 interpret_params() if interpret_here else None)
 
     out = _launch(call, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), (a_flat, b_flat, *arrays), interpret)
     return out.reshape(batch, mp, np_)[:, :m, :n]
@@ -443,8 +433,6 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
     clamped), padded to the tile grid where not (a row or column vector only when its stride is not
     16-byte aligned, `vector_fits`); with a `prologue`, A is computed in the kernel from its sources."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     batch, m, k = a.shape
     n = b.shape[2]
     mp = -(-m // blocks.tile_m) * blocks.tile_m
@@ -486,20 +474,12 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
 
     def call(interpret_here):
-        return plgpu.kernel(
-            functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
-                              k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
-                              in_place=(m, n) if place.out else None, batched=True,
-                              prologue=None if prologue is None else (prologue.fn, layouts)),
-            out_type=out_type,
-            grid=grid,
-            grid_names=("n", "m", "b"),
-            num_threads=blocks.compute_wgs + 1,
-            thread_name="wg",
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            kernel_name=_kernel_name(name),
-            interpret=interpret_params(tma_zero_fill=past_end) if interpret_here else None,
-        )
+        body = functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
+                                 k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
+                                 in_place=(m, n) if place.out else None, batched=True,
+                                 prologue=None if prologue is None else (prologue.fn, layouts))
+        return _warp_specialized(body, out_type, grid, blocks, name,
+                                 interpret_params(tma_zero_fill=past_end) if interpret_here else None)
 
     if prologue is None:
         inputs = (a3, b3, *arrays)
@@ -520,6 +500,17 @@ def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]
 
     jitted = jax.jit(interpreted)
     return io_callback(lambda *xs: np.asarray(jitted(*xs)), out_type, *operands, ordered=True)
+
+
+def _warp_specialized(body, out_type, grid, blocks: MosaicBlocks, name: str | None, interpret):
+    """`body` as a warp-specialized Mosaic GPU kernel over grid (n, m, b): the compute warpgroups
+    and one memory warpgroup (`interpret`: GPU interpret mode's parameters, or None)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=("n", "m", "b"),
+                        num_threads=blocks.compute_wgs + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        kernel_name=_kernel_name(name), interpret=interpret)
 
 
 def _kernel_name(name: str) -> str:

@@ -219,6 +219,16 @@ def once_flops(*exprs: Term, seen: set | None = None) -> float:
     return flops
 
 
+def loaded_tensors(expr: Term) -> list[Term]:
+    """The distinct tensors `expr` loads, in the order its nodes first load them."""
+    tensors, seen = [], set()
+    for node in expr_nodes(expr):
+        if node.op == "Load" and id(node.args[0]) not in seen:
+            seen.add(id(node.args[0]))
+            tensors.append(node.args[0])
+    return tensors
+
+
 @dataclass(frozen=True)
 class EpilogueReads:
     """The epilogue's operands as the Mosaic templates lay them out (`mapped_operands`): tiles
@@ -240,12 +250,8 @@ class EpilogueReads:
         the column count) a row vector, anything else a column vector."""
         if epilogue is None:
             return cls()
-        tiles, cols, row_vectors, seen = [], [], [], set()
-        for node in expr_nodes(epilogue):
-            if node.op != "Load" or id(node.args[0]) in seen:
-                continue
-            tensor = node.args[0]
-            seen.add(id(tensor))
+        tiles, cols, row_vectors = [], [], []
+        for tensor in loaded_tensors(epilogue):
             size, item = size_of(tensor.ty), _itemsize(tensor.ty)
             if size >= out_elements:
                 tiles.append(item)
@@ -311,12 +317,8 @@ def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[
         return f"an A expression with {', '.join(sorted(ops - PROLOGUE_OPS))}"
     if k % blocks.tile_k:
         return f"K = {k} is not a multiple of the {blocks.tile_k}-element steps"
-    reads, seen = [], set()
-    for node in expr_nodes(lhs):
-        if node.op != "Load" or id(node.args[0]) in seen:
-            continue
-        tensor = node.args[0]
-        seen.add(id(tensor))
+    reads = []
+    for tensor in loaded_tensors(lhs):
         size, item = size_of(tensor.ty), _itemsize(tensor.ty)
         dims_of = parse_type(tensor.ty).shape
         if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
