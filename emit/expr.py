@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from eqsat.lift import CONVERT, apply_binary
+from eqsat.ops import CONVERT, apply_binary
 from eqsat.term import Term
 from eqsat.tiling.partials import MERGE_BLOCK_ELEMENTS, merge_block_tiles  # shared with the cost model
 from eqsat.tiling.reshape import reshape_groups

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from eqsat.conv_params import ConvParams
-from eqsat.lift import apply_binary, apply_reduce, apply_unary
+from eqsat.ops import apply_binary, apply_reduce, apply_unary
 from eqsat.term import Term, list_items
 from eqsat.types import dtype_name, ints, parse_type
 

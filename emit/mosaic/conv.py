@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 
 from emit import expr as ex
 from emit.mosaic import conv_halo
+from emit.mosaic.conv_halo import layout_weights  # noqa: F401 (both conv kernels lay weights out so)
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
@@ -125,15 +126,6 @@ def layout_input(x: jax.Array, grid: FlatGrid, spec: Sequence[int], r: RangeTaps
     x = x.reshape(b * hi * wq, sy * sx * channels_padded)
     copies = [jnp.pad(x[j:], ((0, j), (0, 0))) for j in range(*r.shifts)]
     return jnp.concatenate(copies, axis=1) if len(copies) > 1 else copies[0]
-
-
-def layout_weights(w: jax.Array, spec: Sequence[int], r: RangeTaps, n_padded: int) -> jax.Array:
-    """One K range's weights `w` (axes in `spec` order: out, in, spatial; the window counted from its
-    first tap) as `[steps * 64, n_padded]`: per tap, per chunk, 64 input channels x the outputs."""
-    w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
-    ky, kx, cin, cout = w.shape
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, r.chunks * CHUNK - cin), (0, n_padded - cout)))
-    return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
 
 
 def build(inputs: Sequence[jax.Array], weights: Sequence[jax.Array], ranges: Sequence[RangeTaps], grid: FlatGrid,

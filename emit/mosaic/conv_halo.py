@@ -323,12 +323,22 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
 
+def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.Array:
+    """One K range's weights `w` (axes in `spec` order: out, in, spatial; the window counted from its
+    first tap; `r` its `eqsat.tiling.mosaic.RangeTaps`) as `[steps * 64, n_padded]`: per tap, per
+    chunk, 64 input channels x the outputs (what both Mosaic conv kernels read)."""
+    w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
+    ky, kx, cin, cout = w.shape
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, r.chunks * CHUNK - cin), (0, n_padded - cout)))
+    return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
+
+
 def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, prologue=lambda slab, _: slab,
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
           name: str = "conv") -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
-    output): `x` the raw NHWC input, `w` from `emit.mosaic.conv.layout_weights` (`[taps * C, N↑]`),
+    output): `x` the raw NHWC input, `w` from `layout_weights` (`[taps * C, N↑]`),
     `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', R, C]` tables, `operands`
     the epilogue's, laid out over `[B', m_padded, N↑]` flat rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -452,7 +462,6 @@ def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([part.rhs])
-    from emit.mosaic.conv import layout_weights
     from eqsat.tiling.mosaic import RangeTaps
 
     w = layout_weights(w.astype(x.dtype), params.rhs_spec, RangeTaps(geometry.in_features, part.taps, 0, 0), n_padded)

@@ -56,7 +56,7 @@ from emit import expr as ex
 from emit.pallas import triton as tr
 from emit.pallas.contiguous import ContiguousMemory, masked_store
 from emit.pallas.partials import Partials, copy_prefix
-from eqsat.lift import CONVERT
+from eqsat.ops import CONVERT
 from eqsat.term import Term, postorder
 from eqsat.tiling import MIN_DOT_BLOCK, dot_itemsize  # noqa: F401 (MIN_DOT_BLOCK importable from here)
 from eqsat.tiling.matmul import MatmulBlocks  # the tiles, shared with the cost model

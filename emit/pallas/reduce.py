@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from emit.expr import CompiledExpr, acc_dtype, compile_expr, reduce_at, select_moment, unravel
 from emit.pallas import EmitContext, KernelCall, loaded_tensors
 from emit.pallas.triton import RefMemory, next_pow2, pallas_call, store
-from eqsat.lift import apply_reduce
+from eqsat.ops import apply_reduce
 from eqsat.moments import two_pass
 from eqsat.term import Term
 from eqsat.types import ints, parse_type
