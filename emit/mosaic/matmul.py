@@ -613,7 +613,7 @@ def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int
         else:
             kind, table = "col", flat[:, 0, :]
         dtype = jnp.dtype(parse_type(tensor.ty).dtype)
-        if dtype.itemsize not in (2, 4) or dtype.kind not in "fiu":
+        if dtype.itemsize not in (2, 4) or (dtype.kind not in "fiu" and dtype != jnp.bfloat16):
             raise NotImplementedError(f"an epilogue operand of dtype {dtype} (TMA tiles of 2- or 4-byte numbers)")
         value = jnp.reshape(values(tensor), (-1,))
         if table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size)):
