@@ -315,8 +315,9 @@ class Optimized:
         if self._leaf_routes:  # prepared parameters: a signature that ran takes its route (emit.prepare.LeafRoute)
             key, leaves = self._route_key(args, kwargs)
             route = self._leaf_routes.get(key)
-            if route is not None and route.matches(leaves):
-                return route(leaves)
+            values = None if route is None else route.prepared_values(leaves)
+            if values is not None:
+                return route(leaves, values)
         if differentiation_mode((args, kwargs)) == "reverse":
             return self._call_with_planned_backward(args, kwargs)
         jitted = self._jitted  # set once the first call chose to dispatch through jit

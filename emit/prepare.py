@@ -645,7 +645,7 @@ class LeafRoute:
     path walks them six times (signature, tracers, environment, export key) and cost ~1 ms of host
     time per call, more than `jax.jit`'s whole dispatch.
 
-    `matches(leaves)` says whether a call may take this route: the parameter leaves are the very
+    `prepared_values(leaves)` says whether a call may take this route: the parameter leaves are the very
     objects the prepared tensors were made from (so their shapes and dtypes are the signature's),
     and the few per-call leaves are concrete arrays of the signature's shapes and dtypes. Anything
     else (new weights, a tracer, another shape) goes the general way, which re-prepares or re-plans.
@@ -662,15 +662,21 @@ class LeafRoute:
         self._stage = None  # the per-call stage's jitted callable, resolved by the first routed call
         self.calls = 0
 
-    def matches(self, leaves: list) -> bool:
+    def prepared_values(self, leaves: list) -> list | None:
+        """The prepared tensors a call on `leaves` may take this route with, or None (see the class
+        docstring). The entry is read once: another thread preparing other weights meanwhile cannot
+        hand this call theirs."""
         prepared = self.prepared
-        entry = prepared._entry
-        if prepared.split.prepared_tensors and (
-                entry is None or not entry.holds([leaves[i] for i in self.parameter_positions])):
-            return False
+        values: list = []
+        if prepared.split.prepared_tensors:
+            entry = prepared._entry
+            if entry is None or not entry.holds([leaves[i] for i in self.parameter_positions]):
+                return None
+            values = entry.values
         avals = self.per_call_avals
-        return avals is not None and all(_leaf_aval(leaves[i]) == aval
-                                         for i, aval in zip(self.per_call_positions, avals))
+        if avals is None or not all(_leaf_aval(leaves[i]) == aval for i, aval in zip(self.per_call_positions, avals)):
+            return None
+        return values
 
     def remember(self, leaves: list) -> None:
         """Record the per-call leaves' shapes and dtypes (types, for Python scalars) after a general
@@ -678,10 +684,10 @@ class LeafRoute:
         avals = [_leaf_aval(leaves[i]) for i in self.per_call_positions]
         self.per_call_avals = None if None in avals else avals
 
-    def __call__(self, leaves: list):
+    def __call__(self, leaves: list, values: list):
+        """The call on `leaves` with the prepared tensors `values` (`prepared_values(leaves)`)."""
         prepared = self.prepared
         self.calls += 1
-        values = prepared._entry.values if prepared.split.prepared_tensors else []
         prepared.cache_hits += bool(prepared.split.prepared_tensors)
         per_call = [leaves[i] for i in self.per_call_positions]
         if self._stage is None:

@@ -13,7 +13,7 @@ def test_the_text_encoder_row_is_measured_and_routed(tmp_path, monkeypatch):
     monkeypatch.setenv("EQSAT_CACHE_DIR", str(tmp_path / "cache"))  # main moves it: restored after the test
     taken = []
     original = LeafRoute.__call__
-    monkeypatch.setattr(LeafRoute, "__call__", lambda self, leaves: taken.append(1) or original(self, leaves))
+    monkeypatch.setattr(LeafRoute, "__call__", lambda self, leaves, values: taken.append(1) or original(self, leaves, values))
     monkeypatch.setattr(dispatch, "_timed", lambda fn, args: _twice(fn, args))
     out = tmp_path / "dispatch.json"
     dispatch.main(["--components", "text_encoder", "--json", str(out)])

@@ -42,9 +42,9 @@ def count_routes(monkeypatch):
     original = LeafRoute.__call__
     TAKEN.clear()
 
-    def counted(self, leaves):
+    def counted(self, leaves, values):
         TAKEN.append(self)
-        return original(self, leaves)
+        return original(self, leaves, values)
 
     monkeypatch.setattr(LeafRoute, "__call__", counted)
 
@@ -154,3 +154,19 @@ def test_static_arguments_are_part_of_the_route():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4)
     assert len(fast.lowerings) == 3
     assert routes_taken(fast) == 3  # the second (3, True), the second (5, True) and the last (3, True)
+
+
+def test_a_route_keeps_the_weights_it_matched_while_another_call_prepares_others():
+    """Between a route's match and its call another thread may prepare other weights; the call still
+    runs with the prepared tensors of the weights it matched."""
+    fast = eqsat.optimize(block, params_argnums=0, backend="xla", progress=False)
+    params, other, x = make_params(), make_params(seed=4, offset=3.0), make_x()
+    fast(params, x, 0.5)
+    (route,) = fast._leaf_routes.values()
+    leaves = jax.tree_util.tree_leaves(((params, x, 0.5), {}))
+    values = route.prepared_values(leaves)
+    assert values is not None
+    fast(other, x, 0.5)  # the general path prepares the other weights
+    assert route.prepared_values(leaves) is None
+    got = route(leaves, values)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(block)(params, x, 0.5)), rtol=2e-5, atol=2e-5)
