@@ -285,27 +285,13 @@ def test_a_flat_conv_of_a_plain_input_pipelines_its_wgmma(tmp_path):
     select (`_zero_padded` without `zero_masked`) the same kernel waits for 0."""
     import re
 
-    from benchmarks import ptx
     from measure import xla_target
 
     if xla_target.unavailable_reason() is not None:
         pytest.skip(str(xla_target.unavailable_reason()))
     geometry = _geometry(1, 64, 32, 64)
     assert mma.conv_config(geometry).flat
-    x, w = (Term("Input", name, format_type("float16", shape))
-            for name, shape in (("x", geometry.lhs_shape), ("w", geometry.rhs_shape)))
-    term = _conv_term(Term("Load", x, x.ty), Term("Load", w, w.ty), geometry.params, "float16")
-
-    def fn(x_value, w_value):
-        return conv.run(term, {x: x_value, w: w_value}, interpret=False)
-
-    specs = [jax.ShapeDtypeStruct(shape, jnp.float16) for shape in (geometry.lhs_shape, geometry.rhs_shape)]
-
-    xla_target.compile_for_h100(fn, *specs, keep_dump=tmp_path / "dump")
-    [path] = [p for p in (tmp_path / "dump").glob("*.ptx") if ".entry" in p.read_text()]
-    text = path.read_text()
-    [counts] = ptx.read_ptx(text).values()
-    [resources] = ptx.run_ptxas(path).values()
+    text, counts, resources = _compiled_plain_conv(geometry, tmp_path)
     assert counts.wgmma and counts.wgmma_wait_depth >= 1, re.findall(r"wgmma.wait_group.sync.aligned \d+", text)
     assert counts.vector_load_bytes == counts.global_load_bytes, counts
     assert resources.spill_bytes == 0, resources
@@ -318,7 +304,6 @@ def test_a_row_tile_of_a_plain_input_pipelines_its_wgmma(tmp_path):
     spill. Its computed-input loop (each row reused by the row taps) waited for 0 at 255 registers."""
     import re
 
-    from benchmarks import ptx
     from measure import xla_target
 
     if xla_target.unavailable_reason() is not None:
@@ -326,6 +311,18 @@ def test_a_row_tile_of_a_plain_input_pipelines_its_wgmma(tmp_path):
     geometry = _geometry(2, 320, 64, 320)
     config = mma.conv_config(geometry)
     assert not config.flat and config.tile(geometry) == (2, 64)
+    text, counts, resources = _compiled_plain_conv(geometry, tmp_path)
+    assert counts.wgmma and counts.wgmma_wait_depth >= 2, re.findall(r"wgmma.wait_group.sync.aligned \d+", text)
+    assert counts.vector_load_bytes == counts.global_load_bytes, counts
+    assert resources.spill_bytes == 0, resources
+
+
+def _compiled_plain_conv(geometry, tmp_path):
+    """A conv of plain fp16 loads (`geometry`) compiled for sm_90a: its PTX text, `benchmarks.ptx`
+    counts and ptxas resources."""
+    from benchmarks import ptx
+    from measure import xla_target
+
     x, w = (Term("Input", name, format_type("float16", shape))
             for name, shape in (("x", geometry.lhs_shape), ("w", geometry.rhs_shape)))
     term = _conv_term(Term("Load", x, x.ty), Term("Load", w, w.ty), geometry.params, "float16")
@@ -339,9 +336,7 @@ def test_a_row_tile_of_a_plain_input_pipelines_its_wgmma(tmp_path):
     text = path.read_text()
     [counts] = ptx.read_ptx(text).values()
     [resources] = ptx.run_ptxas(path).values()
-    assert counts.wgmma and counts.wgmma_wait_depth >= 2, re.findall(r"wgmma.wait_group.sync.aligned \d+", text)
-    assert counts.vector_load_bytes == counts.global_load_bytes, counts
-    assert resources.spill_bytes == 0, resources
+    return text, counts, resources
 
 
 def test_pipeline_stages_follow_the_windowed_k_ranges():
