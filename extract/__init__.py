@@ -20,19 +20,21 @@ the per-node objective the searches minimize (`EGraphData.node_costs`) does not 
 kernel or a matmul prologue's recompute per tile, so it only guides them. Deterministic: ties keep the earlier candidate, the ILP runs under a
 branch-and-bound node limit, regions are visited in order under a budget counted in variables.
 
-`time_limit` (seconds) bounds the search, counted once the e-graph is read (reading it and
-building the chosen terms are linear and always done): a greedy round after the first runs only
-if it and the polish look like fitting (the first always runs: there must be a plan), the polish
-is skipped when no time is left after the rounds and otherwise stops between two moves (or while
-still reading the plan), the ILP is not started (or HiGHS stops at the limit), and the regional
-ILPs stop; the plan is the best found so far and
-`result.limit_reached` says "time_limit" (None when every step ran to its end). Only then does the
-result depend on the machine's speed. `result.details["seconds"]` times each step.
+`time_limit` (CPU seconds of this process) bounds the whole extraction, counted from the call:
+reading the e-graph, the search, and building the chosen terms and the caller's `Plan`, for which
+`build_reserve` seconds (default `BUILD_SECONDS_PER_NODE` per e-node, measured) are kept back from
+the search. A greedy round after the first runs only if it and the polish look like fitting (the
+first always runs: there must be a plan), the polish is skipped when no time is left after the
+rounds and otherwise stops between two moves (or while still reading the plan), the ILP is not
+started (or HiGHS stops at the limit), and the regional ILPs stop; the plan is the best found so
+far and `result.limit_reached` says "time_limit" (None when every step ran to its end). Only then
+does the result depend on the machine's speed. `result.details["seconds"]` times each step. The
+ILP's solver (scipy) is imported only when the whole-graph ILP could fit `ilp_max_variables` (its
+nodes in reachable tensor classes are each a variable) or regions will be solved.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -88,11 +90,19 @@ def score_selection(selection: Selection, device="h100", cutoff: float = math.in
     return math.inf if total > cutoff else total
 
 
+# CPU seconds that building the chosen terms and then the `Plan` take per e-node of the graph,
+# kept back from the search (the 600-layer residual chain, 51k e-nodes: 0.24 s of terms and 0.26 s of
+# Plan; the SD 1.5 UNet, 18k e-nodes: 0.03 s and 0.35 s), so the time limit bounds the whole stage.
+BUILD_SECONDS_PER_NODE = 2e-5
+
+
 def extract(data, handles=None, *, roots=None, device="h100", method: str = "auto",
             time_limit: float = 5.0, ilp_max_variables: int = 5_000, region_kernels: int = 24,
-            region_budget: int = 0, node_limit: int | None = 1000) -> Extraction:
+            region_budget: int = 0, node_limit: int | None = 1000, build_reserve: float | None = None
+            ) -> Extraction:
     """Extract the plan of `handles` (builder handles of the root terms) or `roots` (classes)."""
     started = time.perf_counter()
+    started_cpu = cpu_clock()
     seconds: dict[str, float] = {}
     graph = data if isinstance(data, EGraphData) else load(data)
     if roots is None:
@@ -103,9 +113,9 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     device = get_device(device)
     costs = graph.node_costs(device)
     seconds["load"] = time.perf_counter() - started
-    if method != "greedy":  # scipy imported before the CPU-time budget starts, as when it was imported with this module
-        importlib.import_module("extract.ilp")
-    deadline = cpu_clock() + time_limit  # CPU seconds: plans do not depend on the machine's load
+    if build_reserve is None:
+        build_reserve = BUILD_SECONDS_PER_NODE * graph.num_nodes
+    deadline = started_cpu + time_limit - build_reserve  # CPU seconds: plans do not depend on the machine's load
 
     def score(selection: Selection, cutoff: float = math.inf) -> float:
         return score_selection(selection, device, cutoff)
@@ -124,13 +134,18 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     if method in ("auto", "ilp"):
         began = time.perf_counter()
         remaining = deadline - cpu_clock()
+        lower_bound = ilp_variables_at_least(graph, roots)
+        max_variables = ilp_max_variables if method == "auto" else 10 * ilp_max_variables
         if remaining <= 0:
             details["ilp"] = {"status": "not started: time limit", "objective": math.nan, "variables": 0,
                               "constraints": 0, "seconds": 0.0, "stopped": "time_limit"}
             limit_reached = "time_limit"
+        elif lower_bound > max_variables and not (method == "auto" and region_budget > 0):
+            details["ilp"] = {"status": "too large", "objective": math.nan, "variables": lower_bound,
+                              "constraints": 0, "seconds": 0.0, "stopped": None}
         else:
             whole = extract_ilp(graph, roots, costs, time_limit=remaining, node_limit=node_limit,
-                                max_variables=ilp_max_variables if method == "auto" else 10 * ilp_max_variables)
+                                max_variables=max_variables)
             details["ilp"] = _ilp_details(whole)
             limit_reached = limit_reached or whole.stopped
             if whole.selection is not None:
@@ -149,6 +164,12 @@ def extract(data, handles=None, *, roots=None, device="h100", method: str = "aut
     seconds["terms"] = time.perf_counter() - began
     return Extraction(graph, best, terms, class_of, extractor, best_cost, time.perf_counter() - started, details,
                       limit_reached)
+
+
+def ilp_variables_at_least(graph: EGraphData, roots) -> int:
+    """A lower bound on the whole-graph ILP's variables (`extract.ilp`): one per node of each
+    tensor class reachable from `roots`, before any context or prologue variable."""
+    return sum(len(graph.class_nodes[c]) for c in reachable_classes(graph, roots) if graph.class_sort[c] == "Tensor")
 
 
 def _ilp_details(result: IlpResult) -> dict:

@@ -545,7 +545,8 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     Deterministic: the same graph, roots and costs give the same selection, unless `deadline` (a
     `cpu_clock()` value) comes first: a round after the first runs only if it and the polish
     (each timed like the last round) fit before it, a polish after the first only if it fits (timed
-    like the last one), a polish stops between two moves at it, and `stopped` says "time_limit"
+    like the last one), a polish stops between two moves early enough to rate its plan before it
+    (timed like the longest rating of a round's plan), and `stopped` says "time_limit"
     when any of these happened. `polish` in the result is the winning polish's report.
     """
     started = time.perf_counter()
@@ -562,6 +563,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
     candidates: list[tuple[float, int, str, Selection]] = []  # distinct round selections
     stopped = None
     last_round = 0.0
+    score_seconds = 0.0  # the longest rating of a round's plan: a polished plan is rated too, after its polish
     for name in rounds:
         shared = name != "plain"
         if name == "plain" or name == "shared":
@@ -588,8 +590,12 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
             cls for cls, context in selection.nodes if context == GLOBAL and problem.is_tensor[cls])
         key = tuple(sorted(selection.nodes.items()))
         fresh = key not in seen
-        value = seen[key] if not fresh else score(selection, math.inf if polish_passes else
-                                                   min((c[0] for c in candidates), default=math.inf))
+        if fresh:
+            scored = cpu_clock()
+            value = score(selection, math.inf if polish_passes else min((c[0] for c in candidates), default=math.inf))
+            score_seconds = max(score_seconds, cpu_clock() - scored)
+        else:
+            value = seen[key]
         seen[key] = value
         history.append((name, value))
         seconds[name] = time.perf_counter() - began
@@ -618,7 +624,7 @@ def extract_greedy(graph: EGraphData, roots, costs, *,
         began, began_cpu = time.perf_counter(), cpu_clock()
         try:
             polished, polish_report = polish(selection, costs, fallback=selection.fallback, max_passes=polish_passes,
-                                             deadline=deadline)
+                                             deadline=None if deadline is None else deadline - score_seconds)
         except ValueError:  # a move closed a cycle the checks missed: keep the unpolished plan
             polished, polish_report = selection, None
         stopped = stopped or (polish_report.stopped if polish_report else None)
@@ -1094,6 +1100,8 @@ class _Polish:
             for owner in sorted(readers.get(tensor, ()), key=lambda o: self.position.get(o, -1)):
                 if refcount.get(owner, 0) == 0 or owner not in self.position:
                     continue
+                if self.out_of_time():  # a tensor with many readers is many context walks
+                    return improved
                 move = self.retire_in(owner, tensor)
                 if move is None:
                     moves = None

@@ -126,6 +126,70 @@ def test_extract_without_time_skips_the_ilp_and_says_so(depths):
 # --- issue 18's residual chain ------------------------------------------------------------------
 
 
+def _extraction_inputs(low):
+    return low.egraph._serialize(), [low.builder.handle(t) for t in low.program.outputs]
+
+
+def test_the_limit_keeps_back_the_build_of_terms_and_plan(depths):
+    """The time limit bounds the whole stage: what building the chosen terms and the Plan will take
+    (`build_reserve`) is kept back from the search. A reserve as large as the limit leaves the
+    search only its first round, however generous the limit; no reserve leaves it all."""
+    data, handles = _extraction_inputs(depths[4])
+    starved = extract(data, handles, time_limit=1000.0, build_reserve=1000.0)
+    assert starved.limit_reached == "time_limit"
+    assert starved.details["greedy"]["polish"]["stopped"] == "time_limit"
+    assert starved.details["ilp"]["status"] == "not started: time limit"
+    ample = extract(data, handles, time_limit=1000.0, build_reserve=0.0)
+    assert ample.limit_reached is None
+    assert ample.cost <= starved.cost * (1 + 1e-12)
+
+
+def test_a_polish_stops_in_time_to_rate_its_plan(depths, monkeypatch):
+    """Each polished plan is rated after its polish (a full pricing of the plan), so the polish's
+    deadline is the search's less the longest rating of a round's plan."""
+    low = depths[4]
+    graph = load(low.egraph._serialize())
+    roots = graph.roots_of_handles([low.builder.handle(t) for t in low.program.outputs])
+    costs = graph.node_costs("h100")
+    clock = _TickingClock()
+    monkeypatch.setattr(greedy_module, "cpu_clock", clock)
+    deadlines = []
+
+    def recording_polish(selection, costs, **options):
+        deadlines.append(options["deadline"])
+        return selection, None
+
+    def slow_score(selection, cutoff=math.inf):
+        clock.now += 7.0  # every rating takes 7 s (plus the clock's own ticks)
+        return selection.cost(costs, cutoff)
+
+    monkeypatch.setattr(greedy_module, "polish", recording_polish)
+    extract_greedy(graph, roots, costs, score=slow_score, rounds=("shared",), deadline=1000.0)
+    assert deadlines == [1000.0 - 8.0]  # 7 s and the one tick of reading the clock after it
+
+
+def test_no_ilp_solver_for_a_graph_it_cannot_take(depths, monkeypatch):
+    """Every node of a reachable tensor class is an ILP variable, so a graph with more than
+    `ilp_max_variables` of them never starts the solver (nor imports scipy for it)."""
+    import extract as extraction
+
+    data, handles = _extraction_inputs(depths[4])
+    graph = load(data)
+    roots = graph.roots_of_handles(handles)
+    bound = extraction.ilp_variables_at_least(graph, roots)
+    from extract.ilp import extract_ilp
+
+    assert 0 < bound <= extract_ilp(graph, roots, graph.node_costs("h100"), time_limit=60).variables
+
+    def no_solver(*args, **kwargs):
+        raise AssertionError("the ILP was started")
+
+    monkeypatch.setattr(extraction, "extract_ilp", no_solver)
+    result = extract(graph, roots=roots, time_limit=1000.0, ilp_max_variables=bound - 1)
+    assert result.details["ilp"]["status"] == "too large" and result.details["ilp"]["variables"] == bound
+    assert result.limit_reached is None and result.extractor == "greedy"
+
+
 def _chain_values(layers: int, seed: int = 0):
     x_spec, weight_specs, bias_specs = chain_arguments(layers)
     rng = np.random.default_rng(seed)
