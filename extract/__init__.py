@@ -20,7 +20,7 @@ the per-node objective the searches minimize (`EGraphData.node_costs`) does not 
 kernel or a matmul prologue's recompute per tile, so it only guides them. Deterministic: ties keep the earlier candidate, the ILP runs under a
 branch-and-bound node limit, regions are visited in order under a budget counted in variables.
 
-`time_limit` (CPU seconds of this process) bounds the whole extraction, counted from the call:
+`time_limit` (CPU seconds of the extracting thread) bounds the whole extraction, counted from the call:
 reading the e-graph, the search, and building the chosen terms and the caller's `Plan`, for which
 `build_reserve` seconds (default `BUILD_SECONDS_PER_NODE` per e-node, measured) are kept back from
 the search. A greedy round after the first runs only if it and the polish look like fitting (the
