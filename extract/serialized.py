@@ -412,7 +412,18 @@ class Selection:
         return sum(costs[self.node_of(slot)] for slot in self.postorder())
 
     def to_terms(self) -> tuple[list, dict]:
-        """The `eqsat.term.Term`s of the roots, and the class of each Tensor term built."""
+        """The `eqsat.term.Term`s of the roots, and the class of each Tensor term built.
+
+        Remembered until `nodes` is replaced, as `postorder` (extraction builds the terms of the
+        plan it keeps when it rates it, and again to return it)."""
+        cached = self.__dict__.get("_terms")
+        if cached is not None and cached[0] is self.nodes:
+            return list(cached[1]), dict(cached[2])
+        roots, class_of = self._build_terms()
+        self.__dict__["_terms"] = (self.nodes, roots, class_of)
+        return list(roots), dict(class_of)
+
+    def _build_terms(self) -> tuple[list, dict]:
         from eqsat.term import Term
 
         graph = self.graph
