@@ -235,9 +235,13 @@ def kernel_structure(call: KernelCall, table: dict, reads: list | None = None) -
 def shared_names(calls: list[KernelCall]) -> list[str]:
     """The `pallas_call` name of each call: calls of one structure (`kernel_structure`) share the
     first one's name plus `.x<uses>`; a structure used once keeps its call's name. Loops and
-    opaque primitives keep theirs (they launch what their bodies do)."""
+    opaque primitives keep theirs (they launch what their bodies do). A statistic finished from its
+    hosts' partials (`finalize`) is known by `finalize_structure` alone."""
     table: dict = {}
-    keys = [None if call.term.op in ("Loop", "Opaque") else kernel_structure(call, table) for call in calls]
+    hosted = {reduction for call in calls for reduction in call.hosted}
+    keys = [None if call.term.op in ("Loop", "Opaque")
+            else finalize_structure(call.term) if is_finalize(call, hosted)
+            else kernel_structure(call, table) for call in calls]
     first: dict[tuple, str] = {}
     uses: dict[tuple, int] = {}
     for call, key in zip(calls, keys):
@@ -246,6 +250,19 @@ def shared_names(calls: list[KernelCall]) -> list[str]:
             uses[key] = uses.get(key, 0) + 1
     return [call.name if key is None or uses[key] == 1 else f"{first[key]}.x{uses[key]}"
             for call, key in zip(calls, keys)]
+
+
+def is_finalize(call: KernelCall, finished) -> bool:
+    """Whether `call` finishes a statistic from its hosts' partials (`emit.pallas.partials.finalize`):
+    an `EpilogueReduce` that hosts nothing, in `finished` (the statistics hosted, or with partials)."""
+    return call.term.op == "EpilogueReduce" and not call.hosted and call.term in finished
+
+
+def finalize_structure(statistic: Term) -> tuple:
+    """What a finalize kernel is made of: the statistic's op and type (its slots follow); its
+    partials' shape is the rest (`emit_shared` keys on it). Not what its hosts computed: two
+    statistics of one type over different producers finish with the same kernel."""
+    return ("finalize", statistic.args[1], statistic.ty)
 
 
 # Kernel ops whose emission is not shared: loops and opaque primitives run their own bodies, and
@@ -259,13 +276,17 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
     statistics' earlier hosts); every later kernel of that structure, in the same state (which
     reads are partials, which prefixes exist, their shapes), calls the same jitted function on its
     own values, so JAX traces the template and lowers its Triton kernel once and XLA sees one
-    function called at every site. Its results are rebound to the calling kernel's terms."""
+    function called at every site. Its results are rebound to the calling kernel's terms. A
+    statistic finished from its partials is keyed by `finalize_structure` and its partials' shape."""
     from emit.pallas.partials import Partials
 
     if kernel.term.op in NOT_SHARED or is_empty(kernel):
         return emit_kernel(kernel, ctx)
     reads: list = []
-    structure = kernel_structure(kernel, ctx.structures, reads)
+    if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
+        structure = finalize_structure(kernel.term)
+    else:
+        structure = kernel_structure(kernel, ctx.structures, reads)
     states = []
     for tensor in reads:
         if tensor in ctx.values or tensor.op == "Constant":
