@@ -112,7 +112,7 @@ def parse_xla_log(text: str) -> dict[str, Any]:
                 previous_end = at
                 current = {}
     # First in, first out: the i-th kernel a thread started is the next one handed out.
-    tasks.sort(key=lambda task: task["after"] if task["after"] is not None else -1.0)
+    tasks.sort(key=lambda task: (task["after"] if task["after"] is not None else -1.0, task["triton_end"]))
     kernels = []
     for i, task in enumerate(tasks):
         handed_at, name = generated[i] if i < len(generated) else (None, "?")
