@@ -2,6 +2,7 @@
 
     python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
+    python -m benchmarks.compile --phases --components vae [--config tiny] [--xla-flags ...]  # where a cold compile goes
 
 Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloads`), deployed as
 `sd15 plan` deploys it (`measure.compare.optimized`: the Pallas backend, weights marked as parameters):
@@ -19,6 +20,11 @@ Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloa
   what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events.
   Ours re-plans in those processes (an optimized function pickles without its plan) from the
   warm plan cache.
+
+`--phases`: one cold compile per side (ours, XLA's), split into phases: Python emission (templates
+building kernel jaxprs, Pallas lowering them to Triton IR), XLA's HLO passes, and per Triton kernel
+the Triton pipeline, LLVM and ptxas, read from XLA's own log; wall, thread and CPU seconds
+(`benchmarks.compile_phases`).
 
 `--duplicates N` compiles N identical Pallas Triton kernels (one template, one shape) for an H100
 twice: named apart (`site0`, `site1`, ...) and named alike, the case `emit.pallas.shared_names`

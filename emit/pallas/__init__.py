@@ -34,7 +34,9 @@ expression, configuration and shapes differs only by the kernel's name. So kerne
 structure (`kernel_structure`: the kernel term with the tensors it reads abstracted to their
 types, and the statistics it hosts) share one `pallas_call` name, `shared_names`: the first use's
 `"<component>:<kind>"` plus `.x<uses>` (`"up_blocks.1.resnets.0.conv1:conv.x9"`); a kernel used
-once keeps its own name. Each launch still runs under its own `jax.named_scope(kernel.name)`, so
+once keeps its own name. A statistic finished from its hosts' partials (`finalize`) is known by
+its op and type alone (`finalize_structure`): its kernel reads nothing of what produced it. Each
+launch still runs under its own `jax.named_scope(kernel.name)`, so
 the HLO op of every launch names its site (what profiles and `sd15 plan` read).
 Measured (`python -m benchmarks.compile --duplicates 24`, loaded machine): 24 identical Triton
 kernels compile for an H100 in 296 s named apart and 22 s named alike. And the first kernel of a
