@@ -107,3 +107,36 @@ def test_finalize_structure_is_op_and_type():
     assert names[0] == "h0:pointwise" and names[2] == "h1:pointwise"
     # Not hosted by any call: reductions computed from their bodies, known by their whole structure.
     assert shared_names([KernelCall(first, "a:reduce"), KernelCall(second, "b:reduce")]) == ["a:reduce", "b:reduce"]
+
+
+def test_lowering_to_triton_ir_does_not_look_for_a_triton_dialect_module():
+    """`emit.pallas.remember_missing_triton_dialect_module`: MLIR's bindings find the (empty) `tt`
+    module once instead of failing an import for every Triton value."""
+    import sys
+
+    import emit.pallas  # noqa: F401 - installs the module
+    from emit.pallas import triton
+
+    assert "jaxlib.mlir.dialects.tt" in sys.modules
+    looked_up = []
+
+    class Spy:
+        def find_spec(self, name, path=None, target=None):
+            looked_up.append(name)
+            return None
+
+    def kernel(x_ref, o_ref):
+        offsets = jnp.arange(64)
+        y = triton.gather_load(x_ref, offsets)
+        triton.store(o_ref, offsets, jnp.exp(y) * 2.0 + y)
+
+    def run(x):
+        return triton.pallas_call(kernel, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], grid=(1,), name="spy",
+                                  interpret=False)[0]
+
+    sys.meta_path.insert(0, Spy())
+    try:
+        jax.jit(run).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    finally:
+        sys.meta_path.pop(0)
+    assert not [name for name in looked_up if name.endswith(".tt")], looked_up[:5]

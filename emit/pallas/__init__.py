@@ -61,6 +61,31 @@ import jax
 from emit.backends import EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors
 from eqsat.term import Term
 
+def remember_missing_triton_dialect_module() -> None:
+    """MLIR's Python bindings look for a Python module of the Triton dialect (`tt`) for every Triton
+    value whose type they hand back and, finding none, do not remember it: ~10,000 lookups for the
+    UNet, each a failed import under every search prefix (~1.2 of the ~4 CPU-s of lowering its
+    kernels to Triton IR). An empty module under the first name they try makes the miss a hit; ops
+    and types stay generic, as without one, and the Triton IR is the same (issue 18). Left alone
+    where some `tt` module exists."""
+    import importlib.util
+    import sys
+    import types
+
+    name = "jaxlib.mlir.dialects.tt"
+    if name in sys.modules:
+        return
+    for candidate in (name, "jaxlib.mosaic.python.tt", "jax.jaxlib.tt"):
+        try:
+            if importlib.util.find_spec(candidate) is not None:
+                return
+        except (ImportError, ValueError):
+            continue
+    sys.modules[name] = types.ModuleType(name, "empty: no Python classes for the Triton dialect (emit.pallas)")
+
+
+remember_missing_triton_dialect_module()
+
 TEMPLATES: dict[str, str] = {
     "Pointwise": "emit.pallas.pointwise",
     "AssignStatic": "emit.pallas.pointwise",
