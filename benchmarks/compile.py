@@ -3,6 +3,7 @@
     python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
     python -m benchmarks.compile --phases --components vae [--config tiny] [--xla-flags ...]  # where a cold compile goes
+    python -m benchmarks.compile --fingerprint --components unet,vae   # the kernels launched: names and IR, hashed
 
 Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloads`), deployed as
 `sd15 plan` deploys it (`measure.compare.optimized`: the Pallas backend, weights marked as parameters):
@@ -87,6 +88,33 @@ def triton_calls(lowered) -> list[tuple[str, bytes]]:
     return found
 
 
+def kernel_text(ir_bytes: bytes) -> str:
+    """A Triton kernel's IR (a custom call's serialized module) as text without debug locations:
+    what the kernel computes, the same when only the template's source lines moved (the PTX
+    carries no line information either)."""
+    from jax._src.lib.mlir import ir, passmanager
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    with triton_lowering._new_ir_context():
+        module = ir.Module.parse(ir_bytes)
+        passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return module.operation.get_asm(enable_debug_info=False)
+
+
+def kernel_fingerprint(lowered) -> str:
+    """sha256 over every Triton launch's name and `kernel_text`, in program order: equal before
+    and after a change exactly when the program launches the same kernels, named alike."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    texts: dict[bytes, str] = {}
+    for name, ir_bytes in triton_calls(lowered):
+        if ir_bytes not in texts:
+            texts[ir_bytes] = kernel_text(ir_bytes)
+        digest.update(hashlib.sha256(f"{name}\0{texts[ir_bytes]}".encode()).digest())
+    return digest.hexdigest()
+
+
 def lowered_kernels(lowered) -> int:
     """Triton custom calls in the module's text: each distinct kernel lowered once where identical
     kernels share a function (`emit.pallas.emit_shared`)."""
@@ -143,6 +171,7 @@ def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> d
             lowering_platforms=("cuda",))
         result["trace_lower_seconds"] = time.perf_counter() - start
         result["kernels"] = kernel_counts(gpu)
+        result["fingerprint"] = kernel_fingerprint(gpu)
     return result
 
 
@@ -363,6 +392,8 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", action="store_true", help="only where the cold compile goes, by phase")
     parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases")
     parser.add_argument("--xla-flags", default="", help="with --phases: added to XLA_FLAGS in both children")
+    parser.add_argument("--fingerprint", action="store_true",
+                        help="only the Triton kernels' fingerprint (names and IR, no debug locations) per component")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "REQUEST", "REPORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -372,6 +403,12 @@ def main(argv=None) -> int:
     if args.duplicates:
         results: Any = measure_duplicates(args.duplicates, log)
         print(json.dumps(results, indent=2))
+    elif args.fingerprint:
+        results = {}
+        for component in (c.strip() for c in args.components.split(",")):
+            row = _run_child("plan", {"component": component, "batch": args.batch, "size": args.size, "kernels": True})
+            results[component] = {key: row.get(key) for key in ("kernels", "fingerprint", "error")}
+            print(f"{component}: {row.get('kernels')} {row.get('fingerprint') or row.get('error')}")
     elif args.phases:
         from benchmarks.compile_phases import format_phase_table, slowest_kernels
 

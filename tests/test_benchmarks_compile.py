@@ -137,3 +137,46 @@ def test_phases_of_the_tiny_text_encoder_compiled_for_an_h100():
     assert ours["compile_children_cpu_s"] > 0  # ptxas ran, as a process per kernel
     assert xla["kernels"]["launched"] == 0 and xla["template_emission_s"] == 0.0
     assert len(format_phase_table("text_encoder", ours, xla).splitlines()) == 2 + len(phase_rows(ours)) + 2
+
+
+def _lowered(kernel, name="k"):
+    import jax
+    import jax.numpy as jnp
+
+    from emit.pallas import triton
+
+    def run(x):
+        return triton.pallas_call(kernel, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], grid=(1,), name=name,
+                                  interpret=False)[0]
+
+    return jax.jit(run).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_kernel_fingerprint_ignores_source_lines_not_what_runs():
+    """The same kernel written at two places hashes alike (debug locations dropped); another
+    constant or another name does not."""
+    import jax.numpy as jnp
+
+    from benchmarks.compile import kernel_fingerprint, kernel_text, triton_calls
+    from emit.pallas import triton
+
+    def here(x_ref, o_ref):
+        offsets = jnp.arange(64)
+        triton.store(o_ref, offsets, jnp.exp(triton.gather_load(x_ref, offsets)) * 3.0)
+
+    def there(x_ref, o_ref):
+
+        offsets = jnp.arange(64)  # two lines further down
+
+        triton.store(o_ref, offsets, jnp.exp(triton.gather_load(x_ref, offsets)) * 3.0)
+
+    def other(x_ref, o_ref):
+        offsets = jnp.arange(64)
+        triton.store(o_ref, offsets, jnp.exp(triton.gather_load(x_ref, offsets)) * 4.0)
+
+    first, moved = _lowered(here), _lowered(there)
+    assert triton_calls(first)[0][1] != triton_calls(moved)[0][1]  # the serialized IR carries the lines
+    assert kernel_fingerprint(first) == kernel_fingerprint(moved)
+    assert kernel_fingerprint(first) != kernel_fingerprint(_lowered(other))
+    assert kernel_fingerprint(first) != kernel_fingerprint(_lowered(here, name="renamed"))
+    assert "loc(" not in kernel_text(triton_calls(first)[0][1]) and "tt.func" in kernel_text(triton_calls(first)[0][1])
