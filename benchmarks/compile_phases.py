@@ -98,10 +98,8 @@ def parse_xla_log(text: str) -> dict[str, Any]:
                     phases["module_llvm"] += event[3]
                     current = {"module": True}
                     continue
-                if "triton_end" not in current:  # no Triton pipeline logged before it: count it as XLA's
-                    phases["module_llvm"] += event[3]
-                    current = {"module": True}
-                    continue
+                if "triton_end" not in current:  # its Triton line lost (interleaved output): Triton to LLVM start
+                    current = {"thread": thread, "after": previous_end, "triton_end": at - event[3]}
                 current["llvm"], current["llvm_end"] = event[3], at
             elif kind == "ptxas":
                 if current.get("module") or "triton_end" not in current:
