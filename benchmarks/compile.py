@@ -2,6 +2,8 @@
 
     python -m benchmarks.compile [--components text_encoder,vae,unet] [--batch 2] [--size 512] [--json out.json]
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
+    python -m benchmarks.compile --phases --components vae [--config tiny] [--xla-flags ...]  # where a cold compile goes
+    python -m benchmarks.compile --fingerprint --components unet,vae   # the kernels launched: names and IR, hashed
 
 Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloads`), deployed as
 `sd15 plan` deploys it (`measure.compare.optimized`: the Pallas backend, weights marked as parameters):
@@ -19,6 +21,11 @@ Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloa
   what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events.
   Ours re-plans in those processes (an optimized function pickles without its plan) from the
   warm plan cache.
+
+`--phases`: one cold compile per side (ours, XLA's), split into phases: Python emission (templates
+building kernel jaxprs, Pallas lowering them to Triton IR), XLA's HLO passes, and per Triton kernel
+the Triton pipeline, LLVM and ptxas, read from XLA's own log; wall, thread and CPU seconds
+(`benchmarks.compile_phases`).
 
 `--duplicates N` compiles N identical Pallas Triton kernels (one template, one shape) for an H100
 twice: named apart (`site0`, `site1`, ...) and named alike, the case `emit.pallas.shared_names`
@@ -81,6 +88,33 @@ def triton_calls(lowered) -> list[tuple[str, bytes]]:
     return found
 
 
+def kernel_text(ir_bytes: bytes) -> str:
+    """A Triton kernel's IR (a custom call's serialized module) as text without debug locations:
+    what the kernel computes, the same when only the template's source lines moved (the PTX
+    carries no line information either)."""
+    from jax._src.lib.mlir import ir, passmanager
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    with triton_lowering._new_ir_context():
+        module = ir.Module.parse(ir_bytes)
+        passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return module.operation.get_asm(enable_debug_info=False)
+
+
+def kernel_fingerprint(lowered) -> str:
+    """sha256 over every Triton launch's name and `kernel_text`, in program order: equal before
+    and after a change exactly when the program launches the same kernels, named alike."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    texts: dict[bytes, str] = {}
+    for name, ir_bytes in triton_calls(lowered):
+        if ir_bytes not in texts:
+            texts[ir_bytes] = kernel_text(ir_bytes)
+        digest.update(hashlib.sha256(f"{name}\0{texts[ir_bytes]}".encode()).digest())
+    return digest.hexdigest()
+
+
 def lowered_kernels(lowered) -> int:
     """Triton custom calls in the module's text: each distinct kernel lowered once where identical
     kernels share a function (`emit.pallas.emit_shared`)."""
@@ -137,6 +171,7 @@ def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> d
             lowering_platforms=("cuda",))
         result["trace_lower_seconds"] = time.perf_counter() - start
         result["kernels"] = kernel_counts(gpu)
+        result["fingerprint"] = kernel_fingerprint(gpu)
     return result
 
 
@@ -171,8 +206,10 @@ def child_compile(request: dict) -> dict[str, Any]:
             "cache_entries": len(list(Path(request["jax_cache"]).glob("*")))}
 
 
-def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 7200) -> dict[str, Any]:
-    """Run a child of this module in a fresh process; its JSON result (or its error)."""
+def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 7200,
+               keep_stderr: bool = False) -> dict[str, Any]:
+    """Run a child of this module in a fresh process; its JSON result (or its error), with the
+    child's stderr under "stderr" when `keep_stderr`."""
     import cloudpickle
 
     from measure.xla_target import _child_env
@@ -180,8 +217,9 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
     with tempfile.TemporaryDirectory(prefix="eqsat_compile_") as scratch:
         request, report = Path(scratch) / "request.pkl", Path(scratch) / "report.json"
         request.write_bytes(cloudpickle.dumps(payload))
-        child_env = _child_env(Path(scratch) / "dump") if kind == "compile" else dict(os.environ)
-        if kind == "compile":  # no XLA dump: it is not read here, and it costs disk and time
+        compiles = kind in ("compile", "phases")
+        child_env = _child_env(Path(scratch) / "dump") if compiles else dict(os.environ)
+        if compiles:  # no XLA dump: it is not read here, and it costs disk and time
             child_env["XLA_FLAGS"] = " ".join(f for f in child_env["XLA_FLAGS"].split() if "xla_dump_to" not in f)
         child_env.update(env or {})
         child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")])
@@ -193,6 +231,8 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
             return {"error": f"exit {done.returncode}: {done.stderr[-3000:]}", "wall_seconds": wall}
         result = json.loads(report.read_text())
         result["wall_seconds"] = wall
+        if keep_stderr:
+            result["stderr"] = done.stderr
         return result
 
 
@@ -201,6 +241,10 @@ def _child_main(kind: str, request_path: str, report_path: str) -> int:
         request = pickle.loads(Path(request_path).read_bytes())
         if kind == "plan":
             result = child_plan(**request)
+        elif kind == "phases":
+            from benchmarks.compile_phases import child_phases
+
+            result = child_phases(request)
         else:
             result = child_compile(request)
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -239,6 +283,43 @@ def measure_component(component: str, batch: int, size: int | None, log=print) -
             log(f"{component}: compile {name} {attempt} {result}")
     row["load_after"] = _load()
     return row
+
+
+def measure_phases(component: str, batch: int, size: int | None, config: str = "full", log=print,
+                   xla_flags: str = "") -> dict[str, Any]:
+    """Where a cold compile goes, ours and XLA's (`benchmarks.compile_phases`): one fresh process
+    per side, XLA logging its phases (`XLA_LOG_MODULES`); `xla_flags` added to `XLA_FLAGS`."""
+    import dataclasses
+
+    from benchmarks.compile_phases import XLA_LOG_MODULES, parse_xla_log
+
+    row: dict[str, Any] = {"component": component, "config": config, "load_before": _load(), "xla_flags": xla_flags}
+    env = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": XLA_LOG_MODULES}
+    if xla_flags:
+        env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags]).strip()
+    for side in ("ours", "xla"):
+        request = {"component": component, "batch": batch, "size": size, "config": config, "side": side}
+        result = _run_child("phases", request, env, keep_stderr=True)
+        parsed = parse_xla_log(result.pop("stderr", ""))
+        if "error" not in result:
+            result["xla"] = parsed
+        row[side] = result
+        log(f"{component}: phases {side}: {'error' if 'error' in result else 'done'} in {result['wall_seconds']:.0f} s")
+    row["load_after"] = _load()
+    return row
+
+
+def phases_json(row: dict[str, Any]) -> dict[str, Any]:
+    """`measure_phases`' row with its kernels as plain dicts."""
+    import dataclasses
+
+    out = dict(row)
+    for side in ("ours", "xla"):
+        entry = dict(row[side])
+        if "xla" in entry:
+            entry["xla"] = {**entry["xla"], "kernels": [dataclasses.asdict(k) for k in entry["xla"]["kernels"]]}
+        out[side] = entry
+    return out
 
 
 def measure_duplicates(count: int, log=print) -> dict[str, Any]:
@@ -308,6 +389,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--duplicates", type=int, default=0, help="only the N identical kernels experiment")
+    parser.add_argument("--phases", action="store_true", help="only where the cold compile goes, by phase")
+    parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases")
+    parser.add_argument("--xla-flags", default="", help="with --phases: added to XLA_FLAGS in both children")
+    parser.add_argument("--fingerprint", action="store_true",
+                        help="only the Triton kernels' fingerprint (names and IR, no debug locations) per component")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "REQUEST", "REPORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -317,6 +403,27 @@ def main(argv=None) -> int:
     if args.duplicates:
         results: Any = measure_duplicates(args.duplicates, log)
         print(json.dumps(results, indent=2))
+    elif args.fingerprint:
+        results = {}
+        for component in (c.strip() for c in args.components.split(",")):
+            row = _run_child("plan", {"component": component, "batch": args.batch, "size": args.size, "kernels": True})
+            results[component] = {key: row.get(key) for key in ("kernels", "fingerprint", "error")}
+            print(f"{component}: {row.get('kernels')} {row.get('fingerprint') or row.get('error')}")
+    elif args.phases:
+        from benchmarks.compile_phases import format_phase_table, slowest_kernels
+
+        rows = [measure_phases(c.strip(), args.batch, args.size, args.config, log, args.xla_flags)
+                for c in args.components.split(",")]
+        for row in rows:
+            if "error" in row["ours"] or "error" in row["xla"]:
+                print(f"{row['component']}: {row['ours'].get('error') or row['xla'].get('error')}")
+                continue
+            print(format_phase_table(row["component"], row["ours"], row["xla"]))
+            print(f"load {row['load_before']} -> {row['load_after']}; slowest kernels (thread-s):")
+            for kernel in slowest_kernels(row["ours"], 5):
+                print(f"  {kernel['name']}: {kernel['total']:.2f} (Triton {kernel['triton']:.2f}, translate "
+                      f"{kernel['translate']:.2f}, LLVM {kernel['llvm']:.2f}, ptxas {kernel['ptxas']:.2f})")
+        results = [phases_json(row) for row in rows]
     else:
         results = [measure_component(c.strip(), args.batch, args.size, log) for c in args.components.split(",")]
         print_table(results)

@@ -34,7 +34,9 @@ expression, configuration and shapes differs only by the kernel's name. So kerne
 structure (`kernel_structure`: the kernel term with the tensors it reads abstracted to their
 types, and the statistics it hosts) share one `pallas_call` name, `shared_names`: the first use's
 `"<component>:<kind>"` plus `.x<uses>` (`"up_blocks.1.resnets.0.conv1:conv.x9"`); a kernel used
-once keeps its own name. Each launch still runs under its own `jax.named_scope(kernel.name)`, so
+once keeps its own name. A statistic finished from its hosts' partials (`finalize`) is known by
+its op and type alone (`finalize_structure`): its kernel reads nothing of what produced it. Each
+launch still runs under its own `jax.named_scope(kernel.name)`, so
 the HLO op of every launch names its site (what profiles and `sd15 plan` read).
 Measured (`python -m benchmarks.compile --duplicates 24`, loaded machine): 24 identical Triton
 kernels compile for an H100 in 296 s named apart and 22 s named alike. And the first kernel of a
@@ -58,6 +60,31 @@ import jax
 # Shared with `emit.mosaic` through `emit.backends` (below both packages); importable from here as before.
 from emit.backends import EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors
 from eqsat.term import Term
+
+def remember_missing_triton_dialect_module() -> None:
+    """MLIR's Python bindings look for a Python module of the Triton dialect (`tt`) for every Triton
+    value whose type they hand back and, finding none, do not remember it: ~10,000 lookups for the
+    UNet, each a failed import under every search prefix (~1.2 of the ~4 CPU-s of lowering its
+    kernels to Triton IR). An empty module under the first name they try makes the miss a hit; ops
+    and types stay generic, as without one, and the Triton IR is the same (issue 18). Left alone
+    where some `tt` module exists."""
+    import importlib.util
+    import sys
+    import types
+
+    name = "jaxlib.mlir.dialects.tt"
+    if name in sys.modules:
+        return
+    for candidate in (name, "jaxlib.mosaic.python.tt", "jax.jaxlib.tt"):
+        try:
+            if importlib.util.find_spec(candidate) is not None:
+                return
+        except (ImportError, ValueError):
+            continue
+    sys.modules[name] = types.ModuleType(name, "empty: no Python classes for the Triton dialect (emit.pallas)")
+
+
+remember_missing_triton_dialect_module()
 
 TEMPLATES: dict[str, str] = {
     "Pointwise": "emit.pallas.pointwise",
@@ -235,9 +262,13 @@ def kernel_structure(call: KernelCall, table: dict, reads: list | None = None) -
 def shared_names(calls: list[KernelCall]) -> list[str]:
     """The `pallas_call` name of each call: calls of one structure (`kernel_structure`) share the
     first one's name plus `.x<uses>`; a structure used once keeps its call's name. Loops and
-    opaque primitives keep theirs (they launch what their bodies do)."""
+    opaque primitives keep theirs (they launch what their bodies do). A statistic finished from its
+    hosts' partials (`finalize`) is known by `finalize_structure` alone."""
     table: dict = {}
-    keys = [None if call.term.op in ("Loop", "Opaque") else kernel_structure(call, table) for call in calls]
+    hosted = {reduction for call in calls for reduction in call.hosted}
+    keys = [None if call.term.op in ("Loop", "Opaque")
+            else finalize_structure(call.term) if is_finalize(call, hosted)
+            else kernel_structure(call, table) for call in calls]
     first: dict[tuple, str] = {}
     uses: dict[tuple, int] = {}
     for call, key in zip(calls, keys):
@@ -246,6 +277,19 @@ def shared_names(calls: list[KernelCall]) -> list[str]:
             uses[key] = uses.get(key, 0) + 1
     return [call.name if key is None or uses[key] == 1 else f"{first[key]}.x{uses[key]}"
             for call, key in zip(calls, keys)]
+
+
+def is_finalize(call: KernelCall, finished) -> bool:
+    """Whether `call` finishes a statistic from its hosts' partials (`emit.pallas.partials.finalize`):
+    an `EpilogueReduce` that hosts nothing, in `finished` (the statistics hosted, or with partials)."""
+    return call.term.op == "EpilogueReduce" and not call.hosted and call.term in finished
+
+
+def finalize_structure(statistic: Term) -> tuple:
+    """What a finalize kernel is made of: the statistic's op and type (its slots follow); its
+    partials' shape is the rest (`emit_shared` keys on it). Not what its hosts computed: two
+    statistics of one type over different producers finish with the same kernel."""
+    return ("finalize", statistic.args[1], statistic.ty)
 
 
 # Kernel ops whose emission is not shared: loops and opaque primitives run their own bodies, and
@@ -259,13 +303,17 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
     statistics' earlier hosts); every later kernel of that structure, in the same state (which
     reads are partials, which prefixes exist, their shapes), calls the same jitted function on its
     own values, so JAX traces the template and lowers its Triton kernel once and XLA sees one
-    function called at every site. Its results are rebound to the calling kernel's terms."""
+    function called at every site. Its results are rebound to the calling kernel's terms. A
+    statistic finished from its partials is keyed by `finalize_structure` and its partials' shape."""
     from emit.pallas.partials import Partials
 
     if kernel.term.op in NOT_SHARED or is_empty(kernel):
         return emit_kernel(kernel, ctx)
     reads: list = []
-    structure = kernel_structure(kernel, ctx.structures, reads)
+    if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
+        structure = finalize_structure(kernel.term)
+    else:
+        structure = kernel_structure(kernel, ctx.structures, reads)
     states = []
     for tensor in reads:
         if tensor in ctx.values or tensor.op == "Constant":

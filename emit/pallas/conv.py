@@ -490,21 +490,37 @@ MAX_ROW_SLOTS = 8
 MAX_SLOTS = 8192
 
 
-def _local_ids(values: np.ndarray, tiles: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per tile (the entries of `values` it holds): each entry's rank among the tile's distinct
-    values (`local`, indexed like `values`), the distinct values of each tile (`distinct[tile, rank]`,
-    0-padded) and how many each tile has."""
-    local = np.zeros(len(values), np.int32)
-    found = []
-    for members in tiles:
-        distinct, rank = np.unique(values[members], return_inverse=True)
-        local[members] = rank
-        found.append(distinct)
-    width = max(len(d) for d in found)
-    distinct = np.zeros((len(found), width), np.int32)
-    for tile, values_of_tile in enumerate(found):
-        distinct[tile, :len(values_of_tile)] = values_of_tile
-    return local, distinct, np.array([len(d) for d in found], np.int32)
+def _tile_distinct(values: np.ndarray, tiles: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per tile (the entries of `values` it holds): its distinct values, ascending and 0-padded
+    (`distinct[tile, rank]`), and how many it has. All tiles at once (a tile per row, sorted):
+    a 512x512 image has thousands of tiles."""
+    lengths = np.array([len(members) for members in tiles])
+    valid = np.arange(lengths.max())[None, :] < lengths[:, None]
+    held = np.full(valid.shape, np.iinfo(np.int64).max, np.int64)  # padding sorts last
+    held[valid] = values[np.concatenate(tiles)]
+    held.sort(axis=1)
+    new = valid.copy()
+    new[:, 1:] &= held[:, 1:] != held[:, :-1]
+    counts = new.sum(axis=1)
+    tile, position = np.nonzero(new)
+    distinct = np.zeros((len(tiles), counts.max()), np.int32)
+    distinct[tile, np.cumsum(new, axis=1)[tile, position] - 1] = held[tile, position]
+    return distinct, counts.astype(np.int32)
+
+
+def _splits_into_parts(table: np.ndarray) -> bool:
+    """Whether `table[m, n] == table[m, 0] - table[0, 0] + table[0, n]` everywhere. Checked on the
+    part the table stores: along an axis of stride 0 (a broadcast view: the slot of a VAE's
+    GroupNorm is its channel's alone) every entry is the first, where the identity always holds."""
+    stored = table[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in table.strides)]
+    return np.array_equal(stored, (stored[:, 0] - stored[0, 0])[:, None] + stored[0, :][None, :])
+
+
+def _part_gaps(parts: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """The positive differences of two distinct parts of one tile, over every tile."""
+    live = np.arange(parts.shape[1])[None, :] < used[:, None]
+    gaps = parts[:, :, None].astype(np.int64) - parts[:, None, :]
+    return np.unique(gaps[live[:, :, None] & live[:, None, :] & (gaps > 0)])
 
 
 @dataclass(frozen=True)
@@ -528,19 +544,19 @@ class _Layout:
         table = np.asarray(statistic.slot_of, np.int64)
         if table.shape != (geometry.pixels, geometry.out_features):
             raise ValueError(f"slot table {table.shape} != (pixels, out channels) {(geometry.pixels, geometry.out_features)}")
-        rows, cols = table[:, 0] - table[0, 0], table[0, :]
-        if not np.array_equal(table, rows[:, None] + cols[None, :]):
+        if not _splits_into_parts(table):
             raise NotImplementedError("the statistic's output does not split into a pixel part plus a channel part")
+        rows, cols = table[:, 0] - table[0, 0], table[0, :]
         # Per row only when this host's pixels are every slot: a slot no row writes would be unset.
         if np.all(cols == cols[0]) and len(np.unique(rows)) == len(rows) == statistic.slots > MAX_ROW_SLOTS:
             none, no_parts = np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
             return cls(statistic, no_parts, none, no_parts, none, per_row=True)
         if not 0 < statistic.slots <= MAX_SLOTS:
             raise NotImplementedError(f"a statistic with {statistic.slots} outputs (at most {MAX_SLOTS} per tile)")
-        _, row_parts, row_used = _local_ids(rows, tile_pixels(geometry, config))
+        row_parts, row_used = _tile_distinct(rows, tile_pixels(geometry, config))
         channels = np.arange(geometry.out_features)
-        _, col_parts, col_used = _local_ids(cols, [channels[i:i + config.block_n]
-                                                   for i in range(0, geometry.out_features, config.block_n)])
+        col_parts, col_used = _tile_distinct(cols, [channels[i:i + config.block_n]
+                                                    for i in range(0, geometry.out_features, config.block_n)])
         if row_parts.shape[1] > MAX_ROW_SLOTS:
             raise NotImplementedError(f"an output tile touches {row_parts.shape[1]} pixel parts of the statistic "
                                       f"(at most {MAX_ROW_SLOTS})")
@@ -549,14 +565,12 @@ class _Layout:
         return layout
 
     def _check_distinct(self) -> None:
-        """Within a tile, distinct (pixel part, channel part) pairs are distinct slots."""
-        for parts_m, count_m in zip(self.row_parts, self.row_used):
-            used_m = parts_m[:count_m]
-            for parts_n, count_n in zip(self.col_parts, self.col_used):
-                used_n = parts_n[:count_n]
-                sums = (used_m[:, None] + used_n[None, :]).ravel()
-                if len(np.unique(sums)) != len(sums):
-                    raise NotImplementedError("two pixel/channel parts of one tile name the same statistic output")
+        """Within a tile, distinct (pixel part, channel part) pairs are distinct slots. Two pairs of
+        one M tile and one N tile collide (a + b == a' + b', a != a') exactly when a - a' == b' - b:
+        a gap between two pixel parts of an M tile equal to one between two channel parts of an N
+        tile; every M tile meets every N tile, so the gaps of all tiles are compared at once."""
+        if np.intersect1d(_part_gaps(self.row_parts, self.row_used), _part_gaps(self.col_parts, self.col_used)).size:
+            raise NotImplementedError("two pixel/channel parts of one tile name the same statistic output")
 
     @property
     def fields(self) -> int:
