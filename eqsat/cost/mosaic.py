@@ -48,7 +48,7 @@ from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
-                                 halo_blocks, halo_input_loads, halo_uncovered, matmul_in_place, minor_tile, padded_head,
+                                 halo_blocks, halo_input_loads, halo_parts, halo_uncovered, matmul_in_place, minor_tile, padded_head,
                                  plan_taps, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
@@ -443,20 +443,37 @@ def window_of(taps: int, window: tuple[int, int]) -> tuple:
     return (0, kh), (0, kw)
 
 
+def range_exprs(term: Term) -> list[tuple] | None:
+    """A `Conv` term's K ranges as the haloed template reads them: `(input expression, 0, channels,
+    taps)` each (`conv_parts`), or None when a range covers only part of its expression (a weight
+    concat over an input that is not one: the template stages whole expressions)."""
+    lhs, rhs, params, _epilogue, _ty = term.args
+    p = ConvParams.parse(params)
+    window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    out = []
+    for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
+        if fraction != 1:
+            return None
+        out.append((part, 0, parse_type(part.ty).shape[p.lhs_spec[1]], window_of(taps, window)))
+    return out
+
+
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, lhs)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork:
-    """`emit.mosaic.conv.build` on this conv: the flat padded grid's CTAs, its pipeline steps
-    (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
-    and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
-    `[steps·64, N↑]`, a residual gathered onto the flat grid, the output unflattened. `ranges`:
-    `(channels, taps)` per K range (`conv_ranges`; an e-node's: the weight's, as
-    `eqsat.cost.work.conv_weight_ranges` reads them), or `(channels, window)`; default one range
-    over the whole window."""
+                 epilogue: Term | None = None, exprs=None) -> MosaicWork:
+    """`emit.mosaic.conv_halo.build` on this conv where it takes it (`halo_conv_work`), else
+    `emit.mosaic.conv.build`: the flat padded grid's CTAs, its pipeline steps (taps × 64-channel
+    chunks per K range), the TMA bytes (each step's A tile re-read through L2), and the fusions:
+    the input laid out (padded, phases, one copy per column shift), the weights as `[steps·64, N↑]`,
+    a residual gathered onto the flat grid, the output unflattened. `ranges`: `(channels, taps)`
+    per K range (`conv_ranges`; an e-node's: the weight's, as `eqsat.cost.work.conv_weight_ranges`
+    reads them), or `(channels, window)`; default one range over the whole window. `exprs`: the
+    ranges' input expressions (`range_exprs`), False when the haloed template cannot stage them,
+    None when unknown (an e-node: each range priced as a staged tensor without a prologue)."""
 
     geometry = _conv_geometry(lhs_ty, rhs_ty, params, out_ty)
     grid = FlatGrid(geometry)
@@ -464,10 +481,13 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
-    if halo_uncovered(geometry, ranges, _itemsize(lhs_ty), lhs, lhs_ty) is None:
-        work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, lhs)
-        if work is not None:
-            return work
+    if exprs is not False:
+        parts = halo_parts(exprs) if exprs is not None else [(None, i, 0, c, t) for i, (c, t) in enumerate(ranges)]
+        if not isinstance(parts, str) and halo_uncovered(geometry, [(c, t) for _e, _r, _o, c, t in parts],
+                                                         _itemsize(lhs_ty), [e for e, *_ in parts if e is not None]) is None:
+            work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts)
+            if work is not None:
+                return work
     taps = plan_taps(grid, ranges)
     steps = sum(r.steps for r in taps)
     cout = geometry.out_features
@@ -497,58 +517,72 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
 
 
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
-                   epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork | None:
+                   epilogue: Term | None = None, parts=None) -> MosaicWork | None:
     """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
-    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per 64-channel chunk the
-    staged input rows (the CTA's and the halo) and the input expression's per-channel vectors by TMA,
-    per step (tap x chunk) a `[64, tile_n]` weight tile; the input read as it lies (no fusion), the
-    fusions: the weights as `[taps·C, N↑]`, per-channel tables gathered from per-group statistics, a
-    residual mapped onto the flat rows, the output unflattened. The input expression runs on every
-    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): its flops
+    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per K range (`parts`:
+    `halo_parts`' `(expression, range, offset, channels, taps)`, default one over all channels and
+    the whole window) and 64-channel chunk the staged input rows (the CTA's and the halo) and the
+    range's per-channel vectors by TMA, per step (chunk x tap) a `[64, tile_n]` weight tile; the
+    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]`, the vectors
+    gathered per channel into one float32 table (unless one range reads them all as views), a
+    residual mapped onto the flat rows, the output unflattened. The input expressions run on every
+    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
     beyond one evaluation per element are `alu_flops`."""
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
-    batch, cin, cout = geometry.batch, geometry.in_features, geometry.out_features
+    batch, cout = geometry.batch, geometry.out_features
+    kh, kw = geometry.window
+    if parts is None:
+        parts = [(None, 0, 0, geometry.in_features, ((0, kh), (0, kw)))]
     out_elements = size_of(out_ty)
-    loads = halo_input_loads(lhs, lhs_ty) if lhs is not None else ([], [])
-    vector_loads = loads[1]
-    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
-    # views of per-channel tensors are read in place; with any gather all go into one float32 table
-    vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
+    vector_loads = [halo_input_loads(e, e.ty)[1] if e is not None else [] for e, *_ in parts]
+    # one range whose vectors are views of their tensors reads each in place; else one float32 table
+    gathered = len(parts) > 1 or any(size_of(node.args[0].ty) != parts[0][3] for node in vector_loads[0])
+    rows = [len(loads) for loads in vector_loads]
+    if gathered:
+        vectors = [4] * max(rows) if any(rows) else []  # SMEM rows of the shared table
+        per_chunk = [4 * n * CHUNK for n in rows]
+    else:
+        vectors = [_itemsize(node.args[0].ty) for node in vector_loads[0]]
+        per_chunk = [sum(vectors) * CHUNK]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     grid_of = functools.partial(HaloGrid, geometry)
     blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
     if blocks is None:
         return None
     grid = grid_of(blocks.tile_m)
-    kh, kw = geometry.window
-    chunks, taps = cin // CHUNK, kh * kw
-    steps = chunks * taps
+    chunks = [channels // CHUNK for _e, _r, _o, channels, _t in parts]
+    taps = [(y1 - y0) * (x1 - x0) for *_, ((y0, y1), (x0, x1)) in parts]
+    steps = sum(c * t for c, t in zip(chunks, taps))
     m_padded = grid.m_tiles * blocks.tile_m
     n_padded = _round_up(cout, blocks.tile_n)
     ctas = batch * grid.m_tiles * (n_padded // blocks.tile_n)
     width = geometry.in_size[1]
     sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
-    per_cta = (chunks * (grid.staged_rows * width * CHUNK * item + sum(vectors) * CHUNK)
+    per_cta = (sum(c * (grid.staged_rows * width * CHUNK * item + v) for c, v in zip(chunks, per_chunk))
                + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
                + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
-    x_bytes = size_of(lhs_ty) * item
-    w_bytes = taps * cin * n_padded * item
-    vector_bytes = sum(batch * cin * v for v in vectors)  # B' = batch: at most
+    x_bytes = sum(channels for *_, channels, _t in parts) * batch * math.prod(geometry.in_size) * item
+    w_bytes = steps * CHUNK * n_padded * item
+    widest = max(channels for *_, channels, _t in parts)
+    vector_bytes = (batch * sum(rows) * widest * 4 if gathered  # B' = batch: at most
+                    else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
     glue = [Glue("weights laid out", w_bytes)]
-    if gathered:  # per-group statistics gathered per channel, with the other vectors (one small fusion)
+    if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
         glue.append(Glue("prologue vectors per channel", vector_bytes))
     for item_bytes in reads.tiles:
         glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     store = batch * m_padded * n_padded * out_item
     glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
-    evaluated = ctas * chunks * grid.staging * CHUNK  # the prologue runs on every staged slab
-    per_element = once_flops(lhs) / max(size_of(lhs_ty), 1) if lhs is not None else 0.0
+    evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
+    exprs = [e for e, *_ in parts if e is not None]
+    in_elements = size_of(lhs_ty)
+    per_element = once_flops(*exprs) / max(in_elements, 1) if exprs else 0.0
     useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
-                        steps=steps, alu_flops=max(0.0, evaluated - size_of(lhs_ty)) * per_element)
+                        steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
     return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
                       tuple(glue), 1)
