@@ -580,7 +580,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     exprs = [e for e, *_ in parts if e is not None]
     in_elements = size_of(lhs_ty)
     per_element = once_flops(*exprs) / max(in_elements, 1) if exprs else 0.0
-    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
+    weight_elements = cout * sum(channels * t for (*_, channels, _taps), t in zip(parts, taps))  # zero taps skipped
+    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty), weight_elements)
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read

@@ -1,0 +1,255 @@
+"""The haloed Mosaic GPU conv over several K ranges (`emit/mosaic/conv_halo.py`), in GPU interpret mode:
+each range its own staged tensor, channel offset, window and prologue (a concat under a GroupNorm
+cut per tensor by `eqsat.tiling.channel_parts`, a 1x1 shortcut merged with a 3x3 conv), against
+`lax.conv_general_dilated`, the XLA emitter and `jax.jit` on 15x15 images with 3 channels per
+group and adversarial values; the cut itself against slicing the whole expression; a concat inside
+a group left to the flat-grid template; one compile for sm_90a without a GPU."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import emit
+import eqsat
+from emit.expr import evaluate_whole, expr_nodes
+from emit.mosaic import TritonFallbackWarning
+from emit.mosaic import conv as mc
+from emit.mosaic import conv_halo as ch
+from emit.pallas import XlaFallbackWarning
+from emit.pallas.conv import ConvGeometry, k_ranges
+from eqsat.tiling.channel_parts import NotRestrictable, channel_parts, concat_splits
+from eqsat.tiling.mosaic import HaloGrid, halo_blocks, halo_parts
+from eqsat.types import parse_type
+from sd15 import layers
+from tests.test_emit_mosaic import compile_mosaic
+from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _params
+
+
+def _gn_silu_concat_conv(h, skip, gamma, beta, w, b):
+    """An up-block resnet's conv1: GroupNorm (3 channels per group) + SiLU over concat(h, skip), 3x3."""
+    x = jnp.concatenate([h, skip], axis=-1)
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, x.shape[-1] // 3, 1e-5)))
+
+
+def _conv_and_shortcut(x, h, gamma, beta, w, b, ws, bs):
+    """A resnet's conv2 over GroupNorm + SiLU of h plus the 1x1 shortcut of x (one conv, two K ranges)."""
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b, "s.weight": ws, "s.bias": bs}
+    return layers.conv2d(p, "s", x) + layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, h.shape[-1] // 3,
+                                                                                            1e-5)))
+
+
+def _plan(fn, args):
+    return eqsat.optimize(fn, extractor="greedy", progress=False).lower(*args).plan
+
+
+def _run_haloed(plan, args, inputs):
+    """The plan on the Mosaic backend; its conv must be the haloed kernel staging `inputs` (shapes)."""
+    calls = []
+    original = ch.build
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("ignore", XlaFallbackWarning)
+        patch.setattr(ch, "build", lambda *a, **k: calls.append([x.shape for x in a[0]]) or original(*a, **k))
+        out = emit.emit(plan, "mosaic", interpret=True)(*args)
+    assert calls == [inputs], calls
+    return out
+
+
+# --- the kernel on its own ---------------------------------------------------------------------------
+
+
+def test_two_ranges_one_from_a_channel_offset_one_over_the_centre_tap():
+    """Range 0: channels 64..127 of a 128-channel tensor, 3x3; range 1: a 64-channel tensor over
+    the centre tap only (a merged 1x1 shortcut): their sum, against two `lax` convs."""
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((1, 15, 15, 128)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal((1, 15, 15, 64)), jnp.float16)
+    w3 = jnp.asarray(0.1 * rng.standard_normal((3, 3, 64, 72)), jnp.float16)
+    w1 = jnp.asarray(0.1 * rng.standard_normal((1, 1, 64, 72)), jnp.float16)
+    params = _params((1, 15, 15, 64), w3.shape, ((1, 1), (1, 1)))
+    out_shape = (1, 15, 15, 72)
+    geometry = ConvGeometry(params, (1, 15, 15, 128), (3, 3, 128, 72), out_shape)
+    grid_of = functools.partial(HaloGrid, geometry)
+    blocks = halo_blocks(grid_of, grid_of(128).out_rows, 72, batch=1)
+    grid = grid_of(blocks.tile_m)
+    n_padded = -(-72 // blocks.tile_n) * blocks.tile_n
+    parts = ch.plan_parts([(64, ((0, 3), (0, 3)), 64, ()), (64, ((1, 2), (1, 2)), 0, ())])
+    assert [(p.first_chunk, p.first_step, p.steps) for p in parts] == [(0, 0, 9), (1, 9, 1)]
+
+    @jax.jit
+    def run(a, b, w3, w1):
+        w = jnp.concatenate([ch.layout_part_weights(w3, params.rhs_spec, n_padded),
+                             ch.layout_part_weights(w1, params.rhs_spec, n_padded)])
+        flat = ch.build([a, b], w, grid, blocks, parts=parts, out_dtype=jnp.float32, interpret=True)
+        return ch.unflatten(flat, grid, 72)
+
+    one = _params((1, 15, 15, 64), w1.shape, ((0, 0), (0, 0)))
+    expected = mc.reference(a[..., 64:], w3, params) + mc.reference(b, w1, one)
+    np.testing.assert_allclose(np.asarray(run(a, b, w3, w1)), np.asarray(expected), rtol=2e-3, atol=2e-3)
+
+
+def test_a_range_must_be_whole_chunks():
+    with pytest.raises(ch.HaloUncovered, match="32 channels"):
+        ch.plan_parts([(64, ((0, 3), (0, 3)), 0, ()), (32, ((1, 2), (1, 2)), 0, ())])
+
+
+# --- the cut per tensor ------------------------------------------------------------------------------
+
+
+def _conv_lhs(fn, args):
+    (conv,) = [k for k in _plan(fn, args).kernels if k.op == "Conv"]
+    return conv.term
+
+
+def _values(expr, rng):
+    return {n.args[0]: jnp.asarray(rng.standard_normal(parse_type(n.args[0].ty).shape) + 3.0,
+                                   parse_type(n.args[0].ty).dtype)
+            for n in expr_nodes(expr) if n.op == "Load"}
+
+
+S, F16 = jax.ShapeDtypeStruct, jnp.float16
+CONCAT_ARGS = (S((1, 15, 15, 192), F16), S((1, 15, 15, 192), F16), S((384,), F16), S((384,), F16),
+               S((16, 384, 3, 3), F16), S((16,), F16))
+
+
+def test_the_cut_of_a_groupnorm_over_a_concat_is_a_slice_of_the_whole():
+    """silu(GroupNorm(concat(h, skip))) cut at the concat: each part reads one tensor (no `Concat`
+    left), and evaluates to the whole expression's channels; arbitrary sub-ranges too."""
+    term = _conv_lhs(_gn_silu_concat_conv, CONCAT_ARGS)
+    lhs = term.args[0]
+    assert concat_splits(lhs, 3) == {192}
+    values = _values(lhs, np.random.default_rng(0))
+    whole = np.asarray(evaluate_whole(lhs, values), np.float32)
+    parts = channel_parts(lhs, 3, 0, 384)
+    assert [(a, b) for _e, a, b in parts] == [(0, 192), (192, 384)]
+    for expr, a, b in parts + channel_parts(lhs, 3, 96, 288):
+        assert "Concat" not in {n.op for n in expr_nodes(expr)}
+        np.testing.assert_array_equal(np.asarray(evaluate_whole(expr, values), np.float32), whole[..., a:b])
+    assert [(r, o, c) for _e, r, o, c, _t in halo_parts([(lhs, 0, 384, ((0, 3), (0, 3)))])] == [(0, 0, 192),
+                                                                                                 (0, 192, 192)]
+
+
+def test_a_concat_inside_a_group_runs_on_the_flat_grid_template():
+    """concat(64, 128) with 3 channels per group: channel 64 lies inside group 21, whose statistic
+    mixes both tensors: not cut; the conv runs on the flat-grid template, as XLA and jit compute it."""
+    args = (S((1, 15, 15, 64), F16), S((1, 15, 15, 128), F16), S((192,), F16), S((192,), F16),
+            S((16, 192, 3, 3), F16), S((16,), F16))
+    term = _conv_lhs(_gn_silu_concat_conv, args)
+    with pytest.raises(NotRestrictable, match="reshaped block of 3"):
+        concat_splits(term.args[0], 3)
+    reason = halo_parts([(r.lhs, 0, r.channels, r.taps) for r in k_ranges(term)])
+    assert isinstance(reason, str) and "cannot cut" in reason
+
+
+# --- plans through backend="mosaic" ------------------------------------------------------------------
+
+
+def _concat_args(rng, h, skip):
+    gamma = jnp.asarray(rng.standard_normal(384) + 1.0, jnp.float16)
+    beta = jnp.asarray(rng.standard_normal(384), jnp.float16)
+    w = jnp.asarray(0.05 * rng.standard_normal((16, 384, 3, 3)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal(16), jnp.float16)
+    return (jnp.asarray(h, jnp.float16), jnp.asarray(skip, jnp.float16), gamma, beta, w, b)
+
+
+def _scale(expected):
+    return float(np.max(np.abs(np.asarray(expected, np.float32)))) + 1.0
+
+
+@pytest.mark.slow
+def test_a_groupnorm_silu_conv_over_a_concat():
+    """An up-block conv1 on a 15x15 image: h (offset 1e4, spread 1) and skip (offset -300, spread
+    1e-3, a constant channel block) each staged by TMA with its own prologue (per-channel statistics
+    of the concat's groups, gamma, beta), against XLA and jit."""
+    rng = np.random.default_rng(2)
+    h = 1e4 + rng.standard_normal((1, 15, 15, 192))
+    skip = -300.0 + 1e-3 * rng.standard_normal((1, 15, 15, 192))
+    skip[..., :30] = 7.0
+    args = _concat_args(rng, h, skip)
+    plan = _plan(_gn_silu_concat_conv, args)
+    out = _run_haloed(plan, args, [(1, 15, 15, 192), (1, 15, 15, 192)])
+    expected = emit.emit(plan, "xla")(*args)
+    _assert_close(out, expected, jax.jit(_gn_silu_concat_conv)(*args), scale=_scale(expected))
+
+
+_PLANS: dict = {}
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_a_concat_conv_matches_xla_and_jit_on_adversarial_values(data):
+    """The same conv on adversarial h and skip: offsets up to 1e4 against a spread of 1, tiny and large
+    scales, constant channels, zero rows; NaN in h reaches every output it touches, as in jit."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    h = _adversarial_input(data.draw, (1, 15, 15, 192)).astype(np.float32)
+    skip = _adversarial_input(data.draw, (1, 15, 15, 192)).astype(np.float32)
+    if data.draw(st.booleans()):
+        h[0, 7, 7, 5] = np.nan
+    args = _concat_args(rng, h, skip)
+    if "plan" not in _PLANS:
+        _PLANS["plan"] = _plan(_gn_silu_concat_conv, args)
+    plan = _PLANS["plan"]
+    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, 192), (1, 15, 15, 192)]), np.float32)
+    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
+    jitted = np.asarray(jax.jit(_gn_silu_concat_conv)(*args), np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
+    finite = ~np.isnan(jitted)
+    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0),
+                  scale=_scale(np.where(finite, jitted, 0)))
+
+
+@pytest.mark.slow
+def test_a_conv_with_its_shortcut_merged():
+    """conv2 (GroupNorm + SiLU of h, 3x3) + the 1x1 shortcut of x, two 15x15 images: one haloed kernel
+    staging x (centre tap) and h (9 taps), its bias sum in the epilogue, against XLA and jit."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 15, 15, 64)), jnp.float16)
+    h = jnp.asarray(50.0 + rng.standard_normal((2, 15, 15, 192)), jnp.float16)
+    gamma, beta = (jnp.asarray(rng.standard_normal(192), jnp.float16) for _ in range(2))
+    w = jnp.asarray(0.05 * rng.standard_normal((64, 192, 3, 3)), jnp.float16)
+    ws = jnp.asarray(0.1 * rng.standard_normal((64, 64, 1, 1)), jnp.float16)
+    b, bs = (jnp.asarray(rng.standard_normal(64), jnp.float16) for _ in range(2))
+    args = (x, h, gamma, beta, w, b, ws, bs)
+    plan = _plan(_conv_and_shortcut, args)
+    (conv,) = [k for k in plan.kernels if k.op == "Conv"]
+    assert [(r.channels, r.taps) for r in k_ranges(conv.term)] == [(64, ((1, 2), (1, 2))), (192, ((0, 3), (0, 3)))]
+    out = _run_haloed(plan, args, [(2, 15, 15, 64), (2, 15, 15, 192)])
+    expected = emit.emit(plan, "xla")(*args)
+    _assert_close(out, expected, jax.jit(_conv_and_shortcut)(*args), scale=_scale(expected))
+
+
+# --- compiled for an H100 without a GPU ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90a_with_a_concat_and_a_merged_shortcut(tmp_path, monkeypatch):
+    """The concat conv (two staged tensors, two prologues) and the merged shortcut (a 1-tap range, then
+    9 taps) compile for an H100: wgmma with an MMA in flight, TMA loads, no spills."""
+    from measure.xla_target import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no deviceless H100 compile here: {reason}")
+    cases = [(_gn_silu_concat_conv, CONCAT_ARGS),
+             (_conv_and_shortcut, (S((2, 16, 16, 64), F16), S((2, 16, 16, 192), F16), S((192,), F16),
+                                   S((192,), F16), S((64, 192, 3, 3), F16), S((64,), F16), S((64, 64, 1, 1), F16),
+                                   S((64,), F16)))]
+    for i, (fn, args) in enumerate(cases):
+        plan = _plan(fn, args)
+        (tmp_path / str(i)).mkdir()
+        report, ptx_path, counts, resources = compile_mosaic(plan, args, tmp_path / str(i), monkeypatch)
+        assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
+        assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
+        assert counts.tma_loads >= 4, counts
+        assert resources.spill_bytes == 0, resources
