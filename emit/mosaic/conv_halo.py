@@ -423,15 +423,36 @@ def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.A
     return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
 
 
-def layout_part_weights(w: jax.Array, spec: Sequence[int], n_padded: int) -> jax.Array:
-    """One K range's weights `w` (axes in `spec` order: out, in, spatial; its window only, counted
-    from its first tap; input channels a multiple of 64) as `[chunks * taps * 64, n_padded]`: the
-    haloed kernel's step order (per chunk, per tap, 64 input channels x the outputs)."""
+def weight_rows(window: tuple[int, int], in_features: int, parts: Sequence[tuple[int, int, tuple]]) -> np.ndarray:
+    """The rows of a `[ky, kx, in]`-major weight matrix each kernel step reads, in step order: per K
+    range `(first input channel, channels, taps)`, per 64-channel chunk, per tap, 64 channels."""
+    kw = window[1]
+    rows = []
+    for first, channels, ((y0, y1), (x0, x1)) in parts:
+        for chunk in range(channels // CHUNK):
+            for ky in range(y0, y1):
+                for kx in range(x0, x1):
+                    rows.append((ky * kw + kx) * in_features + first + chunk * CHUNK + np.arange(CHUNK))
+    return np.concatenate(rows)
+
+
+def gather_weights(w: jax.Array, spec: Sequence[int], parts: Sequence[tuple[int, int, tuple]],
+                   n_padded: int) -> jax.Array:
+    """The conv's whole weight `w` (axes in `spec` order: out, in, spatial) as the haloed kernel reads
+    it, `[steps * 64, n_padded]`: K ranges `(first input channel, channels, taps)` in step order
+    (`weight_rows`), gathered in one XLA fusion (a merged shortcut's zero taps are never read)."""
     w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
     ky, kx, cin, cout = w.shape
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, n_padded - cout)))
-    w = w.reshape(ky * kx, cin // CHUNK, CHUNK, n_padded).transpose(1, 0, 2, 3)
-    return w.reshape(cin * ky * kx, n_padded)
+    rows = weight_rows((ky, kx), cin, parts)
+    return jnp.pad(jnp.reshape(w, (ky * kx * cin, cout))[rows], ((0, 0), (0, n_padded - cout)))
+
+
+def layout_part_weights(w: jax.Array, spec: Sequence[int], n_padded: int) -> jax.Array:
+    """One K range's weights `w` (axes in `spec` order: out, in, spatial; its window only, input
+    channels a multiple of 64) as `[chunks * taps * 64, n_padded]` in the haloed kernel's step order
+    (`gather_weights` over a window of its own)."""
+    kh, kw = (w.shape[a] for a in spec[2:])
+    return gather_weights(w, spec, [(0, w.shape[spec[1]], ((0, kh), (0, kw)))], n_padded)
 
 
 def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *,
@@ -583,20 +604,9 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
 
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    weights = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([r.rhs for r in ranges])
-    dtype = sources[0].x.dtype
-    laid_out = []
-    for (_e, r, offset, channels, taps), part in zip(parts, sources):
-        w = weights[r]
-        start = ranges[r].rhs_offset + offset
-        w = lax.slice_in_dim(w, start, start + channels, axis=params.rhs_spec[1])
-        (y0, y1), (x0, x1) = taps
-        w_window = tuple(w.shape[a] for a in params.rhs_spec[2:])
-        if w_window != (y1 - y0, x1 - x0):  # the full window: keep the taps the range runs
-            w = lax.slice_in_dim(w, y0, y1, axis=params.rhs_spec[2])
-            w = lax.slice_in_dim(w, x0, x1, axis=params.rhs_spec[3])
-        laid_out.append(layout_part_weights(w.astype(dtype), params.rhs_spec, n_padded))
-    w = jnp.concatenate(laid_out, axis=0) if len(laid_out) > 1 else laid_out[0]
+    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
+    w = gather_weights(w.astype(sources[0].x.dtype), params.rhs_spec,
+                       [(ranges[r].start + offset, channels, taps) for _e, r, offset, channels, taps in parts], n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
