@@ -54,9 +54,9 @@ from jax import lax
 
 from emit import expr as ex
 from emit.mosaic import matmul as mm
-from emit.pallas.conv import _place
-from eqsat.tiling.mosaic import (CHUNK, NHWC, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered,
-                                 halo_parts, halo_uncovered)
+from emit.pallas.conv import ConvGeometry, _place
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
+                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_geometry, upsample_source)
 from eqsat.types import parse_type
 
 
@@ -548,6 +548,55 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
 
 
+# --- a conv over a nearest-2x upsample: four output phases of a conv over the source ---------------
+
+
+def phase_weights(w: jax.Array, spec: Sequence[int]) -> jax.Array:
+    """A 3x3 weight (axes in `spec` order) as the phase form's `[3, 3, C, 4 · Cout]` (HWIO): output
+    block `(py, px)` at source offset `(dy, dx)` sums the taps that read that source pixel
+    (`PHASE_OFFSET`; zero where none does). Elementwise sums of tap slices: one XLA fusion."""
+    w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
+    zero = jnp.zeros_like(w[0, 0])
+    blocks = []
+    for dy in range(3):
+        row = []
+        for dx in range(3):
+            phases = []
+            for py in (0, 1):
+                for px in (0, 1):
+                    taps = [w[ky, kx] for ky in range(3) for kx in range(3)
+                            if PHASE_OFFSET[py, ky] == dy and PHASE_OFFSET[px, kx] == dx]
+                    phases.append(functools.reduce(jnp.add, taps) if taps else zero)
+            row.append(jnp.concatenate(phases, axis=-1))
+        blocks.append(jnp.stack(row))
+    return jnp.stack(blocks)
+
+
+def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
+    """The upsampled conv's output index at each flat row of the source grid and phase-major column
+    `(py, px, c)`, `[batch, m_padded, 4 · Cout]` (clamped to 0 off the output)."""
+    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
+    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    n = np.arange(4 * cout).reshape(1, 1, -1)
+    b = np.arange(conv.batch).reshape(conv.batch, 1, 1)
+    i, j = q // wp, q % wp
+    valid = (i < h) & (j < w)
+    phase = n // cout
+    oy, ox = np.where(valid, 2 * i + phase // 2, 0), np.where(valid, 2 * j + phase % 2, 0)
+    return _place(conv.params.out_spec, (b, n % cout, oy, ox))
+
+
+def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.Array:
+    """`build`'s flat rows of the phase form as the upsampled conv's output (its `out_spec` layout)."""
+    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
+    out = out[:, :h * wp, :4 * cout].reshape(conv.batch, h, wp, 2, 2, cout)[:, :, :w]
+    out = jnp.transpose(out, (0, 1, 3, 2, 4, 5)).reshape(conv.batch, 2 * h, 2 * w, cout)
+    order = [0] * 4
+    for position, axis in enumerate(conv.params.out_spec):
+        order[axis] = (0, 3, 1, 2)[position]
+    return jnp.transpose(out, order)
+
+
 # --- emit: a plan's Conv term --------------------------------------------------------------------------
 
 
@@ -564,6 +613,11 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     for r in ranges:
         if r.lhs_offset or r.channels != parse_type(r.lhs.ty).shape[params.lhs_spec[1]]:
             raise HaloUncovered(f"a K range over channels {r.lhs_offset}.. of a wider input expression")
+    upsampled = upsample_source(ranges[0].lhs, geometry) if len(ranges) == 1 else None
+    conv_geometry = geometry
+    if upsampled is not None:  # four output phases of a conv over the source
+        geometry = phase_geometry(geometry)
+        ranges = [dataclasses.replace(ranges[0], lhs=upsampled)]
     parts = halo_parts([(r.lhs, 0, r.channels, r.taps) for r in ranges])
     if isinstance(parts, str):
         raise HaloUncovered(parts)
@@ -585,7 +639,9 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     grid_of = functools.partial(HaloGrid, geometry)
     # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
     probe = grid_of(128)
-    _, probe_operands = mm.mapped_operands(epilogue, output_index(probe, probe.m_tiles * 128, geometry.out_features),
+    probe_index = (output_index(probe, probe.m_tiles * 128, geometry.out_features) if upsampled is None
+                   else phase_output_index(probe, probe.m_tiles * 128, conv_geometry))
+    _, probe_operands = mm.mapped_operands(epilogue, probe_index,
                                            (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
     vector_rows = [max([rows for plan in plans for t, _r, rows in plan.vectors if t == table] or [1])
                    for table in range(len(tables))]
@@ -598,17 +654,23 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
     m_padded = grid.m_tiles * grid.tile_m
-    out_index = output_index(grid, m_padded, geometry.out_features)
+    out_index = (output_index(grid, m_padded, geometry.out_features) if upsampled is None
+                 else phase_output_index(grid, m_padded, conv_geometry))
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
                                                ctx.value)
 
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
-    w = gather_weights(w.astype(sources[0].x.dtype), params.rhs_spec,
+    spec = params.rhs_spec
+    if upsampled is not None:
+        w, spec = phase_weights(w, spec), (3, 2, 0, 1)
+    w = gather_weights(w.astype(sources[0].x.dtype), spec,
                        [(ranges[r].start + offset, channels, taps) for _e, r, offset, channels, taps in parts], n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name)
+    if upsampled is not None:
+        return {term: unflatten_phases(flat, grid, conv_geometry)}
     return {term: unflatten(flat, grid, geometry.out_features)}

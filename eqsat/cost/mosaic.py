@@ -49,7 +49,7 @@ from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
                                  halo_blocks, halo_input_loads, halo_parts, halo_uncovered, matmul_in_place, minor_tile, padded_head,
-                                 plan_taps, prologue_blocks, tile_fits, vector_fits)
+                                 phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -481,6 +481,9 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
+    if exprs and len(exprs) == 1 and upsample_source(exprs[0][0], geometry) is not None:
+        source = upsample_source(exprs[0][0], geometry)  # four output phases of a conv over the source
+        geometry, exprs = phase_geometry(geometry), [(source, *exprs[0][1:])]
     if exprs is not False:
         parts = halo_parts(exprs) if exprs is not None else [(None, i, 0, c, t) for i, (c, t) in enumerate(ranges)]
         if not isinstance(parts, str) and halo_uncovered(geometry, [(c, t) for _e, _r, _o, c, t in parts],
@@ -578,9 +581,10 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
     evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
     exprs = [e for e, *_ in parts if e is not None]
-    in_elements = size_of(lhs_ty)
+    in_elements = batch * math.prod(geometry.in_size) * geometry.in_features  # the staged tensors' elements
     per_element = once_flops(*exprs) / max(in_elements, 1) if exprs else 0.0
-    weight_elements = cout * sum(channels * t for (*_, channels, _taps), t in zip(parts, taps))  # zero taps skipped
+    conv_out = parse_type(out_ty).shape[ConvParams.parse(params).out_spec[1]]  # (the phase form's is 4x)
+    weight_elements = conv_out * sum(channels * t for (*_, channels, _taps), t in zip(parts, taps))  # zero taps skipped
     useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty), weight_elements)
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)

@@ -4,6 +4,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
+    upsample_source, phase_geometry, PHASE_OFFSET    a conv over a nearest-2x upsample as 4 phases of one
+                                                     over its source (emit.mosaic.conv_halo)
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
     halo_input_loads, halo_blocks, halo_smem_bytes   `eqsat.tiling.channel_parts`), what it takes, its tiles
                                                      and SMEM (emit.mosaic.conv_halo)
@@ -21,7 +23,7 @@ from typing import Sequence
 
 from eqsat.tiling.channel_parts import NotRestrictable, channel_parts
 from eqsat.tiling.conv import ConvGeometry
-from eqsat.types import parse_type
+from eqsat.types import ints, parse_type
 
 # An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
 SMEM_BYTES = 232448 - 1024
@@ -457,6 +459,47 @@ def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], 
         if halo_input_loads(expr, expr.ty) is None:
             return "an input expression the kernel does not evaluate"
     return None
+
+
+def upsample_source(expr, geometry: ConvGeometry):
+    """`X` when the conv's input expression `expr` is `X` upsampled nearest-2x (`Reshape(Broadcast(X,
+    [B, h, 2, w, 2, C]), [B, 2h, 2w, C])`) and the conv a 3x3 of stride 1 and padding 1 over NHWC:
+    then `phase_geometry` runs it over `X` itself; None otherwise."""
+    p = geometry.params
+    if (tuple(p.lhs_spec) != NHWC or tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1)
+            or tuple(geometry.window) != (3, 3) or tuple(map(tuple, p.padding)) != ((1, 1), (1, 1))):
+        return None
+    if expr.op != "Reshape" or expr.args[0].op != "Broadcast":
+        return None
+    broadcast = expr.args[0]
+    source = broadcast.args[0]
+    b, h2, w2, c = parse_type(expr.ty).shape
+    if h2 % 2 or w2 % 2 or ints(broadcast.args[1]) != (0, 1, 3, 5):
+        return None
+    if (parse_type(broadcast.ty).shape != (b, h2 // 2, 2, w2 // 2, 2, c)
+            or parse_type(source.ty).shape != (b, h2 // 2, w2 // 2, c)):
+        return None
+    return source
+
+
+# The source offset (-1, 0, +1 -> index 0, 1, 2) a 3x3 tap k reads for output phase p of a nearest-2x
+# upsampled input: padded row 2i + p + k - 1 of the upsampled image is source row i + (p + k - 1) // 2.
+PHASE_OFFSET = {(p, k): (p + k - 1) // 2 + 1 for p in (0, 1) for k in range(3)}
+
+
+def phase_geometry(geometry: ConvGeometry) -> ConvGeometry:
+    """A 3x3 conv over a nearest-2x upsampled `[B, 2h, 2w, C]` input (`upsample_source`) as a conv over
+    the `[B, h, w, C]` source: the same window and padding, output features `4 · Cout`, one block per
+    output phase `(py, px)` (phase-major), whose weights sum the taps that read one source pixel
+    (`PHASE_OFFSET`). The same wgmma work on a quarter of the staged input, no upsampled copy."""
+    p = geometry.params
+    b, h2, w2, c = geometry.lhs_shape
+    rhs = list(geometry.rhs_shape)
+    rhs[p.rhs_spec[0]] *= 4
+    out = [0] * 4
+    out[p.out_spec[0]], out[p.out_spec[1]] = b, 4 * geometry.out_features
+    out[p.out_spec[2]], out[p.out_spec[3]] = h2 // 2, w2 // 2
+    return ConvGeometry(p, (b, h2 // 2, w2 // 2, c), tuple(rhs), tuple(out))
 
 
 SM_COUNT = 132  # H100 SXM5
