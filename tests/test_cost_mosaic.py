@@ -142,6 +142,12 @@ def _conv_and_shortcut(x, h, gamma, beta, w, b, ws, bs):
                                                                                             1e-5)))
 
 
+def _upsample_conv(x, w, b):
+    from sd15 import layers
+
+    return layers.upsample({"u.conv.weight": w, "u.conv.bias": b}, "u", x)
+
+
 def _stride2_conv(x, w, b):
     from sd15 import layers
 
@@ -187,6 +193,8 @@ CASES = {
     "conv merged shortcut haloed": (_conv_and_shortcut, (S((2, 15, 15, 64), F16), S((2, 15, 15, 192), F16),
                                                          S((192,), F16), S((192,), F16), S((64, 192, 3, 3), F16),
                                                          S((64,), F16), S((64, 64, 1, 1), F16), S((64,), F16))),
+    # a 3x3 conv over a nearest-2x upsample of a 15x15 image: four phases of a conv over the source
+    "conv upsample haloed": (_upsample_conv, (S((2, 15, 15, 64), F16), S((128, 64, 3, 3), F16), S((128,), F16))),
     "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),

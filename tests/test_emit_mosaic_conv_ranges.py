@@ -1,4 +1,4 @@
-"""The haloed Mosaic GPU conv over several K ranges (`emit/mosaic/conv_halo.py`), in GPU interpret mode:
+"""The haloed Mosaic GPU conv over several K ranges and over a nearest-2x upsample (`emit/mosaic/conv_halo.py`), in GPU interpret mode:
 each range its own staged tensor, channel offset, window and prologue (a concat under a GroupNorm
 cut per tensor by `eqsat.tiling.channel_parts`, a 1x1 shortcut merged with a 3x3 conv), against
 `lax.conv_general_dilated`, the XLA emitter and `jax.jit` on 15x15 images with 3 channels per
@@ -250,3 +250,98 @@ def test_compiles_for_sm90a_with_a_concat_and_a_merged_shortcut(tmp_path, monkey
         assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
         assert counts.tma_loads >= 4, counts
         assert resources.spill_bytes == 0, resources
+
+
+# --- a conv over a nearest-2x upsample: four phases of a conv over the source ---------------------------
+
+
+def _upsample_conv(x, w, b):
+    """diffusers `Upsample2D`: nearest 2x, then a 3x3 conv with a bias."""
+    return layers.upsample({"u.conv.weight": w, "u.conv.bias": b}, "u", x)
+
+
+def _upsample_args(x, rng, out=128, weight_scale=0.1):
+    w = jnp.asarray(weight_scale * rng.standard_normal((out, x.shape[-1], 3, 3)), jnp.float16)
+    return (jnp.asarray(x, jnp.float16), w, jnp.asarray(rng.standard_normal(out), jnp.float16))
+
+
+def test_the_phase_weights_sum_the_taps_each_source_pixel_meets():
+    """Row phase 0 reads source rows i-1 (tap 0) and i (taps 1, 2); phase 1 rows i (taps 0, 1) and i+1
+    (tap 2): each phase's 2x2 window against direct sums, and the four phases' 2x2 convs over the
+    source interleaved against the 3x3 conv over the upsample (`lax`, float32)."""
+    from eqsat.tiling.mosaic import PHASE_OFFSET
+
+    assert [PHASE_OFFSET[0, k] for k in range(3)] == [0, 1, 1] and [PHASE_OFFSET[1, k] for k in range(3)] == [1, 1, 2]
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((5, 4, 3, 3)), jnp.float32)  # OIHW
+    phased = np.asarray(ch.phase_weights(w, (0, 1, 2, 3)))  # [phase, a, b, in, out]
+    wt = np.transpose(np.asarray(w), (2, 3, 1, 0))
+    np.testing.assert_allclose(phased[0, 0, 0], wt[0, 0])  # phase (0, 0), source (-1, -1): tap (0, 0)
+    np.testing.assert_allclose(phased[0, 1, 1], wt[1:, 1:].sum(axis=(0, 1)), rtol=1e-6)
+    np.testing.assert_allclose(phased[3, 1, 1], wt[2, 2])  # phase (1, 1), source (+1, +1): tap (2, 2)
+    x = rng.standard_normal((1, 5, 6, 4)).astype(np.float32)
+    up = np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
+    expected = np.asarray(lax.conv_general_dilated(up, wt, (1, 1), ((1, 1), (1, 1)),
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    for p in range(4):
+        py, px = divmod(p, 2)
+        window = ((1 - py, py), (1 - px, px))  # the 2x2 window's source offsets (py - 1 + a, px - 1 + b)
+        got = lax.conv_general_dilated(x, phased[p], (1, 1), window, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        np.testing.assert_allclose(np.asarray(got), expected[:, py::2, px::2], rtol=1e-5, atol=1e-5)
+
+
+def test_an_upsample_conv_reads_the_source():
+    """A 3x3 conv over the nearest-2x upsample of 2 x 7x9 images (64 -> 128 channels, a bias): one
+    haloed kernel staging the source itself (no upsampled copy), against XLA and jit."""
+    rng = np.random.default_rng(8)
+    args = _upsample_args(rng.standard_normal((2, 7, 9, 64)), rng)
+    plan = _plan(_upsample_conv, args)
+    out = _run_haloed(plan, args, [(2, 7, 9, 64)])
+    assert out.shape == (2, 14, 18, 128)
+    expected = emit.emit(plan, "xla")(*args)
+    scale = float(np.abs(np.asarray(args[1], np.float32)).sum(axis=(1, 2, 3)).max()) * 4.0 + 8.0
+    _assert_close(out, expected, jax.jit(_upsample_conv)(*args), scale=scale)
+
+
+_UP_PLANS: dict = {}
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_an_upsample_conv_matches_xla_and_jit_on_adversarial_values(data):
+    """15x15 sources -> 30x30: offsets up to 1e4 against a spread of 1, tiny and large scales, constant
+    channels, zero rows, zero weights; inf in the source reaches the outputs it touches, as in jit."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    x = _adversarial_input(data.draw, (1, 15, 15, 64)).astype(np.float32)
+    if data.draw(st.booleans()):
+        x[0, 3, 4, 9] = np.inf
+    args = _upsample_args(x, rng, weight_scale=data.draw(st.sampled_from((0.05, 0.0))))
+    if "plan" not in _UP_PLANS:
+        _UP_PLANS["plan"] = _plan(_upsample_conv, args)
+    plan = _UP_PLANS["plan"]
+    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, 64)]), np.float32)
+    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
+    jitted = np.asarray(jax.jit(_upsample_conv)(*args), np.float32)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(jitted))
+    finite = np.isfinite(jitted)
+    scale = float(np.abs(np.asarray(args[1], np.float32)).sum(axis=(1, 2, 3)).max()) * (
+        float(np.max(np.abs(np.where(np.isfinite(x), x, 0)))) + 1.0) + 8.0
+    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0), scale=scale)
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90a_over_an_upsample(tmp_path, monkeypatch):
+    """The phase form of a 16x16 -> 32x32 upsample conv (320 -> 320) compiles for an H100: wgmma with an
+    MMA in flight, TMA loads, no spills."""
+    from measure.xla_target import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no deviceless H100 compile here: {reason}")
+    args = (S((2, 16, 16, 320), F16), S((320, 320, 3, 3), F16), S((320,), F16))
+    report, ptx_path, counts, resources = compile_mosaic(_plan(_upsample_conv, args), args, tmp_path, monkeypatch)
+    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
+    assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
+    assert counts.tma_loads >= 4, counts
+    assert resources.spill_bytes == 0, resources

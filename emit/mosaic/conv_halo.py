@@ -56,7 +56,8 @@ from emit import expr as ex
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
-                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_geometry, upsample_source)
+                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_blocks, phase_geometry,
+                                 upsample_source)
 from eqsat.types import parse_type
 
 
@@ -256,7 +257,8 @@ def plan_parts(parts: Sequence[tuple[int, tuple, int, tuple]]) -> tuple[PartPlan
 
 def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
             vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
-            operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int):
+            operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
+            phase_cols: int | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -277,6 +279,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     q0 = m_idx * tile_m
     first_row = lax.div(q0, wp)
     a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
+    phase = lax.div(n_idx * tile_n, phase_cols) if phase_cols else 0  # the phase form: this CTA's (py, px)
+    if phase_cols:  # its taps (a, b) read source offsets (py + a, px + b) of the 3x3 halo
+        a_offset = a_offset + lax.div(phase, 2) * wp + lax.rem(phase, 2)
 
     def load(ref, layout):
         # GPU interpret mode has no `plgpu.load` of a sliced ref; layouts are the compiler's business
@@ -303,10 +308,13 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                                            pl.ds(chunk * CHUNK, CHUNK)],
                     vector_smems[table].at[slot, pl.ds(0, rows)], barrier)
 
-        def fetch_weights(step):  # the weights lie in step order: (range, chunk, tap)
+        def fetch_weights(step):  # the weights lie in step order: (range, chunk, tap); per phase in the phase form
             slot = lax.rem(step, stages)
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(step * CHUNK, CHUNK), pl.ds(n_idx * tile_n, tile_n)],
-                                    ring.at[slot], ring_barriers.at[slot])
+            rows, cols = step * CHUNK, n_idx * tile_n
+            if phase_cols:
+                rows, cols = rows + phase * (steps * CHUNK), cols - phase * phase_cols
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(rows, CHUNK), pl.ds(cols, tile_n)], ring.at[slot],
+                                    ring_barriers.at[slot])
 
         plgpu.copy_gmem_to_smem(mask_gmem.at[m_idx], mask_smem, mask_barrier)
         stage(0, 0, 0)
@@ -459,13 +467,15 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
           parts: Sequence[PartPlan] | None = None, prologues: Sequence[Callable] | None = None,
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
-          name: str = "conv") -> jax.Array:
+          name: str = "conv", phase_cols: int | None = None) -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output): `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
     channels over the whole window), `w` their weights from `layout_part_weights`, concatenated in
     range order (`[steps * 64, N↑]`), `prologues[p](slab, vector tiles)` range p's input expression,
     `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
-    laid out over `[B', m_padded, N↑]` flat rows."""
+    laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
+    nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
+    phase, `w` is `[4 · steps · 64, phase_cols]` (each phase's steps), and a CTA runs its phase's taps."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
@@ -485,7 +495,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     out_dtype = jnp.dtype(out_dtype or w.dtype)
     batch = g.batch
     m_padded = grid.m_tiles * grid.tile_m
-    n_padded = w.shape[1]
+    n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
+    if phase_cols and phase_cols % blocks.tile_n:
+        raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
     mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
     arrays, kinds, shared = [], [], []
     for operand in operands:
@@ -503,7 +515,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             functools.partial(_kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
                               vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
                               kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
-                              epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded),
+                              epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
+                              phase_cols=phase_cols),
             out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
             grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
             grid_names=("n", "m", "b"),
@@ -551,25 +564,29 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
 # --- a conv over a nearest-2x upsample: four output phases of a conv over the source ---------------
 
 
-def phase_weights(w: jax.Array, spec: Sequence[int]) -> jax.Array:
-    """A 3x3 weight (axes in `spec` order) as the phase form's `[3, 3, C, 4 · Cout]` (HWIO): output
-    block `(py, px)` at source offset `(dy, dx)` sums the taps that read that source pixel
-    (`PHASE_OFFSET`; zero where none does). Elementwise sums of tap slices: one XLA fusion."""
+def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None) -> jax.Array:
+    """A 3x3 weight (axes in `spec` order) as the phase form reads it: per output phase `(py, px)` a
+    2x2 window whose tap `(a, b)` (source offset `(py + a, px + b)` of the 3x3 halo) sums the taps
+    that read that source pixel (`PHASE_OFFSET`), `[4, 2, 2, C, Cout]` (sums of tap slices: one XLA
+    fusion). Each phase reads only its own 4 source pixels, so an inf outside them never meets a 0."""
     w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
-    zero = jnp.zeros_like(w[0, 0])
-    blocks = []
-    for dy in range(3):
-        row = []
-        for dx in range(3):
-            phases = []
-            for py in (0, 1):
-                for px in (0, 1):
-                    taps = [w[ky, kx] for ky in range(3) for kx in range(3)
-                            if PHASE_OFFSET[py, ky] == dy and PHASE_OFFSET[px, kx] == dx]
-                    phases.append(functools.reduce(jnp.add, taps) if taps else zero)
-            row.append(jnp.concatenate(phases, axis=-1))
-        blocks.append(jnp.stack(row))
-    return jnp.stack(blocks)
+    phases = []
+    for py in (0, 1):
+        for px in (0, 1):
+            window = [[functools.reduce(jnp.add, [w[ky, kx] for ky in range(3) for kx in range(3)
+                                                  if (PHASE_OFFSET[py, ky], PHASE_OFFSET[px, kx]) == (py + a, px + b)])
+                       for b in (0, 1)] for a in (0, 1)]
+            phases.append(jnp.stack([jnp.stack(row) for row in window]))
+    return jnp.stack(phases)
+
+
+def gather_phase_weights(w: jax.Array, spec: Sequence[int], channels: int) -> jax.Array:
+    """`phase_weights` in step order per phase, `[4 · chunks · 4 · 64, Cout]` (one gather)."""
+    phased = phase_weights(w, spec)
+    cout = phased.shape[-1]
+    rows = np.concatenate([p * 4 * channels + weight_rows((2, 2), channels, [(0, channels, ((0, 2), (0, 2)))])
+                           for p in range(4)])
+    return jnp.reshape(phased, (16 * channels, cout))[rows]
 
 
 def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
@@ -633,6 +650,8 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
             raise HaloUncovered(f"an input tensor of {part.x.dtype} under a {parse_type(expr[0].ty).dtype} "
                                 "input expression")
     tables, copies = vector_tables(sources)
+    if upsampled is not None:  # a phase's 2x2 taps, placed in the 3x3 halo by its phase
+        parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
     plans = plan_parts([(channels, taps, part.offset, copy)
                         for (_e, _r, _o, channels, taps), part, copy in zip(parts, sources, copies)])
 
@@ -651,6 +670,10 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
                          jnp.dtype(out_type.dtype).itemsize, geometry.batch)
     if blocks is None:
         raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    if upsampled is not None:
+        blocks = phase_blocks(blocks, conv_geometry.out_features)
+        if blocks is None:
+            raise HaloUncovered(f"{conv_geometry.out_features} outputs per phase (a multiple of 64 for whole tiles)")
     grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
     m_padded = grid.m_tiles * grid.tile_m
@@ -662,15 +685,17 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
-    spec = params.rhs_spec
     if upsampled is not None:
-        w, spec = phase_weights(w, spec), (3, 2, 0, 1)
-    w = gather_weights(w.astype(sources[0].x.dtype), spec,
-                       [(ranges[r].start + offset, channels, taps) for _e, r, offset, channels, taps in parts], n_padded)
+        w = gather_phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec, geometry.in_features)
+    else:
+        w = gather_weights(w.astype(sources[0].x.dtype), params.rhs_spec,
+                           [(ranges[r].start + offset, channels, taps) for _e, r, offset, channels, taps in parts],
+                           n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
-                 interpret=ctx.interpret, name=kernel.name)
+                 interpret=ctx.interpret, name=kernel.name,
+                 phase_cols=conv_geometry.out_features if upsampled is not None else None)
     if upsampled is not None:
         return {term: unflatten_phases(flat, grid, conv_geometry)}
     return {term: unflatten(flat, grid, geometry.out_features)}

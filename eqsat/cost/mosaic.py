@@ -49,7 +49,7 @@ from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
                                  halo_blocks, halo_input_loads, halo_parts, halo_uncovered, matmul_in_place, minor_tile, padded_head,
-                                 phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
+                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -481,14 +481,18 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
+    halo_geometry, phase_outputs = geometry, None
     if exprs and len(exprs) == 1 and upsample_source(exprs[0][0], geometry) is not None:
         source = upsample_source(exprs[0][0], geometry)  # four output phases of a conv over the source
-        geometry, exprs = phase_geometry(geometry), [(source, *exprs[0][1:])]
+        halo_geometry, phase_outputs = phase_geometry(geometry), geometry.out_features
+        exprs = [(source, *exprs[0][1:])]
     if exprs is not False:
         parts = halo_parts(exprs) if exprs is not None else [(None, i, 0, c, t) for i, (c, t) in enumerate(ranges)]
-        if not isinstance(parts, str) and halo_uncovered(geometry, [(c, t) for _e, _r, _o, c, t in parts],
+        if not isinstance(parts, str) and halo_uncovered(halo_geometry, [(c, t) for _e, _r, _o, c, t in parts],
                                                          _itemsize(lhs_ty), [e for e, *_ in parts if e is not None]) is None:
-            work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts)
+            if phase_outputs:  # a phase's 2x2 taps
+                parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
+            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs)
             if work is not None:
                 return work
     taps = plan_taps(grid, ranges)
@@ -520,7 +524,7 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
 
 
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
-                   epilogue: Term | None = None, parts=None) -> MosaicWork | None:
+                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None) -> MosaicWork | None:
     """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
     of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per K range (`parts`:
     `halo_parts`' `(expression, range, offset, channels, taps)`, default one over all channels and
@@ -530,7 +534,9 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     gathered per channel into one float32 table (unless one range reads them all as views), a
     residual mapped onto the flat rows, the output unflattened. The input expressions run on every
     staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
-    beyond one evaluation per element are `alu_flops`."""
+    beyond one evaluation per element are `alu_flops`. `phase_outputs`: the phase form of a conv over
+    a nearest-2x upsample (`phase_geometry`: `geometry` is the source's, N four phases of that many
+    outputs, each CTA its phase's 2x2 taps, `phase_blocks`)."""
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     batch, cout = geometry.batch, geometry.out_features
     kh, kw = geometry.window
@@ -550,6 +556,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     grid_of = functools.partial(HaloGrid, geometry)
     blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
+    if blocks is not None and phase_outputs:
+        blocks = phase_blocks(blocks, phase_outputs)
     if blocks is None:
         return None
     grid = grid_of(blocks.tile_m)

@@ -4,7 +4,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
-    upsample_source, phase_geometry, PHASE_OFFSET    a conv over a nearest-2x upsample as 4 phases of one
+    upsample_source, phase_geometry, PHASE_OFFSET,   a conv over a nearest-2x upsample as 4 phases of one
+    phase_blocks
                                                      over its source (emit.mosaic.conv_halo)
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
     halo_input_loads, halo_blocks, halo_smem_bytes   `eqsat.tiling.channel_parts`), what it takes, its tiles
@@ -490,8 +491,9 @@ PHASE_OFFSET = {(p, k): (p + k - 1) // 2 + 1 for p in (0, 1) for k in range(3)}
 def phase_geometry(geometry: ConvGeometry) -> ConvGeometry:
     """A 3x3 conv over a nearest-2x upsampled `[B, 2h, 2w, C]` input (`upsample_source`) as a conv over
     the `[B, h, w, C]` source: the same window and padding, output features `4 · Cout`, one block per
-    output phase `(py, px)` (phase-major), whose weights sum the taps that read one source pixel
-    (`PHASE_OFFSET`). The same wgmma work on a quarter of the staged input, no upsampled copy."""
+    output phase `(py, px)` (phase-major), whose CTAs run a 2x2 window of weights that sum the taps
+    reading one source pixel (`PHASE_OFFSET`): 4/9 of the upsampled conv's wgmma work, a quarter of
+    its staged input, no upsampled copy."""
     p = geometry.params
     b, h2, w2, c = geometry.lhs_shape
     rhs = list(geometry.rhs_shape)
@@ -500,6 +502,14 @@ def phase_geometry(geometry: ConvGeometry) -> ConvGeometry:
     out[p.out_spec[0]], out[p.out_spec[1]] = b, 4 * geometry.out_features
     out[p.out_spec[2]], out[p.out_spec[3]] = h2 // 2, w2 // 2
     return ConvGeometry(p, (b, h2 // 2, w2 // 2, c), tuple(rhs), tuple(out))
+
+
+def phase_blocks(blocks: MosaicBlocks, phase_outputs: int) -> MosaicBlocks | None:
+    """The phase form's tiles: an output-channel tile inside one phase's `phase_outputs` columns (a CTA
+    runs its phase's taps), 64 columns where 128 do not divide them; None where 64 do not either."""
+    if phase_outputs % blocks.tile_n == 0:
+        return blocks
+    return dataclasses.replace(blocks, tile_n=64) if phase_outputs % 64 == 0 else None
 
 
 SM_COUNT = 132  # H100 SXM5
