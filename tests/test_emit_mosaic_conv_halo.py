@@ -52,7 +52,7 @@ def _haloed_conv(x, w, params, blocks=None):
 
     @jax.jit
     def run(x, w):
-        flat = ch.build([x], ch.layout_part_weights(w, params.rhs_spec, n_padded), grid, blocks,
+        flat = ch.build([x], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks,
                         out_dtype=jnp.float32, interpret=True)
         return ch.unflatten(flat, grid, out_shape[-1])
 

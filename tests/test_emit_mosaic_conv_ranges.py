@@ -84,13 +84,13 @@ def test_two_ranges_one_from_a_channel_offset_one_over_the_centre_tap():
     grid = grid_of(blocks.tile_m)
     n_padded = -(-72 // blocks.tile_n) * blocks.tile_n
     parts = ch.plan_parts([(64, ((0, 3), (0, 3)), 64, ()), (64, ((1, 2), (1, 2)), 0, ())])
-    assert [(p.first_chunk, p.first_step, p.steps) for p in parts] == [(0, 0, 9), (1, 9, 1)]
+    assert [(p.first_chunk, p.first_step, p.steps, p.weight_channel) for p in parts] == [(0, 0, 9, 0), (1, 9, 1, 64)]
 
     @jax.jit
-    def run(a, b, w3, w1):
-        w = jnp.concatenate([ch.layout_part_weights(w3, params.rhs_spec, n_padded),
-                             ch.layout_part_weights(w1, params.rhs_spec, n_padded)])
-        flat = ch.build([a, b], w, grid, blocks, parts=parts, out_dtype=jnp.float32, interpret=True)
+    def run(a, b, w3, w1):  # the conv's weight over [a's 64, b's 64] channels: b's only at the centre tap
+        w = jnp.concatenate([w3, jnp.pad(w1, ((1, 1), (1, 1), (0, 0), (0, 0)))], axis=2)
+        flat = ch.build([a, b], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks, parts=parts,
+                        out_dtype=jnp.float32, interpret=True)
         return ch.unflatten(flat, grid, 72)
 
     one = _params((1, 15, 15, 64), w1.shape, ((0, 0), (0, 0)))

@@ -1,50 +1,70 @@
-"""The haloed Mosaic GPU conv: a plan's `Conv` whose input is read as the plan has it (NHWC, unpadded)
-and whose input expression (a GroupNorm apply + SiLU from hosted statistics, any elementwise
-expression of the input and per-channel vectors) is evaluated inside the kernel, once per staged
-input element, so no XLA fusion lays out or normalizes the input.
+"""The haloed Mosaic GPU conv: a plan's `Conv` whose inputs are read as the plan has them (NHWC, unpadded)
+and whose input expressions (a GroupNorm apply + SiLU from hosted statistics, any elementwise
+expression of an input and per-channel vectors) are evaluated inside the kernel, once per staged
+input element, so no XLA fusion lays out, concatenates, upsamples or normalizes the input.
 
-    HaloGrid   the flat padded grid of one image and what a CTA stages (`eqsat.tiling.mosaic`)
-    build      the kernel over the raw input, weights laid out per (tap, chunk), a row mask
-    emit       a plan's `Conv` kernel as this template, or `HaloUncovered` (then `emit.mosaic.conv`'s
-               flat-grid template runs it)
+    HaloGrid      the flat padded grid of one image and what a CTA stages (`eqsat.tiling.mosaic`)
+    PartPlan      one K range as the kernel runs it: its input, channel offset, taps, vectors
+    build         the kernel over the raw inputs, the weight as it lies (`layout_weight`), a row mask
+    emit          a plan's `Conv` kernel as this template, or `HaloUncovered` (then `emit.mosaic.conv`'s
+                  flat-grid template runs it)
+
+K ranges (`eqsat.tiling.mosaic.halo_parts`): the conv's K ranges (`emit.pallas.conv.k_ranges`: a
+top-level `concat(h, skip)`, a merged 1x1 shortcut over the centre tap), each cut again where a
+concat *inside* its expression switches tensors (`eqsat.tiling.channel_parts`: GroupNorm + SiLU over
+`concat(h, skip)` is that expression over h's channels, then over skip's). Each range stages its own
+tensor (from a channel offset) with its own prologue and vectors, one after the other through the
+same staging slots, weight ring and accumulator.
 
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
-padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per 64-channel chunk of the input:
+padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per K range, per 64-channel chunk:
 
 1. TMA: each padded row `r0 + i` the CTA needs (`staged_rows` of them, its rows and the halo) is
-   one `[W, 64]` copy from the input into a staging buffer at SMEM row `i * Wp + px0`, so SMEM holds
-   the chunk on the padded grid; rows in the padding copy a clamped input row. Two staging slots:
-   chunk c + 1 arrives while chunk c computes.
-2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the input
-   expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and beta as
-   they lie; a GroupNorm's per-group statistics gathered per channel on the host, with the other
-   vectors, into one small float32 table), padding is zeroed after it by a host-computed row mask
-   (so a tap in the padding reads 0, not prologue(0)), and the slab is stored back in place.
-3. Taps: for each tap, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any row: no 8-row
-   SMEM tile alignment, no shifted copies of the input) are copied through registers into a
-   swizzled A tile (two slots), and wgmma multiplies it with the tap's `[64, tile_n]` weight tile
-   from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip the
-   copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
+   one `[W, 64]` copy from the range's input into a staging buffer at SMEM row `i * Wp + px0`, so
+   SMEM holds the chunk on the padded grid; rows in the padding copy a clamped input row. Two
+   staging slots: the next chunk (of this range or the next) arrives while this one computes.
+2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the range's
+   input expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and
+   beta as they lie when one range reads only such views; otherwise every range's vectors, a
+   GroupNorm's per-group statistics gathered per channel, are one small float32 table), padding is
+   zeroed after it by a host-computed row mask (so a tap in the padding reads 0, not prologue(0)),
+   and the slab is stored back in place.
+3. Taps: for each tap of the range, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any
+   row: no 8-row SMEM tile alignment, no shifted copies of the input) are copied through registers
+   into a swizzled A tile (two slots), and wgmma multiplies it with the step's `[64, tile_n]` weight
+   tile from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip
+   the copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
+
+A 3x3 conv over a nearest-2x upsample (`eqsat.tiling.mosaic.upsample_source`) runs in its *phase
+form*: a conv over the source (a quarter of the staged rows, no upsampled copy) with N = 4 phases
+`(py, px)` of Cout outputs; a CTA's N tile lies in one phase, which runs a 2x2 window at source
+offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that read that pixel
+(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
+unflatten interleaves the phases (depth-to-space).
 
 Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
-Weights are laid out as `[taps * chunks * 64, N↑]` (one XLA fusion), and the flat output is sliced
-back to the conv's output layout (one more); the input is read by the kernel itself. Tiles:
-`eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would not
-fill the SMs).
+The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.prepare` lays out
+K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
+conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
+Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
+not fill the SMs).
 
-Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input whose
-channels are a multiple of 64 (TMA reads 64-channel chunks of halves), rows of at most 256 pixels,
-one K range (no concat, no merged shortcut), an input expression that reads the input at its own
-index and otherwise only per-channel (and per-image) vectors.
+Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input, K
+ranges of a multiple of 64 channels each (TMA reads 64-channel chunks of halves), rows of at most
+256 pixels whose staged chunks fit SMEM, expressions that read one tensor at their own index (from
+a channel offset) and otherwise only per-channel (and per-image) vectors, concats cut on GroupNorm
+group boundaries (not one inside a group: 1920 = 1280 + 640 in groups of 60), and for the phase form
+Cout a multiple of 64. Not: stride 2, fewer than 64 channels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -224,7 +244,8 @@ class PartPlan:
     """One K range as the kernel runs it: `chunks` 64-channel chunks of its input from channel
     `offset`, the window `taps` `((y0, y1), (x0, x1))` it multiplies, the `(table, first row, rows)`
     vector copies its prologue reads per chunk; `first_chunk` and `first_step` count the chunks and
-    (chunk, tap) steps of the ranges before it."""
+    (chunk, tap) steps of the ranges before it; `weight_channel` is its first input channel in the
+    conv's weight (read as it lies: `[ky, kx, in]` rows)."""
 
     chunks: int
     taps: tuple
@@ -232,6 +253,7 @@ class PartPlan:
     vectors: tuple = ()
     first_chunk: int = 0
     first_step: int = 0
+    weight_channel: int = 0
 
     @property
     def tap_list(self) -> list[tuple[int, int]]:
@@ -243,13 +265,16 @@ class PartPlan:
         return self.chunks * len(self.tap_list)
 
 
-def plan_parts(parts: Sequence[tuple[int, tuple, int, tuple]]) -> tuple[PartPlan, ...]:
-    """`PartPlan`s of K ranges `(channels, taps, offset, vector copies)`, run in order."""
-    out, chunk, step = [], 0, 0
-    for channels, taps, offset, vectors in parts:
+def plan_parts(parts: Sequence[tuple]) -> tuple[PartPlan, ...]:
+    """`PartPlan`s of K ranges `(channels, taps, offset, vector copies[, first weight channel])`, run
+    in order (the weight channels default to the ranges side by side)."""
+    out, chunk, step, channel = [], 0, 0, 0
+    for channels, taps, offset, vectors, *weight_channel in parts:
         if channels % CHUNK:
             raise HaloUncovered(f"a K range of {channels} channels (TMA reads 64-channel chunks)")
-        plan = PartPlan(channels // CHUNK, tuple(map(tuple, taps)), offset, tuple(vectors), chunk, step)
+        first = weight_channel[0] if weight_channel else channel
+        plan = PartPlan(channels // CHUNK, tuple(map(tuple, taps)), offset, tuple(vectors), chunk, step, first)
+        channel = first + channels
         out.append(plan)
         chunk, step = chunk + plan.chunks, step + plan.steps
     return tuple(out)
@@ -258,7 +283,7 @@ def plan_parts(parts: Sequence[tuple[int, tuple, int, tuple]]) -> tuple[PartPlan
 def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
             vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
-            phase_cols: int | None = None):
+            weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -308,11 +333,20 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                                            pl.ds(chunk * CHUNK, CHUNK)],
                     vector_smems[table].at[slot, pl.ds(0, rows)], barrier)
 
-        def fetch_weights(step):  # the weights lie in step order: (range, chunk, tap); per phase in the phase form
+        def weight_row(part, step):
+            (y0, y1), (x0, x1) = part.taps
+            local = step - part.first_step
+            tap, chunk = lax.rem(local, (y1 - y0) * (x1 - x0)), lax.div(local, (y1 - y0) * (x1 - x0))
+            ky, kx = y0 + lax.div(tap, x1 - x0), x0 + lax.rem(tap, x1 - x0)
+            return (ky * weight_window[1] + kx) * weight_channels + part.weight_channel + chunk * CHUNK
+
+        def fetch_weights(step):  # the weight as it lies, [ky, kx, in] rows (per phase in the phase form)
             slot = lax.rem(step, stages)
-            rows, cols = step * CHUNK, n_idx * tile_n
+            rows, cols = weight_row(parts[0], step), n_idx * tile_n
+            for part in parts[1:]:
+                rows = lax.select(step >= part.first_step, weight_row(part, step), rows)
             if phase_cols:
-                rows, cols = rows + phase * (steps * CHUNK), cols - phase * phase_cols
+                rows, cols = rows + phase * (weight_window[0] * weight_window[1] * weight_channels), cols - phase * phase_cols
             plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(rows, CHUNK), pl.ds(cols, tile_n)], ring.at[slot],
                                     ring_barriers.at[slot])
 
@@ -431,51 +465,30 @@ def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.A
     return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
 
 
-def weight_rows(window: tuple[int, int], in_features: int, parts: Sequence[tuple[int, int, tuple]]) -> np.ndarray:
-    """The rows of a `[ky, kx, in]`-major weight matrix each kernel step reads, in step order: per K
-    range `(first input channel, channels, taps)`, per 64-channel chunk, per tap, 64 channels."""
-    kw = window[1]
-    rows = []
-    for first, channels, ((y0, y1), (x0, x1)) in parts:
-        for chunk in range(channels // CHUNK):
-            for ky in range(y0, y1):
-                for kx in range(x0, x1):
-                    rows.append((ky * kw + kx) * in_features + first + chunk * CHUNK + np.arange(CHUNK))
-    return np.concatenate(rows)
-
-
-def gather_weights(w: jax.Array, spec: Sequence[int], parts: Sequence[tuple[int, int, tuple]],
-                   n_padded: int) -> jax.Array:
-    """The conv's whole weight `w` (axes in `spec` order: out, in, spatial) as the haloed kernel reads
-    it, `[steps * 64, n_padded]`: K ranges `(first input channel, channels, taps)` in step order
-    (`weight_rows`), gathered in one XLA fusion (a merged shortcut's zero taps are never read)."""
+def layout_weight(w: jax.Array, spec: Sequence[int], n_padded: int) -> jax.Array:
+    """The conv's weight `w` (axes in `spec` order: out, in, spatial) as the haloed kernel reads it,
+    `[kh · kw · C, n_padded]` rows `[ky, kx, in]`: a view of a weight prepared K x N
+    (`emit.prepare`), padded only where N is not a multiple of the tile; each step reads its 64 rows
+    in place (a merged shortcut's zero taps are never read)."""
     w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
     ky, kx, cin, cout = w.shape
-    rows = weight_rows((ky, kx), cin, parts)
-    return jnp.pad(jnp.reshape(w, (ky * kx * cin, cout))[rows], ((0, 0), (0, n_padded - cout)))
-
-
-def layout_part_weights(w: jax.Array, spec: Sequence[int], n_padded: int) -> jax.Array:
-    """One K range's weights `w` (axes in `spec` order: out, in, spatial; its window only, input
-    channels a multiple of 64) as `[chunks * taps * 64, n_padded]` in the haloed kernel's step order
-    (`gather_weights` over a window of its own)."""
-    kh, kw = (w.shape[a] for a in spec[2:])
-    return gather_weights(w, spec, [(0, w.shape[spec[1]], ((0, kh), (0, kw)))], n_padded)
+    return jnp.pad(jnp.reshape(w, (ky * kx * cin, cout)), ((0, 0), (0, n_padded - cout)))
 
 
 def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *,
           parts: Sequence[PartPlan] | None = None, prologues: Sequence[Callable] | None = None,
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
-          name: str = "conv", phase_cols: int | None = None) -> jax.Array:
+          name: str = "conv", weight_window: tuple[int, int] | None = None,
+          phase_cols: int | None = None) -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output): `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
-    channels over the whole window), `w` their weights from `layout_part_weights`, concatenated in
-    range order (`[steps * 64, N↑]`), `prologues[p](slab, vector tiles)` range p's input expression,
+    channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
+    (`layout_weight`: `[window · C, N↑]`, `weight_window` its window, default the grid's), `prologues[p](slab, vector tiles)` range p's input expression,
     `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
     laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
     nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
-    phase, `w` is `[4 · steps · 64, phase_cols]` (each phase's steps), and a CTA runs its phase's taps."""
+    phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
@@ -495,6 +508,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     out_dtype = jnp.dtype(out_dtype or w.dtype)
     batch = g.batch
     m_padded = grid.m_tiles * grid.tile_m
+    weight_window = tuple(weight_window or g.window)
+    weight_channels = w.shape[0] // (math.prod(weight_window) * (4 if phase_cols else 1))
     n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
     if phase_cols and phase_cols % blocks.tile_n:
         raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
@@ -516,6 +531,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
                               vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
                               kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
                               epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
+                              weight_window=weight_window, weight_channels=weight_channels,
                               phase_cols=phase_cols),
             out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
             grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
@@ -578,15 +594,6 @@ def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None
                        for b in (0, 1)] for a in (0, 1)]
             phases.append(jnp.stack([jnp.stack(row) for row in window]))
     return jnp.stack(phases)
-
-
-def gather_phase_weights(w: jax.Array, spec: Sequence[int], channels: int) -> jax.Array:
-    """`phase_weights` in step order per phase, `[4 · chunks · 4 · 64, Cout]` (one gather)."""
-    phased = phase_weights(w, spec)
-    cout = phased.shape[-1]
-    rows = np.concatenate([p * 4 * channels + weight_rows((2, 2), channels, [(0, channels, ((0, 2), (0, 2)))])
-                           for p in range(4)])
-    return jnp.reshape(phased, (16 * channels, cout))[rows]
 
 
 def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
@@ -652,8 +659,8 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     tables, copies = vector_tables(sources)
     if upsampled is not None:  # a phase's 2x2 taps, placed in the 3x3 halo by its phase
         parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
-    plans = plan_parts([(channels, taps, part.offset, copy)
-                        for (_e, _r, _o, channels, taps), part, copy in zip(parts, sources, copies)])
+    plans = plan_parts([(channels, taps, part.offset, copy, 0 if upsampled is not None else ranges[r].start + offset)
+                        for (_e, r, offset, channels, taps), part, copy in zip(parts, sources, copies)])
 
     grid_of = functools.partial(HaloGrid, geometry)
     # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
@@ -685,16 +692,14 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
-    if upsampled is not None:
-        w = gather_phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec, geometry.in_features)
+    if upsampled is not None:  # [phase, a, b, in, out]: rows (phase, a, b, in)
+        w = jnp.reshape(phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec), (16 * geometry.in_features, -1))
     else:
-        w = gather_weights(w.astype(sources[0].x.dtype), params.rhs_spec,
-                           [(ranges[r].start + offset, channels, taps) for _e, r, offset, channels, taps in parts],
-                           n_padded)
+        w = layout_weight(w.astype(sources[0].x.dtype), params.rhs_spec, n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
-                 interpret=ctx.interpret, name=kernel.name,
+                 interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
                  phase_cols=conv_geometry.out_features if upsampled is not None else None)
     if upsampled is not None:
         return {term: unflatten_phases(flat, grid, conv_geometry)}
