@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import math
 
-from eqsat.term import Term
 from eqsat.types import ints, parse_type, with_shape
 
 ELEMENTWISE = ("Unary", "Binary", "Select")
+Term = object  # eqsat.term.Term by duck typing (importing it would import egglog); new terms are made by
+# the class of the term they replace (`_like`)
+
+
+def _like(term, op: str, *args):
+    return type(term)(op, *args)
 
 
 class NotRestrictable(ValueError):
@@ -157,15 +162,15 @@ def restrict(expr: Term, axis: int, start: int, stop: int, memo=None) -> Term:
     ty = with_shape(expr.ty, new_shape)
     op, args = expr.op, expr.args
     if not concat_splits(expr, axis):  # one tensor below: a slice of it (what it reads, and how, unchanged)
-        out = Term("Slice", expr, axis, start, stop, 1, ty)
+        out = _like(expr, "Slice", expr, axis, start, stop, 1, ty)
     elif op == "Lit":
-        out = Term("Lit", args[0], ty)
+        out = _like(expr, "Lit", args[0], ty)
     elif op in ELEMENTWISE:
-        out = Term(op, *[restrict(a, axis, start, stop, memo) if isinstance(a, Term) else a for a in args[:-1]], ty)
+        out = _like(expr, op, *[restrict(a, axis, start, stop, memo) if isinstance(a, Term) else a for a in args[:-1]], ty)
     elif op == "Concat":
         x, y, along, split, _ = args
         if along != axis:
-            out = Term("Concat", restrict(x, axis, start, stop, memo), restrict(y, axis, start, stop, memo), along,
+            out = _like(expr, "Concat", restrict(x, axis, start, stop, memo), restrict(y, axis, start, stop, memo), along,
                        split, ty)
         elif stop <= split:
             out = restrict(x, axis, start, stop, memo)
@@ -176,18 +181,18 @@ def restrict(expr: Term, axis: int, start: int, stop: int, memo=None) -> Term:
     elif op == "Broadcast":
         x, dims, _ = args
         source = [j for j, d in enumerate(ints(dims)) if d == axis and _shape(x)[j] == shape[axis]]
-        out = Term("Broadcast", restrict(x, source[0], start, stop, memo) if source else x, dims, ty)
+        out = _like(expr, "Broadcast", restrict(x, source[0], start, stop, memo) if source else x, dims, ty)
     elif op == "Transpose":
         x, permutation, _ = args
-        out = Term("Transpose", restrict(x, ints(permutation)[axis], start, stop, memo), permutation, ty)
+        out = _like(expr, "Transpose", restrict(x, ints(permutation)[axis], start, stop, memo), permutation, ty)
     elif op == "Slice":
         x, along, s0, s1, stride, _ = args
         if along != axis:
-            out = Term("Slice", restrict(x, axis, start, stop, memo), along, s0, s1, stride, ty)
+            out = _like(expr, "Slice", restrict(x, axis, start, stop, memo), along, s0, s1, stride, ty)
         elif stride == 1:
             out = restrict(x, axis, s0 + start, s0 + stop, memo)
         else:
-            out = Term("Slice", x, along, s0 + start * stride, s0 + stop * stride, stride, ty)
+            out = _like(expr, "Slice", x, along, s0 + start * stride, s0 + stop * stride, stride, ty)
     elif op == "Reshape":
         x = args[0]
         lead_in, inner_out, inner_in, _others, _lead = _reshape_axis(expr, axis) or (None, 1, 1, [], None)
@@ -195,7 +200,7 @@ def restrict(expr: Term, axis: int, start: int, stop: int, memo=None) -> Term:
             raise NotRestrictable(f"a cut of axis {axis}, an inner factor of a reshape")
         if (start * inner_out) % inner_in or (stop * inner_out) % inner_in:
             raise NotRestrictable(f"[{start}, {stop}) of axis {axis} cuts a reshaped group of {inner_in}")
-        out = Term("Reshape", restrict(x, lead_in, start * inner_out // inner_in, stop * inner_out // inner_in, memo),
+        out = _like(expr, "Reshape", restrict(x, lead_in, start * inner_out // inner_in, stop * inner_out // inner_in, memo),
                    ty)
     else:
         raise NotRestrictable(f"a {op} in the input expression")
