@@ -166,7 +166,7 @@ def restrict(expr: Term, axis: int, start: int, stop: int, memo=None) -> Term:
     elif op == "Lit":
         out = _like(expr, "Lit", args[0], ty)
     elif op in ELEMENTWISE:
-        out = _like(expr, op, *[restrict(a, axis, start, stop, memo) if isinstance(a, Term) else a for a in args[:-1]], ty)
+        out = _like(expr, op, *[restrict(a, axis, start, stop, memo) if hasattr(a, "op") else a for a in args[:-1]], ty)
     elif op == "Concat":
         x, y, along, split, _ = args
         if along != axis:
