@@ -63,17 +63,19 @@ def _implied(launch) -> dict:
     ctas = math.prod(grid)
     if body.func is conv_halo._kernel:  # the haloed conv: raw input rows, vectors and weights per chunk
         kw = body.keywords
-        blocks, halo, n_vectors = kw["blocks"], kw["grid"], kw["n_vectors"]
-        (_, _, width, channels), item = operands[0][0], operands[0][1].itemsize
-        chunks, taps = channels // 64, math.prod(halo.geometry.window)
-        vectors = sum(shape[1] * dtype.itemsize for shape, dtype in operands[3:3 + n_vectors])  # [B', rows, C]
+        blocks, halo, n_vectors, parts = kw["blocks"], kw["grid"], kw["n_vectors"], kw["parts"]
+        (_, _, width, _), item = operands[0][0], operands[0][1].itemsize
+        tables = operands[len(parts) + 2:len(parts) + 2 + n_vectors]  # [B', rows, C] each
+        steps = sum(part.chunks * len(part.tap_list) for part in parts)
         sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
                                          "row": blocks.epi_m}[kind]
-                       for kind, (_shape, dtype) in zip(kw["kinds"], operands[3 + n_vectors:]))
-        staged = chunks * (halo.staged_rows * width * 64 * item + vectors * 64)
-        tma = ctas * (staged + chunks * taps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
-        return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * chunks * taps * 64,
+                       for kind, (_shape, dtype) in zip(kw["kinds"], operands[len(parts) + 2 + n_vectors:]))
+        staged = sum(part.chunks * (halo.staged_rows * width * 64 * item
+                                    + sum(rows * 64 * tables[t][1].itemsize for t, _row, rows in part.vectors))
+                     for part in parts)
+        tma = ctas * (staged + steps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
+        return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * steps * 64,
                 "tma_bytes": tma, "stages": blocks.stages}
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)
         blocks, kinds, kp = body.keywords["blocks"], body.keywords["kinds"], body.keywords["k_padded"]
@@ -122,6 +124,30 @@ def _gn_silu_conv_residual(x, w, b, gamma, beta, r):
     return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, groups, 1e-5))) + r
 
 
+def _gn_silu_concat_conv(h, skip, gamma, beta, w, b):
+    """An up-block resnet's conv1: GroupNorm (3 channels per group) + SiLU over concat(h, skip)."""
+    from sd15 import layers
+
+    x = jnp.concatenate([h, skip], axis=-1)
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, x.shape[-1] // 3, 1e-5)))
+
+
+def _conv_and_shortcut(x, h, gamma, beta, w, b, ws, bs):
+    """A resnet's conv2 over GroupNorm + SiLU of h plus the 1x1 shortcut of x: one conv of two K ranges."""
+    from sd15 import layers
+
+    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b, "s.weight": ws, "s.bias": bs}
+    return layers.conv2d(p, "s", x) + layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, h.shape[-1] // 3,
+                                                                                            1e-5)))
+
+
+def _upsample_conv(x, w, b):
+    from sd15 import layers
+
+    return layers.upsample({"u.conv.weight": w, "u.conv.bias": b}, "u", x)
+
+
 def _stride2_conv(x, w, b):
     from sd15 import layers
 
@@ -159,6 +185,16 @@ CASES = {
     # TMA, the prologue in SMEM), a residual and per-image statistics
     "conv 15x15 gn haloed": (_gn_silu_conv_residual, (S((2, 15, 15, 192), F16), S((80, 192, 3, 3), F16), S((80,), F16),
                                                       S((192,), F16), S((192,), F16), S((2, 15, 15, 80), F16))),
+    # concat(h, skip) under the GroupNorm: two K ranges, each its own staged tensor and prologue
+    "conv concat gn haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 192), F16), S((1, 15, 15, 192), F16),
+                                                     S((384,), F16), S((384,), F16), S((16, 384, 3, 3), F16),
+                                                     S((16,), F16))),
+    # the 1x1 shortcut merged with the 3x3 conv2: a 64-channel range over the centre tap, then 192 x 9 taps
+    "conv merged shortcut haloed": (_conv_and_shortcut, (S((2, 15, 15, 64), F16), S((2, 15, 15, 192), F16),
+                                                         S((192,), F16), S((192,), F16), S((64, 192, 3, 3), F16),
+                                                         S((64,), F16), S((64, 64, 1, 1), F16), S((64,), F16))),
+    # a 3x3 conv over a nearest-2x upsample of a 15x15 image: four phases of a conv over the source
+    "conv upsample haloed": (_upsample_conv, (S((2, 15, 15, 64), F16), S((128, 64, 3, 3), F16), S((128,), F16))),
     "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),

@@ -1,50 +1,71 @@
-"""The haloed Mosaic GPU conv: a plan's `Conv` whose input is read as the plan has it (NHWC, unpadded)
-and whose input expression (a GroupNorm apply + SiLU from hosted statistics, any elementwise
-expression of the input and per-channel vectors) is evaluated inside the kernel, once per staged
-input element, so no XLA fusion lays out or normalizes the input.
+"""The haloed Mosaic GPU conv: a plan's `Conv` whose inputs are read as the plan has them (NHWC, unpadded)
+and whose input expressions (a GroupNorm apply + SiLU from hosted statistics, any elementwise
+expression of an input and per-channel vectors) are evaluated inside the kernel, once per staged
+input element, so no XLA fusion lays out, concatenates, upsamples or normalizes the input.
 
-    HaloGrid   the flat padded grid of one image and what a CTA stages (`eqsat.tiling.mosaic`)
-    build      the kernel over the raw input, weights laid out per (tap, chunk), a row mask
-    emit       a plan's `Conv` kernel as this template, or `HaloUncovered` (then `emit.mosaic.conv`'s
-               flat-grid template runs it)
+    HaloGrid      the flat padded grid of one image and what a CTA stages (`eqsat.tiling.mosaic`)
+    PartPlan      one K range as the kernel runs it: its input, channel offset, taps, vectors
+    build         the kernel over the raw inputs, the weight as it lies (`layout_weight`), a row mask
+    emit          a plan's `Conv` kernel as this template, or `HaloUncovered` (then `emit.mosaic.conv`'s
+                  flat-grid template runs it)
+
+K ranges (`eqsat.tiling.mosaic.halo_parts`): the conv's K ranges (`emit.pallas.conv.k_ranges`: a
+top-level `concat(h, skip)`, a merged 1x1 shortcut over the centre tap), each cut again where a
+concat *inside* its expression switches tensors (`eqsat.tiling.channel_parts`: GroupNorm + SiLU over
+`concat(h, skip)` is that expression over h's channels, then over skip's). Each range stages its own
+tensor (from a channel offset) with its own prologue and vectors, one after the other through the
+same staging slots, weight ring and accumulator.
 
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
-padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per 64-channel chunk of the input:
+padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per K range, per 64-channel chunk:
 
 1. TMA: each padded row `r0 + i` the CTA needs (`staged_rows` of them, its rows and the halo) is
-   one `[W, 64]` copy from the input into a staging buffer at SMEM row `i * Wp + px0`, so SMEM holds
-   the chunk on the padded grid; rows in the padding copy a clamped input row. Two staging slots:
-   chunk c + 1 arrives while chunk c computes.
-2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the input
-   expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and beta as
-   they lie; a GroupNorm's per-group statistics gathered per channel on the host, with the other
-   vectors, into one small float32 table), padding is zeroed after it by a host-computed row mask
-   (so a tap in the padding reads 0, not prologue(0)), and the slab is stored back in place.
-3. Taps: for each tap, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any row: no 8-row
-   SMEM tile alignment, no shifted copies of the input) are copied through registers into a
-   swizzled A tile (two slots), and wgmma multiplies it with the tap's `[64, tile_n]` weight tile
-   from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip the
-   copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
+   one `[W, 64]` copy from the range's input into a staging buffer at SMEM row `i * Wp + px0`, so
+   SMEM holds the chunk on the padded grid; rows in the padding copy a clamped input row. Two
+   staging slots: the next chunk (of this range or the next) arrives while this one computes.
+2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the range's
+   input expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and
+   beta as they lie when one range reads only such views; otherwise every range's vectors, a
+   GroupNorm's per-group statistics gathered per channel, are one small float32 table), padding is
+   zeroed after it by a host-computed row mask (so a tap in the padding reads 0, not prologue(0)),
+   and the slab is stored back in place.
+3. Taps: for each tap of the range, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any
+   row: no 8-row SMEM tile alignment, no shifted copies of the input) are copied through registers
+   into a swizzled A tile (two slots), and wgmma multiplies it with the step's `[64, tile_n]` weight
+   tile from a 3-slot TMA ring, one MMA kept in flight. (wgmma could take A from registers and skip
+   the copy; GPU interpret mode has no wgmma with a register A, and the tests run there.)
+
+A 3x3 conv over a nearest-2x upsample (`eqsat.tiling.mosaic.upsample_source`) runs in its *phase
+form*: a conv over the source (a quarter of the staged rows, no upsampled copy) with N = 4 phases
+`(py, px)` of Cout outputs; a CTA's N tile lies in one phase, which runs a 2x2 window at source
+offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that read that pixel
+(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
+unflatten interleaves the phases (depth-to-space).
 
 Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
-Weights are laid out as `[taps * chunks * 64, N↑]` (one XLA fusion), and the flat output is sliced
-back to the conv's output layout (one more); the input is read by the kernel itself. Tiles:
-`eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would not
-fill the SMs).
+The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.prepare` lays out
+K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
+conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
+Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
+not fill the SMs).
 
-Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input whose
-channels are a multiple of 64 (TMA reads 64-channel chunks of halves), rows of at most 256 pixels,
-one K range (no concat, no merged shortcut), an input expression that reads the input at its own
-index and otherwise only per-channel (and per-image) vectors.
+Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input, K
+ranges of a multiple of 64 channels each (TMA reads 64-channel chunks of halves), rows of at most
+256 pixels whose staged chunks fit SMEM, expressions that read one tensor at their own index (from
+a channel offset) and otherwise only per-channel (and per-image) vectors, concats cut on GroupNorm
+group boundaries (not one inside a group: 1920 = 1280 + 640 in groups of 60), and for the phase form
+Cout a multiple of 64. Not: stride 2, fewer than 64 channels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +74,10 @@ from jax import lax
 
 from emit import expr as ex
 from emit.mosaic import matmul as mm
-from emit.pallas.conv import _place
-from eqsat.tiling.mosaic import (CHUNK, NHWC, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks, halo_conv_uncovered,
-                                 halo_uncovered)
+from emit.pallas.conv import ConvGeometry, _place
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
+                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_blocks, phase_geometry,
+                                 upsample_source)
 from eqsat.types import parse_type
 
 
@@ -94,53 +116,92 @@ class _Recording:
         return jnp.zeros((), parse_type(tensor.ty).dtype)
 
 
-def prologue_sources(expr, lhs_shape: Sequence[int], values) -> tuple[list, list, list]:
-    """`(tensors, sources, tables)` of the input expression `expr` (type `lhs_shape`, NHWC), one
-    source per `Load` in the compiler's order: `"input"` for the tensor read at the expression's own
-    index (the kernel stages it by TMA), or the n-th row of `tables` (counted across them), `[B', R,
-    C]` arrays of the loads that depend on the image and the channel only (a GroupNorm's statistics
-    per channel, gamma, beta; B' is 1 when none depends on the image). Vectors that are views of a
-    tensor are read in place (a table each); when any must be gathered (a statistic per group read
-    per channel), all are gathered into one float32 table: one small XLA fusion, not one each."""
+@dataclasses.dataclass
+class PartSources:
+    """What one K range's input expression reads (`prologue_sources`): `tensors` and `sources` per
+    `Load` in the compiler's order (`"input"` or the index of a vector), the staged input `x` (NHWC)
+    and its first channel `offset` there, the per-channel `vectors` (`[B', C]` each) and whether each
+    is a view of its tensor (`in_place`: read as it lies) rather than gathered per channel."""
+
+    tensors: list
+    sources: list
+    x: Any
+    offset: int
+    vectors: list
+    in_place: list
+
+
+def prologue_sources(expr, lhs_shape: Sequence[int], values) -> PartSources:
+    """The loads of the input expression `expr` (type `lhs_shape`, NHWC) in the compiler's order: one
+    tensor read at the expression's own index, from a constant channel offset (the kernel stages it
+    by TMA: the input, a `[B, H·W, C]` tensor whose reshape it is, one side of a concat), or vectors
+    that depend on the image and the channel only (a GroupNorm's statistics per channel, gamma,
+    beta; one image's row when none depends on the image)."""
     missing = sorted({node.op for node in ex.expr_nodes(expr)} - PROLOGUE_OPS)
     if missing:
         raise HaloUncovered(f"an input expression with {', '.join(missing)}")
     shape = tuple(lhs_shape)
+    batch, height, width, channels = shape
     index = tuple(np.arange(n).reshape([n if a == d else 1 for a in range(4)]) for d, n in enumerate(shape))
     memory = _Recording()
     ex.compile_expr(expr)(memory, index, True)
-    identity = np.arange(int(np.prod(shape))).reshape(shape)
-    tensors, sources, vectors, gathered = [], [], [], False
+    tensors, sources, vectors, in_place, staged = [], [], [], [], None
     for tensor, at in memory.loads:
         tshape = parse_type(tensor.ty).shape
         flat = np.broadcast_to(np.asarray(ex.linearize(at, tshape), np.int64), shape)
-        if int(np.prod(tshape)) == identity.size and np.array_equal(flat, identity):
-            sources.append("input")  # the input, or a tensor whose reshape it is ([B, H·W, C] as NHWC)
+        size = int(np.prod(tshape))
+        depth = size // (batch * height * width) if size % (batch * height * width) == 0 else 0
+        offset = int(flat[0, 0, 0, 0])
+        rows = np.arange(batch * height * width).reshape(batch, height, width, 1) * depth
+        if (depth >= channels and parse_type(tensor.ty).dtype == parse_type(expr.ty).dtype
+                and np.array_equal(flat, rows + offset + np.arange(channels))):
+            if staged is not None and staged != (tensor, offset):
+                raise HaloUncovered("an input expression that reads two tensors at its own index")
+            if offset % 8 or offset + channels > depth:
+                raise HaloUncovered(f"an input read from channel {offset} (TMA needs 16-byte aligned rows)")
+            staged = (tensor, offset)
+            sources.append("input")  # the input, a view of it, or a side of a concat read from `offset`
         elif np.array_equal(flat, np.broadcast_to(flat[:, :1, :1, :], shape)):
             dtype = jnp.dtype(parse_type(tensor.ty).dtype)
             if dtype.itemsize not in (2, 4) or dtype.kind != "f":
                 raise HaloUncovered(f"a per-channel operand of dtype {dtype}")
             table = flat[:, 0, 0, :]
-            by_image = shape[0] > 1 and not np.array_equal(table, np.broadcast_to(table[:1], table.shape))
+            by_image = batch > 1 and not np.array_equal(table, np.broadcast_to(table[:1], table.shape))
             table = table if by_image else table[:1]
             value = jnp.reshape(values(tensor), (-1,))
-            if table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size)):
-                vectors.append(value.reshape(table.shape))
-            else:
-                vectors.append(value[table])  # a statistic per group -> per channel: a small gather
-                gathered = True
+            view = table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size))
+            vectors.append(value.reshape(table.shape) if view else value[table])
+            in_place.append(view)
             sources.append(len(vectors) - 1)
         else:
             raise HaloUncovered(f"the input expression reads {tensor!r} other than at the input's own index or "
                                 "per channel")
         tensors.append(tensor)
-    if "input" not in sources:
+    if staged is None:
         raise HaloUncovered("an input expression that reads no input tensor at its own index")
-    if not gathered:
-        return tensors, sources, [v[:, None, :] for v in vectors]
-    images = max(v.shape[0] for v in vectors)
-    table = jnp.stack([jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32) for v in vectors], axis=1)
-    return tensors, sources, [table]
+    x = jnp.reshape(values(staged[0]), (batch, height, width, -1))  # a view: the same elements in order
+    return PartSources(tensors, sources, x, staged[1], vectors, in_place)
+
+
+def vector_tables(parts: Sequence[PartSources]) -> tuple[list, list]:
+    """`(tables, copies)`: the `[B', R, C]` arrays the kernel reads the parts' vectors from, and per
+    part its `(table, first row, rows)` copies per chunk. One part whose vectors are all views of
+    their tensors reads each in place (a table each); otherwise every vector of every part is
+    gathered into one float32 table (one small XLA fusion, channels padded to the widest part)."""
+    if len(parts) == 1 and all(parts[0].in_place):
+        return [v[:, None, :] for v in parts[0].vectors], [tuple((t, 0, 1) for t in range(len(parts[0].vectors)))]
+    rows = [v for part in parts for v in part.vectors]
+    if not rows:
+        return [], [() for _ in parts]
+    images = max(v.shape[0] for v in rows)
+    width = max(v.shape[1] for v in rows)
+    table = jnp.stack([jnp.pad(jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32),
+                               ((0, 0), (0, width - v.shape[1]))) for v in rows], axis=1)
+    copies, first = [], 0
+    for part in parts:
+        copies.append(((0, first, len(part.vectors)),) if part.vectors else ())
+        first += len(part.vectors)
+    return [table], copies
 
 
 class _SlabMemory:
@@ -178,29 +239,74 @@ def slab_prologue(expr, tensors, sources):
 # --- the kernel ----------------------------------------------------------------------------------------
 
 
-def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBlocks, n_vectors: int,
-            vector_shared: tuple[bool, ...], kinds: tuple[str, ...], operand_shared: tuple[bool, ...],
-            prologue, epilogue, interpreted: bool, m_padded: int):
+@dataclasses.dataclass(frozen=True)
+class PartPlan:
+    """One K range as the kernel runs it: `chunks` 64-channel chunks of its input from channel
+    `offset`, the window `taps` `((y0, y1), (x0, x1))` it multiplies, the `(table, first row, rows)`
+    vector copies its prologue reads per chunk; `first_chunk` and `first_step` count the chunks and
+    (chunk, tap) steps of the ranges before it; `weight_channel` is its first input channel in the
+    conv's weight (read as it lies: `[ky, kx, in]` rows)."""
+
+    chunks: int
+    taps: tuple
+    offset: int = 0
+    vectors: tuple = ()
+    first_chunk: int = 0
+    first_step: int = 0
+    weight_channel: int = 0
+
+    @property
+    def tap_list(self) -> list[tuple[int, int]]:
+        (y0, y1), (x0, x1) = self.taps
+        return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
+
+    @property
+    def steps(self) -> int:
+        return self.chunks * len(self.tap_list)
+
+
+def plan_parts(parts: Sequence[tuple]) -> tuple[PartPlan, ...]:
+    """`PartPlan`s of K ranges `(channels, taps, offset, vector copies[, first weight channel])`, run
+    in order (the weight channels default to the ranges side by side)."""
+    out, chunk, step, channel = [], 0, 0, 0
+    for channels, taps, offset, vectors, *weight_channel in parts:
+        if channels % CHUNK:
+            raise HaloUncovered(f"a K range of {channels} channels (TMA reads 64-channel chunks)")
+        first = weight_channel[0] if weight_channel else channel
+        plan = PartPlan(channels // CHUNK, tuple(map(tuple, taps)), offset, tuple(vectors), chunk, step, first)
+        channel = first + channels
+        out.append(plan)
+        chunk, step = chunk + plan.chunks, step + plan.steps
+    return tuple(out)
+
+
+def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
+            vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
+            operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
+            weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    x_gmems = refs[:len(parts)]
+    w_gmem, mask_gmem = refs[len(parts):len(parts) + 2]
+    refs = refs[len(parts) + 2:]
     vector_gmems = refs[:n_vectors]
     operand_gmems = refs[n_vectors:n_vectors + len(kinds)]
     out_gmem = refs[n_vectors + len(kinds)]
     g = grid.geometry
     (height, width), wp = g.in_size, grid.pitch
     (py0, _), (px0, _) = g.params.padding
-    kh, kw = g.window
-    taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
-    chunks = g.in_features // CHUNK
-    steps = chunks * len(taps)
+    steps = sum(part.steps for part in parts)
     tile_m, tile_n, stages = blocks.tile_m, blocks.tile_n, blocks.stages
     epi_m, epi_n = blocks.epi_m, blocks.epi_n
-    dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
+    dtype, out_dtype = x_gmems[0].dtype, out_gmem.dtype
     n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
     q0 = m_idx * tile_m
     first_row = lax.div(q0, wp)
     a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
+    phase = lax.div(n_idx * tile_n, phase_cols) if phase_cols else 0  # the phase form: this CTA's (py, px)
+    if phase_cols:  # its taps (a, b) read source offsets (py + a, px + b) of the 3x3 halo
+        a_offset = a_offset + lax.div(phase, 2) * wp + lax.rem(phase, 2)
 
     def load(ref, layout):
         # GPU interpret mode has no `plgpu.load` of a sliced ref; layouts are the compiler's business
@@ -214,63 +320,88 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
               ring_barriers, mask_barrier, operand_barriers, acc_ref):
 
-        def stage(chunk, slot):
-            channels = pl.ds(chunk * CHUNK, CHUNK)
+        def stage(p, chunk, slot):
+            part, barrier = parts[p], staged_barriers[p].at[slot]
+            channels = pl.ds(part.offset + chunk * CHUNK, CHUNK)
             for i in range(grid.staged_rows):
                 y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
-                plgpu.copy_gmem_to_smem(x_gmem.at[b_idx, y, :, channels], staged.at[slot, pl.ds(i * wp + px0, width)],
-                                        staged_barriers.at[slot])
-            for v in range(n_vectors):
-                plgpu.copy_gmem_to_smem(vector_gmems[v].at[0 if vector_shared[v] else b_idx, :, channels],
-                                        vector_smems[v].at[slot], staged_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, :, channels],
+                                        staged.at[slot, pl.ds(i * wp + px0, width)], barrier)
+            for table, row, rows in part.vectors:
+                plgpu.copy_gmem_to_smem(
+                    vector_gmems[table].at[0 if vector_shared[table] else b_idx, pl.ds(row, rows),
+                                           pl.ds(chunk * CHUNK, CHUNK)],
+                    vector_smems[table].at[slot, pl.ds(0, rows)], barrier)
 
-        def fetch_weights(step):
-            chunk, tap = lax.div(step, len(taps)), lax.rem(step, len(taps))
-            rows = pl.ds((tap * chunks + chunk) * CHUNK, CHUNK)
+        def weight_row(part, step):
+            (y0, y1), (x0, x1) = part.taps
+            local = step - part.first_step
+            tap, chunk = lax.rem(local, (y1 - y0) * (x1 - x0)), lax.div(local, (y1 - y0) * (x1 - x0))
+            ky, kx = y0 + lax.div(tap, x1 - x0), x0 + lax.rem(tap, x1 - x0)
+            return (ky * weight_window[1] + kx) * weight_channels + part.weight_channel + chunk * CHUNK
+
+        def fetch_weights(step):  # the weight as it lies, [ky, kx, in] rows (per phase in the phase form)
             slot = lax.rem(step, stages)
-            plgpu.copy_gmem_to_smem(w_gmem.at[rows, pl.ds(n_idx * tile_n, tile_n)], ring.at[slot],
+            rows, cols = weight_row(parts[0], step), n_idx * tile_n
+            for part in parts[1:]:
+                rows = lax.select(step >= part.first_step, weight_row(part, step), rows)
+            if phase_cols:
+                rows, cols = rows + phase * (weight_window[0] * weight_window[1] * weight_channels), cols - phase * phase_cols
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(rows, CHUNK), pl.ds(cols, tile_n)], ring.at[slot],
                                     ring_barriers.at[slot])
 
         plgpu.copy_gmem_to_smem(mask_gmem.at[m_idx], mask_smem, mask_barrier)
-        stage(0, 0)
+        stage(0, 0, 0)
         for step in range(min(stages - 1, steps)):
             fetch_weights(jnp.int32(step))
         plgpu.barrier_wait(mask_barrier)
 
-        @pl.loop(0, chunks)
-        def _chunk(chunk):
-            slot = lax.rem(chunk, 2)
+        for p, part in enumerate(parts):
+            taps = part.tap_list
 
-            @pl.when(chunk + 1 < chunks)
-            def _prefetch():
-                stage(chunk + 1, 1 - slot)
+            @pl.loop(0, part.chunks)
+            def _chunk(chunk, p=p, part=part, taps=taps):
+                slot = lax.rem(part.first_chunk + chunk, 2)
 
-            plgpu.barrier_wait(staged_barriers.at[slot])
-            vectors = [lax.broadcast_in_dim(load(smem.at[slot, row], plgpu.Layout.WGMMA.reduce(0)), (64, CHUNK), (1,))
-                       for smem in vector_smems for row in range(smem.shape[1])]
-            for s in range(grid.staging // 64):
-                rows = staged.at[slot, pl.ds(s * 64, 64)]
-                mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
-                                            (64, CHUNK), (0,))
-                value = prologue(load(rows, plgpu.Layout.WGMMA), vectors)
-                rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
-            plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
+                @pl.when(chunk + 1 < part.chunks)
+                def _prefetch():
+                    stage(p, chunk + 1, 1 - slot)
 
-            for t, (ky, kx) in enumerate(taps):
-                step = chunk * len(taps) + t
-                ring_slot = lax.rem(step, stages)
-                plgpu.barrier_wait(ring_barriers.at[ring_slot])
-                a_slot = a_tiles.at[t % 2] if len(taps) % 2 == 0 else a_tiles.at[lax.rem(step, 2)]
-                a_slot[...] = load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
-                plgpu.commit_smem()  # the A tile is seen by the tensor cores
-                plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
-                plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
+                if p + 1 < len(parts):
+                    @pl.when(chunk + 1 == part.chunks)
+                    def _prefetch_next_range():
+                        stage(p + 1, 0, 1 - slot)
 
-                @pl.when(step + stages - 1 < steps)
-                def _next():
-                    fetch_weights(step + stages - 1)
+                plgpu.barrier_wait(staged_barriers[p].at[slot])
+                vectors = [lax.broadcast_in_dim(load(vector_smems[table].at[slot, r], plgpu.Layout.WGMMA.reduce(0)),
+                                                (64, CHUNK), (1,))
+                           for table, _row, rows in part.vectors for r in range(rows)]
+                for s in range(grid.staging // 64):
+                    rows = staged.at[slot, pl.ds(s * 64, 64)]
+                    mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
+                                                (64, CHUNK), (0,))
+                    value = prologues[p](load(rows, plgpu.Layout.WGMMA), vectors)
+                    rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
+                plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
 
-            plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
+                for t, (ky, kx) in enumerate(taps):
+                    step = part.first_step + chunk * len(taps) + t
+                    ring_slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(ring_barriers.at[ring_slot])
+                    if len(taps) % 2 == 0:
+                        a_slot = a_tiles.at[(part.first_step + t) % 2]
+                    else:
+                        a_slot = a_tiles.at[lax.rem(step, 2)]
+                    a_slot[...] = load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+                    plgpu.commit_smem()  # the A tile is seen by the tensor cores
+                    plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
+                    plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
+
+                    @pl.when(step + stages - 1 < steps)
+                    def _next():
+                        fetch_weights(step + stages - 1)
+
+                plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
 
         plgpu.wgmma_wait(0)
         acc = acc_ref[...]
@@ -308,10 +439,11 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
         ring=plgpu.SMEM((stages, CHUNK, tile_n), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         a_tiles=plgpu.SMEM((2, tile_m, CHUNK), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         mask_smem=plgpu.SMEM((grid.staging // 64, 64), mask_gmem.dtype),
-        vector_smems=[plgpu.SMEM((2, ref.shape[1], CHUNK), ref.dtype) for ref in vector_gmems],
+        vector_smems=[plgpu.SMEM((2, rows, CHUNK), ref.dtype) for ref, rows in zip(vector_gmems, vector_rows)],
         out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
-        staged_barriers=plgpu.Barrier(num_arrivals=grid.staged_rows + n_vectors, num_barriers=2),
+        staged_barriers=[plgpu.Barrier(num_arrivals=grid.staged_rows + len(part.vectors), num_barriers=2)
+                         for part in parts],
         ring_barriers=plgpu.Barrier(num_barriers=stages),
         mask_barrier=plgpu.Barrier(),
         operand_barriers=plgpu.Barrier(num_barriers=max(1, len(kinds))),
@@ -326,35 +458,61 @@ def _kernel(x_gmem, w_gmem, mask_gmem, *refs, grid: HaloGrid, blocks: MosaicBloc
 def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.Array:
     """One K range's weights `w` (axes in `spec` order: out, in, spatial; the window counted from its
     first tap; `r` its `eqsat.tiling.mosaic.RangeTaps`) as `[steps * 64, n_padded]`: per tap, per
-    chunk, 64 input channels x the outputs (what both Mosaic conv kernels read)."""
+    chunk, 64 input channels x the outputs (the flat-grid conv's step order)."""
     w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
     ky, kx, cin, cout = w.shape
     w = jnp.pad(w, ((0, 0), (0, 0), (0, r.chunks * CHUNK - cin), (0, n_padded - cout)))
     return w.reshape(ky * kx * r.chunks * CHUNK, n_padded)
 
 
-def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, prologue=lambda slab, _: slab,
+def layout_weight(w: jax.Array, spec: Sequence[int], n_padded: int) -> jax.Array:
+    """The conv's weight `w` (axes in `spec` order: out, in, spatial) as the haloed kernel reads it,
+    `[kh · kw · C, n_padded]` rows `[ky, kx, in]`: a view of a weight prepared K x N
+    (`emit.prepare`), padded only where N is not a multiple of the tile; each step reads its 64 rows
+    in place (a merged shortcut's zero taps are never read)."""
+    w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
+    ky, kx, cin, cout = w.shape
+    return jnp.pad(jnp.reshape(w, (ky * kx * cin, cout)), ((0, 0), (0, n_padded - cout)))
+
+
+def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *,
+          parts: Sequence[PartPlan] | None = None, prologues: Sequence[Callable] | None = None,
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
-          name: str = "conv") -> jax.Array:
+          name: str = "conv", weight_window: tuple[int, int] | None = None,
+          phase_cols: int | None = None) -> jax.Array:
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
-    output): `x` the raw NHWC input, `w` from `layout_weights` (`[taps * C, N↑]`),
-    `prologue(slab, vector tiles)` the input expression, `vectors` its `[B', R, C]` tables, `operands`
-    the epilogue's, laid out over `[B', m_padded, N↑]` flat rows."""
+    output): `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
+    channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
+    (`layout_weight`: `[window · C, N↑]`, `weight_window` its window, default the grid's), `prologues[p](slab, vector tiles)` range p's input expression,
+    `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
+    laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
+    nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
+    phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
-    if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
-        raise HaloUncovered(f"operands {x.dtype} x {w.dtype}")
-    reason = halo_conv_uncovered(g, jnp.dtype(x.dtype).itemsize)
+    kh, kw = g.window
+    if parts is None:
+        parts = plan_parts([(xs[0].shape[-1], ((0, kh), (0, kw)), 0, ())])
+    prologues = prologues or [lambda slab, _: slab] * len(parts)
+    if len(xs) != len(parts) or len(prologues) != len(parts):
+        raise ValueError(f"{len(xs)} inputs and {len(prologues)} prologues for {len(parts)} K ranges")
+    if any(x.dtype != w.dtype for x in xs) or jnp.dtype(w.dtype).itemsize != 2:
+        raise HaloUncovered(f"operands {[str(x.dtype) for x in xs]} x {w.dtype}")
+    reason = halo_conv_uncovered(g, jnp.dtype(w.dtype).itemsize, [CHUNK * part.chunks for part in parts])
     if reason is not None:
         raise HaloUncovered(reason)
     if blocks.tile_m != grid.tile_m:
         raise ValueError(f"blocks' tile_m {blocks.tile_m} is not the grid's {grid.tile_m}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out_dtype = jnp.dtype(out_dtype or w.dtype)
     batch = g.batch
     m_padded = grid.m_tiles * grid.tile_m
-    n_padded = w.shape[1]
+    weight_window = tuple(weight_window or g.window)
+    weight_channels = w.shape[0] // (math.prod(weight_window) * (4 if phase_cols else 1))
+    n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
+    if phase_cols and phase_cols % blocks.tile_n:
+        raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
     mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
     arrays, kinds, shared = [], [], []
     for operand in operands:
@@ -364,13 +522,17 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, p
         arrays.append(mm.pad_to(a, target))
         kinds.append(operand.kind)
         shared.append(a.shape[0] == 1)
+    vector_rows = tuple(max([rows for part in parts for t, _r, rows in part.vectors if t == table] or [1])
+                        for table in range(len(vectors)))
 
     def call(interpret_here):
         return plgpu.kernel(
-            functools.partial(_kernel, grid=grid, blocks=blocks, n_vectors=len(vectors),
-                              vector_shared=tuple(v.shape[0] == 1 for v in vectors), kinds=tuple(kinds),
-                              operand_shared=tuple(shared), prologue=prologue, epilogue=epilogue,
-                              interpreted=interpret_here, m_padded=m_padded),
+            functools.partial(_kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
+                              vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
+                              kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
+                              epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
+                              weight_window=weight_window, weight_channels=weight_channels,
+                              phase_cols=phase_cols),
             out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
             grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
             grid_names=("n", "m", "b"),
@@ -379,7 +541,7 @@ def build(x: jax.Array, w: jax.Array, grid: HaloGrid, blocks: MosaicBlocks, *, p
             interpret=mm.interpret_params() if interpret_here else None,
         )
 
-    operands_in = (x, w, mask, *vectors, *arrays)
+    operands_in = (*xs, w, mask, *vectors, *arrays)
     out_type = jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype)
     if interpret is None:
         out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
@@ -415,57 +577,130 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
 
 
+# --- a conv over a nearest-2x upsample: four output phases of a conv over the source ---------------
+
+
+def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None) -> jax.Array:
+    """A 3x3 weight (axes in `spec` order) as the phase form reads it: per output phase `(py, px)` a
+    2x2 window whose tap `(a, b)` (source offset `(py + a, px + b)` of the 3x3 halo) sums the taps
+    that read that source pixel (`PHASE_OFFSET`), `[4, 2, 2, C, Cout]` (sums of tap slices: one XLA
+    fusion). Each phase reads only its own 4 source pixels, so an inf outside them never meets a 0."""
+    w = jnp.transpose(w, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
+    phases = []
+    for py in (0, 1):
+        for px in (0, 1):
+            window = [[functools.reduce(jnp.add, [w[ky, kx] for ky in range(3) for kx in range(3)
+                                                  if (PHASE_OFFSET[py, ky], PHASE_OFFSET[px, kx]) == (py + a, px + b)])
+                       for b in (0, 1)] for a in (0, 1)]
+            phases.append(jnp.stack([jnp.stack(row) for row in window]))
+    return jnp.stack(phases)
+
+
+def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
+    """The upsampled conv's output index at each flat row of the source grid and phase-major column
+    `(py, px, c)`, `[batch, m_padded, 4 · Cout]` (clamped to 0 off the output)."""
+    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
+    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    n = np.arange(4 * cout).reshape(1, 1, -1)
+    b = np.arange(conv.batch).reshape(conv.batch, 1, 1)
+    i, j = q // wp, q % wp
+    valid = (i < h) & (j < w)
+    phase = n // cout
+    oy, ox = np.where(valid, 2 * i + phase // 2, 0), np.where(valid, 2 * j + phase % 2, 0)
+    return _place(conv.params.out_spec, (b, n % cout, oy, ox))
+
+
+def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.Array:
+    """`build`'s flat rows of the phase form as the upsampled conv's output (its `out_spec` layout)."""
+    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
+    out = out[:, :h * wp, :4 * cout].reshape(conv.batch, h, wp, 2, 2, cout)[:, :, :w]
+    out = jnp.transpose(out, (0, 1, 3, 2, 4, 5)).reshape(conv.batch, 2 * h, 2 * w, cout)
+    order = [0] * 4
+    for position, axis in enumerate(conv.params.out_spec):
+        order[axis] = (0, 3, 1, 2)[position]
+    return jnp.transpose(out, order)
+
+
 # --- emit: a plan's Conv term --------------------------------------------------------------------------
 
 
-def emit(kernel, ctx, geometry, parts, tile_epilogue) -> dict:
+def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     """`{kernel.term: value}` for a plan's `Conv` kernel as the haloed template, or `HaloUncovered`.
-    `parts` are its K ranges (`emit.pallas.conv.k_ranges`); `tile_epilogue(tensors)` the epilogue on
-    an `[epi_m, epi_n]` sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`)."""
+    `ranges` are its K ranges (`emit.pallas.conv.k_ranges`), each cut per tensor (`halo_parts`);
+    `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]` sub-tile reading those tensors'
+    operand tiles (`emit.mosaic.conv`)."""
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
-    lhs, rhs, _params_key, epilogue, ty = term.args
+    _lhs, _rhs, _params_key, epilogue, ty = term.args
     params, out_type = geometry.params, parse_type(ty)
-    lhs_type = parse_type(lhs.ty)
-    reason = halo_uncovered(geometry, [(part.channels, part.taps) for part in parts],
-                            jnp.dtype(lhs_type.dtype).itemsize, lhs, lhs.ty)
+    for r in ranges:
+        if r.lhs_offset or r.channels != parse_type(r.lhs.ty).shape[params.lhs_spec[1]]:
+            raise HaloUncovered(f"a K range over channels {r.lhs_offset}.. of a wider input expression")
+    upsampled = upsample_source(ranges[0].lhs, geometry) if len(ranges) == 1 else None
+    conv_geometry = geometry
+    if upsampled is not None:  # four output phases of a conv over the source
+        geometry = phase_geometry(geometry)
+        ranges = [dataclasses.replace(ranges[0], lhs=upsampled)]
+    parts = halo_parts([(r.lhs, 0, r.channels, r.taps) for r in ranges])
+    if isinstance(parts, str):
+        raise HaloUncovered(parts)
+    reason = halo_uncovered(geometry, [(channels, taps) for _e, _r, _o, channels, taps in parts],
+                            jnp.dtype(parse_type(ranges[0].lhs.ty).dtype).itemsize, [e for e, *_ in parts])
     if reason is not None:
         raise HaloUncovered(reason)
-    (part,) = parts
-    if part.lhs_offset or part.rhs_offset:
-        raise HaloUncovered(f"a K range from channel {part.lhs_offset}")
-    tensors, sources, vectors = prologue_sources(part.lhs, lhs_type.shape, ctx.value)
-    x_tensor = tensors[sources.index("input")]
-    x = jnp.reshape(ctx.value(x_tensor), lhs_type.shape)  # a view: the same elements in the same order
-    if jnp.dtype(x.dtype) != jnp.dtype(lhs_type.dtype):
-        raise HaloUncovered(f"an input tensor of {x.dtype} under a {lhs_type.dtype} input expression")
+    batch, height, width = geometry.batch, *geometry.in_size
+    sources = [prologue_sources(expr, (batch, height, width, channels), ctx.value)
+               for expr, _r, _o, channels, _t in parts]
+    for expr, part in zip(parts, sources):
+        if jnp.dtype(part.x.dtype) != jnp.dtype(parse_type(expr[0].ty).dtype):
+            raise HaloUncovered(f"an input tensor of {part.x.dtype} under a {parse_type(expr[0].ty).dtype} "
+                                "input expression")
+    tables, copies = vector_tables(sources)
+    if upsampled is not None:  # a phase's 2x2 taps, placed in the 3x3 halo by its phase
+        parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
+    plans = plan_parts([(channels, taps, part.offset, copy, 0 if upsampled is not None else ranges[r].start + offset)
+                        for (_e, r, offset, channels, taps), part, copy in zip(parts, sources, copies)])
 
     grid_of = functools.partial(HaloGrid, geometry)
     # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
     probe = grid_of(128)
-    _, probe_operands = mm.mapped_operands(epilogue, output_index(probe, probe.m_tiles * 128, geometry.out_features),
+    probe_index = (output_index(probe, probe.m_tiles * 128, geometry.out_features) if upsampled is None
+                   else phase_output_index(probe, probe.m_tiles * 128, conv_geometry))
+    _, probe_operands = mm.mapped_operands(epilogue, probe_index,
                                            (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
+    vector_rows = [max([rows for plan in plans for t, _r, rows in plan.vectors if t == table] or [1])
+                   for table in range(len(tables))]
     blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
-                         [jnp.dtype(v.dtype).itemsize for v in vectors for _ in range(v.shape[1])],
+                         [jnp.dtype(v.dtype).itemsize for v, rows in zip(tables, vector_rows) for _ in range(rows)],
                          [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
                          jnp.dtype(out_type.dtype).itemsize, geometry.batch)
     if blocks is None:
         raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    if upsampled is not None:
+        blocks = phase_blocks(blocks, conv_geometry.out_features)
+        if blocks is None:
+            raise HaloUncovered(f"{conv_geometry.out_features} outputs per phase (a multiple of 64 for whole tiles)")
     grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
     m_padded = grid.m_tiles * grid.tile_m
-    out_index = output_index(grid, m_padded, geometry.out_features)
+    out_index = (output_index(grid, m_padded, geometry.out_features) if upsampled is None
+                 else phase_output_index(grid, m_padded, conv_geometry))
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
                                                ctx.value)
 
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([part.rhs])
-    from eqsat.tiling.mosaic import RangeTaps
-
-    w = layout_weights(w.astype(x.dtype), params.rhs_spec, RangeTaps(geometry.in_features, part.taps, 0, 0), n_padded)
-    flat = build(x, w, grid, blocks, prologue=slab_prologue(part.lhs, tensors, sources), vectors=vectors,
+    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
+    if upsampled is not None:  # [phase, a, b, in, out]: rows (phase, a, b, in)
+        w = jnp.reshape(phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec), (16 * geometry.in_features, -1))
+    else:
+        w = layout_weight(w.astype(sources[0].x.dtype), params.rhs_spec, n_padded)
+    prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
+    flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
-                 interpret=ctx.interpret, name=kernel.name)
+                 interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
+                 phase_cols=conv_geometry.out_features if upsampled is not None else None)
+    if upsampled is not None:
+        return {term: unflatten_phases(flat, grid, conv_geometry)}
     return {term: unflatten(flat, grid, geometry.out_features)}

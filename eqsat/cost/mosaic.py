@@ -8,7 +8,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv (haloed: stride 1, ≤ 3x3, one K range, NHWC, 64k channels) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · taps · C | per 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the prologue's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights as `[taps·C, N↑]`; per-group statistics gathered per channel (one float32 table, when the prologue reads any); a residual on the flat rows; the output unflattened (the input is read as it lies, the prologue runs in SMEM: its repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]`; the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
@@ -48,8 +48,8 @@ from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
-                                 halo_blocks, halo_input_loads, halo_uncovered, matmul_in_place, minor_tile, padded_head,
-                                 plan_taps, prologue_blocks, tile_fits, vector_fits)
+                                 halo_blocks, halo_input_loads, halo_parts, halo_uncovered, matmul_in_place, minor_tile, padded_head,
+                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -443,20 +443,37 @@ def window_of(taps: int, window: tuple[int, int]) -> tuple:
     return (0, kh), (0, kw)
 
 
+def range_exprs(term: Term) -> list[tuple] | None:
+    """A `Conv` term's K ranges as the haloed template reads them: `(input expression, 0, channels,
+    taps)` each (`conv_parts`), or None when a range covers only part of its expression (a weight
+    concat over an input that is not one: the template stages whole expressions)."""
+    lhs, rhs, params, _epilogue, _ty = term.args
+    p = ConvParams.parse(params)
+    window = tuple(parse_type(rhs.ty).shape[a] for a in p.rhs_spec[2:])
+    out = []
+    for part, taps, fraction in conv_parts(lhs, rhs, p.lhs_spec[1], p.rhs_spec, window):
+        if fraction != 1:
+            return None
+        out.append((part, 0, parse_type(part.ty).shape[p.lhs_spec[1]], window_of(taps, window)))
+    return out
+
+
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, lhs)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork:
-    """`emit.mosaic.conv.build` on this conv: the flat padded grid's CTAs, its pipeline steps
-    (taps × 64-channel chunks per K range), the TMA bytes (each step's A tile re-read through L2),
-    and the fusions: the input laid out (padded, phases, one copy per column shift), the weights as
-    `[steps·64, N↑]`, a residual gathered onto the flat grid, the output unflattened. `ranges`:
-    `(channels, taps)` per K range (`conv_ranges`; an e-node's: the weight's, as
-    `eqsat.cost.work.conv_weight_ranges` reads them), or `(channels, window)`; default one range
-    over the whole window."""
+                 epilogue: Term | None = None, exprs=None) -> MosaicWork:
+    """`emit.mosaic.conv_halo.build` on this conv where it takes it (`halo_conv_work`), else
+    `emit.mosaic.conv.build`: the flat padded grid's CTAs, its pipeline steps (taps × 64-channel
+    chunks per K range), the TMA bytes (each step's A tile re-read through L2), and the fusions:
+    the input laid out (padded, phases, one copy per column shift), the weights as `[steps·64, N↑]`,
+    a residual gathered onto the flat grid, the output unflattened. `ranges`: `(channels, taps)`
+    per K range (`conv_ranges`; an e-node's: the weight's, as `eqsat.cost.work.conv_weight_ranges`
+    reads them), or `(channels, window)`; default one range over the whole window. `exprs`: the
+    ranges' input expressions (`range_exprs`), False when the haloed template cannot stage them,
+    None when unknown (an e-node: each range priced as a staged tensor without a prologue)."""
 
     geometry = _conv_geometry(lhs_ty, rhs_ty, params, out_ty)
     grid = FlatGrid(geometry)
@@ -464,10 +481,20 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
     if ranges is None:
         ranges = [(geometry.in_features, math.prod(window))]
     ranges = [(c, window_of(t, window) if isinstance(t, int) else t) for c, t in ranges]
-    if halo_uncovered(geometry, ranges, _itemsize(lhs_ty), lhs, lhs_ty) is None:
-        work = halo_conv_work(geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, lhs)
-        if work is not None:
-            return work
+    halo_geometry, phase_outputs = geometry, None
+    if exprs and len(exprs) == 1 and upsample_source(exprs[0][0], geometry) is not None:
+        source = upsample_source(exprs[0][0], geometry)  # four output phases of a conv over the source
+        halo_geometry, phase_outputs = phase_geometry(geometry), geometry.out_features
+        exprs = [(source, *exprs[0][1:])]
+    if exprs is not False:
+        parts = halo_parts(exprs) if exprs is not None else [(None, i, 0, c, t) for i, (c, t) in enumerate(ranges)]
+        if not isinstance(parts, str) and halo_uncovered(halo_geometry, [(c, t) for _e, _r, _o, c, t in parts],
+                                                         _itemsize(lhs_ty), [e for e, *_ in parts if e is not None]) is None:
+            if phase_outputs:  # a phase's 2x2 taps
+                parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
+            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs)
+            if work is not None:
+                return work
     taps = plan_taps(grid, ranges)
     steps = sum(r.steps for r in taps)
     cout = geometry.out_features
@@ -497,58 +524,78 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
 
 
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
-                   epilogue: Term | None = None, lhs: Term | None = None) -> MosaicWork | None:
+                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None) -> MosaicWork | None:
     """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
-    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per 64-channel chunk the
-    staged input rows (the CTA's and the halo) and the input expression's per-channel vectors by TMA,
-    per step (tap x chunk) a `[64, tile_n]` weight tile; the input read as it lies (no fusion), the
-    fusions: the weights as `[taps·C, N↑]`, per-channel tables gathered from per-group statistics, a
-    residual mapped onto the flat rows, the output unflattened. The input expression runs on every
-    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): its flops
-    beyond one evaluation per element are `alu_flops`."""
+    of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per K range (`parts`:
+    `halo_parts`' `(expression, range, offset, channels, taps)`, default one over all channels and
+    the whole window) and 64-channel chunk the staged input rows (the CTA's and the halo) and the
+    range's per-channel vectors by TMA, per step (chunk x tap) a `[64, tile_n]` weight tile; the
+    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]`, the vectors
+    gathered per channel into one float32 table (unless one range reads them all as views), a
+    residual mapped onto the flat rows, the output unflattened. The input expressions run on every
+    staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
+    beyond one evaluation per element are `alu_flops`. `phase_outputs`: the phase form of a conv over
+    a nearest-2x upsample (`phase_geometry`: `geometry` is the source's, N four phases of that many
+    outputs, each CTA its phase's 2x2 taps, `phase_blocks`)."""
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
-    batch, cin, cout = geometry.batch, geometry.in_features, geometry.out_features
+    batch, cout = geometry.batch, geometry.out_features
+    kh, kw = geometry.window
+    if parts is None:
+        parts = [(None, 0, 0, geometry.in_features, ((0, kh), (0, kw)))]
     out_elements = size_of(out_ty)
-    loads = halo_input_loads(lhs, lhs_ty) if lhs is not None else ([], [])
-    vector_loads = loads[1]
-    gathered = [node for node in vector_loads if size_of(node.args[0].ty) != cin]
-    # views of per-channel tensors are read in place; with any gather all go into one float32 table
-    vectors = [4 if gathered else _itemsize(node.args[0].ty) for node in vector_loads]
+    vector_loads = [halo_input_loads(e, e.ty)[1] if e is not None else [] for e, *_ in parts]
+    # one range whose vectors are views of their tensors reads each in place; else one float32 table
+    gathered = len(parts) > 1 or any(size_of(node.args[0].ty) != parts[0][3] for node in vector_loads[0])
+    rows = [len(loads) for loads in vector_loads]
+    if gathered:
+        vectors = [4] * max(rows) if any(rows) else []  # SMEM rows of the shared table
+        per_chunk = [4 * n * CHUNK for n in rows]
+    else:
+        vectors = [_itemsize(node.args[0].ty) for node in vector_loads[0]]
+        per_chunk = [sum(vectors) * CHUNK]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
     grid_of = functools.partial(HaloGrid, geometry)
     blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
+    if blocks is not None and phase_outputs:
+        blocks = phase_blocks(blocks, phase_outputs)
     if blocks is None:
         return None
     grid = grid_of(blocks.tile_m)
-    kh, kw = geometry.window
-    chunks, taps = cin // CHUNK, kh * kw
-    steps = chunks * taps
+    chunks = [channels // CHUNK for _e, _r, _o, channels, _t in parts]
+    taps = [(y1 - y0) * (x1 - x0) for *_, ((y0, y1), (x0, x1)) in parts]
+    steps = sum(c * t for c, t in zip(chunks, taps))
     m_padded = grid.m_tiles * blocks.tile_m
     n_padded = _round_up(cout, blocks.tile_n)
     ctas = batch * grid.m_tiles * (n_padded // blocks.tile_n)
     width = geometry.in_size[1]
     sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
-    per_cta = (chunks * (grid.staged_rows * width * CHUNK * item + sum(vectors) * CHUNK)
+    per_cta = (sum(c * (grid.staged_rows * width * CHUNK * item + v) for c, v in zip(chunks, per_chunk))
                + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
                + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
-    x_bytes = size_of(lhs_ty) * item
-    w_bytes = taps * cin * n_padded * item
-    vector_bytes = sum(batch * cin * v for v in vectors)  # B' = batch: at most
+    x_bytes = sum(channels for *_, channels, _t in parts) * batch * math.prod(geometry.in_size) * item
+    w_bytes = steps * CHUNK * n_padded * item
+    widest = max(channels for *_, channels, _t in parts)
+    vector_bytes = (batch * sum(rows) * widest * 4 if gathered  # B' = batch: at most
+                    else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
     glue = [Glue("weights laid out", w_bytes)]
-    if gathered:  # per-group statistics gathered per channel, with the other vectors (one small fusion)
+    if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
         glue.append(Glue("prologue vectors per channel", vector_bytes))
     for item_bytes in reads.tiles:
         glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     store = batch * m_padded * n_padded * out_item
     glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
-    evaluated = ctas * chunks * grid.staging * CHUNK  # the prologue runs on every staged slab
-    per_element = once_flops(lhs) / max(size_of(lhs_ty), 1) if lhs is not None else 0.0
-    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty))
+    evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
+    exprs = [e for e, *_ in parts if e is not None]
+    in_elements = batch * math.prod(geometry.in_size) * geometry.in_features  # the staged tensors' elements
+    per_element = once_flops(*exprs) / max(in_elements, 1) if exprs else 0.0
+    conv_out = parse_type(out_ty).shape[ConvParams.parse(params).out_spec[1]]  # (the phase form's is 4x)
+    weight_elements = conv_out * sum(channels * t for (*_, channels, _taps), t in zip(parts, taps))  # zero taps skipped
+    useful = own_flops("Conv", (lhs_ty, rhs_ty, params, None, out_ty), weight_elements)
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
-                        steps=steps, alu_flops=max(0.0, evaluated - size_of(lhs_ty)) * per_element)
+                        steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
     return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
                       tuple(glue), 1)

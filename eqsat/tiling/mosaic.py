@@ -4,8 +4,12 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     MosaicBlocks, matmul_smem_bytes, fit_smem        the matmul's CTA tile and pipeline (emit.mosaic.matmul)
     reads_in_place, matmul_blocks                    whether it reads and writes unpadded arrays; its tiles
     FlatGrid, RangeTaps, plan_taps, default_blocks   the conv's flat padded grid and steps (emit.mosaic.conv)
-    HaloGrid, halo_uncovered, halo_input_loads,      the haloed conv's grid, what it takes, its tiles and SMEM
-    halo_blocks, halo_smem_bytes                     (emit.mosaic.conv_halo)
+    upsample_source, phase_geometry, PHASE_OFFSET,   a conv over a nearest-2x upsample as 4 phases of one
+    phase_blocks
+                                                     over its source (emit.mosaic.conv_halo)
+    HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
+    halo_input_loads, halo_blocks, halo_smem_bytes   `eqsat.tiling.channel_parts`), what it takes, its tiles
+                                                     and SMEM (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -18,8 +22,9 @@ import dataclasses
 import math
 from typing import Sequence
 
+from eqsat.tiling.channel_parts import NotRestrictable, channel_parts
 from eqsat.tiling.conv import ConvGeometry
-from eqsat.types import parse_type
+from eqsat.types import ints, parse_type
 
 # An H100 CTA's dynamic shared memory (Mosaic's limit, 232,448 bytes), less room for barriers.
 SMEM_BYTES = 232448 - 1024
@@ -360,18 +365,19 @@ class HaloGrid:
         return -(-self.staged_rows * self.pitch // 64) * 64
 
 
-def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int) -> str | None:
+def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int, part_channels: Sequence[int] | None = None) -> str | None:
     """Why the haloed template does not take this conv (None when it does): it reads the input by
     per-row TMA copies of `[W, 64]` channel chunks, so it needs unit strides and dilations, at most
-    a 3x3 window, channels a multiple of 64 of a 16-bit dtype, and a row of at most 256 pixels (a
-    TMA box side)."""
+    a 3x3 window, each K range's channels (`part_channels`, default all the input's) a multiple of 64
+    of a 16-bit dtype, and a row of at most 256 pixels (a TMA box side)."""
     p = geometry.params
     if tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1):
         return f"strides {tuple(p.strides)}, dilation {tuple(p.rhs_dilation)}"
     if any(k > 3 for k in geometry.window):
         return f"a {geometry.window} window"
-    if geometry.in_features % CHUNK or itemsize != 2:
-        return f"{geometry.in_features} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
+    for channels in part_channels if part_channels is not None else [geometry.in_features]:
+        if channels % CHUNK or itemsize != 2:
+            return f"{channels} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
     if geometry.in_size[1] > 256:
         return f"rows of {geometry.in_size[1]} pixels (a TMA box side is at most 256)"
     return None
@@ -403,39 +409,107 @@ def _loads_by_parent(expr):
 
 def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
     """The input expression's loads as the haloed conv reads them: `(input loads, vector loads)`,
-    the first those of a tensor of the expression's size and dtype (staged by TMA: the input itself
-    or a `[B, H·W, C]` matmul output viewed as NHWC), the others the per-
-    channel vectors (one per distinct read: `_loads_by_parent`); None when it holds an op the kernel
-    does not evaluate or reads no such tensor. (The template checks the index of each load itself:
-    `emit.mosaic.conv_halo.prologue_sources`.)"""
+    the first those of a tensor staged by TMA: of the expression's dtype and at least its size (the
+    input itself, a `[B, H·W, C]` matmul output viewed as NHWC, a tensor some of whose channels a K
+    range reads: `channel_parts.restrict`); the others the per-channel vectors (one per distinct read:
+    `_loads_by_parent`); None when it holds an op the kernel does not evaluate or reads no such
+    tensor. (The template checks the index of each load itself: `emit.mosaic.conv_halo.prologue_sources`.)"""
     nodes, loads = _loads_by_parent(expr)
     if any(node.op not in PROLOGUE_OPS for node in nodes):
         return None
     lhs_shape, lhs_dtype = parse_type(lhs_ty).shape, parse_type(lhs_ty).dtype
     size = math.prod(lhs_shape)
-    is_input = [math.prod(parse_type(n.args[0].ty).shape) == size and parse_type(n.args[0].ty).dtype == lhs_dtype
+    is_input = [parse_type(n.args[0].ty).dtype == lhs_dtype and math.prod(parse_type(n.args[0].ty).shape) >= size
                 for n in loads]
     if not any(is_input):
         return None
     return ([n for n, i in zip(loads, is_input) if i], [n for n, i in zip(loads, is_input) if not i])
 
 
-def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], itemsize: int, lhs=None,
-                   lhs_ty: str | None = None) -> str | None:
-    """Why the haloed template does not take a conv (None when it does): `halo_conv_uncovered`, an
-    input other than NHWC, more than one K range or one over part of the window (a concat, a merged
-    shortcut), and, when the input expression `lhs` is known, one `halo_input_loads` refuses."""
-    reason = halo_conv_uncovered(geometry, itemsize)
+def halo_parts(ranges: Sequence[tuple]) -> list[tuple] | str:
+    """The haloed conv's K ranges: each of the conv's `(input expression, first channel, channels,
+    taps)` cut where a concat inside its expression switches tensors (`channel_parts`; a GroupNorm +
+    SiLU over `concat(h, skip)`: h's channels and skip's), as `(expression of the part's channels,
+    the conv range's index, the part's first channel in that range, channels, taps)`; or why not."""
+    out = []
+    for index, (expr, offset, channels, taps) in enumerate(ranges):
+        try:
+            pieces = channel_parts(expr, 3, offset, offset + channels)
+        except NotRestrictable as error:
+            return f"an input expression it cannot cut per tensor: {error}"
+        out += [(piece, index, start - offset, stop - start, taps) for piece, start, stop in pieces]
+    return out
+
+
+def halo_uncovered(geometry: ConvGeometry, ranges: Sequence[tuple[int, tuple]], itemsize: int,
+                   exprs: Sequence | None = None) -> str | None:
+    """Why the haloed template does not take a conv (None when it does): `halo_conv_uncovered` on
+    its K ranges `(channels, taps)` (each its own staged input: `halo_parts`), an input other than
+    NHWC, a range's taps outside the window, and, when the ranges' input expressions `exprs` are
+    known, one `halo_input_loads` refuses."""
+    reason = halo_conv_uncovered(geometry, itemsize, [channels for channels, _taps in ranges])
     if reason is not None:
         return reason
     if tuple(geometry.params.lhs_spec) != NHWC:
         return f"an input of layout {geometry.params.lhs_spec} (the template stages NHWC rows)"
     kh, kw = geometry.window
-    if len(ranges) != 1 or tuple(ranges[0][1]) != ((0, kh), (0, kw)):
-        return f"K ranges {list(ranges)}"
-    if lhs is not None and halo_input_loads(lhs, lhs_ty) is None:
-        return "an input expression the kernel does not evaluate"
+    for _channels, ((y0, y1), (x0, x1)) in ranges:
+        if not (0 <= y0 < y1 <= kh and 0 <= x0 < x1 <= kw):
+            return f"K ranges {list(ranges)}"
+    for expr in exprs or ():
+        if halo_input_loads(expr, expr.ty) is None:
+            return "an input expression the kernel does not evaluate"
     return None
+
+
+def upsample_source(expr, geometry: ConvGeometry):
+    """`X` when the conv's input expression `expr` is `X` upsampled nearest-2x (`Reshape(Broadcast(X,
+    [B, h, 2, w, 2, C]), [B, 2h, 2w, C])`) and the conv a 3x3 of stride 1 and padding 1 over NHWC:
+    then `phase_geometry` runs it over `X` itself; None otherwise."""
+    p = geometry.params
+    if (tuple(p.lhs_spec) != NHWC or tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1)
+            or tuple(geometry.window) != (3, 3) or tuple(map(tuple, p.padding)) != ((1, 1), (1, 1))):
+        return None
+    if expr.op != "Reshape" or expr.args[0].op != "Broadcast":
+        return None
+    broadcast = expr.args[0]
+    source = broadcast.args[0]
+    b, h2, w2, c = parse_type(expr.ty).shape
+    if h2 % 2 or w2 % 2 or ints(broadcast.args[1]) != (0, 1, 3, 5):
+        return None
+    if (parse_type(broadcast.ty).shape != (b, h2 // 2, 2, w2 // 2, 2, c)
+            or parse_type(source.ty).shape != (b, h2 // 2, w2 // 2, c)):
+        return None
+    return source
+
+
+# The source offset (-1, 0, +1 -> index 0, 1, 2) a 3x3 tap k reads for output phase p of a nearest-2x
+# upsampled input: padded row 2i + p + k - 1 of the upsampled image is source row i + (p + k - 1) // 2.
+PHASE_OFFSET = {(p, k): (p + k - 1) // 2 + 1 for p in (0, 1) for k in range(3)}
+
+
+def phase_geometry(geometry: ConvGeometry) -> ConvGeometry:
+    """A 3x3 conv over a nearest-2x upsampled `[B, 2h, 2w, C]` input (`upsample_source`) as a conv over
+    the `[B, h, w, C]` source: the same window and padding, output features `4 · Cout`, one block per
+    output phase `(py, px)` (phase-major), whose CTAs run a 2x2 window of weights that sum the taps
+    reading one source pixel (`PHASE_OFFSET`): 4/9 of the upsampled conv's wgmma work, a quarter of
+    its staged input, no upsampled copy."""
+    p = geometry.params
+    b, h2, w2, c = geometry.lhs_shape
+    rhs = list(geometry.rhs_shape)
+    rhs[p.rhs_spec[0]] *= 4
+    out = [0] * 4
+    out[p.out_spec[0]], out[p.out_spec[1]] = b, 4 * geometry.out_features
+    out[p.out_spec[2]], out[p.out_spec[3]] = h2 // 2, w2 // 2
+    return ConvGeometry(p, (b, h2 // 2, w2 // 2, c), tuple(rhs), tuple(out))
+
+
+def phase_blocks(blocks: MosaicBlocks, phase_outputs: int) -> MosaicBlocks | None:
+    """The phase form's tiles: an output-channel tile inside one phase's `phase_outputs` columns (a CTA
+    runs its phase's taps), 64 columns where 128 do not divide them; None where 64 do not either."""
+    if phase_outputs % blocks.tile_n == 0:
+        return blocks
+    return dataclasses.replace(blocks, tile_n=64) if phase_outputs % 64 == 0 else None
 
 
 SM_COUNT = 132  # H100 SXM5
