@@ -111,14 +111,16 @@ def test_phase_table_has_a_row_per_phase_for_both_sides():
 
 def test_thread_cpu_counts_a_busy_thread():
     def spin():
-        while time.thread_time() < 0.2:
+        while time.thread_time() < 0.5:
             pass
 
     with ThreadCpu(period=0.05) as threads:
         worker = threading.Thread(target=spin)
         worker.start()
         worker.join()
-    assert threads.others() >= 0.15
+    # The thread's last ~period before it exits goes unsampled (more when a loaded machine delays the
+    # sampler): 0.13 of 0.2 s was read at load 5.
+    assert threads.others() >= 0.3
     assert threads.main_thread() < threads.others()
 
 
