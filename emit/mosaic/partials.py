@@ -13,9 +13,13 @@ warpgroup's N tile, `n_cta · compute_wgs + wg`; slot = the output row): no atom
 zero, each entry written once (a clamped last M tile writes its neighbour's rows again, with the
 same values). Readers merge the tiles (`emit.expr.read_partials`) as they do the Triton hosts'.
 
-Mosaic GPU 0.10.2 reduces a WGMMA-layout fp32 array along its columns in registers
-(`jnp.sum(x, axis=1)`: `vector.multi_reduction` in the warpgroup lowering, a `[epi_m]` vector in
-the WGMMA row layout, broadcast back with `lax.broadcast_in_dim(v, (m, n), (0,))`).
+Mosaic GPU 0.10.2 (warpgroup lowering, compiled for sm_90a) reduces a `[64, 64]` WGMMA-layout fp32
+array in registers along its columns (`jnp.sum(x, axis=1)`: a `[64]` vector in the WGMMA row
+layout, broadcast back with `lax.broadcast_in_dim(v, (m, n), (0,))`) or its rows (`axis=0`), and
+a vector of those to a scalar (`jnp.sum(jnp.sum(x, axis=1), axis=0)`); not both axes at once
+(`jnp.sum(x)`: "Failed to infer a possible set of layouts"), and a scalar broadcast to a vector
+stores only at 1 or a multiple of 128 elements ("Arrays with the splat layout can only be stored
+when they have a single element or a multiple of 128 elements").
 
 `RowStatistic.of(reduction, term, axes)` decides which statistics the template writes; the cost
 model asks the same question on terms (`eqsat.cost.mosaic.row_statistic_declined`): a single host, a body
