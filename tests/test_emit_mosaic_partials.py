@@ -66,7 +66,8 @@ def test_template_partials_are_the_statistics_of_its_stored_output():
     # fp32 at an offset of 1e4: the Triton matmul's row-statistics bound (`tests/test_emit_matmul.py`)
     scale = np.abs(stored[ok]).max() * np.abs(stored - want_mean[:, None])[ok].max() * n
     np.testing.assert_allclose(m2[ok], want_m2[ok], rtol=1e-5, atol=1e-6 * scale)
-    np.testing.assert_allclose(total[ok], 0.5 * stored.sum(1)[ok], rtol=1e-6, atol=1e-6 * np.abs(stored[ok]).sum(1).max())
+    np.testing.assert_allclose(total[ok], 0.5 * stored.sum(1)[ok], rtol=1e-6,
+                               atol=1e-6 * np.abs(stored[ok]).sum(1).max())
     assert mean[5] == OFFSET and m2[5] == 0.0  # the constant row: exactly its value, no spread
 
 
