@@ -798,7 +798,7 @@ def emit(kernel, ctx) -> dict:
     it writes (`emit.mosaic.partials`; the others the driver reduces after it); forms the template
     does not cover raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
     from emit.pallas import loaded_tensors
-    from emit.pallas.partials import Partials
+    from emit.pallas.partials import Partials, finalize
     from emit.pallas.matmul import DotAxes
     from eqsat.interpret import _Evaluator
 
@@ -819,8 +819,12 @@ def emit(kernel, ctx) -> dict:
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
     for tensor in loaded_tensors(lhs, rhs, epilogue):
-        if tensor in ctx.partials:
-            ctx.value(tensor)  # statistics are read finished here (merged once)
+        if tensor in ctx.partials and tensor not in ctx.values:
+            # read finished here: merged once by the Pallas finalize kernel (one launch; merging in
+            # plain jax would be several XLA fusions), and kept for the statistic's later readers
+            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
+            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                          name=f"{component}:finalize" if component else "finalize")
     tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
     # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.

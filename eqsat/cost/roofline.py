@@ -403,7 +403,8 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
     on a device whose backend is not `triton`, each dense kernel's `choose_route` (with the
     statistics it hosts), and the statistics with a host that writes no partials for them (the
     library; Mosaic but for its matmuls' row statistics, `eqsat.cost.backends.writes_partials`):
-    `emit.pallas.run_kernels` then reduces the statistic after its last host."""
+    `emit.pallas.run_kernels` then reduces the statistic after its last host; and those written as
+    partials that a Mosaic kernel reads unfinished (it finishes them first, one kernel each)."""
     device = get_device(device)
     if device.backend == "triton":
         return {}, frozenset()
@@ -418,6 +419,11 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
             hosted = hosted_on.get(id(kernel), ())
             routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
             reduced.update(r for r in hosted if not writes_partials(r, route, kernel))
+    # A Mosaic kernel reads statistics finished: one its hosts left as partials, and the plan does not
+    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`).
+    for kernel in order:
+        if routes.get(id(kernel)) == "mosaic":
+            reduced.update(s for s in statistics_read(kernel) if hosting.get(s) and s not in finished)
     return routes, frozenset(reduced)
 
 
