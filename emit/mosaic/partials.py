@@ -25,7 +25,9 @@ when they have a single element or a multiple of 128 elements").
 model asks the same question on terms (`eqsat.cost.mosaic.row_statistic_declined`): a single host, a body
 reading nothing but this matmul's output (through the ops the epilogue lowers), one output per
 row in row order, and an output the kernel writes in place (no padded rows to drop). Any other
-hosted statistic is left to the driver (its own reduce kernel after the host), as before.
+hosted statistic is left to the driver (its own reduce kernel after the host), as before. Readers
+on Triton merge the partials where they read them; a Mosaic matmul reads them finished, merged once
+by `emit.pallas.partials.finalize` (`emit.mosaic.matmul.emit`).
 """
 
 from __future__ import annotations
