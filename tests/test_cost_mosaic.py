@@ -47,7 +47,7 @@ def launches(monkeypatch):
     def kernel(body, out_type, grid, **options):
         def launch(*operands):
             recorded.append({"body": body, "grid": tuple(grid), "operands": [(x.shape, jnp.dtype(x.dtype)) for x in operands]})
-            return jnp.zeros(out_type.shape, out_type.dtype)
+            return jax.tree.map(lambda out: jnp.zeros(out.shape, out.dtype), out_type)  # a result and any partials
 
         return launch
 
@@ -365,3 +365,40 @@ def test_an_epilogue_the_template_declines_is_not_priced_on_mosaic():
     assert covers_term(term) and not covers_term(index_dependent)
     assert routes_for("Matmul", args_of(term), auto, term) == ("triton", "mosaic", "library")
     assert routes_for("Matmul", args_of(index_dependent), auto, index_dependent) == ("triton", "library")
+
+
+def _layernorm_of_dense(x, w, b):
+    y = x @ w + b
+    mean = y.mean(-1, keepdims=True)
+    return (y - mean) * jax.lax.rsqrt(jnp.square(y - mean).mean(-1, keepdims=True) + 1e-5), y
+
+
+@pytest.mark.parametrize("fn,shape,written", [(_layernorm_of_dense, (72, 40, 128), True),
+                                              (_layernorm_of_dense, (77, 40, 128), False)])
+def test_the_reduce_kernels_the_model_charges_are_the_ones_emitted(fn, shape, written, launches):
+    """A LayerNorm statistic hosted on a Mosaic matmul: written as partials by the kernel when its
+    output lies in place (72 tokens; the model charges no reduce kernel, `driver_reduced` leaves it
+    out), reduced by its own kernel after it when the output is padded (77 tokens). The launches of
+    the emitted plan are the planned kernels plus the model's driver-reduced statistics."""
+    from eqsat.cost import hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.roofline import driver_reduced, finished_statistics
+    from tests.test_emit_matmul import pallas_calls
+
+    tokens, k, n = shape
+    args = (S((1, tokens, k), F16), S((k, n), F16), S((n,), F16))
+    lowered = _plan(fn, args)
+    plan = lowered.plan
+    (matmul,) = [k for k in plan.kernels if k.op == "Matmul" and k.hosted]
+    assert len(matmul.hosted) == 1
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    order = kernel_order(outputs, hosting)
+    device = get_device(plan.device)
+    routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
+    assert routes[id(matmul.term)] == "mosaic"
+    assert (matmul.hosted[0] not in reduced) is written
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        closed = jax.make_jaxpr(emit.emit(plan, "mosaic", interpret=False)._run_leaves)(list(args))
+    assert len(launches) + len(pallas_calls(closed.jaxpr)) == len(plan.kernels) + len(reduced)

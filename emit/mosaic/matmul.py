@@ -55,7 +55,10 @@ columns) evaluates the expression on them in registers, stores the A tile to a 2
 from there. Not in the kernel (XLA computes A whole, one fusion, before it): a `RowReduce` in A (a
 LayerNorm computing its own statistics needs the whole row before the first step), a permuted
 source (NCHW read as tokens), K not a multiple of the step, any load that is not such a window.
-Statistics of the output (`EpilogueReduce` hosted on this kernel) are left to the driver.
+Statistics of the output (`EpilogueReduce` hosted on this kernel: a LayerNorm's sum or moments per
+row) are computed from the stored output sub-tiles in registers and written as per-tile partials
+(`emit.mosaic.partials`); those it does not take (several hosts, a body reading other tensors, a
+padded output) are left to the driver.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic.partials import RowStatistic, merge_partials, tile_partials
 from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
@@ -178,20 +182,23 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
             a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False,
-            prologue: tuple | None = None):
+            prologue: tuple | None = None, statistics: tuple = (), n_valid: int = 0):
     """`batched`: A, B and the output are `[batch, ., .]` arrays (each padded to the tiles or not,
     `InPlace`); `in_place`: `(M, N)` when the output is written unpadded, its last tiles clamped to
     end there. Otherwise (the conv's A window) A and the output are flat `[batch * M↑, .]` views
     (`m_padded` rows per batch entry) and B `[batch * K↑, N↑]`. `prologue`: `(fn, sources)` (a
     `Prologue`'s, the arrays dropped): A is computed per pipeline step from the sources' blocks
     (`a_gmem` the first source, the others after the epilogue's operands) by the compute warpgroup
-    (one), stored to a 2-slot SMEM stage and fed to wgmma from there."""
+    (one), stored to a 2-slot SMEM stage and fed to wgmma from there. `statistics`: the hosted
+    statistics the epilogue writes as partials (`emit.mosaic.partials.RowStatistic`, batched only),
+    each a `[tiles, fields, batch, rows]` output after the result, over the first `n_valid` columns."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    operand_gmems, out_gmem = refs[:len(kinds)], refs[-1]
+    outputs = len(statistics) + 1
+    operand_gmems, (out_gmem, *partial_gmems) = refs[:len(kinds)], refs[len(refs) - outputs:]
     prologue_fn, sources = prologue if prologue is not None else (None, ())
-    source_gmems = (a_gmem, *refs[len(kinds):-1]) if prologue is not None else ()
+    source_gmems = (a_gmem, *refs[len(kinds):len(refs) - outputs]) if prologue is not None else ()
     tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
     epi_m, epi_n, wgs = blocks.epi_m, blocks.epi_n, blocks.compute_wgs
     out_dtype = out_gmem.dtype
@@ -242,6 +249,9 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
     stage_alloc = {} if prologue is None else {"a_stage": plgpu.SMEM((2, tile_m, tile_k), mma_dtype,
                                                                       transforms=transforms)}
+    fields = sum(statistic.fields for statistic in statistics)
+    if fields:  # each row block's partial vectors, per warpgroup: written once, no slot reuse
+        stage_alloc["stat_smem"] = plgpu.SMEM((wgs, tile_m // epi_m, fields, epi_m), jnp.float32)
 
     @functools.partial(
         pl.run_scoped,
@@ -252,7 +262,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         collective_axes="wg",
         **stage_alloc,
     )
-    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None):
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None, stat_smem=None):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
         if in_place is None:
@@ -271,6 +281,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                 acc = acc_ref[...]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 for em in range(tile_m // epi_m):
+                    partials = [None] * len(statistics)
                     for en in range(tile_n // epi_n):
                         slot = (em * (tile_n // epi_n) + en) % 2
                         row_slice = pl.ds(m0 + em * epi_m, epi_m)
@@ -297,12 +308,24 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                                     plgpu.load(smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
                                 tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
                         value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
+                        stored = value.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
-                        out_smem[wg, slot] = value.astype(out_dtype)
+                        out_smem[wg, slot] = stored
                         plgpu.commit_smem()
                         out_tile = out_gmem.at[b_idx, row_slice, col_slice] if batched else \
                             out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice]
                         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile)
+                        if statistics:
+                            cols = (cols0 + en * epi_n) + lax.broadcasted_iota(jnp.int32, (epi_m, epi_n), 1)
+                            # a clamped last CTA's first columns are its neighbour's: they count there
+                            valid = (cols >= n_idx * cta_n) & (cols < n_valid)
+                            for s, statistic in enumerate(statistics):
+                                part = tile_partials(statistic.op, statistic.body(stored), valid)
+                                partials[s] = part if partials[s] is None else \
+                                    merge_partials(statistic.op, partials[s], part)
+                    if statistics:
+                        _write_partials(statistics, partials, stat_smem.at[wg, em], partial_gmems,
+                                        n_idx * wgs + wg, b_idx, pl.ds(m0 + em * epi_m, epi_m))
 
         def mma(_, a_smem, b_smem, acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * tile_n, tile_n)])
@@ -356,10 +379,28 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _write_partials(statistics, partials, smem, gmems, tile, b_idx, rows) -> None:
+    """A row block's partial vectors (per statistic, per field) through SMEM to row `tile` of each
+    statistic's `[tiles, fields, batch, rows]` output, by TMA."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f = 0
+    for part in partials:
+        for value in part:
+            smem[f] = value
+            f += 1
+    plgpu.commit_smem()
+    f = 0
+    for statistic, gmem in zip(statistics, gmems):
+        for field in range(statistic.fields):
+            plgpu.copy_smem_to_gmem(smem.at[f], gmem.at[tile, field, b_idx, rows])
+            f += 1
+
+
 def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
           interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None,
-          prologue: Prologue | None = None) -> jax.Array:
+          prologue: Prologue | None = None, statistics: Sequence[RowStatistic] = ()):
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
@@ -367,7 +408,11 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
 
     With `a_window` (batch 1), `a` is `[1, m + halo, columns]` laid out by the caller (`m` a multiple
     of `blocks.tile_m`, `columns` of `tile_k`) and read through the window's offsets; `b`'s K is the
-    steps times `tile_k`."""
+    steps times `tile_k`.
+
+    With `statistics` (no `a_window`): `(out, partials)`, partials each statistic's
+    `[tiles, fields, batch · m]` (`emit.mosaic.partials`), or None when the output is not written
+    in place (padded rows: the driver reduces the statistics then)."""
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or (a_window is None and a.shape[2] != b.shape[1]):
         raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
     if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
@@ -386,7 +431,10 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
     kp = -(-k // blocks.tile_k) * blocks.tile_k
     if a_window is None:
-        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue)
+        return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue,
+                              tuple(statistics))
+    if statistics:
+        raise ValueError("statistics are written by the batched matmul only (no A window)")
     if batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
         raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
                          f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
@@ -428,7 +476,7 @@ def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
     return call(False)(*operands)
 
 
-def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None) -> jax.Array:
+def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None, statistics=()):
     """`build` without an A window: each of A, B, the output and a residual used as it lies where
     `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
     clamped), padded to the tile grid where not (a row or column vector only when its stride is not
@@ -464,20 +512,27 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     past_end = (prologue is not None or a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
                 any(x.shape[1:] != extents[kind] for kind, x in zip(kinds, arrays)))
     sources = () if prologue is None else prologue.sources
+    # the statistics' partial vectors: per warpgroup, `fields` fp32 vectors of each row block
+    stat_rows = [("row", 4 * s.fields * (blocks.tile_m // blocks.epi_m)) for s in statistics if place.out]
     blocks = fit_smem(blocks, jnp.dtype(b.dtype).itemsize, out_dtype.itemsize,
-                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)],
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)] + stat_rows,
                       prologue=None if prologue is None else
                       [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
     layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
                                   jnp.dtype(source.array.dtype)) for source in sources)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
-    out_type = jax.ShapeDtypeStruct((batch, rows, cols), out_dtype)
+    written = statistics if place.out else ()  # padded rows: no partials (the driver reduces them)
+    tiles = grid[0] * blocks.compute_wgs
+    out_type = (jax.ShapeDtypeStruct((batch, rows, cols), out_dtype),
+                *(jax.ShapeDtypeStruct((tiles, s.fields, batch, m), jnp.float32) for s in written))
+    out_type = out_type if written else out_type[0]
 
     def call(interpret_here):
         body = functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
                                  k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
                                  in_place=(m, n) if place.out else None, batched=True,
-                                 prologue=None if prologue is None else (prologue.fn, layouts))
+                                 prologue=None if prologue is None else (prologue.fn, layouts),
+                                 statistics=written, n_valid=n)
         return _warp_specialized(body, out_type, grid, blocks, name,
                                  interpret_params(tma_zero_fill=past_end) if interpret_here else None)
 
@@ -486,6 +541,11 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     else:
         inputs = (sources[0].array, b3, *arrays, *(source.array for source in sources[1:]))
     out = _launch(call, out_type, inputs, interpret)
+    if statistics and not written:
+        return out[:, :m, :n], None
+    if written:
+        out, *partials = out
+        return out, [jnp.reshape(p, (tiles, s.fields, batch * m)) for p, s in zip(partials, written)]
     return out if place.out else out[:, :m, :n]
 
 
@@ -499,7 +559,7 @@ def one_at_a_time(interpreted: Callable, out_type, operands: Sequence[jax.Array]
     from jax.experimental import io_callback
 
     jitted = jax.jit(interpreted)
-    return io_callback(lambda *xs: np.asarray(jitted(*xs)), out_type, *operands, ordered=True)
+    return io_callback(lambda *xs: jax.tree.map(np.asarray, jitted(*xs)), out_type, *operands, ordered=True)
 
 
 def _warp_specialized(body, out_type, grid, blocks: MosaicBlocks, name: str | None, interpret):
@@ -734,9 +794,11 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
 
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
-    Mosaic GPU kernel. Hosted statistics are not computed here (the driver reduces them); forms the
-    template does not cover raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
+    Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
+    it writes (`emit.mosaic.partials`; the others the driver reduces after it); forms the template
+    does not cover raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
     from emit.pallas import loaded_tensors
+    from emit.pallas.partials import Partials, finalize
     from emit.pallas.matmul import DotAxes
     from eqsat.interpret import _Evaluator
 
@@ -757,8 +819,12 @@ def emit(kernel, ctx) -> dict:
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
     for tensor in loaded_tensors(lhs, rhs, epilogue):
-        if tensor in ctx.partials:
-            ctx.value(tensor)  # statistics are read finished here (merged once)
+        if tensor in ctx.partials and tensor not in ctx.values:
+            # read finished here: merged once by the Pallas finalize kernel (one launch; merging in
+            # plain jax would be several XLA fusions), and kept for the statistic's later readers
+            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
+            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                          name=f"{component}:finalize" if component else "finalize")
     tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
     # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
@@ -792,6 +858,16 @@ def emit(kernel, ctx) -> dict:
             raise AssertionError("the epilogue's loads in the kernel differ from the host's")
         return jnp.reshape(value, (em, en))
 
+    statistics, computed = [], []
+    for reduction in kernel.hosted:
+        if ctx.pending.get(reduction) is not None:
+            continue  # an earlier host wrote partials: not a statistic this template writes alone
+        try:
+            statistics.append(RowStatistic.of(reduction, term, axes))
+        except NotImplementedError:
+            continue  # the driver reduces it after this kernel
+        computed.append(reduction)
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
-                interpret=ctx.interpret, name=kernel.name, prologue=prologue)
-    return {term: out.reshape(out_type.shape)}
+                interpret=ctx.interpret, name=kernel.name, prologue=prologue, statistics=statistics)
+    out, partials = out if statistics else (out, None)
+    return {term: out.reshape(out_type.shape), **{r: Partials(p) for r, p in zip(computed, partials or ())}}

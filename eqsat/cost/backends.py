@@ -28,8 +28,10 @@ Routes (what one kernel runs as): `"triton"`, `"mosaic"`, `"library"`.
   and written again) + the operand expressions once per element + the dense flops at
   `LIBRARY_EFFICIENCY` of the peak (the share `benchmarks.kernels` prices XLA's own library calls at).
 
-A statistic hosted on a kernel the route does not write partials from (mosaic, library) is
-reduced by its own kernel after the host (`emit.pallas.run_kernels`): `hosted_extra` prices that.
+A statistic hosted on a kernel the route does not write partials from (the library; a Mosaic
+host for any statistic but the row statistics its matmul writes, `eqsat.cost.mosaic.
+row_statistic_declined`) is reduced by its own kernel after the host (`emit.pallas.run_kernels`):
+`hosted_extra` prices that.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
 from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, is_view, mosaic_work, node_mosaic_work,
+                               row_statistic_declined,
                                 once_flops)
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
                               own_flops, size_of)
@@ -68,11 +71,19 @@ def routes_for(kernel_op: str, args, device: "str | Device", term: Term | None =
     return ("triton",) + (("mosaic",) if mosaic else ()) + (("library",) if kernel_op in LIBRARY_OPS else ())
 
 
-def hosted_extra(reduction: Term, route: str, device: "str | Device") -> Cost:
-    """What a statistic hosted on a kernel of `route` costs beyond `roofline.hosted_cost`: nothing on
-    Triton (its tiles write the partials); on mosaic and library its own reduce kernel after the host
-    (a launch and a read of what it reduces)."""
+def writes_partials(reduction: Term, route: str, host: Term | None) -> bool:
+    """Whether `host`, run on `route`, writes `reduction`'s partials: every Triton host; a Mosaic
+    matmul its row statistics (`row_statistic_declined`); nothing on the library."""
     if route == "triton":
+        return True
+    return route == "mosaic" and host is not None and row_statistic_declined(reduction, host) is None
+
+
+def hosted_extra(reduction: Term, route: str, device: "str | Device", host: Term | None = None) -> Cost:
+    """What a statistic hosted on a kernel of `route` (`host`, where known) costs beyond
+    `roofline.hosted_cost`: nothing where the host writes its partials (`writes_partials`);
+    otherwise its own reduce kernel after the host (a launch and a read of what it reduces)."""
+    if writes_partials(reduction, route, host):
         return ZERO
     device = with_backend(device, "triton")
     nbytes = float(nbytes_of(reduction.args[0].ty))

@@ -40,7 +40,10 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from eqsat.conv_params import ConvParams
+from eqsat.cost.hosting import hosts_of, side_inputs
 from eqsat.cost.terms import (VIEW_OPS, Term, args_of, expr_nodes, itemsize_of, node_vector_flops, own_flops,
                               size_of)
 from eqsat.cost.tiles import conv_parts
@@ -338,6 +341,71 @@ def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[
     if not any(kind == "tile" for kind, _ in reads):
         return "no [rows, K] tile"
     return reads
+
+
+def row_statistic_declined(reduction: Term, host: Term) -> str | None:
+    """Why the Mosaic matmul `host` does not write the hosted statistic `reduction` as per-tile
+    partials (`emit.mosaic.partials`; the driver then reduces it after the host), or None when it
+    does: its only host, a body reading nothing but the host's output through ops the epilogue
+    lowers, one statistic output per output row in row order, the output written in place."""
+    return _row_statistic_declined(reduction, host)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_statistic_declined(reduction: Term, host: Term) -> str | None:
+    if host.op != "Matmul":
+        return f"a {host.op} host (the Mosaic matmul writes row statistics)"
+    _producer, op, body, axes, ty = reduction.args
+    if op not in ("sum", "moments"):
+        return f"a {op} statistic"
+    if hosts_of(reduction) != [host]:
+        return "a statistic with several hosts (or none)"
+    if side_inputs(reduction):
+        return "a body reading other tensors than the matmul's output"
+    missing = sorted({node.op for node in expr_nodes(body)} - EPILOGUE_OPS)
+    if missing:
+        return f"a body with {', '.join(missing)}"
+    ids = _host_elements(body, host)
+    if ids is None:
+        return "a body that reads the output through a view the epilogue does not invert"
+    lhs, rhs, dims, _epilogue, out_ty = host.args
+    n = matmul_layout(lhs.ty, rhs.ty, dims).n
+    reduced = set(ints(axes))
+    kept = [a for a in range(ids.ndim) if a not in reduced]
+    grids = np.indices(ids.shape, sparse=True)
+    slot = np.zeros((), np.int64)
+    for a in kept:
+        slot = slot * ids.shape[a] + grids[a]
+    if not np.array_equal(np.broadcast_to(slot, ids.shape), ids // n):
+        return "a statistic that is not one output per row of the matmul, in row order"
+    if "output sliced" in {g.what for g in matmul_work(host).glue}:
+        return "a padded output (its rows past M would be slots)"
+    return None
+
+
+def _host_elements(body: Term, host: Term):
+    """The flat index into `host`'s output each element of `body` reads (its spine: views and
+    elementwise ops), or None for a spine through anything else."""
+    if body.op == "Load":
+        if body.args[0] is not host:
+            return None
+        shape = parse_type(host.ty).shape
+        return np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    if body.op == "Unary":
+        return _host_elements(body.args[1], host)
+    if body.op == "Reshape":
+        inner = _host_elements(body.args[0], host)
+        return None if inner is None else inner.reshape(parse_type(body.ty).shape)
+    if body.op == "Transpose":
+        inner = _host_elements(body.args[0], host)
+        return None if inner is None else np.transpose(inner, ints(body.args[1]))
+    if body.op in ("Binary", "Select"):
+        operands = {id(c): c for c in body.children if c.sort == "Expr"}  # x * x reads one element once
+        found = [e for e in (_host_elements(c, host) for c in operands.values()) if e is not None]
+        if len(found) != 1 or found[0].shape != tuple(parse_type(body.ty).shape):
+            return None
+        return found[0]
+    return None
 
 
 def prologue_declined(lhs: Term | None, rhs: Term | None, dims: str, out_ty: str) -> str | None:

@@ -74,7 +74,8 @@ import weakref
 from typing import Iterable, Sequence
 
 from eqsat.cost.backends import DENSE as ROUTED_OPS
-from eqsat.cost.backends import hosted_extra, library_cost, mosaic_cost, node_route_cost, routes_for
+from eqsat.cost.backends import (hosted_extra, library_cost, mosaic_cost, node_route_cost, routes_for,
+                                 writes_partials)
 from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosted_reductions, hosts_of, side_inputs
 from eqsat.cost.merges import (FINISHED_READERS, MERGE_SHARE_GOAL, finalize_cost, reader_merge_flops,  # noqa: F401
@@ -274,7 +275,7 @@ def choose_route(kernel: Term, device: "str | Device" = "h100", finished: frozen
     best = None
     for route in routes_for(kernel.op, args_of(kernel), device, kernel):
         cost = route_cost(kernel, route, device, finished)
-        total = cost.seconds + sum(hosted_extra(r, route, device).seconds for r in hosted)
+        total = cost.seconds + sum(hosted_extra(r, route, device, kernel).seconds for r in hosted)
         if best is None or total < best[0]:
             best = (total, route, cost)
     return best[1], best[2]
@@ -400,8 +401,10 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
                    ) -> tuple[dict[int, str], frozenset]:
     """(id of each dense kernel -> its route, the hosted statistics reduced by their own kernel):
     on a device whose backend is not `triton`, each dense kernel's `choose_route` (with the
-    statistics it hosts), and the statistics with a host on Mosaic or the library, which write no
-    partials (`emit.pallas.run_kernels` then reduces the statistic after its last host)."""
+    statistics it hosts), and the statistics with a host that writes no partials for them (the
+    library; Mosaic but for its matmuls' row statistics, `eqsat.cost.backends.writes_partials`):
+    `emit.pallas.run_kernels` then reduces the statistic after its last host; and those written as
+    partials that a Mosaic kernel reads unfinished (it finishes them first, one kernel each)."""
     device = get_device(device)
     if device.backend == "triton":
         return {}, frozenset()
@@ -415,8 +418,12 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
         if kernel.op in ROUTED_OPS:
             hosted = hosted_on.get(id(kernel), ())
             routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
-            if route != "triton":
-                reduced.update(hosted)
+            reduced.update(r for r in hosted if not writes_partials(r, route, kernel))
+    # A Mosaic kernel reads statistics finished: one its hosts left as partials, and the plan does not
+    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`).
+    for kernel in order:
+        if routes.get(id(kernel)) == "mosaic":
+            reduced.update(s for s in statistics_read(kernel) if hosting.get(s) and s not in finished)
     return routes, frozenset(reduced)
 
 
