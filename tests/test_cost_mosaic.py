@@ -26,6 +26,7 @@ from eqsat.cost.roofline import route_cost
 from eqsat.cost.devices import with_backend
 from eqsat.cost.mosaic import mosaic_work
 from eqsat.cost.terms import args_of
+from tests.test_emit_mosaic_conv_ranges import _conv_and_shortcut, _gn_silu_concat_conv
 
 S, F16 = jax.ShapeDtypeStruct, jnp.float16
 DENSE = ("Matmul", "Conv", "Attention")
@@ -122,24 +123,6 @@ def _gn_silu_conv_residual(x, w, b, gamma, beta, r):
     p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
     groups = x.shape[-1] // 3  # 3 channels per group
     return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, groups, 1e-5))) + r
-
-
-def _gn_silu_concat_conv(h, skip, gamma, beta, w, b):
-    """An up-block resnet's conv1: GroupNorm (3 channels per group) + SiLU over concat(h, skip)."""
-    from sd15 import layers
-
-    x = jnp.concatenate([h, skip], axis=-1)
-    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b}
-    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, x.shape[-1] // 3, 1e-5)))
-
-
-def _conv_and_shortcut(x, h, gamma, beta, w, b, ws, bs):
-    """A resnet's conv2 over GroupNorm + SiLU of h plus the 1x1 shortcut of x: one conv of two K ranges."""
-    from sd15 import layers
-
-    p = {"n.weight": gamma, "n.bias": beta, "c.weight": w, "c.bias": b, "s.weight": ws, "s.bias": bs}
-    return layers.conv2d(p, "s", x) + layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, h.shape[-1] // 3,
-                                                                                            1e-5)))
 
 
 def _upsample_conv(x, w, b):

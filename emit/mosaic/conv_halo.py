@@ -77,7 +77,7 @@ from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
                                  halo_conv_uncovered, halo_parts, halo_uncovered, phase_blocks, phase_geometry,
-                                 upsample_source)
+                                 tap_list, upsample_source)
 from eqsat.types import parse_type
 
 
@@ -257,8 +257,7 @@ class PartPlan:
 
     @property
     def tap_list(self) -> list[tuple[int, int]]:
-        (y0, y1), (x0, x1) = self.taps
-        return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
+        return tap_list(self.taps)
 
     @property
     def steps(self) -> int:

@@ -229,6 +229,12 @@ def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
 CHUNK = 64  # input channels per pipeline step: one 128-byte swizzle row of halves
 
 
+def tap_list(taps) -> list[tuple[int, int]]:
+    """The (ky, kx) taps of `taps` = ((y0, y1), (x0, x1)), row by row."""
+    (y0, y1), (x0, x1) = taps
+    return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
+
+
 @dataclasses.dataclass(frozen=True)
 class RangeTaps:
     """One K range as pipeline steps: `channels` input channels (their `chunks` of 64 side by side
@@ -247,8 +253,7 @@ class RangeTaps:
 
     @property
     def tap_list(self) -> list[tuple[int, int]]:
-        (y0, y1), (x0, x1) = self.taps
-        return [(ky, kx) for ky in range(y0, y1) for kx in range(x0, x1)]
+        return tap_list(self.taps)
 
     @property
     def steps(self) -> int:
