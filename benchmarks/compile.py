@@ -236,14 +236,77 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
         return result
 
 
+def child_phases(request: dict) -> dict[str, Any]:
+    """In a process on XLA's log (`XLA_LOG_MODULES`): plan (ours), trace, lower and compile
+    `request["component"]` for the H100 topology; seconds per stage and the Python phases inside.
+    XLA's phases are parsed by the parent from this process's log."""
+    import functools
+
+    import jax
+    import numpy as np
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    import emit.pallas
+    from benchmarks.compile_phases import ThreadCpu, _Accumulator, _cpu
+    from measure import compare
+    from measure.xla_target import h100_topology
+    from sd15 import workloads as sd15_workloads
+
+    jax.config.update("jax_enable_compilation_cache", False)  # cold: nothing read back
+    workload = sd15_workloads.workloads(batch=request["batch"], size=request["size"], config=request["config"],
+                                        components=(request["component"],))[request["component"]]
+    topology = h100_topology()
+    mesh = jax.sharding.Mesh(np.array(topology.devices), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
+    result: dict[str, Any] = {"side": request["side"]}
+    if request["side"] == "ours":
+        start = time.perf_counter()
+        fast = _optimized(workload)
+        lowered = fast.lower(*workload.args)
+        result["plan_s"] = time.perf_counter() - start
+        result["plan_cache"] = lowered.stats.get("cache")
+        prepared = lowered.split.prepared_specs() if lowered.split is not None else []
+        fn, args = functools.partial(compare.emitted_per_call, fast), [prepared, *workload.args]
+    else:
+        fn, args = workload.fn, list(workload.args)
+    args = jax.tree_util.tree_map(place, args)
+    emission = _Accumulator(emit.pallas, "emit_kernel")
+    triton = _Accumulator(triton_lowering, "lower_jaxpr_to_triton_module")
+    try:
+        stages = {}
+        cpu, children = _cpu()
+        start = time.perf_counter()
+        traced = jax.jit(fn).trace(*args)
+        stages["trace"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lowered_gpu = traced.lower()
+        stages["lower"] = time.perf_counter() - start
+        python_cpu = _cpu()[0] - cpu
+        start = time.perf_counter()
+        with ThreadCpu() as threads:
+            lowered_gpu.compile()
+        stages["compile"] = time.perf_counter() - start
+        own, kids = _cpu()
+    finally:
+        emission.restore()
+        triton.restore()
+    result.update(
+        trace_s=stages["trace"], lower_s=stages["lower"], compile_s=stages["compile"],
+        python_cpu_s=python_cpu, compile_cpu_s=own - cpu - python_cpu, compile_children_cpu_s=kids - children,
+        compile_main_thread_cpu_s=threads.main_thread(), compile_worker_cpu_s=threads.others(),
+        template_emission_s=emission.seconds, kernels_emitted=emission.calls,
+        triton_lowering_s=triton.seconds, kernels_lowered=triton.calls,
+        kernels=kernel_counts(lowered_gpu))
+    return result
+
+
 def _child_main(kind: str, request_path: str, report_path: str) -> int:
     try:
         request = pickle.loads(Path(request_path).read_bytes())
         if kind == "plan":
             result = child_plan(**request)
         elif kind == "phases":
-            from benchmarks.compile_phases import child_phases
-
             result = child_phases(request)
         else:
             result = child_compile(request)
@@ -289,8 +352,6 @@ def measure_phases(component: str, batch: int, size: int | None, config: str = "
                    xla_flags: str = "") -> dict[str, Any]:
     """Where a cold compile goes, ours and XLA's (`benchmarks.compile_phases`): one fresh process
     per side, XLA logging its phases (`XLA_LOG_MODULES`); `xla_flags` added to `XLA_FLAGS`."""
-    import dataclasses
-
     from benchmarks.compile_phases import XLA_LOG_MODULES, parse_xla_log
 
     row: dict[str, Any] = {"component": component, "config": config, "load_before": _load(), "xla_flags": xla_flags}
