@@ -107,21 +107,24 @@ def _emitted(fn, args):
     return emit.emit(plan, "mosaic", interpret=True), emit.emit(plan, "xla"), plan
 
 
-def _run_haloed(mosaic, args, traced: bool = True):
-    """`mosaic(*args)`; when it traces the plan here (`traced`), its conv must be the haloed kernel
-    over the plan's input itself."""
-    calls = []
+def run_recording_builds(run, args):
+    """(`run(*args)`, the input shapes each haloed kernel it built stages): no fallback to Triton
+    (XLA fallbacks of other kernels allowed)."""
+    builds = []
     original = ch.build
-
-    def spy(*a, **k):
-        calls.extend(x.shape for x in a[0])
-        return original(*a, **k)
-
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("error", TritonFallbackWarning)
         warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(ch, "build", spy)
-        out = mosaic(*args)
+        patch.setattr(ch, "build", lambda *a, **k: builds.append([x.shape for x in a[0]]) or original(*a, **k))
+        out = run(*args)
+    return out, builds
+
+
+def _run_haloed(mosaic, args, traced: bool = True):
+    """`mosaic(*args)`; when it traces the plan here (`traced`), its conv must be the haloed kernel
+    over the plan's input itself."""
+    out, builds = run_recording_builds(mosaic, args)
+    calls = [shape for staged in builds for shape in staged]
     assert calls == ([args[0].shape] if traced else []), calls  # the kernel stages the plan's input itself
     return out
 
@@ -252,13 +255,8 @@ def test_a_conv_over_a_matmul_output_viewed_as_nhwc():
     (conv,) = [k for k in plan.kernels if k.kind == "conv"]
     loads = [n.args[0] for n in emit.expr.expr_nodes(conv.term.args[0]) if n.op == "Load"]
     assert any(tuple(eqsat.types.parse_type(x.ty).shape) == (2, 35, 64) for x in loads), conv.term.args[0]
-    calls = []
-    original = ch.build
-    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-        warnings.simplefilter("error", TritonFallbackWarning)
-        warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(ch, "build", lambda *a, **k: calls.extend(x.shape for x in a[0]) or original(*a, **k))
-        out = mosaic(*args)
+    out, builds = run_recording_builds(mosaic, args)
+    calls = [shape for staged in builds for shape in staged]
     assert calls == [(2, 5, 7, 64)]
     scale = float(np.max(np.abs(np.asarray(xla(*args), np.float32)))) + 1.0
     _assert_close(out, xla(*args), jax.jit(proj_out)(*args), scale=scale)
@@ -285,13 +283,8 @@ def test_a_resnet_block_both_convs_haloed():
     args = (params, x, temb)
     plan = eqsat.optimize(block, extractor="greedy", progress=False).lower(*args).plan
     assert [k.kind for k in plan.kernels].count("conv") == 2
-    calls = []
-    original = ch.build
-    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-        warnings.simplefilter("error", TritonFallbackWarning)
-        warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(ch, "build", lambda *a, **k: calls.extend(x.shape for x in a[0]) or original(*a, **k))
-        out = emit.emit(plan, "mosaic", interpret=True)(*args)
+    out, builds = run_recording_builds(emit.emit(plan, "mosaic", interpret=True), args)
+    calls = [shape for staged in builds for shape in staged]
     assert len(calls) == 2, calls
     expected = emit.emit(plan, "xla")(*args)
     scale = float(np.max(np.abs(np.asarray(expected, np.float32)))) + 1.0

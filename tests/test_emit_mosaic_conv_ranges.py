@@ -8,7 +8,6 @@ a group left to the flat-grid template; one compile for sm_90a without a GPU."""
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +20,15 @@ from jax import lax
 import emit
 import eqsat
 from emit.expr import evaluate_whole, expr_nodes
-from emit.mosaic import TritonFallbackWarning
 from emit.mosaic import conv as mc
 from emit.mosaic import conv_halo as ch
-from emit.pallas import XlaFallbackWarning
 from emit.pallas.conv import ConvGeometry, k_ranges
 from eqsat.tiling.channel_parts import NotRestrictable, channel_parts, concat_splits
 from eqsat.tiling.mosaic import HaloGrid, halo_blocks, halo_parts
 from eqsat.types import parse_type
 from sd15 import layers
 from tests.test_emit_mosaic import compile_mosaic
-from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, _params
+from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, _params, run_recording_builds
 
 
 def _gn_silu_concat_conv(h, skip, gamma, beta, w, b):
@@ -54,13 +51,7 @@ def _plan(fn, args):
 
 def _run_haloed(plan, args, inputs):
     """The plan on the Mosaic backend; its conv must be the haloed kernel staging `inputs` (shapes)."""
-    calls = []
-    original = ch.build
-    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-        warnings.simplefilter("error", TritonFallbackWarning)
-        warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(ch, "build", lambda *a, **k: calls.append([x.shape for x in a[0]]) or original(*a, **k))
-        out = emit.emit(plan, "mosaic", interpret=True)(*args)
+    out, calls = run_recording_builds(emit.emit(plan, "mosaic", interpret=True), args)
     assert calls == [inputs], calls
     return out
 
