@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import jax
 
+from emit.top_level_jit import TopLevelJit
 from eqsat.term import Term, postorder
 from eqsat.types import ints_key, parse_type, with_shape
 
@@ -467,7 +468,7 @@ class Prepared:
     by the shardings of its inputs and prepared tensors (`emit.sharded`)."""
 
     def __init__(self, split: Split, backend: str = "auto", *, interpret: bool | None = None, donate=(),
-                 progress=None, exported=None):
+                 progress=None, exported=None, compiler_options=None):
         from emit import resolve_backend
 
         if split.plan.program is None:
@@ -486,9 +487,11 @@ class Prepared:
         # `emit.exported.ExportedStages`: the stages as stored StableHLO, for concrete calls on one device
         self.exported = exported if self.backend != "interpret" else None
         self._entry: _Entry | None = None
-        self._prepare_jitted = jax.jit(self._prepare_stage)
-        self._per_call_jitted = jax.jit(self._per_call_stage)
-        self._per_call_donating = jax.jit(self._per_call_donating_stage, donate_argnums=0)
+        # XLA's options for compiling the stages (`driver.xla_kernel_cache`: its kernel cache file)
+        self.compiler_options = dict(compiler_options or {})
+        self._prepare_jitted = TopLevelJit(self._prepare_stage, self.compiler_options)
+        self._per_call_jitted = TopLevelJit(self._per_call_stage, self.compiler_options)
+        self._per_call_donating = TopLevelJit(self._per_call_donating_stage, self.compiler_options, donate_argnums=0)
 
     @property
     def program(self):
@@ -532,6 +535,8 @@ class Prepared:
         self._entry = None  # the old tensors are freed before the new ones are computed
         values = self._prepare(parameters)
         self.prepare_runs += 1
+        if any(isinstance(value, jax.core.Tracer) for value in values):
+            return values  # concrete parameters inside a trace (a differentiated call's jit): not kept past it
         self._entry = _Entry(parameters, values, self)
         return values
 
