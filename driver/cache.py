@@ -11,8 +11,9 @@ prepare split, a deterministic function of the plan, is recomputed from it: mill
 
 Where: `$EQSAT_CACHE_DIR`, else `$XDG_CACHE_HOME/eqsat`, else `~/.cache/eqsat`; plans are
 `plans/<key>.json`, a split plan's emitted stages `exported/*.bin` (`emit.exported`), and their
-compiled executables `jax/` (JAX's persistent compilation cache, see below). `optimize(...,
-cache=False)` neither reads nor writes any of them.
+compiled executables `jax/` (JAX's persistent compilation cache, see below), and on a CUDA GPU
+XLA's compiled kernels `xla-kernels/sm<capability>-jaxlib<version>.pb` (`driver.xla_kernel_cache`).
+`optimize(..., cache=False)` neither reads nor writes any of them.
 
 JAX's persistent compilation cache is on by default once a cached plan's stages run
 (`use_jax_compilation_cache`, from `Lowered.executable`): in `<cache dir>/jax`, unless the user set
@@ -96,6 +97,11 @@ def exported_dir() -> Path:
 def jax_cache_dir() -> Path:
     """Where eqsat points JAX's persistent compilation cache (`use_jax_compilation_cache`)."""
     return cache_dir() / "jax"
+
+
+def xla_kernels_dir() -> Path:
+    """Where XLA's compiled GPU kernels are kept, a file per GPU kind (`driver.xla_kernel_cache`)."""
+    return cache_dir() / "xla-kernels"
 
 
 JAX_CACHE_SWITCH = "EQSAT_JAX_CACHE"  # "0" (or off, false, no): eqsat leaves JAX's compilation cache alone
@@ -402,14 +408,16 @@ def info() -> dict:
     entries = sorted(plans_dir().glob("*.json")) if plans_dir().is_dir() else []
     exported = sorted(exported_dir().glob("*.bin")) if exported_dir().is_dir() else []
     compiled = [p for p in jax_cache_dir().rglob("*") if p.is_file()] if jax_cache_dir().is_dir() else []
+    kernels = sorted(xla_kernels_dir().glob("*.pb")) if xla_kernels_dir().is_dir() else []
     return {"dir": str(cache_dir()), "plans": len(entries), "exported": len(exported),
-            "executables": sum(p.name.endswith("-cache") for p in compiled),
-            "bytes": sum(p.stat().st_size for p in entries + exported + compiled)}
+            "executables": sum(p.name.endswith("-cache") for p in compiled), "kernel_files": len(kernels),
+            "bytes": sum(p.stat().st_size for p in entries + exported + compiled + kernels)}
 
 
 def clear() -> int:
-    """Remove every plan entry (and stray temporary files), the exported stages and JAX's compilation
-    cache in `jax_cache_dir()`; returns how many plan entries went."""
+    """Remove every plan entry (and stray temporary files), the exported stages, JAX's compilation
+    cache in `jax_cache_dir()` and XLA's kernel files in `xla_kernels_dir()`; returns how many plan
+    entries went."""
     removed = 0
     if plans_dir().is_dir():
         for path in plans_dir().iterdir():
@@ -424,6 +432,10 @@ def clear() -> int:
         import shutil
 
         shutil.rmtree(jax_cache_dir(), ignore_errors=True)
+    if xla_kernels_dir().is_dir():  # XLA's files (and its temporary ones); the folder is eqsat's
+        import shutil
+
+        shutil.rmtree(xla_kernels_dir(), ignore_errors=True)
     return removed
 
 
@@ -436,7 +448,8 @@ def main(argv=None) -> int:
     if args.command == "info":
         found = info()
         print(f"{found['dir']}: {found['plans']} plans, {found['exported']} exported stages, "
-              f"{found['executables']} compiled executables (JAX's cache), {found['bytes'] / 1e6:,.2f} MB")
+              f"{found['executables']} compiled executables (JAX's cache), {found['kernel_files']} GPU kernel files "
+              f"(XLA's), {found['bytes'] / 1e6:,.2f} MB")
     else:
         print(f"removed {clear()} plans from {cache_dir()}")
     return 0

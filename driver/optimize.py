@@ -165,29 +165,42 @@ class Lowered:
         interpret = self.interpret if interpret is None else interpret
         key = (backend, interpret, tuple(donate))
         if key not in self._emitted:
+            options = self._compiler_options()
             if self.split is not None:
                 from emit.prepare import Prepared
 
                 self._emitted[key] = Prepared(self.split, backend, interpret=interpret, donate=donate,
-                                              progress=self.progress, exported=self._exported_stages(backend, interpret))
+                                              progress=self.progress, compiler_options=options,
+                                              exported=self._exported_stages(backend, interpret, options))
             else:
                 self._emitted[key] = emit.emit(self.plan, backend, interpret=interpret, donate=donate,
-                                               progress=self.progress)
+                                               progress=self.progress, compiler_options=options)
         return self._emitted[key]
 
-    def _exported_stages(self, backend: str, interpret):
+    def _plan_cache_on(self) -> bool:
+        return bool(self.stats.get("cache_key")) and self.stats.get("cache") in ("hit", "miss")
+
+    def _compiler_options(self) -> dict:
+        """XLA's options for compiling the emitted plan: on a CUDA GPU with the plan cache on, XLA's
+        kernel cache file (`driver.xla_kernel_cache`), so a new process compiles no kernel twice."""
+        if not self._plan_cache_on():
+            return {}
+        from driver.xla_kernel_cache import compiler_options
+
+        return compiler_options()
+
+    def _exported_stages(self, backend: str, interpret, compiler_options=None):
         """The export cache of this plan's stages (`emit.exported`) when the plan cache is on: a plan
         from the plan cache then also skips tracing and lowering its kernels; and JAX's persistent
         compilation cache in the same folder (`driver.cache.use_jax_compilation_cache`), so the
         executable is loaded, not compiled."""
-        key = self.stats.get("cache_key")
-        if not key or self.stats.get("cache") not in ("hit", "miss"):
+        if not self._plan_cache_on():
             return None
         from driver.cache import exported_dir, use_jax_compilation_cache
         from emit.exported import ExportedStages
 
         use_jax_compilation_cache()  # and their executables (`EQSAT_JAX_CACHE=0`: not)
-        return ExportedStages(exported_dir(), key, backend, interpret)
+        return ExportedStages(exported_dir(), self.stats["cache_key"], backend, interpret, compiler_options)
 
     def partitioning_lines(self) -> list[str]:
         """How calls on sharded inputs ran the plan: per mesh and input shardings, the per-device
@@ -350,9 +363,8 @@ class Optimized:
 
     def _dispatcher(self):
         if self._jitted is None:
-            import jax
-
             from driver.auto_choice import times_choice
+            from emit.top_level_jit import TopLevelJit
 
             self._arguments = threading.local() if times_choice(self.backend) else None
 
@@ -360,9 +372,19 @@ class Optimized:
             def call(*args, **kwargs):
                 return self._call(*args, **kwargs)
 
-            self._jitted = jax.jit(call, static_argnums=self.static_argnums, static_argnames=self.static_argnames,
-                                   donate_argnums=self.donate_argnums, donate_argnames=self.donate_argnames)
+            self._jitted = TopLevelJit(call, self._dispatch_compiler_options(), static_argnums=self.static_argnums,
+                                       static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
+                                       donate_argnames=self.donate_argnames)
         return self._jitted
+
+    def _dispatch_compiler_options(self) -> dict | None:
+        """The dispatching jit compiles the emitted plan inline: with the plan cache on, on a CUDA GPU,
+        it gets XLA's kernel cache file (`driver.xla_kernel_cache`), as `Lowered.executable`'s jits do."""
+        if not getattr(self, "cache", True):
+            return None
+        from driver.xla_kernel_cache import compiler_options
+
+        return compiler_options() or None
 
     def _call(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)

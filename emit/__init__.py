@@ -45,6 +45,7 @@ import jax
 
 from emit.backends import plan_routes
 from emit.pallas import EmitContext, KernelCall, name_of, run_kernels
+from emit.top_level_jit import TopLevelJit
 
 BACKENDS = ("auto", "pallas", "mosaic", "hybrid", "routed", "xla", "interpret")
 
@@ -85,16 +86,19 @@ def kernel_names(plan) -> list[str]:
 class Emitted:
     """A plan as a callable of the original function's arguments (see the module docstring)."""
 
-    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None):
+    def __init__(self, plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None,
+                 compiler_options=None):
         if plan.program is None:
             raise ValueError("this plan has no program: emit needs Program.environment/results to bind arguments")
         self.plan = plan
         self.backend = resolve_backend(backend)
         self.interpret = None if interpret is None else bool(interpret)
         self.progress = progress  # the bar of kernels emitted while tracing (`emit.pallas.emission_bar`)
-        self._jitted = jax.jit(self._run_leaves)
+        # XLA's options for compiling the program (`driver.xla_kernel_cache`: its kernel cache file)
+        self.compiler_options = dict(compiler_options or {})
+        self._jitted = TopLevelJit(self._run_leaves, self.compiler_options)
         self.donate = tuple(t.args[0] for t in plan.program.inputs if t.args[0] in set(donate))  # input names
-        self._jitted_donating = jax.jit(self._run_donating, donate_argnums=0)
+        self._jitted_donating = TopLevelJit(self._run_donating, self.compiler_options, donate_argnums=0)
 
     @property
     def program(self):
@@ -149,8 +153,10 @@ class Emitted:
         return f"Emitted({len(self.plan.kernels)} kernels, backend={self.backend}{mode})"
 
 
-def emit(plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None) -> Emitted:
+def emit(plan, backend: str = "auto", *, interpret: bool | None = None, donate=(), progress=None,
+         compiler_options=None) -> Emitted:
     """The callable running `plan` with `backend` (see the module docstring); `progress` as
     `eqsat.optimize`'s: a bar of kernels emitted while the plan is traced (None: on a terminal,
-    once that takes 2 s)."""
-    return Emitted(plan, backend, interpret=interpret, donate=donate, progress=progress)
+    once that takes 2 s); `compiler_options` XLA's, for compiling it (as `jax.jit`'s)."""
+    return Emitted(plan, backend, interpret=interpret, donate=donate, progress=progress,
+                   compiler_options=compiler_options)

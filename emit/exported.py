@@ -39,6 +39,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from emit.top_level_jit import TopLevelJit
+
 FORMAT = 1
 UNSTABLE_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
 
@@ -65,11 +67,12 @@ def concrete_on_one_device(arrays) -> bool:
 class ExportedStages:
     """The exported stages of one emitted plan (see the module docstring)."""
 
-    def __init__(self, directory: Path, plan_key: str, backend: str, interpret: bool | None):
+    def __init__(self, directory: Path, plan_key: str, backend: str, interpret: bool | None, compiler_options=None):
         self.directory = Path(directory)
         self.plan_key = plan_key
         self.backend = backend
         self.interpret = interpret
+        self.compiler_options = dict(compiler_options or {})  # XLA's, for compiling the stages
         self.hits = 0       # stages read from the cache
         self.exports = 0    # stages exported and written
         self.failures: dict[str, str] = {}  # entry name -> why the stage did not export
@@ -105,7 +108,7 @@ class ExportedStages:
             exported = self._load(name) or self._export(name, fn, args, _platform(arrays))
             if exported is None:
                 return None
-            call = self._calls[name] = jax.jit(exported.call)
+            call = self._calls[name] = TopLevelJit(exported.call, self.compiler_options)
         return call
 
     def entry_name(self, stage: str, args, platform: str) -> str:
