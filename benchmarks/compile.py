@@ -18,7 +18,11 @@ Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloa
 - compile for an H100, cold and warm, ours and XLA's: `measure.xla_target`'s deviceless H100
   topology in a fresh process with JAX's persistent compilation cache on (a folder of its own, every
   entry kept: `jax_persistent_cache_min_compile_time_secs=0`), twice; the second process reads
-  what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events.
+  what the first wrote. `cache_hits` counts JAX's `/jax/compilation_cache/cache_hits` events
+  (none: a deviceless compile cannot read JAX's entries back). Both processes also get XLA's kernel
+  cache file as eqsat gives it on a GPU (`driver.xla_kernel_cache`; ours in the plan cache folder,
+  XLA's in one of its own): `ptxas_cpu_seconds` (the compile's child processes) is zero where every
+  kernel came from the file.
   Ours re-plans in those processes (an optimized function pickles without its plan) from the
   warm plan cache.
 
@@ -177,7 +181,11 @@ def child_plan(component: str, batch: int, size: int | None, kernels: bool) -> d
 
 def child_compile(request: dict) -> dict[str, Any]:
     """Compile `request["fn"]` for the H100 topology with JAX's persistent compilation cache in
-    `request["jax_cache"]`: lower and compile seconds, cache hit and miss events."""
+    `request["jax_cache"]` and XLA's kernel cache file as eqsat gives it (`driver.xla_kernel_cache`,
+    under `EQSAT_CACHE_DIR`): lower and compile seconds, cache hit and miss events, the CPU seconds of
+    the compile's child processes (ptxas: zero when every kernel came from the kernel cache)."""
+    import resource
+
     import jax
     import numpy as np
     from jax._src import monitoring
@@ -195,12 +203,21 @@ def child_compile(request: dict) -> dict[str, Any]:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
     args = jax.tree_util.tree_map(place, request["args"])
+    from driver.xla_kernel_cache import compiler_options
+
+    options = compiler_options(topology.devices) if request.get("kernel_cache", True) else {}
     start = time.perf_counter()
-    lowered = jax.jit(request["fn"]).lower(*args)
+    lowered = jax.jit(request["fn"], compiler_options=options or None).lower(*args)
     lower_seconds = time.perf_counter() - start
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     lowered.compile()
-    return {"lower_seconds": lower_seconds, "compile_seconds": time.perf_counter() - start,
+    compile_seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    kernel_file = options.get("xla_gpu_kernel_cache_file")
+    return {"lower_seconds": lower_seconds, "compile_seconds": compile_seconds,
+            "ptxas_cpu_seconds": after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime,
+            "kernel_cache_bytes": Path(kernel_file).stat().st_size if kernel_file and Path(kernel_file).exists() else 0,
             "cache_hits": events.get("/jax/compilation_cache/cache_hits", 0),
             "cache_requests": events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
             "cache_entries": len(list(Path(request["jax_cache"]).glob("*")))}
@@ -340,8 +357,11 @@ def measure_component(component: str, batch: int, size: int | None, log=print) -
     xla = {"fn": workload.fn, "args": list(workload.args)}
     for name, request in (("ours", ours), ("xla", xla)):
         jax_cache = tempfile.mkdtemp(prefix=f"eqsat_jax_cache_{name}_")
+        # XLA's kernel cache file lives in the eqsat cache folder: ours in the plan's, XLA's in its own
+        # (so that neither compiles the other's kernels warm)
+        side_env = env if name == "ours" else {"EQSAT_CACHE_DIR": tempfile.mkdtemp(prefix="eqsat_xla_kernels_")}
         for attempt in ("cold", "warm"):
-            result = _run_child("compile", {**request, "jax_cache": jax_cache}, env)
+            result = _run_child("compile", {**request, "jax_cache": jax_cache}, side_env)
             row[f"compile_{name}_{attempt}"] = result
             log(f"{component}: compile {name} {attempt} {result}")
     row["load_after"] = _load()
@@ -429,8 +449,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     def sec(entry, key="compile_seconds"):
         return f"{entry[key]:.1f}" if isinstance(entry, dict) and key in entry else "error"
 
+    def ptxas(entry):
+        return f"{entry['ptxas_cpu_seconds']:.1f}" if isinstance(entry, dict) and "ptxas_cpu_seconds" in entry else "?"
+
     print("| component | plan cold s | plan warm s (cache) | kernels launched / distinct / lowered | trace+lower s | "
-          "ours compile cold / warm s (hits) | XLA compile cold / warm s (hits) | load before / after |")
+          "ours compile cold / warm s (JAX hits; ptxas CPU s cold / warm) | XLA compile cold / warm s (JAX hits) | "
+          "load before / after |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         warm = r["plan_warm"]
@@ -440,7 +464,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"({warm.get('cache')}) | {kernels.get('launched', '?')} / {kernels.get('distinct', '?')} / "
               f"{kernels.get('lowered', '?')} | "
               f"{sec(warm, 'trace_lower_seconds')} | {sec(r['compile_ours_cold'])} / {sec(r['compile_ours_warm'])} "
-              f"({hits(r['compile_ours_warm'])}) | {sec(r['compile_xla_cold'])} / {sec(r['compile_xla_warm'])} "
+              f"({hits(r['compile_ours_warm'])}; {ptxas(r['compile_ours_cold'])} / {ptxas(r['compile_ours_warm'])}) | "
+              f"{sec(r['compile_xla_cold'])} / {sec(r['compile_xla_warm'])} "
               f"({hits(r['compile_xla_warm'])}) | {r['load_before']} / {r['load_after']} |")
 
 
