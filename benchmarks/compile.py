@@ -223,6 +223,63 @@ def child_compile(request: dict) -> dict[str, Any]:
             "cache_entries": len(list(Path(request["jax_cache"]).glob("*")))}
 
 
+def child_ready(request: dict) -> dict[str, Any]:
+    """One process of a start, deviceless on the H100 topology, as a deployment's first call on a GPU
+    makes it: plan (from the plan cache when warm), the per-call stage exported to StableHLO for
+    CUDA or read back (what `emit.exported` keeps), its call lowered and compiled with XLA's kernel
+    cache file (`driver.xla_kernel_cache`). Seconds per step; ptxas CPU seconds."""
+    import resource
+
+    import jax
+    import numpy as np
+
+    from driver.xla_kernel_cache import compiler_options
+    from emit.exported import UNSTABLE_CUSTOM_CALLS
+    from measure import compare
+    from measure.xla_target import h100_topology
+
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name):
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = seconds.get(name, 0.0) + now - clock
+        clock = now
+
+    workload = _workload(request["component"], request["batch"], request["size"])
+    fast = _optimized(workload)
+    lowered = fast.lower(*workload.args)
+    prepared = lowered.split.prepared_specs() if lowered.split is not None else []
+    lap("plan")
+    topology = h100_topology()
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topology.devices), ("x",)),
+                                          jax.sharding.PartitionSpec())
+    abstract = [prepared, *workload.args]
+    placed = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+    lap("topology")
+    path = Path(request["exported"])
+    if path.is_file():
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+        lap("read")
+    else:
+        checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in UNSTABLE_CUSTOM_CALLS]
+        exported = jax.export.export(jax.jit(functools.partial(compare.emitted_per_call, fast)), platforms=("cuda",),
+                                     disabled_checks=checks)(*abstract)
+        lap("trace")
+        path.write_bytes(exported.serialize())
+        lap("write")
+    options = compiler_options(topology.devices)
+    compiled_lowering = jax.jit(exported.call, compiler_options=options or None).lower(*placed)
+    lap("lower")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    compiled_lowering.compile()
+    lap("compile")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"seconds": seconds, "cache": lowered.stats.get("cache"), "kernel_cache": bool(options),
+            "ptxas_cpu_seconds": after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime}
+
+
 def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 7200,
                keep_stderr: bool = False) -> dict[str, Any]:
     """Run a child of this module in a fresh process; its JSON result (or its error), with the
@@ -234,7 +291,7 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
     with tempfile.TemporaryDirectory(prefix="eqsat_compile_") as scratch:
         request, report = Path(scratch) / "request.pkl", Path(scratch) / "report.json"
         request.write_bytes(cloudpickle.dumps(payload))
-        compiles = kind in ("compile", "phases")
+        compiles = kind in ("compile", "phases", "ready")
         child_env = _child_env(Path(scratch) / "dump") if compiles else dict(os.environ)
         if compiles:  # no XLA dump: it is not read here, and it costs disk and time
             child_env["XLA_FLAGS"] = " ".join(f for f in child_env["XLA_FLAGS"].split() if "xla_dump_to" not in f)
@@ -325,6 +382,8 @@ def _child_main(kind: str, request_path: str, report_path: str) -> int:
             result = child_plan(**request)
         elif kind == "phases":
             result = child_phases(request)
+        elif kind == "ready":
+            result = child_ready(request)
         else:
             result = child_compile(request)
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -445,6 +504,35 @@ def _duplicated(xs, *, alike: bool):
     return outs
 
 
+def measure_ready(component: str, batch: int, size: int | None, log=print) -> dict[str, Any]:
+    """A cold then a warm start of `component` in fresh processes on one eqsat cache folder, deviceless
+    on the H100 topology (`child_ready`): what a second process pays before its first launch."""
+    row: dict[str, Any] = {"component": component, "load_before": _load()}
+    folder = tempfile.mkdtemp(prefix="eqsat_ready_")
+    env = {"EQSAT_CACHE_DIR": folder}
+    request = {"component": component, "batch": batch, "size": size, "exported": str(Path(folder) / "per_call.bin")}
+    for attempt in ("cold", "warm"):
+        row[attempt] = _run_child("ready", request, env)
+        log(f"{component}: {attempt} start {row[attempt]}")
+    row["load_after"] = _load()
+    return row
+
+
+def print_ready(rows: list[dict[str, Any]]) -> None:
+    steps = ("plan", "topology", "trace", "write", "read", "lower", "compile")
+    print(f"| component | start | plan from | {' | '.join(steps)} | ptxas CPU s | process wall s | load before / after |")
+    print("|---|---|---|" + "---:|" * (len(steps) + 2) + "---|")
+    for row in rows:
+        for attempt in ("cold", "warm"):
+            run = row[attempt]
+            if "error" in run:
+                print(f"| {row['component']} | {attempt} | error: {run['error'][-200:]} |")
+                continue
+            cells = " | ".join(f"{run['seconds'][step]:.2f}" if step in run["seconds"] else "-" for step in steps)
+            print(f"| {row['component']} | {attempt} | {run['cache']} | {cells} | {run['ptxas_cpu_seconds']:.1f} | "
+                  f"{run['wall_seconds']:.1f} | {row['load_before']} / {row['load_after']} |")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     def sec(entry, key="compile_seconds"):
         return f"{entry[key]:.1f}" if isinstance(entry, dict) and key in entry else "error"
@@ -478,6 +566,8 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", action="store_true", help="only where the cold compile goes, by phase")
     parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases")
     parser.add_argument("--xla-flags", default="", help="with --phases: added to XLA_FLAGS in both children")
+    parser.add_argument("--ready", action="store_true",
+                        help="only a cold and a warm start, deviceless: plan, exported stage, compile with XLA's kernel cache")
     parser.add_argument("--fingerprint", action="store_true",
                         help="only the Triton kernels' fingerprint (names and IR, no debug locations) per component")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -489,6 +579,9 @@ def main(argv=None) -> int:
     if args.duplicates:
         results: Any = measure_duplicates(args.duplicates, log)
         print(json.dumps(results, indent=2))
+    elif args.ready:
+        results = [measure_ready(c.strip(), args.batch, args.size, log) for c in args.components.split(",")]
+        print_ready(results)
     elif args.fingerprint:
         results = {}
         for component in (c.strip() for c in args.components.split(",")):
