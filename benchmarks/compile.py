@@ -140,10 +140,10 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _workload(component: str, batch: int, size: int | None):
+def _workload(component: str, batch: int, size: int | None, config: str = "full"):
     from sd15 import workloads as sd15_workloads
 
-    return sd15_workloads.workloads(batch=batch, size=size, components=(component,))[component]
+    return sd15_workloads.workloads(batch=batch, size=size, config=config, components=(component,))[component]
 
 
 def _optimized(workload):
@@ -247,7 +247,7 @@ def child_ready(request: dict) -> dict[str, Any]:
         seconds[name] = seconds.get(name, 0.0) + now - clock
         clock = now
 
-    workload = _workload(request["component"], request["batch"], request["size"])
+    workload = _workload(request["component"], request["batch"], request["size"], request.get("config", "full"))
     fast = _optimized(workload)
     lowered = fast.lower(*workload.args)
     prepared = lowered.split.prepared_specs() if lowered.split is not None else []
@@ -504,13 +504,14 @@ def _duplicated(xs, *, alike: bool):
     return outs
 
 
-def measure_ready(component: str, batch: int, size: int | None, log=print) -> dict[str, Any]:
+def measure_ready(component: str, batch: int, size: int | None, config: str = "full", log=print) -> dict[str, Any]:
     """A cold then a warm start of `component` in fresh processes on one eqsat cache folder, deviceless
     on the H100 topology (`child_ready`): what a second process pays before its first launch."""
-    row: dict[str, Any] = {"component": component, "load_before": _load()}
+    row: dict[str, Any] = {"component": component, "config": config, "load_before": _load()}
     folder = tempfile.mkdtemp(prefix="eqsat_ready_")
     env = {"EQSAT_CACHE_DIR": folder}
-    request = {"component": component, "batch": batch, "size": size, "exported": str(Path(folder) / "per_call.bin")}
+    request = {"component": component, "batch": batch, "size": size, "config": config,
+               "exported": str(Path(folder) / "per_call.bin")}
     for attempt in ("cold", "warm"):
         row[attempt] = _run_child("ready", request, env)
         log(f"{component}: {attempt} start {row[attempt]}")
@@ -564,7 +565,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--duplicates", type=int, default=0, help="only the N identical kernels experiment")
     parser.add_argument("--phases", action="store_true", help="only where the cold compile goes, by phase")
-    parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases")
+    parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases and --ready")
     parser.add_argument("--xla-flags", default="", help="with --phases: added to XLA_FLAGS in both children")
     parser.add_argument("--ready", action="store_true",
                         help="only a cold and a warm start, deviceless: plan, exported stage, compile with XLA's kernel cache")
@@ -580,7 +581,7 @@ def main(argv=None) -> int:
         results: Any = measure_duplicates(args.duplicates, log)
         print(json.dumps(results, indent=2))
     elif args.ready:
-        results = [measure_ready(c.strip(), args.batch, args.size, log) for c in args.components.split(",")]
+        results = [measure_ready(c.strip(), args.batch, args.size, args.config, log) for c in args.components.split(",")]
         print_ready(results)
     elif args.fingerprint:
         results = {}

@@ -193,3 +193,22 @@ def test_kernel_fingerprint_ignores_source_lines_not_what_runs():
     assert kernel_fingerprint(first) != kernel_fingerprint(_lowered(other))
     assert kernel_fingerprint(first) != kernel_fingerprint(_lowered(here, name="renamed"))
     assert "loc(" not in kernel_text(triton_calls(first)[0][1]) and "tt.func" in kernel_text(triton_calls(first)[0][1])
+
+
+@pytest.mark.slow
+def test_a_warm_start_of_the_tiny_text_encoder_reads_everything_back():
+    """Two fresh processes on one cache folder, deviceless: the second plans from the plan cache, reads
+    the exported per-call stage instead of tracing it, and compiles with no ptxas (XLA's kernel cache)."""
+    from benchmarks.compile import measure_ready, print_ready
+    from measure import xla_target
+
+    if xla_target.prepare_target() is not None:
+        pytest.skip("the H100 compile target is not installed")
+    row = measure_ready("text_encoder", 2, None, "tiny", log=lambda message: None)
+    cold, warm = row["cold"], row["warm"]
+    assert "error" not in cold and "error" not in warm, (cold.get("error"), warm.get("error"))
+    assert (cold["cache"], warm["cache"]) == ("miss", "hit") and cold["kernel_cache"] and warm["kernel_cache"]
+    assert "trace" in cold["seconds"] and "read" not in cold["seconds"]
+    assert "read" in warm["seconds"] and "trace" not in warm["seconds"]
+    assert cold["ptxas_cpu_seconds"] > 0 and warm["ptxas_cpu_seconds"] <= 0.1 * cold["ptxas_cpu_seconds"]
+    print_ready([row])
