@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import pytest
@@ -260,7 +259,9 @@ COMPILE_TWICE = textwrap.dedent("""
     from driver.xla_kernel_cache import compiler_options
     from tests.test_xla_kernel_cache import mlp
 
-    shapes = (((64, 128), (128, 64)), (256, 64))
+    import sys
+    width = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    shapes = (((64, width), (width, 64)), (256, 64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.float16), shapes,
@@ -281,22 +282,40 @@ def compiled_entries(dump: Path) -> set[str]:
     return {name for ptx in dump.glob("*.ptx") for name in re.findall(r"\.visible \.entry (\w+)\(", ptx.read_text())}
 
 
-def test_a_second_process_compiles_no_kernel_again(tmp_path):
+def compile_process(tmp_path: Path, dump: str, width: int = 128) -> subprocess.Popen:
+    """A fresh process compiling the MLP's plan for the deviceless H100 with eqsat's kernel cache
+    options (the cache folder `tmp_path / "eqsat"`), dumping XLA's output in `tmp_path / dump`."""
+    from measure import xla_target
+
+    root = Path(__file__).resolve().parent.parent
+    env = xla_target._child_env(tmp_path / dump)
+    env["EQSAT_CACHE_DIR"] = str(tmp_path / "eqsat")
+    env.pop(kernel_cache.SWITCH, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env["PYTHONPATH"]])
+    return subprocess.Popen([sys.executable, "-c", COMPILE_TWICE, str(width)], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen) -> str:
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def h100_target_or_skip():
     from measure import xla_target
 
     reason = xla_target.unavailable_reason()
     if reason is not None:
         pytest.skip(f"the H100 compile target is not usable: {reason}")
-    root = Path(__file__).resolve().parent.parent
+
+
+def test_a_second_process_compiles_no_kernel_again(tmp_path):
+    h100_target_or_skip()
     compiled, files = [], []
     for attempt in ("cold", "warm"):
-        env = xla_target._child_env(tmp_path / f"dump-{attempt}")
-        env["EQSAT_CACHE_DIR"] = str(tmp_path / "eqsat")
-        env.pop(kernel_cache.SWITCH, None)
-        env["PYTHONPATH"] = os.pathsep.join([str(root), env["PYTHONPATH"]])
-        done = subprocess.run([sys.executable, "-c", COMPILE_TWICE], env=env, cwd=root, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        stdout = finished(compile_process(tmp_path, f"dump-{attempt}"))
+        done = SimpleNamespace(stdout=stdout)
         line = next(line for line in done.stdout.splitlines() if line.startswith("KERNELS"))
         kernels, path = int(line.split()[1]), Path(line.split()[2])
         compiled.append(compiled_entries(tmp_path / f"dump-{attempt}"))
@@ -305,3 +324,15 @@ def test_a_second_process_compiles_no_kernel_again(tmp_path):
     assert len(compiled[0]) >= kernels  # every plan kernel (and XLA's own fusions) compiled cold
     assert compiled[1] == set(), compiled[1]  # warm: not one PTX entry, every kernel read from the file
     assert kernel_cache.well_formed(files[0]) and files[1] == files[0]
+
+
+def test_two_processes_writing_at_once_leave_a_well_formed_file(tmp_path):
+    """XLA writes the file through a temporary file and a rename: two compiles of different kernels
+    finishing together leave one whole file (one of them may lose its new kernels, never corrupt it)."""
+    h100_target_or_skip()
+    processes = [compile_process(tmp_path, f"dump-{width}", width) for width in (96, 160)]
+    paths = {Path(finished(p).split()[-1]) for p in processes}
+    (path,) = paths
+    data = path.read_bytes()
+    assert kernel_cache.well_formed(data) and b"matmul" in data
+    assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left behind
