@@ -19,6 +19,7 @@ import eqsat
 from emit.prepare import split_plan
 from eqsat.term import Term
 from test_fuzz import programs
+from test_xla_kernel_cache import mlp, mlp_args
 
 D, N, T = 24, 40, 9  # model width, head width (a multiple of 8 but not of 16), tokens
 
@@ -193,25 +194,16 @@ def test_under_jit_and_grad_nothing_is_cached(lowered):
     assert run.prepare_runs == before
 
 
-def normed_mlp(params, x):
-    w1, w2 = params
-    h = jax.nn.gelu(x @ w1)
-    h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
-    return h @ w2
-
-
 def test_concrete_parameters_inside_a_differentiated_call_are_not_kept():
     """Differentiated in its input only, a call prepares concrete parameters inside the planned
     backward's trace: those prepared values are that trace's and must not serve the next call (an
     UnexpectedTracerError before). The next concrete call prepares them again and is right."""
-    rng = np.random.default_rng(5)
-    params = (rng.standard_normal((24, 40)).astype(np.float32), rng.standard_normal((40, 24)).astype(np.float32))
-    x = rng.standard_normal((16, 24)).astype(np.float32)
-    fast = eqsat.optimize(normed_mlp, params_argnums=0, backend="xla", progress=False)
-    want = jax.jit(normed_mlp)(params, x)
+    params, x = mlp_args()
+    fast = eqsat.optimize(mlp, params_argnums=0, backend="xla", progress=False)
+    want = jax.jit(mlp)(params, x)
     np.testing.assert_allclose(np.asarray(jax.jit(fast)(params, x)), np.asarray(want), rtol=1e-5, atol=1e-5)
     got = jax.grad(lambda x: jnp.sum(fast(params, x) ** 2))(x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(lambda x: jnp.sum(normed_mlp(params, x) ** 2))(x)),
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(lambda x: jnp.sum(mlp(params, x) ** 2))(x)),
                                rtol=1e-4, atol=1e-4)
     for _ in range(2):
         np.testing.assert_allclose(np.asarray(fast(params, x)), np.asarray(want), rtol=1e-5, atol=1e-5)
