@@ -372,7 +372,8 @@ class Optimized:
             def call(*args, **kwargs):
                 return self._call(*args, **kwargs)
 
-            self._jitted = TopLevelJit(call, self._dispatch_compiler_options(), static_argnums=self.static_argnums,
+            self._jitted = TopLevelJit(call, self._dispatch_compiler_options(), progress=self.progress,
+                                       static_argnums=self.static_argnums,
                                        static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
                                        donate_argnames=self.donate_argnames)
         return self._jitted

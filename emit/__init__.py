@@ -96,9 +96,10 @@ class Emitted:
         self.progress = progress  # the bar of kernels emitted while tracing (`emit.pallas.emission_bar`)
         # XLA's options for compiling the program (`driver.xla_kernel_cache`: its kernel cache file)
         self.compiler_options = dict(compiler_options or {})
-        self._jitted = TopLevelJit(self._run_leaves, self.compiler_options)
+        status = dict(kernels=len(plan.kernels), progress=progress)  # the compile's status line
+        self._jitted = TopLevelJit(self._run_leaves, self.compiler_options, **status)
         self.donate = tuple(t.args[0] for t in plan.program.inputs if t.args[0] in set(donate))  # input names
-        self._jitted_donating = TopLevelJit(self._run_donating, self.compiler_options, donate_argnums=0)
+        self._jitted_donating = TopLevelJit(self._run_donating, self.compiler_options, donate_argnums=0, **status)
 
     @property
     def program(self):

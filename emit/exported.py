@@ -108,7 +108,7 @@ class ExportedStages:
             exported = self._load(name) or self._export(name, fn, args, _platform(arrays))
             if exported is None:
                 return None
-            call = self._calls[name] = TopLevelJit(exported.call, self.compiler_options)
+            call = self._calls[name] = TopLevelJit(exported.call, self.compiler_options, label=stage)
         return call
 
     def entry_name(self, stage: str, args, platform: str) -> str:

@@ -489,9 +489,12 @@ class Prepared:
         self._entry: _Entry | None = None
         # XLA's options for compiling the stages (`driver.xla_kernel_cache`: its kernel cache file)
         self.compiler_options = dict(compiler_options or {})
-        self._prepare_jitted = TopLevelJit(self._prepare_stage, self.compiler_options)
-        self._per_call_jitted = TopLevelJit(self._per_call_stage, self.compiler_options)
-        self._per_call_donating = TopLevelJit(self._per_call_donating_stage, self.compiler_options, donate_argnums=0)
+        prepare = dict(label="prepare", kernels=len(split.prepared.kernels), progress=progress)  # compile status
+        per_call = dict(kernels=len(split.per_call.kernels), progress=progress)
+        self._prepare_jitted = TopLevelJit(self._prepare_stage, self.compiler_options, **prepare)
+        self._per_call_jitted = TopLevelJit(self._per_call_stage, self.compiler_options, **per_call)
+        self._per_call_donating = TopLevelJit(self._per_call_donating_stage, self.compiler_options, donate_argnums=0,
+                                              **per_call)
 
     @property
     def program(self):

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import pytest
@@ -230,7 +231,7 @@ def test_an_optimized_function_inside_the_users_jit(options_on_this_cpu, params_
 def test_a_top_level_jit_uses_its_options_only_outside_a_trace(monkeypatch):
     from emit.top_level_jit import TopLevelJit
 
-    run = TopLevelJit(lambda x: x * 2, {"xla_gpu_kernel_cache_file": "/nonexistent/kernels.pb"})
+    run = TopLevelJit(lambda x: x * 2, {"xla_gpu_kernel_cache_file": "/nonexistent/kernels.pb"}, progress=False)
     called = []
     for name in ("plain", "optioned"):
         jitted = getattr(run, name)
@@ -336,3 +337,33 @@ def test_two_processes_writing_at_once_leave_a_well_formed_file(tmp_path):
     data = path.read_bytes()
     assert kernel_cache.well_formed(data) and b"matmul" in data
     assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left behind
+
+
+# --- a status line while XLA compiles --------------------------------------------------------------
+
+
+def test_the_first_call_compiles_under_a_status_line_once(capsys):
+    from emit.top_level_jit import TopLevelJit
+
+    traces = []
+
+    def stage(x):
+        traces.append(x.shape)
+        return jnp.tanh(x) * 2
+
+    run = TopLevelJit(stage, label="per_call", kernels=7, progress=True)
+    x = np.linspace(-3, 3, 12, dtype=np.float32)
+    np.testing.assert_allclose(run(x), np.tanh(x) * 2, rtol=1e-6)
+    shown = capsys.readouterr().err
+    assert "eqsat compile per_call (7 kernels)" in shown
+    np.testing.assert_allclose(run(x + 1), np.tanh(x + 1) * 2, rtol=1e-6)
+    assert capsys.readouterr().err == "" and len(traces) == 1  # traced once: the call ran what compile made
+    assert run.plain._cache_size() == 1
+
+
+def test_no_status_line_when_progress_is_off(capsys):
+    from emit.top_level_jit import TopLevelJit
+
+    run = TopLevelJit(lambda x: x + 1, progress=False)
+    assert float(run(np.float32(1))) == 2.0
+    assert "eqsat compile" not in capsys.readouterr().err
