@@ -172,6 +172,10 @@ CASES = {
     "conv concat gn haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 192), F16), S((1, 15, 15, 192), F16),
                                                      S((384,), F16), S((384,), F16), S((16, 384, 3, 3), F16),
                                                      S((16,), F16))),
+    # concat(64, 128) in groups of 3: group 21 spans both tensors (the cut made in the distributed form)
+    "conv concat inside a group haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 64), F16), S((1, 15, 15, 128), F16),
+                                                                 S((192,), F16), S((192,), F16),
+                                                                 S((16, 192, 3, 3), F16), S((16,), F16))),
     # the 1x1 shortcut merged with the 3x3 conv2: a 64-channel range over the centre tap, then 192 x 9 taps
     "conv merged shortcut haloed": (_conv_and_shortcut, (S((2, 15, 15, 64), F16), S((2, 15, 15, 192), F16),
                                                          S((192,), F16), S((192,), F16), S((64, 192, 3, 3), F16),

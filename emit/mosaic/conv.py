@@ -29,7 +29,7 @@ channel block; a nearest-2x upsample is part of the input expression.
 Convs the haloed template covers (`emit.mosaic.conv_halo`: stride 1, up to 3x3, an NHWC input, K
 ranges of 64k channels each: concats and merged shortcuts, a 3x3 over a nearest-2x upsample in its
 phase form) run there: it reads each range's tensor as it lies and applies its input expression in
-SMEM. For the others (stride 2, fewer than 64 channels, a concat inside a GroupNorm group), the input expression of each range (a GroupNorm apply + SiLU
+SMEM. For the others (stride 2, fewer than 64 channels, rows too wide to stage), the input expression of each range (a GroupNorm apply + SiLU
 from hosted statistics, an upsample view, an NCHW permute) is evaluated whole before the kernel as
 one XLA fusion that writes the laid-out input (padding applied after it, so a tap in the padding
 reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the

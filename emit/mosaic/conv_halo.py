@@ -12,7 +12,9 @@ input element, so no XLA fusion lays out, concatenates, upsamples or normalizes 
 K ranges (`eqsat.tiling.mosaic.halo_parts`): the conv's K ranges (`emit.pallas.conv.k_ranges`: a
 top-level `concat(h, skip)`, a merged 1x1 shortcut over the centre tap), each cut again where a
 concat *inside* its expression switches tensors (`eqsat.tiling.channel_parts`: GroupNorm + SiLU over
-`concat(h, skip)` is that expression over h's channels, then over skip's). Each range stages its own
+`concat(h, skip)` is that expression over h's channels, then over skip's; a concat inside a group,
+1920 = 1280 + 640 in groups of 60, is cut after `distribute_reshapes`, the straddling group's
+statistics read per channel). Each range stages its own
 tensor (from a channel offset) with its own prologue and vectors, one after the other through the
 same staging slots, weight ring and accumulator.
 
@@ -55,9 +57,9 @@ not fill the SMs).
 Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input, K
 ranges of a multiple of 64 channels each (TMA reads 64-channel chunks of halves), rows of at most
 256 pixels whose staged chunks fit SMEM, expressions that read one tensor at their own index (from
-a channel offset) and otherwise only per-channel (and per-image) vectors, concats cut on GroupNorm
-group boundaries (not one inside a group: 1920 = 1280 + 640 in groups of 60), and for the phase form
-Cout a multiple of 64. Not: stride 2, fewer than 64 channels.
+a channel offset) and otherwise only per-channel (and per-image) vectors, concats anywhere in the
+expression's channels (`eqsat.tiling.channel_parts`), and for the phase form Cout a multiple of 64.
+Not: stride 2, fewer than 64 channels.
 """
 
 from __future__ import annotations
