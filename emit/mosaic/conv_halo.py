@@ -77,9 +77,9 @@ from jax import lax
 from emit import expr as ex
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place
-from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
-                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_blocks, phase_geometry,
-                                 tap_list, upsample_source)
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks,
+                                 halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
+                                 phase_geometry, tap_list, upsample_source)
 from eqsat.types import parse_type
 
 
@@ -91,15 +91,19 @@ class HaloUncovered(NotImplementedError):
 
 
 def row_mask(grid: HaloGrid) -> np.ndarray:
-    """`[m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in the padding
-    (and past its staged rows)."""
-    (h, w), wp = grid.geometry.in_size, grid.pitch
-    (py0, _), (px0, _) = grid.geometry.params.padding
+    """`[strips · m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in
+    the padding (and past its staged rows, and outside the image's columns in an edge strip)."""
+    h, wp = grid.geometry.in_size[0], grid.pitch
+    (py0, _), _ = grid.geometry.params.padding
     j = np.arange(grid.staging)
     first = (np.arange(grid.m_tiles) * grid.tile_m) // wp
     yp, xp = first[:, None] + j[None, :] // wp, j % wp
-    inside = (j < grid.staged_rows * wp) & (xp >= px0) & (xp < px0 + w)
-    return (inside & (yp >= py0) & (yp < py0 + h)).astype(np.float16)
+    masks = []
+    for strip in range(grid.strips):
+        _start, columns, at = grid.strip_columns(strip)
+        inside = (j < grid.staged_rows * wp) & (xp >= at) & (xp < at + columns)
+        masks.append(inside & (yp >= py0) & (yp < py0 + h))
+    return np.concatenate(masks).astype(np.float16)
 
 
 class _Recording:
@@ -302,7 +306,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     epi_m, epi_n = blocks.epi_m, blocks.epi_n
     dtype, out_dtype = x_gmems[0].dtype, out_gmem.dtype
     n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
-    q0 = m_idx * tile_m
+    strip = lax.div(m_idx, grid.m_tiles)  # a strip of the columns (`HaloGrid.strips`), rows in it:
+    q0 = lax.rem(m_idx, grid.m_tiles) * tile_m
     first_row = lax.div(q0, wp)
     a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
     phase = lax.div(n_idx * tile_n, phase_cols) if phase_cols else 0  # the phase form: this CTA's (py, px)
@@ -321,13 +326,25 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
               ring_barriers, mask_barrier, operand_barriers, acc_ref):
 
+        def copy_rows(p, channels, slot, barrier, start, columns, at):
+            for i in range(grid.staged_rows):
+                y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
+                plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
+                                        staged.at[slot, pl.ds(i * wp + at, columns)], barrier)
+
         def stage(p, chunk, slot):
             part, barrier = parts[p], staged_barriers[p].at[slot]
             channels = pl.ds(part.offset + chunk * CHUNK, CHUNK)
-            for i in range(grid.staged_rows):
-                y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
-                plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, :, channels],
-                                        staged.at[slot, pl.ds(i * wp + px0, width)], barrier)
+            if grid.strips == 1:
+                copy_rows(p, channels, slot, barrier, *grid.strip_columns(0))
+            else:  # an edge strip copies the columns inside the image; an inner one all its pitch
+                for edge in (0, grid.strips - 1):
+                    pl.when(strip == edge)(lambda edge=edge: copy_rows(p, channels, slot, barrier,
+                                                                       *grid.strip_columns(edge)))
+                if grid.strips > 2:
+                    inner = strip * grid.strip_width - px0
+                    pl.when((strip > 0) & (strip < grid.strips - 1))(
+                        lambda: copy_rows(p, channels, slot, barrier, inner, wp, 0))
             for table, row, rows in part.vectors:
                 plgpu.copy_gmem_to_smem(
                     vector_gmems[table].at[0 if vector_shared[table] else b_idx, pl.ds(row, rows),
@@ -406,11 +423,11 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
 
         plgpu.wgmma_wait(0)
         acc = acc_ref[...]
-        rows0 = b_idx * m_padded + q0
+        rows0 = b_idx * m_padded + m_idx * tile_m
         for em in range(tile_m // epi_m):
             for en in range(tile_n // epi_n):
                 slot = (em * (tile_n // epi_n) + en) % 2
-                row_slice = pl.ds(q0 + em * epi_m, epi_m)
+                row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
                 col_slice = pl.ds(n_idx * tile_n + en * epi_n, epi_n)
                 tiles = []
                 for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
@@ -508,13 +525,13 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         raise ValueError(f"blocks' tile_m {blocks.tile_m} is not the grid's {grid.tile_m}")
     out_dtype = jnp.dtype(out_dtype or w.dtype)
     batch = g.batch
-    m_padded = grid.m_tiles * grid.tile_m
+    m_padded = grid.m_padded
     weight_window = tuple(weight_window or g.window)
     weight_channels = w.shape[0] // (math.prod(weight_window) * (4 if phase_cols else 1))
     n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
     if phase_cols and phase_cols % blocks.tile_n:
         raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
-    mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
+    mask = jnp.asarray(row_mask(grid).reshape(grid.strips * grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
     arrays, kinds, shared = [], [], []
     for operand in operands:
         a = operand.array
@@ -535,7 +552,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
                               weight_window=weight_window, weight_channels=weight_channels,
                               phase_cols=phase_cols),
             out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
-            grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
+            grid=(n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch),
             grid_names=("n", "m", "b"),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=mm._kernel_name(name),
@@ -554,26 +571,41 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     return out.reshape(batch, m_padded, n_padded)
 
 
+def _strips_side_by_side(out: jax.Array, grid: HaloGrid, columns: int) -> jax.Array:
+    """`[batch, m_padded, columns]` flat rows as `[batch, Ho, Wo, columns]` (each strip's rows of its
+    pitch, the strips side by side)."""
+    g, s, wp, ws = grid.geometry, grid.strips, grid.pitch, grid.strip_width
+    ho = g.out_size[0]
+    out = out[:, :, :columns].reshape(g.batch, s, grid.m_tiles * grid.tile_m, columns)[:, :, :ho * wp]
+    out = out.reshape(g.batch, s, ho, wp, columns)[:, :, :, :ws]
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(g.batch, ho, s * ws, columns)
+
+
 def unflatten(out: jax.Array, grid: HaloGrid, out_features: int) -> jax.Array:
     """`build`'s flat rows as the conv's output (its `out_spec` layout)."""
     g = grid.geometry
-    (ho, wo), wp = g.out_size, grid.pitch
-    out = out[:, :ho * wp, :out_features].reshape(g.batch, ho, wp, out_features)[:, :, :wo, :]
+    out = _strips_side_by_side(out, grid, out_features)
     order = [0] * 4
     for position, axis in enumerate(g.params.out_spec):
         order[axis] = (0, 3, 1, 2)[position]
     return jnp.transpose(out, order)
 
 
+def _flat_pixels(grid: HaloGrid, m_padded: int) -> tuple:
+    """`(row, column, valid)` of the grid's output pixel at each flat row `[1, m_padded, 1]`."""
+    wp, ws, m_strip = grid.pitch, grid.strip_width, grid.m_tiles * grid.tile_m
+    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    strip, local = q // m_strip, q % m_strip
+    oy, ox = local // wp, local % wp
+    return oy, strip * ws + ox, (oy < grid.geometry.out_size[0]) & (ox < ws) & (strip < grid.strips)
+
+
 def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     """The conv output's index at each flat row and channel, `[batch, m_padded, N]` (clamped to 0 off
     the output), for mapping the epilogue's operands onto the flat rows."""
     g = grid.geometry
-    (ho, wo), wp = g.out_size, grid.pitch
-    q = np.arange(m_padded).reshape(1, m_padded, 1)
     b = np.arange(g.batch).reshape(g.batch, 1, 1)
-    oy, ox = q // wp, q % wp
-    valid = (oy < ho) & (ox < wo)
+    oy, ox, valid = _flat_pixels(grid, m_padded)
     oy, ox = np.where(valid, oy, 0), np.where(valid, ox, 0)
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
 
@@ -600,12 +632,10 @@ def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None
 def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
     """The upsampled conv's output index at each flat row of the source grid and phase-major column
     `(py, px, c)`, `[batch, m_padded, 4 · Cout]` (clamped to 0 off the output)."""
-    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
-    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    cout = conv.out_features
     n = np.arange(4 * cout).reshape(1, 1, -1)
     b = np.arange(conv.batch).reshape(conv.batch, 1, 1)
-    i, j = q // wp, q % wp
-    valid = (i < h) & (j < w)
+    i, j, valid = _flat_pixels(grid, m_padded)
     phase = n // cout
     oy, ox = np.where(valid, 2 * i + phase // 2, 0), np.where(valid, 2 * j + phase % 2, 0)
     return _place(conv.params.out_spec, (b, n % cout, oy, ox))
@@ -613,8 +643,8 @@ def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tup
 
 def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.Array:
     """`build`'s flat rows of the phase form as the upsampled conv's output (its `out_spec` layout)."""
-    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
-    out = out[:, :h * wp, :4 * cout].reshape(conv.batch, h, wp, 2, 2, cout)[:, :, :w]
+    (h, w), cout = grid.geometry.out_size, conv.out_features
+    out = _strips_side_by_side(out, grid, 4 * cout).reshape(conv.batch, h, w, 2, 2, cout)
     out = jnp.transpose(out, (0, 1, 3, 2, 4, 5)).reshape(conv.batch, 2 * h, 2 * w, cout)
     order = [0] * 4
     for position, axis in enumerate(conv.params.out_spec):
@@ -663,28 +693,28 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     plans = plan_parts([(channels, taps, part.offset, copy, 0 if upsampled is not None else ranges[r].start + offset)
                         for (_e, r, offset, channels, taps), part, copy in zip(parts, sources, copies)])
 
-    grid_of = functools.partial(HaloGrid, geometry)
     # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
-    probe = grid_of(128)
-    probe_index = (output_index(probe, probe.m_tiles * 128, geometry.out_features) if upsampled is None
-                   else phase_output_index(probe, probe.m_tiles * 128, conv_geometry))
+    probe = HaloGrid(geometry, 128)
+    probe_index = (output_index(probe, probe.m_padded, geometry.out_features) if upsampled is None
+                   else phase_output_index(probe, probe.m_padded, conv_geometry))
     _, probe_operands = mm.mapped_operands(epilogue, probe_index,
-                                           (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
+                                           (geometry.batch, probe.m_padded, geometry.out_features), ctx.value)
     vector_rows = [max([rows for plan in plans for t, _r, rows in plan.vectors if t == table] or [1])
                    for table in range(len(tables))]
-    blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
+    tiling = halo_tiling(geometry, geometry.out_features,
                          [jnp.dtype(v.dtype).itemsize for v, rows in zip(tables, vector_rows) for _ in range(rows)],
                          [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
                          jnp.dtype(out_type.dtype).itemsize, geometry.batch)
-    if blocks is None:
+    if tiling is None:
         raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    blocks, grid_of = tiling
     if upsampled is not None:
         blocks = phase_blocks(blocks, conv_geometry.out_features)
         if blocks is None:
             raise HaloUncovered(f"{conv_geometry.out_features} outputs per phase (a multiple of 64 for whole tiles)")
     grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
-    m_padded = grid.m_tiles * grid.tile_m
+    m_padded = grid.m_padded
     out_index = (output_index(grid, m_padded, geometry.out_features) if upsampled is None
                  else phase_output_index(grid, m_padded, conv_geometry))
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),

@@ -8,8 +8,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     phase_blocks
                                                      over its source (emit.mosaic.conv_halo)
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
-    halo_input_loads, halo_blocks, halo_smem_bytes   `eqsat.tiling.channel_parts`), what it takes, its tiles
-                                                     and SMEM (emit.mosaic.conv_halo)
+    halo_input_loads, halo_blocks, halo_smem_bytes,  `eqsat.tiling.channel_parts`), what it takes, its tiles
+    strip_counts, halo_tiling                        and SMEM, its strips of wide rows (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -19,6 +19,7 @@ Itemsizes are plain byte counts here; the templates pass their dtypes' (`jnp.dty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -327,6 +328,9 @@ def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> MosaicBlock
     return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
 
 
+MAX_BOX = 256  # a TMA box side: a staged row is copied in pieces of at most this many pixels
+
+
 @dataclasses.dataclass(frozen=True)
 class HaloGrid:
     """The haloed conv template's grid (`emit.mosaic.conv_halo`): per image, the input zero-padded by
@@ -335,24 +339,43 @@ class HaloGrid:
     `q = oy * Wp + ox` (columns `ox >= Wo` computed and dropped) and tap `(ky, kx)` reads padded row
     `q + ky * Wp + kx`. A CTA owns `tile_m` flat rows `[q0, q0 + tile_m)` of one image and stages the
     padded rows `[q0 // Wp, q0 // Wp + staged_rows)` of the input in SMEM: `staged_rows` is the
-    most any CTA needs for its rows and the halo."""
+    most any CTA needs for its rows and the halo.
+
+    Rows too wide to stage (the VAE's 256 and 512 pixels) are cut into `strips` column strips of
+    `strip_width` output columns each: strip s is a grid of its own, pitch `strip_width + kw - 1`,
+    over the padded columns `[s · strip_width, + pitch)` (its halo columns are its neighbours'
+    pixels, zero padding only at the image's edges), `m_tiles` CTAs of rows each; the flat output
+    holds the strips one after the other (`m_padded` rows per image)."""
 
     geometry: ConvGeometry
     tile_m: int
+    strips: int = 1
+
+    @property
+    def strip_width(self) -> int:
+        return self.geometry.out_size[1] // self.strips
 
     @property
     def pitch(self) -> int:
-        (px0, px1) = self.geometry.params.padding[1]
-        return px0 + self.geometry.in_size[1] + px1
+        if self.strips == 1:
+            (px0, px1) = self.geometry.params.padding[1]
+            return px0 + self.geometry.in_size[1] + px1
+        return self.strip_width + self.geometry.window[1] - 1
 
     @property
     def out_rows(self) -> int:
-        """Flat rows per image that hold outputs (`Ho` rows of the pitch)."""
+        """Flat rows per image and strip that hold outputs (`Ho` rows of the pitch)."""
         return self.geometry.out_size[0] * self.pitch
 
     @property
     def m_tiles(self) -> int:
+        """CTAs along the rows of one strip."""
         return -(-self.out_rows // self.tile_m)
+
+    @property
+    def m_padded(self) -> int:
+        """Flat output rows per image: every strip's `m_tiles` tiles."""
+        return self.strips * self.m_tiles * self.tile_m
 
     @property
     def halo(self) -> int:
@@ -369,6 +392,31 @@ class HaloGrid:
         """SMEM rows of one staged chunk: the staged padded rows, rounded up to 64 (prologue slabs)."""
         return -(-self.staged_rows * self.pitch // 64) * 64
 
+    def strip_columns(self, strip: int) -> tuple[int, int, int]:
+        """`(first input column, columns, SMEM column)` of the input a staged row of `strip` copies:
+        the strip's padded columns that lie in the image."""
+        (px0, _px1), width = self.geometry.params.padding[1], self.geometry.in_size[1]
+        if self.strips == 1:
+            return 0, width, px0
+        first = strip * self.strip_width - px0
+        start, stop = max(first, 0), min(first + self.pitch, width)
+        return start, stop - start, start - first
+
+    @property
+    def copied_columns(self) -> int:
+        """Input columns one staged row copies, summed over the strips (the image's width, plus the
+        halo columns two strips both copy)."""
+        return sum(self.strip_columns(s)[1] for s in range(self.strips))
+
+
+def strip_counts(geometry: ConvGeometry) -> list[int]:
+    """The strip counts the haloed template may cut a conv's rows into (`HaloGrid.strips`), fewest
+    first: 1 where a row is one TMA box, then each count that divides the output row into strips
+    whose staged rows (`strip_width + kw - 1` pixels) are one TMA box."""
+    wo, kw = geometry.out_size[1], geometry.window[1]
+    out = [1] if geometry.in_size[1] <= MAX_BOX else []
+    return out + [s for s in range(2, wo + 1) if wo % s == 0 and wo // s + kw - 1 <= MAX_BOX and wo // s >= 8]
+
 
 def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int, part_channels: Sequence[int] | None = None) -> str | None:
     """Why the haloed template does not take this conv (None when it does): it reads the input by
@@ -383,8 +431,8 @@ def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int, part_channels: Se
     for channels in part_channels if part_channels is not None else [geometry.in_features]:
         if channels % CHUNK or itemsize != 2:
             return f"{channels} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
-    if geometry.in_size[1] > 256:
-        return f"rows of {geometry.in_size[1]} pixels (a TMA box side is at most 256)"
+    if not strip_counts(geometry):
+        return f"rows of {geometry.in_size[1]} pixels in no strips of at most {MAX_BOX} (a TMA box side)"
     return None
 
 
@@ -549,6 +597,21 @@ def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int
                    MosaicBlocks(tile_m, 64, CHUNK, stages=2, compute_wgs=1)):
         if halo_smem_bytes(grid, blocks, vectors, operands, out_itemsize) <= SMEM_BYTES:
             return blocks
+    return None
+
+
+def halo_tiling(geometry: ConvGeometry, out_features: int, vectors: Sequence[int] = (),
+                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2,
+                batch: int = 1) -> tuple[MosaicBlocks, "functools.partial"] | None:
+    """`(blocks, grid_of)`: the haloed template's tiles (`halo_blocks`) and its grid for a `tile_m`
+    (`grid_of(tile_m)`: a `HaloGrid`) with the fewest strips (`strip_counts`) whose staged rows fit
+    SMEM; None when none do."""
+    for strips in strip_counts(geometry):
+        grid_of = functools.partial(HaloGrid, geometry, strips=strips)
+        blocks = halo_blocks(grid_of, grid_of(128).out_rows, out_features, vectors, operands, out_itemsize,
+                             batch * strips)
+        if blocks is not None:
+            return blocks, grid_of
     return None
 
 
