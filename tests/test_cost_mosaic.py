@@ -77,7 +77,7 @@ def _implied(launch) -> dict:
         # a staged row copies its strip's columns inside the image: the whole row without strips
         columns = sum(halo.strip_columns(s)[1] for s in range(halo.strips))
         assert halo.strips > 1 or columns == width
-        staged = (ctas // halo.strips) * sum(part.chunks for part in parts) * halo.staged_rows * columns * 64 * item
+        staged = (ctas // halo.strips) * sum(part.chunks for part in parts) * halo.row_copies * columns * 64 * item
         tma = staged + ctas * (vectors + steps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
         return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * steps * 64,
                 "tma_bytes": tma, "stages": blocks.stages}
@@ -190,6 +190,8 @@ CASES = {
     # a 3x3 conv over a nearest-2x upsample of a 15x15 image: four phases of a conv over the source
     "conv upsample haloed": (_upsample_conv, (S((2, 15, 15, 64), F16), S((128, 64, 3, 3), F16), S((128,), F16))),
     "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
+    # a downsampler over 64 channels: the haloed template, two row phases staged, every other row per tap
+    "conv stride 2 haloed": (_stride2_conv, (S((2, 15, 15, 64), F16), S((80, 64, 3, 3), F16), S((80,), F16))),
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),
     "attention causal": (_attention(True), (S((2, 77, 80), F16),) * 3),

@@ -93,15 +93,16 @@ class HaloUncovered(NotImplementedError):
 def row_mask(grid: HaloGrid) -> np.ndarray:
     """`[strips · m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in
     the padding (and past its staged rows, and outside the image's columns in an edge strip)."""
-    h, wp = grid.geometry.in_size[0], grid.pitch
+    h, wp, stride = grid.geometry.in_size[0], grid.pitch, grid.stride
     (py0, _), _ = grid.geometry.params.padding
     j = np.arange(grid.staging)
-    first = (np.arange(grid.m_tiles) * grid.tile_m) // wp
-    yp, xp = first[:, None] + j[None, :] // wp, j % wp
+    first = (np.arange(grid.m_tiles) * grid.tile_m) // grid.out_pitch  # the CTA's first output row
+    phase, local = j // grid.phase_rows, j % grid.phase_rows  # stride 2: row phases one after the other
+    yp, xp = stride * (first[:, None] + local[None, :] // wp) + phase, local % wp
     masks = []
     for strip in range(grid.strips):
         _start, columns, at = grid.strip_columns(strip)
-        inside = (j < grid.staged_rows * wp) & (xp >= at) & (xp < at + columns)
+        inside = (j < grid.row_copies * wp) & (xp >= at) & (xp < at + columns)
         masks.append(inside & (yp >= py0) & (yp < py0 + h))
     return np.concatenate(masks).astype(np.float16)
 
@@ -308,8 +309,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
     strip = lax.div(m_idx, grid.m_tiles)  # a strip of the columns (`HaloGrid.strips`), rows in it:
     q0 = lax.rem(m_idx, grid.m_tiles) * tile_m
-    first_row = lax.div(q0, wp)
-    a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
+    first_row = lax.div(q0, grid.out_pitch)  # the CTA's first output row
+    a_offset = q0 - first_row * grid.out_pitch  # its first flat row's column there
     phase = lax.div(n_idx * tile_n, phase_cols) if phase_cols else 0  # the phase form: this CTA's (py, px)
     if phase_cols:  # its taps (a, b) read source offsets (py + a, px + b) of the 3x3 halo
         a_offset = a_offset + lax.div(phase, 2) * wp + lax.rem(phase, 2)
@@ -327,10 +328,13 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
               ring_barriers, mask_barrier, operand_barriers, acc_ref):
 
         def copy_rows(p, channels, slot, barrier, start, columns, at):
-            for i in range(grid.staged_rows):
-                y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
-                plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
-                                        staged.at[slot, pl.ds(i * wp + at, columns)], barrier)
+            for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
+                for i in range(grid.staged_rows):
+                    y = grid.stride * (first_row + i) + phase - py0
+                    y = jnp.clip(y, 0, height - 1)  # padding rows: any row, masked later
+                    plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
+                                            staged.at[slot, pl.ds(phase * grid.phase_rows + i * wp + at, columns)],
+                                            barrier)
 
         def stage(p, chunk, slot):
             part, barrier = parts[p], staged_barriers[p].at[slot]
@@ -350,6 +354,19 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     vector_gmems[table].at[0 if vector_shared[table] else b_idx, pl.ds(row, rows),
                                            pl.ds(chunk * CHUNK, CHUNK)],
                     vector_smems[table].at[slot, pl.ds(0, rows)], barrier)
+
+        def tap_rows(slot, ky, kx):
+            """The `[tile_m, 64]` staged rows tap (ky, kx) multiplies."""
+            if grid.stride == 1:
+                return load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+            # every other staged row from (ky % 2) * phase_rows + 2 * a_offset + ky // 2 * wp + kx: rows
+            # `row` .. of the staging viewed as [staging / 2, 2, 64] pairs, the pairs' element kx % 2
+            row = (ky % 2) * grid.phase_rows // 2 + a_offset + (ky // 2) * wp // 2 + kx // 2
+            if interpreted:  # GPU interpret mode has no reshaped ref: the value's pairs
+                pairs = staged[slot, pl.ds(2 * row, 2 * tile_m)]
+                return pairs.reshape(tile_m, 2, CHUNK)[:, kx % 2]
+            view = staged.reshape(2, grid.staging // 2, 2, CHUNK)
+            return plgpu.load(view.at[slot, pl.ds(row, tile_m), kx % 2, :], (), layout=plgpu.Layout.WGMMA)
 
         def weight_row(part, step):
             (y0, y1), (x0, x1) = part.taps
@@ -410,7 +427,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                         a_slot = a_tiles.at[(part.first_step + t) % 2]
                     else:
                         a_slot = a_tiles.at[lax.rem(step, 2)]
-                    a_slot[...] = load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+                    a_slot[...] = tap_rows(slot, ky, kx)
                     plgpu.commit_smem()  # the A tile is seen by the tensor cores
                     plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
                     plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
@@ -460,7 +477,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         vector_smems=[plgpu.SMEM((2, rows, CHUNK), ref.dtype) for ref, rows in zip(vector_gmems, vector_rows)],
         out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
-        staged_barriers=[plgpu.Barrier(num_arrivals=grid.staged_rows + len(part.vectors), num_barriers=2)
+        staged_barriers=[plgpu.Barrier(num_arrivals=grid.row_copies + len(part.vectors), num_barriers=2)
                          for part in parts],
         ring_barriers=plgpu.Barrier(num_barriers=stages),
         mask_barrier=plgpu.Barrier(),
@@ -574,7 +591,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
 def _strips_side_by_side(out: jax.Array, grid: HaloGrid, columns: int) -> jax.Array:
     """`[batch, m_padded, columns]` flat rows as `[batch, Ho, Wo, columns]` (each strip's rows of its
     pitch, the strips side by side)."""
-    g, s, wp, ws = grid.geometry, grid.strips, grid.pitch, grid.strip_width
+    g, s, wp, ws = grid.geometry, grid.strips, grid.out_pitch, grid.strip_width
     ho = g.out_size[0]
     out = out[:, :, :columns].reshape(g.batch, s, grid.m_tiles * grid.tile_m, columns)[:, :, :ho * wp]
     out = out.reshape(g.batch, s, ho, wp, columns)[:, :, :, :ws]
@@ -593,7 +610,7 @@ def unflatten(out: jax.Array, grid: HaloGrid, out_features: int) -> jax.Array:
 
 def _flat_pixels(grid: HaloGrid, m_padded: int) -> tuple:
     """`(row, column, valid)` of the grid's output pixel at each flat row `[1, m_padded, 1]`."""
-    wp, ws, m_strip = grid.pitch, grid.strip_width, grid.m_tiles * grid.tile_m
+    wp, ws, m_strip = grid.out_pitch, grid.strip_width, grid.m_tiles * grid.tile_m
     q = np.arange(m_padded).reshape(1, m_padded, 1)
     strip, local = q // m_strip, q % m_strip
     oy, ox = local // wp, local % wp

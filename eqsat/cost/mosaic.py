@@ -644,7 +644,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
     # each staged row: its strip's columns inside the image (`HaloGrid.strip_columns`), per chunk
-    staged = batch * grid.m_tiles * n_tiles * sum(chunks) * grid.staged_rows * grid.copied_columns * CHUNK * item
+    staged = batch * grid.m_tiles * n_tiles * sum(chunks) * grid.row_copies * grid.copied_columns * CHUNK * item
     x_bytes = sum(channels for *_, channels, _t in parts) * batch * math.prod(geometry.in_size) * item
     w_bytes = steps * CHUNK * n_padded * item
     widest = max(channels for *_, channels, _t in parts)
