@@ -143,3 +143,20 @@ def test_compiles_for_sm90a_in_strips(tmp_path, monkeypatch):
     assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
     assert counts.tma_loads >= 4, counts
     assert resources.spill_bytes == 0, resources
+
+
+@pytest.mark.slow
+def test_an_upsample_conv_over_a_wide_source_runs_its_phases_in_strips():
+    """A 3x3 conv over the nearest-2x upsample of a 2 x 260 source (64 -> 64 channels): the phase form
+    over the source's grid in 2 strips of 130 (the VAE's last upsampler, 256 wide, likewise), against
+    XLA and jit."""
+    from tests.test_emit_mosaic_conv_ranges import _upsample_args, _upsample_conv
+
+    rng = np.random.default_rng(9)
+    args = _upsample_args(rng.standard_normal((1, 2, 260, 64)), rng, out=64)
+    plan = _plan(_upsample_conv, args)
+    out = _run_haloed(plan, args, [(1, 2, 260, 64)])
+    assert out.shape == (1, 4, 520, 64)
+    expected = emit.emit(plan, "xla")(*args)
+    scale = float(np.abs(np.asarray(args[1], np.float32)).sum(axis=(1, 2, 3)).max()) * 4.0 + 8.0
+    _assert_close(out, expected, jax.jit(_upsample_conv)(*args), scale=scale)

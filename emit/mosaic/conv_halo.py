@@ -14,9 +14,9 @@ top-level `concat(h, skip)`, a merged 1x1 shortcut over the centre tap), each cu
 concat *inside* its expression switches tensors (`eqsat.tiling.channel_parts`: GroupNorm + SiLU over
 `concat(h, skip)` is that expression over h's channels, then over skip's; a concat inside a group,
 1920 = 1280 + 640 in groups of 60, is cut after `distribute_reshapes`, the straddling group's
-statistics read per channel). Each range stages its own
-tensor (from a channel offset) with its own prologue and vectors, one after the other through the
-same staging slots, weight ring and accumulator.
+statistics read per channel). Each range stages its own tensor (from a channel offset) with its own
+prologue and vectors, one after the other through the same staging slots, weight ring and
+accumulator.
 
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
@@ -45,6 +45,20 @@ offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that re
 (`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
 unflatten interleaves the phases (depth-to-space).
 
+Stride 2 (the UNet's downsamplers): the staging holds the padded input rows in two *row phases*
+(padded rows `2j`, then `2j + 1`, `phase_rows` apart; pitch `Wp` rounded up to even), output pixel
+`(oy, ox)` is flat row `oy * Wp/2 + ox`, and tap `(ky, kx)` takes every other staged row from row
+phase `ky % 2` at `(oy - oy0 + ky // 2) * Wp + 2 * ox + kx`: rows of a `[staging / 2, 2, 64]` view
+of the staging (Mosaic lowers a reshaped SMEM ref sliced so as a strided load; a strided slice of
+the 2-D ref is refused, "Strided slices not implemented"), the pairs' element `kx % 2`. No phase
+copies of the input, any width (odd too).
+
+Rows too wide to stage (`HaloGrid.strips`, `eqsat.tiling.mosaic.halo_tiling`: the VAE's 256 and 512
+pixels, over a TMA box or SMEM) run in column strips: strip s is a grid of its own (pitch
+`strip_width + kw - 1`) over the padded columns `[s * strip_width, + pitch)`, its halo columns
+copied from its neighbours' pixels; an edge strip copies only the columns inside the image (one of
+three static copy shapes, by the strip's index), the row mask zeroes the rest.
+
 Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
@@ -52,14 +66,14 @@ The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.p
 K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
 conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
-not fill the SMs).
+not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
-Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input, K
+Covers (`HaloUncovered` otherwise): stride 1 or 2, no dilation, windows up to 3x3, an NHWC input, K
 ranges of a multiple of 64 channels each (TMA reads 64-channel chunks of halves), rows of at most
-256 pixels whose staged chunks fit SMEM, expressions that read one tensor at their own index (from
-a channel offset) and otherwise only per-channel (and per-image) vectors, concats anywhere in the
-expression's channels (`eqsat.tiling.channel_parts`), and for the phase form Cout a multiple of 64.
-Not: stride 2, fewer than 64 channels.
+256 pixels or (stride 1) strips of them whose staged chunks fit SMEM, expressions that read one
+tensor at their own index (from a channel offset) and otherwise only per-channel (and per-image)
+vectors, concats anywhere in the expression's channels (`eqsat.tiling.channel_parts`), and for the
+phase form Cout a multiple of 64. Not: fewer than 64 channels (conv_in's 4), strides of 3 or more.
 """
 
 from __future__ import annotations
