@@ -175,3 +175,32 @@ def test_compiles_for_sm90a_at_stride_2(tmp_path, monkeypatch):
     assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
     assert counts.tma_loads >= 4, counts
     assert resources.spill_bytes == 0, resources
+
+
+def test_every_tap_reads_inside_the_staging_and_its_rows_hold_its_pixels():
+    """For images of 5 to 33 pixels a side (odd and even), 1x1 and 3x3 windows, paddings 0, 1 and (0, 1), 64- and 128-row
+    CTAs: each tap's strided rows (`[staging / 2, 2, 64]` pairs from `row`) lie inside the staging,
+    and the staged row tap (ky, kx) reads for output (oy, ox) is padded pixel (2 oy + ky, 2 ox + kx)."""
+    for h in (5, 8, 15, 16, 33):
+        for w in (5, 7, 15, 16, 31):
+            for window, padding in ((3, ((1, 1), (1, 1))), (3, ((0, 1), (0, 1))), (1, ((0, 0), (0, 0)))):
+                geometry = _geometry((1, h, w, 64), (window, window, 64, 8), padding)
+                ho, wo = geometry.out_size
+                for tile_m in (64, 128):
+                    grid = HaloGrid(geometry, tile_m)
+                    for m in range(grid.m_tiles):
+                        q0 = m * tile_m
+                        oy0, a_offset = divmod(q0, grid.out_pitch)
+                        for ky in range(window):
+                            for kx in range(window):
+                                row = (ky % 2) * grid.phase_rows // 2 + a_offset + (ky // 2) * grid.pitch // 2 + kx // 2
+                                assert 2 * (row + tile_m) <= grid.staging, (h, w, window, tile_m, m, ky, kx)
+                                for j in range(tile_m):
+                                    oy, ox = divmod(q0 + j, grid.out_pitch)
+                                    if oy >= ho or ox >= wo:
+                                        continue
+                                    staged = 2 * (row + j) + kx % 2
+                                    phase, local = divmod(staged, grid.phase_rows)
+                                    yp, xp = 2 * (oy0 + local // grid.pitch) + phase, local % grid.pitch
+                                    assert (yp, xp) == (2 * oy + ky, 2 * ox + kx), (h, w, m, ky, kx, j)
+                                    assert local // grid.pitch < grid.staged_rows
