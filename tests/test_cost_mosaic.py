@@ -72,10 +72,13 @@ def _implied(launch) -> dict:
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
                                          "row": blocks.epi_m}[kind]
                        for kind, (_shape, dtype) in zip(kw["kinds"], operands[len(parts) + 2 + n_vectors:]))
-        staged = sum(part.chunks * (halo.staged_rows * width * 64 * item
-                                    + sum(rows * 64 * tables[t][1].itemsize for t, _row, rows in part.vectors))
-                     for part in parts)
-        tma = ctas * (staged + steps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
+        vectors = sum(part.chunks * sum(rows * 64 * tables[t][1].itemsize for t, _row, rows in part.vectors)
+                      for part in parts)
+        # a staged row copies its strip's columns inside the image: the whole row without strips
+        columns = sum(halo.strip_columns(s)[1] for s in range(halo.strips))
+        assert halo.strips > 1 or columns == width
+        staged = (ctas // halo.strips) * sum(part.chunks for part in parts) * halo.row_copies * columns * 64 * item
+        tma = staged + ctas * (vectors + steps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
         return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * steps * 64,
                 "tma_bytes": tma, "stages": blocks.stages}
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)
@@ -172,6 +175,14 @@ CASES = {
     "conv concat gn haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 192), F16), S((1, 15, 15, 192), F16),
                                                      S((384,), F16), S((384,), F16), S((16, 384, 3, 3), F16),
                                                      S((16,), F16))),
+    # 300-pixel rows (over a TMA box): two strips of 150 outputs, each staging 151 of the input's columns
+    "conv wide rows haloed": (_gn_silu_conv_residual, (S((1, 3, 300, 192), F16), S((80, 192, 3, 3), F16),
+                                                       S((80,), F16), S((192,), F16), S((192,), F16),
+                                                       S((1, 3, 300, 80), F16))),
+    # concat(64, 128) in groups of 3: group 21 spans both tensors (the cut made in the distributed form)
+    "conv concat inside a group haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 64), F16), S((1, 15, 15, 128), F16),
+                                                                 S((192,), F16), S((192,), F16),
+                                                                 S((16, 192, 3, 3), F16), S((16,), F16))),
     # the 1x1 shortcut merged with the 3x3 conv2: a 64-channel range over the centre tap, then 192 x 9 taps
     "conv merged shortcut haloed": (_conv_and_shortcut, (S((2, 15, 15, 64), F16), S((2, 15, 15, 192), F16),
                                                          S((192,), F16), S((192,), F16), S((64, 192, 3, 3), F16),
@@ -179,6 +190,8 @@ CASES = {
     # a 3x3 conv over a nearest-2x upsample of a 15x15 image: four phases of a conv over the source
     "conv upsample haloed": (_upsample_conv, (S((2, 15, 15, 64), F16), S((128, 64, 3, 3), F16), S((128,), F16))),
     "conv stride 2": (_stride2_conv, (S((2, 15, 15, 8), F16), S((24, 8, 3, 3), F16), S((24,), F16))),
+    # a downsampler over 64 channels: the haloed template, two row phases staged, every other row per tap
+    "conv stride 2 haloed": (_stride2_conv, (S((2, 15, 15, 64), F16), S((80, 64, 3, 3), F16), S((80,), F16))),
     # 77 tokens, 2 heads of 40
     "attention 77 head 40": (_attention(False), (S((1, 77, 80), F16),) * 3),
     "attention causal": (_attention(True), (S((2, 77, 80), F16),) * 3),

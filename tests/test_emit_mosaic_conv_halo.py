@@ -193,7 +193,7 @@ def test_groupnorm_silu_conv_matches_xla_and_jit_on_adversarial_values(data):
 
 
 def test_convs_it_does_not_take_run_on_the_flat_grid_template():
-    """Too few channels for a 64-channel TMA chunk (in any K range), a stride of 2: the flat-grid
+    """Too few channels for a 64-channel TMA chunk (in any K range), a stride of 3: the flat-grid
     template (its input laid out by an XLA fusion), no Triton fallback. K ranges of 64k channels
     (a concat, a merged 1x1 shortcut over the centre tap) are the haloed template's."""
     from eqsat.tiling.mosaic import halo_uncovered
@@ -206,8 +206,10 @@ def test_convs_it_does_not_take_run_on_the_flat_grid_template():
     assert "32 input channels" in halo_uncovered(g, [(32, ((0, 3), (0, 3))), (32, ((0, 3), (0, 3)))], 2)
     assert halo_uncovered(g, [(64, ((0, 3), (0, 3))), (64, ((1, 2), (1, 2)))], 2) is None  # concat + shortcut
     assert "K ranges" in halo_uncovered(g, [(64, ((1, 4), (1, 2)))], 2)
-    strided = dataclasses.replace(p, strides=(2, 2))
+    strided = dataclasses.replace(p, strides=(2, 2))  # stride 2: the haloed template's (two row phases)
     g = ConvGeometry(strided, (1, 8, 8, 64), (3, 3, 64, 8), (1, 4, 4, 8))
+    assert halo_uncovered(g, [(64, ((0, 3), (0, 3)))], 2) is None
+    g = ConvGeometry(dataclasses.replace(p, strides=(3, 3)), (1, 8, 8, 64), (3, 3, 64, 8), (1, 3, 3, 8))
     assert "strides" in halo_uncovered(g, [(64, ((0, 3), (0, 3)))], 2)
 
 

@@ -2,8 +2,8 @@
 each range its own staged tensor, channel offset, window and prologue (a concat under a GroupNorm
 cut per tensor by `eqsat.tiling.channel_parts`, a 1x1 shortcut merged with a 3x3 conv), against
 `lax.conv_general_dilated`, the XLA emitter and `jax.jit` on 15x15 images with 3 channels per
-group and adversarial values; the cut itself against slicing the whole expression; a concat inside
-a group left to the flat-grid template; one compile for sm_90a without a GPU."""
+group and adversarial values; the cut itself against slicing the whole expression (also a concat
+inside a group: cut after `distribute_reshapes`); one compile for sm_90a without a GPU."""
 
 from __future__ import annotations
 
@@ -130,25 +130,51 @@ def test_the_cut_of_a_groupnorm_over_a_concat_is_a_slice_of_the_whole():
                                                                                                  (0, 192, 192)]
 
 
-def test_a_concat_inside_a_group_runs_on_the_flat_grid_template():
+INSIDE_ARGS = (S((1, 15, 15, 64), F16), S((1, 15, 15, 128), F16), S((192,), F16), S((192,), F16),
+               S((16, 192, 3, 3), F16), S((16,), F16))
+
+
+def test_a_concat_inside_a_group_is_cut_after_distributing_the_reshapes():
     """concat(64, 128) with 3 channels per group: channel 64 lies inside group 21, whose statistic
-    mixes both tensors: not cut; the conv runs on the flat-grid template, as XLA and jit compute it."""
-    args = (S((1, 15, 15, 64), F16), S((1, 15, 15, 128), F16), S((192,), F16), S((192,), F16),
-            S((16, 192, 3, 3), F16), S((16,), F16))
-    term = _conv_lhs(_gn_silu_concat_conv, args)
+    mixes both tensors. The group's reshape does not cut there (`NotRestrictable`); pushed through
+    the GroupNorm's elementwise ops (`distribute_reshapes`: statistics read per channel through a
+    view) it does, and each part (and an arbitrary sub-range across the concat) evaluates to the
+    whole expression's channels, bit for bit."""
+    from eqsat.tiling.channel_parts import distribute_reshapes
+
+    lhs = _conv_lhs(_gn_silu_concat_conv, INSIDE_ARGS).args[0]
     with pytest.raises(NotRestrictable, match="reshaped block of 3"):
-        concat_splits(term.args[0], 3)
-    reason = halo_parts([(r.lhs, 0, r.channels, r.taps) for r in k_ranges(term)])
-    assert isinstance(reason, str) and "cannot cut" in reason
+        concat_splits(lhs, 3)
+    assert concat_splits(distribute_reshapes(lhs), 3) == {64}
+    values = _values(lhs, np.random.default_rng(0))
+    whole = np.asarray(evaluate_whole(lhs, values), np.float32)
+    np.testing.assert_array_equal(np.asarray(evaluate_whole(distribute_reshapes(lhs), values), np.float32), whole)
+    parts = channel_parts(lhs, 3, 0, 192)
+    assert [(a, b) for _e, a, b in parts] == [(0, 64), (64, 192)]
+    for expr, a, b in parts + channel_parts(lhs, 3, 31, 95):
+        assert "Concat" not in {n.op for n in expr_nodes(expr)}
+        np.testing.assert_array_equal(np.asarray(evaluate_whole(expr, values), np.float32), whole[..., a:b])
+    assert [(r, o, c) for _e, r, o, c, _t in halo_parts([(lhs, 0, 192, ((0, 3), (0, 3)))])] == [(0, 0, 64),
+                                                                                                 (0, 64, 128)]
+
+
+def test_a_concat_of_fewer_than_64_channels_inside_a_group_stays_on_the_flat_grid():
+    """concat(32, 160): the cut is found, but a 32-channel K range is not whole TMA chunks."""
+    args = (S((1, 15, 15, 32), F16), S((1, 15, 15, 160), F16), *INSIDE_ARGS[2:])
+    term = _conv_lhs(_gn_silu_concat_conv, args)
+    parts = halo_parts([(r.lhs, 0, r.channels, r.taps) for r in k_ranges(term)])
+    assert [c for _e, _r, _o, c, _t in parts] == [32, 160]
+    from eqsat.cost.mosaic import conv_work
+    assert "input laid out" in {g.what for g in conv_work(term).glue}
 
 
 # --- plans through backend="mosaic" ------------------------------------------------------------------
 
 
-def _concat_args(rng, h, skip):
-    gamma = jnp.asarray(rng.standard_normal(384) + 1.0, jnp.float16)
-    beta = jnp.asarray(rng.standard_normal(384), jnp.float16)
-    w = jnp.asarray(0.05 * rng.standard_normal((16, 384, 3, 3)), jnp.float16)
+def _concat_args(rng, h, skip, channels=384):
+    gamma = jnp.asarray(rng.standard_normal(channels) + 1.0, jnp.float16)
+    beta = jnp.asarray(rng.standard_normal(channels), jnp.float16)
+    w = jnp.asarray(0.05 * rng.standard_normal((16, channels, 3, 3)), jnp.float16)
     b = jnp.asarray(rng.standard_normal(16), jnp.float16)
     return (jnp.asarray(h, jnp.float16), jnp.asarray(skip, jnp.float16), gamma, beta, w, b)
 
@@ -169,25 +195,42 @@ def test_a_groupnorm_silu_conv_over_a_concat():
     _assert_close(out, expected, jax.jit(_gn_silu_concat_conv)(*args), scale=_bound(*args[2:]))
 
 
+def test_a_groupnorm_silu_conv_over_a_concat_inside_a_group():
+    """concat(64, 128) in groups of 3 (group 21 spans both tensors) on a 15x15 image: h (offset 1e4,
+    spread 1) and skip (offset -300, spread 1e-3, a constant block) staged by TMA each with its own
+    prologue, the straddling group's statistics gathered per channel, against XLA and jit."""
+    rng = np.random.default_rng(12)
+    h = 1e4 + rng.standard_normal((1, 15, 15, 64))
+    skip = -300.0 + 1e-3 * rng.standard_normal((1, 15, 15, 128))
+    skip[..., :30] = 7.0
+    args = _concat_args(rng, h, skip, 192)
+    plan = _plan(_gn_silu_concat_conv, args)
+    out = _run_haloed(plan, args, [(1, 15, 15, 64), (1, 15, 15, 128)])
+    expected = emit.emit(plan, "xla")(*args)
+    _assert_close(out, expected, jax.jit(_gn_silu_concat_conv)(*args), scale=_bound(*args[2:]))
+
+
 _PLANS: dict = {}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("split", [192, 64])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_a_concat_conv_matches_xla_and_jit_on_adversarial_values(data):
-    """The same conv on adversarial h and skip: offsets up to 1e4 against a spread of 1, tiny and large
-    scales, constant channels, zero rows; NaN in h reaches every output it touches, as in jit."""
+@given(data=st.data())
+def test_a_concat_conv_matches_xla_and_jit_on_adversarial_values(split, data):
+    """The same conv on adversarial h and skip, the concat on a group boundary (192) or inside group
+    21 (64): offsets up to 1e4 against a spread of 1, tiny and large scales, constant channels, zero
+    rows; NaN in h reaches every output it touches, as in jit."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
-    h = _adversarial_input(data.draw, (1, 15, 15, 192)).astype(np.float32)
-    skip = _adversarial_input(data.draw, (1, 15, 15, 192)).astype(np.float32)
+    h = _adversarial_input(data.draw, (1, 15, 15, split)).astype(np.float32)
+    skip = _adversarial_input(data.draw, (1, 15, 15, 384 - split)).astype(np.float32)
     if data.draw(st.booleans()):
         h[0, 7, 7, 5] = np.nan
     args = _concat_args(rng, h, skip)
-    if "plan" not in _PLANS:
-        _PLANS["plan"] = _plan(_gn_silu_concat_conv, args)
-    plan = _PLANS["plan"]
-    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, 192), (1, 15, 15, 192)]), np.float32)
+    if split not in _PLANS:
+        _PLANS[split] = _plan(_gn_silu_concat_conv, args)
+    plan = _PLANS[split]
+    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, split), (1, 15, 15, 384 - split)]), np.float32)
     expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
     jitted = np.asarray(jax.jit(_gn_silu_concat_conv)(*args), np.float32)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
@@ -222,14 +265,14 @@ def test_a_conv_with_its_shortcut_merged():
 
 @pytest.mark.slow
 def test_compiles_for_sm90a_with_a_concat_and_a_merged_shortcut(tmp_path, monkeypatch):
-    """The concat conv (two staged tensors, two prologues) and the merged shortcut (a 1-tap range, then
+    """The concat conv (two staged tensors, two prologues; also a concat inside a group) and the merged shortcut (a 1-tap range, then
     9 taps) compile for an H100: wgmma with an MMA in flight, TMA loads, no spills."""
     from measure.xla_target import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"no deviceless H100 compile here: {reason}")
-    cases = [(_gn_silu_concat_conv, CONCAT_ARGS),
+    cases = [(_gn_silu_concat_conv, CONCAT_ARGS), (_gn_silu_concat_conv, INSIDE_ARGS),
              (_conv_and_shortcut, (S((2, 16, 16, 64), F16), S((2, 16, 16, 192), F16), S((192,), F16),
                                    S((192,), F16), S((64, 192, 3, 3), F16), S((64,), F16), S((64, 64, 1, 1), F16),
                                    S((64,), F16)))]

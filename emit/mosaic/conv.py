@@ -26,10 +26,11 @@ K ranges (`emit.pallas.conv.k_ranges`): `concat(h, skip)` inputs and a merged 1x
 only its nonzero taps (the shortcut: its centre tap). Stride 2 is four phases, each a range's
 channel block; a nearest-2x upsample is part of the input expression.
 
-Convs the haloed template covers (`emit.mosaic.conv_halo`: stride 1, up to 3x3, an NHWC input, K
-ranges of 64k channels each: concats and merged shortcuts, a 3x3 over a nearest-2x upsample in its
-phase form) run there: it reads each range's tensor as it lies and applies its input expression in
-SMEM. For the others (stride 2, fewer than 64 channels, a concat inside a GroupNorm group), the input expression of each range (a GroupNorm apply + SiLU
+Convs the haloed template covers (`emit.mosaic.conv_halo`: stride 1 or 2, up to 3x3, an NHWC input,
+K ranges of 64k channels each: concats, also inside a GroupNorm group, and merged shortcuts, a 3x3
+over a nearest-2x upsample in its phase form, wide rows in column strips) run there: it reads each
+range's tensor as it lies and applies its input expression in SMEM. For the others (fewer than 64
+channels: conv_in's 4), the input expression of each range (a GroupNorm apply + SiLU
 from hosted statistics, an upsample view, an NCHW permute) is evaluated whole before the kernel as
 one XLA fusion that writes the laid-out input (padding applied after it, so a tap in the padding
 reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the

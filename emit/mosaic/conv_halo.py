@@ -12,9 +12,11 @@ input element, so no XLA fusion lays out, concatenates, upsamples or normalizes 
 K ranges (`eqsat.tiling.mosaic.halo_parts`): the conv's K ranges (`emit.pallas.conv.k_ranges`: a
 top-level `concat(h, skip)`, a merged 1x1 shortcut over the centre tap), each cut again where a
 concat *inside* its expression switches tensors (`eqsat.tiling.channel_parts`: GroupNorm + SiLU over
-`concat(h, skip)` is that expression over h's channels, then over skip's). Each range stages its own
-tensor (from a channel offset) with its own prologue and vectors, one after the other through the
-same staging slots, weight ring and accumulator.
+`concat(h, skip)` is that expression over h's channels, then over skip's; a concat inside a group,
+1920 = 1280 + 640 in groups of 60, is cut after `distribute_reshapes`, the straddling group's
+statistics read per channel). Each range stages its own tensor (from a channel offset) with its own
+prologue and vectors, one after the other through the same staging slots, weight ring and
+accumulator.
 
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
@@ -43,6 +45,20 @@ offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that re
 (`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
 unflatten interleaves the phases (depth-to-space).
 
+Stride 2 (the UNet's downsamplers): the staging holds the padded input rows in two *row phases*
+(padded rows `2j`, then `2j + 1`, `phase_rows` apart; pitch `Wp` rounded up to even), output pixel
+`(oy, ox)` is flat row `oy * Wp/2 + ox`, and tap `(ky, kx)` takes every other staged row from row
+phase `ky % 2` at `(oy - oy0 + ky // 2) * Wp + 2 * ox + kx`: rows of a `[staging / 2, 2, 64]` view
+of the staging (Mosaic lowers a reshaped SMEM ref sliced so as a strided load; a strided slice of
+the 2-D ref is refused, "Strided slices not implemented"), the pairs' element `kx % 2`. No phase
+copies of the input, any width (odd too).
+
+Rows too wide to stage (`HaloGrid.strips`, `eqsat.tiling.mosaic.halo_tiling`: the VAE's 256 and 512
+pixels, over a TMA box or SMEM) run in column strips: strip s is a grid of its own (pitch
+`strip_width + kw - 1`) over the padded columns `[s * strip_width, + pitch)`, its halo columns
+copied from its neighbours' pixels; an edge strip copies only the columns inside the image (one of
+three static copy shapes, by the strip's index), the row mask zeroes the rest.
+
 Each input element is computed once per (CTA, output-channel tile): halo rows twice where two CTAs
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
@@ -50,14 +66,14 @@ The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.p
 K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
 conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
-not fill the SMs).
+not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
-Covers (`HaloUncovered` otherwise): stride 1, no dilation, windows up to 3x3, an NHWC input, K
+Covers (`HaloUncovered` otherwise): stride 1 or 2, no dilation, windows up to 3x3, an NHWC input, K
 ranges of a multiple of 64 channels each (TMA reads 64-channel chunks of halves), rows of at most
-256 pixels whose staged chunks fit SMEM, expressions that read one tensor at their own index (from
-a channel offset) and otherwise only per-channel (and per-image) vectors, concats cut on GroupNorm
-group boundaries (not one inside a group: 1920 = 1280 + 640 in groups of 60), and for the phase form
-Cout a multiple of 64. Not: stride 2, fewer than 64 channels.
+256 pixels or (stride 1) strips of them whose staged chunks fit SMEM, expressions that read one
+tensor at their own index (from a channel offset) and otherwise only per-channel (and per-image)
+vectors, concats anywhere in the expression's channels (`eqsat.tiling.channel_parts`), and for the
+phase form Cout a multiple of 64. Not: fewer than 64 channels (conv_in's 4), strides of 3 or more.
 """
 
 from __future__ import annotations
@@ -75,9 +91,9 @@ from jax import lax
 from emit import expr as ex
 from emit.mosaic import matmul as mm
 from emit.pallas.conv import ConvGeometry, _place
-from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, halo_blocks,
-                                 halo_conv_uncovered, halo_parts, halo_uncovered, phase_blocks, phase_geometry,
-                                 tap_list, upsample_source)
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks,
+                                 halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
+                                 phase_geometry, tap_list, upsample_source)
 from eqsat.types import parse_type
 
 
@@ -89,15 +105,20 @@ class HaloUncovered(NotImplementedError):
 
 
 def row_mask(grid: HaloGrid) -> np.ndarray:
-    """`[m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in the padding
-    (and past its staged rows)."""
-    (h, w), wp = grid.geometry.in_size, grid.pitch
-    (py0, _), (px0, _) = grid.geometry.params.padding
+    """`[strips · m_tiles, staging]` float16: 1 where CTA m's staged row holds an input pixel, 0 in
+    the padding (and past its staged rows, and outside the image's columns in an edge strip)."""
+    h, wp, stride = grid.geometry.in_size[0], grid.pitch, grid.stride
+    (py0, _), _ = grid.geometry.params.padding
     j = np.arange(grid.staging)
-    first = (np.arange(grid.m_tiles) * grid.tile_m) // wp
-    yp, xp = first[:, None] + j[None, :] // wp, j % wp
-    inside = (j < grid.staged_rows * wp) & (xp >= px0) & (xp < px0 + w)
-    return (inside & (yp >= py0) & (yp < py0 + h)).astype(np.float16)
+    first = (np.arange(grid.m_tiles) * grid.tile_m) // grid.out_pitch  # the CTA's first output row
+    phase, local = j // grid.phase_rows, j % grid.phase_rows  # stride 2: row phases one after the other
+    yp, xp = stride * (first[:, None] + local[None, :] // wp) + phase, local % wp
+    masks = []
+    for strip in range(grid.strips):
+        _start, columns, at = grid.strip_columns(strip)
+        inside = (j < grid.row_copies * wp) & (xp >= at) & (xp < at + columns)
+        masks.append(inside & (yp >= py0) & (yp < py0 + h))
+    return np.concatenate(masks).astype(np.float16)
 
 
 class _Recording:
@@ -300,9 +321,10 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     epi_m, epi_n = blocks.epi_m, blocks.epi_n
     dtype, out_dtype = x_gmems[0].dtype, out_gmem.dtype
     n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
-    q0 = m_idx * tile_m
-    first_row = lax.div(q0, wp)
-    a_offset = q0 - first_row * wp  # the CTA's first flat row within its staged rows
+    strip = lax.div(m_idx, grid.m_tiles)  # a strip of the columns (`HaloGrid.strips`), rows in it:
+    q0 = lax.rem(m_idx, grid.m_tiles) * tile_m
+    first_row = lax.div(q0, grid.out_pitch)  # the CTA's first output row
+    a_offset = q0 - first_row * grid.out_pitch  # its first flat row's column there
     phase = lax.div(n_idx * tile_n, phase_cols) if phase_cols else 0  # the phase form: this CTA's (py, px)
     if phase_cols:  # its taps (a, b) read source offsets (py + a, px + b) of the 3x3 halo
         a_offset = a_offset + lax.div(phase, 2) * wp + lax.rem(phase, 2)
@@ -319,18 +341,46 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
               ring_barriers, mask_barrier, operand_barriers, acc_ref):
 
+        def copy_rows(p, channels, slot, barrier, start, columns, at):
+            for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
+                for i in range(grid.staged_rows):
+                    y = grid.stride * (first_row + i) + phase - py0
+                    y = jnp.clip(y, 0, height - 1)  # padding rows: any row, masked later
+                    plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
+                                            staged.at[slot, pl.ds(phase * grid.phase_rows + i * wp + at, columns)],
+                                            barrier)
+
         def stage(p, chunk, slot):
             part, barrier = parts[p], staged_barriers[p].at[slot]
             channels = pl.ds(part.offset + chunk * CHUNK, CHUNK)
-            for i in range(grid.staged_rows):
-                y = jnp.clip(first_row + i - py0, 0, height - 1)  # padding rows: any row, masked later
-                plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, :, channels],
-                                        staged.at[slot, pl.ds(i * wp + px0, width)], barrier)
+            if grid.strips == 1:
+                copy_rows(p, channels, slot, barrier, *grid.strip_columns(0))
+            else:  # an edge strip copies the columns inside the image; an inner one all its pitch
+                for edge in (0, grid.strips - 1):
+                    pl.when(strip == edge)(lambda edge=edge: copy_rows(p, channels, slot, barrier,
+                                                                       *grid.strip_columns(edge)))
+                if grid.strips > 2:
+                    inner = strip * grid.strip_width - px0
+                    pl.when((strip > 0) & (strip < grid.strips - 1))(
+                        lambda: copy_rows(p, channels, slot, barrier, inner, wp, 0))
             for table, row, rows in part.vectors:
                 plgpu.copy_gmem_to_smem(
                     vector_gmems[table].at[0 if vector_shared[table] else b_idx, pl.ds(row, rows),
                                            pl.ds(chunk * CHUNK, CHUNK)],
                     vector_smems[table].at[slot, pl.ds(0, rows)], barrier)
+
+        def tap_rows(slot, ky, kx):
+            """The `[tile_m, 64]` staged rows tap (ky, kx) multiplies."""
+            if grid.stride == 1:
+                return load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+            # every other staged row from (ky % 2) * phase_rows + 2 * a_offset + ky // 2 * wp + kx: rows
+            # `row` .. of the staging viewed as [staging / 2, 2, 64] pairs, the pairs' element kx % 2
+            row = (ky % 2) * grid.phase_rows // 2 + a_offset + (ky // 2) * wp // 2 + kx // 2
+            if interpreted:  # GPU interpret mode has no reshaped ref: the value's pairs
+                pairs = staged[slot, pl.ds(2 * row, 2 * tile_m)]
+                return pairs.reshape(tile_m, 2, CHUNK)[:, kx % 2]
+            view = staged.reshape(2, grid.staging // 2, 2, CHUNK)
+            return plgpu.load(view.at[slot, pl.ds(row, tile_m), kx % 2, :], (), layout=plgpu.Layout.WGMMA)
 
         def weight_row(part, step):
             (y0, y1), (x0, x1) = part.taps
@@ -391,7 +441,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                         a_slot = a_tiles.at[(part.first_step + t) % 2]
                     else:
                         a_slot = a_tiles.at[lax.rem(step, 2)]
-                    a_slot[...] = load(staged.at[slot, pl.ds(a_offset + ky * wp + kx, tile_m)], plgpu.Layout.WGMMA)
+                    a_slot[...] = tap_rows(slot, ky, kx)
                     plgpu.commit_smem()  # the A tile is seen by the tensor cores
                     plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
                     plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
@@ -404,11 +454,11 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
 
         plgpu.wgmma_wait(0)
         acc = acc_ref[...]
-        rows0 = b_idx * m_padded + q0
+        rows0 = b_idx * m_padded + m_idx * tile_m
         for em in range(tile_m // epi_m):
             for en in range(tile_n // epi_n):
                 slot = (em * (tile_n // epi_n) + en) % 2
-                row_slice = pl.ds(q0 + em * epi_m, epi_m)
+                row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
                 col_slice = pl.ds(n_idx * tile_n + en * epi_n, epi_n)
                 tiles = []
                 for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
@@ -441,7 +491,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         vector_smems=[plgpu.SMEM((2, rows, CHUNK), ref.dtype) for ref, rows in zip(vector_gmems, vector_rows)],
         out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
-        staged_barriers=[plgpu.Barrier(num_arrivals=grid.staged_rows + len(part.vectors), num_barriers=2)
+        staged_barriers=[plgpu.Barrier(num_arrivals=grid.row_copies + len(part.vectors), num_barriers=2)
                          for part in parts],
         ring_barriers=plgpu.Barrier(num_barriers=stages),
         mask_barrier=plgpu.Barrier(),
@@ -506,13 +556,13 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         raise ValueError(f"blocks' tile_m {blocks.tile_m} is not the grid's {grid.tile_m}")
     out_dtype = jnp.dtype(out_dtype or w.dtype)
     batch = g.batch
-    m_padded = grid.m_tiles * grid.tile_m
+    m_padded = grid.m_padded
     weight_window = tuple(weight_window or g.window)
     weight_channels = w.shape[0] // (math.prod(weight_window) * (4 if phase_cols else 1))
     n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
     if phase_cols and phase_cols % blocks.tile_n:
         raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
-    mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
+    mask = jnp.asarray(row_mask(grid).reshape(grid.strips * grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
     arrays, kinds, shared = [], [], []
     for operand in operands:
         a = operand.array
@@ -533,7 +583,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
                               weight_window=weight_window, weight_channels=weight_channels,
                               phase_cols=phase_cols),
             out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
-            grid=(n_padded // blocks.tile_n, grid.m_tiles, batch),
+            grid=(n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch),
             grid_names=("n", "m", "b"),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=mm._kernel_name(name),
@@ -552,26 +602,41 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     return out.reshape(batch, m_padded, n_padded)
 
 
+def _strips_side_by_side(out: jax.Array, grid: HaloGrid, columns: int) -> jax.Array:
+    """`[batch, m_padded, columns]` flat rows as `[batch, Ho, Wo, columns]` (each strip's rows of its
+    pitch, the strips side by side)."""
+    g, s, wp, ws = grid.geometry, grid.strips, grid.out_pitch, grid.strip_width
+    ho = g.out_size[0]
+    out = out[:, :, :columns].reshape(g.batch, s, grid.m_tiles * grid.tile_m, columns)[:, :, :ho * wp]
+    out = out.reshape(g.batch, s, ho, wp, columns)[:, :, :, :ws]
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(g.batch, ho, s * ws, columns)
+
+
 def unflatten(out: jax.Array, grid: HaloGrid, out_features: int) -> jax.Array:
     """`build`'s flat rows as the conv's output (its `out_spec` layout)."""
     g = grid.geometry
-    (ho, wo), wp = g.out_size, grid.pitch
-    out = out[:, :ho * wp, :out_features].reshape(g.batch, ho, wp, out_features)[:, :, :wo, :]
+    out = _strips_side_by_side(out, grid, out_features)
     order = [0] * 4
     for position, axis in enumerate(g.params.out_spec):
         order[axis] = (0, 3, 1, 2)[position]
     return jnp.transpose(out, order)
 
 
+def _flat_pixels(grid: HaloGrid, m_padded: int) -> tuple:
+    """`(row, column, valid)` of the grid's output pixel at each flat row `[1, m_padded, 1]`."""
+    wp, ws, m_strip = grid.out_pitch, grid.strip_width, grid.m_tiles * grid.tile_m
+    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    strip, local = q // m_strip, q % m_strip
+    oy, ox = local // wp, local % wp
+    return oy, strip * ws + ox, (oy < grid.geometry.out_size[0]) & (ox < ws) & (strip < grid.strips)
+
+
 def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     """The conv output's index at each flat row and channel, `[batch, m_padded, N]` (clamped to 0 off
     the output), for mapping the epilogue's operands onto the flat rows."""
     g = grid.geometry
-    (ho, wo), wp = g.out_size, grid.pitch
-    q = np.arange(m_padded).reshape(1, m_padded, 1)
     b = np.arange(g.batch).reshape(g.batch, 1, 1)
-    oy, ox = q // wp, q % wp
-    valid = (oy < ho) & (ox < wo)
+    oy, ox, valid = _flat_pixels(grid, m_padded)
     oy, ox = np.where(valid, oy, 0), np.where(valid, ox, 0)
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
 
@@ -598,12 +663,10 @@ def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None
 def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
     """The upsampled conv's output index at each flat row of the source grid and phase-major column
     `(py, px, c)`, `[batch, m_padded, 4 · Cout]` (clamped to 0 off the output)."""
-    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
-    q = np.arange(m_padded).reshape(1, m_padded, 1)
+    cout = conv.out_features
     n = np.arange(4 * cout).reshape(1, 1, -1)
     b = np.arange(conv.batch).reshape(conv.batch, 1, 1)
-    i, j = q // wp, q % wp
-    valid = (i < h) & (j < w)
+    i, j, valid = _flat_pixels(grid, m_padded)
     phase = n // cout
     oy, ox = np.where(valid, 2 * i + phase // 2, 0), np.where(valid, 2 * j + phase % 2, 0)
     return _place(conv.params.out_spec, (b, n % cout, oy, ox))
@@ -611,8 +674,8 @@ def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tup
 
 def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.Array:
     """`build`'s flat rows of the phase form as the upsampled conv's output (its `out_spec` layout)."""
-    (h, w), wp, cout = grid.geometry.out_size, grid.pitch, conv.out_features
-    out = out[:, :h * wp, :4 * cout].reshape(conv.batch, h, wp, 2, 2, cout)[:, :, :w]
+    (h, w), cout = grid.geometry.out_size, conv.out_features
+    out = _strips_side_by_side(out, grid, 4 * cout).reshape(conv.batch, h, w, 2, 2, cout)
     out = jnp.transpose(out, (0, 1, 3, 2, 4, 5)).reshape(conv.batch, 2 * h, 2 * w, cout)
     order = [0] * 4
     for position, axis in enumerate(conv.params.out_spec):
@@ -661,28 +724,28 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     plans = plan_parts([(channels, taps, part.offset, copy, 0 if upsampled is not None else ranges[r].start + offset)
                         for (_e, r, offset, channels, taps), part, copy in zip(parts, sources, copies)])
 
-    grid_of = functools.partial(HaloGrid, geometry)
     # the epilogue's operand kinds do not depend on the tile: map them once at 128-row tiles to size SMEM
-    probe = grid_of(128)
-    probe_index = (output_index(probe, probe.m_tiles * 128, geometry.out_features) if upsampled is None
-                   else phase_output_index(probe, probe.m_tiles * 128, conv_geometry))
+    probe = HaloGrid(geometry, 128)
+    probe_index = (output_index(probe, probe.m_padded, geometry.out_features) if upsampled is None
+                   else phase_output_index(probe, probe.m_padded, conv_geometry))
     _, probe_operands = mm.mapped_operands(epilogue, probe_index,
-                                           (geometry.batch, probe.m_tiles * 128, geometry.out_features), ctx.value)
+                                           (geometry.batch, probe.m_padded, geometry.out_features), ctx.value)
     vector_rows = [max([rows for plan in plans for t, _r, rows in plan.vectors if t == table] or [1])
                    for table in range(len(tables))]
-    blocks = halo_blocks(grid_of, probe.out_rows, geometry.out_features,
+    tiling = halo_tiling(geometry, geometry.out_features,
                          [jnp.dtype(v.dtype).itemsize for v, rows in zip(tables, vector_rows) for _ in range(rows)],
                          [(o.kind, jnp.dtype(o.array.dtype).itemsize) for o in probe_operands],
                          jnp.dtype(out_type.dtype).itemsize, geometry.batch)
-    if blocks is None:
+    if tiling is None:
         raise HaloUncovered(f"rows of {geometry.in_size[1]} pixels: their staged chunks do not fit SMEM")
+    blocks, grid_of = tiling
     if upsampled is not None:
         blocks = phase_blocks(blocks, conv_geometry.out_features)
         if blocks is None:
             raise HaloUncovered(f"{conv_geometry.out_features} outputs per phase (a multiple of 64 for whole tiles)")
     grid = grid_of(blocks.tile_m)
     n_padded = -(-geometry.out_features // blocks.tile_n) * blocks.tile_n
-    m_padded = grid.m_tiles * grid.tile_m
+    m_padded = grid.m_padded
     out_index = (output_index(grid, m_padded, geometry.out_features) if upsampled is None
                  else phase_output_index(grid, m_padded, conv_geometry))
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),

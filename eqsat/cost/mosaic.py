@@ -8,7 +8,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]`; the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]`; the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
@@ -50,8 +50,8 @@ from eqsat.cost.tiles import conv_parts
 from eqsat.cost.work import TemplateWork
 from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
-                                 FlatGrid, HaloGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
-                                 halo_blocks, halo_input_loads, halo_parts, halo_uncovered, matmul_in_place, minor_tile, padded_head,
+                                 FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
+                                 halo_input_loads, halo_parts, halo_tiling, halo_uncovered, matmul_in_place, minor_tile, padded_head,
                                  phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
@@ -622,31 +622,35 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
         vectors = [_itemsize(node.args[0].ty) for node in vector_loads[0]]
         per_chunk = [sum(vectors) * CHUNK]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
-    grid_of = functools.partial(HaloGrid, geometry)
-    blocks = halo_blocks(grid_of, grid_of(128).out_rows, cout, vectors, reads.smem_operands, out_item, batch)
-    if blocks is not None and phase_outputs:
-        blocks = phase_blocks(blocks, phase_outputs)
-    if blocks is None:
+    tiling = halo_tiling(geometry, cout, vectors, reads.smem_operands, out_item, batch)
+    if tiling is None:
         return None
+    blocks, grid_of = tiling
+    if phase_outputs:
+        blocks = phase_blocks(blocks, phase_outputs)
+        if blocks is None:
+            return None
     grid = grid_of(blocks.tile_m)
     chunks = [channels // CHUNK for _e, _r, _o, channels, _t in parts]
     taps = [(y1 - y0) * (x1 - x0) for *_, ((y0, y1), (x0, x1)) in parts]
     steps = sum(c * t for c, t in zip(chunks, taps))
-    m_padded = grid.m_tiles * blocks.tile_m
+    m_padded = grid.m_padded
     n_padded = _round_up(cout, blocks.tile_n)
-    ctas = batch * grid.m_tiles * (n_padded // blocks.tile_n)
-    width = geometry.in_size[1]
+    n_tiles = n_padded // blocks.tile_n
+    ctas = batch * grid.strips * grid.m_tiles * n_tiles
     sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
-    per_cta = (sum(c * (grid.staged_rows * width * CHUNK * item + v) for c, v in zip(chunks, per_chunk))
+    per_cta = (sum(c * v for c, v in zip(chunks, per_chunk))
                + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
                + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
+    # each staged row: its strip's columns inside the image (`HaloGrid.strip_columns`), per chunk
+    staged = batch * grid.m_tiles * n_tiles * sum(chunks) * grid.row_copies * grid.copied_columns * CHUNK * item
     x_bytes = sum(channels for *_, channels, _t in parts) * batch * math.prod(geometry.in_size) * item
     w_bytes = steps * CHUNK * n_padded * item
     widest = max(channels for *_, channels, _t in parts)
     vector_bytes = (batch * sum(rows) * widest * 4 if gathered  # B' = batch: at most
                     else sum(batch * parts[0][3] * v for v in vectors))
-    mask_bytes = grid.m_tiles * grid.staging * 2
+    mask_bytes = grid.strips * grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
     glue = [Glue("weights laid out", w_bytes)]
     if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
@@ -665,7 +669,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
-    return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
+    return MosaicWork(work, blocks.stages, ctas * per_cta + staged, kernel_reads, store, batch * m_padded * n_padded,
                       tuple(glue), 1)
 
 

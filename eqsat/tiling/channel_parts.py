@@ -5,10 +5,16 @@ runs as two ranges, each the same expression over the channels of one side.
     concat_splits(expr, axis)           where `Concat`s split `expr` along `axis` (its coordinates)
     restrict(expr, axis, start, stop)   `expr[..., start:stop, ...]` as an expression whose views
                                         and loads read only those elements (no `Concat` left there)
+    distribute_reshapes(expr)           the same values with each `Reshape` over a concat pushed
+                                        through the elementwise ops below it
 
 Both follow the axis through elementwise ops, `Broadcast`, `Transpose`, unit-stride `Slice` and
 `Reshape`s that split or merge it as its outermost factor (a GroupNorm's `[.., C] <-> [.., G, C/G]`,
-cuts on group boundaries); anything else raises `NotRestrictable`.
+cuts on group boundaries); anything else raises `NotRestrictable`. A concat inside a group
+(1920 = 1280 + 640 in groups of 60) is cut after `distribute_reshapes` (`channel_parts`): a GroupNorm
+apply `Reshape(f(Reshape(concat, [.., G, C/G]), stats[.., G, 1]), [.., C])` becomes `f(concat,
+Reshape(stats broadcast to [.., G, C/G], [.., C]))`, elementwise over channels, its statistics
+read per channel through a view.
 """
 
 from __future__ import annotations
@@ -208,9 +214,63 @@ def restrict(expr: Term, axis: int, start: int, stop: int, memo=None) -> Term:
     return out
 
 
+def _holds_concat(expr: Term, memo: dict) -> bool:
+    if id(expr) not in memo:
+        memo[id(expr)] = expr.op == "Concat" or (expr.op != "Load"
+                                                  and any(_holds_concat(c, memo) for c in expr.children))
+    return memo[id(expr)]
+
+
+def distribute_reshapes(expr: Term, memo=None, concats=None) -> Term:
+    """`expr` with every `Reshape` whose input holds a `Concat` pushed down through the elementwise
+    ops below it (a reshape of an elementwise op is the op of its operands' reshapes; two reshapes
+    compose into one, or cancel where the inner's input has the outer's shape; a literal takes the
+    shape): the same values, the same loads, the concat no longer inside a reshaped block."""
+    memo, concats = ({} if memo is None else memo), ({} if concats is None else concats)
+    key = ("expr", id(expr))
+    if key in memo:
+        return memo[key]
+    if expr.op == "Load" or not _holds_concat(expr, concats):
+        out = expr
+    elif expr.op == "Reshape":
+        out = _push_reshape(expr.args[0], expr.ty, memo, concats)
+    else:
+        out = _like(expr, expr.op, *[distribute_reshapes(a, memo, concats) if hasattr(a, "op") else a
+                                     for a in expr.args])
+    memo[key] = out
+    return out
+
+
+def _push_reshape(x: Term, ty: str, memo: dict, concats: dict) -> Term:
+    """`Reshape(x, ty)` pushed down (`distribute_reshapes`)."""
+    key = ("reshape", id(x), ty)
+    if key in memo:
+        return memo[key]
+    shape = parse_type(ty).shape
+    if x.op in ELEMENTWISE and _holds_concat(x, concats):
+        out = _like(x, x.op, *[_push_reshape(a, with_shape(a.ty, shape), memo, concats) if hasattr(a, "op") else a
+                               for a in x.args[:-1]], with_shape(x.ty, shape))
+    elif x.op == "Reshape":
+        inner = x.args[0]
+        out = (distribute_reshapes(inner, memo, concats) if _shape(inner) == shape
+               else _push_reshape(inner, with_shape(x.ty, shape), memo, concats))
+    elif x.op == "Lit":
+        out = _like(x, "Lit", x.args[0], with_shape(x.ty, shape))
+    else:
+        out = _like(x, "Reshape", distribute_reshapes(x, memo, concats), with_shape(x.ty, shape))
+    memo[key] = out
+    return out
+
+
 def channel_parts(expr: Term, axis: int, start: int, stop: int) -> list[tuple[Term, int, int]]:
     """`[start, stop)` of `expr` along `axis` cut where its concats switch tensors: `(restricted
-    expression, start, stop)` per part, in order (one part, `expr` itself restricted, when none does)."""
-    edges = sorted({start, stop} | {p for p in concat_splits(expr, axis) if start < p < stop})
+    expression, start, stop)` per part, in order (one part, `expr` itself restricted, when none does).
+    A concat inside a reshaped block (a GroupNorm group) is cut in `distribute_reshapes(expr)`."""
+    try:
+        splits = concat_splits(expr, axis)
+    except NotRestrictable:
+        expr = distribute_reshapes(expr)
+        splits = concat_splits(expr, axis)
+    edges = sorted({start, stop} | {p for p in splits if start < p < stop})
     memo = {}
     return [(restrict(expr, axis, a, b, memo), a, b) for a, b in zip(edges, edges[1:])]

@@ -8,8 +8,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     phase_blocks
                                                      over its source (emit.mosaic.conv_halo)
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
-    halo_input_loads, halo_blocks, halo_smem_bytes   `eqsat.tiling.channel_parts`), what it takes, its tiles
-                                                     and SMEM (emit.mosaic.conv_halo)
+    halo_input_loads, halo_blocks, halo_smem_bytes,  `eqsat.tiling.channel_parts`), what it takes, its tiles
+    strip_counts, halo_tiling                        and SMEM, its strips of wide rows (emit.mosaic.conv_halo)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -19,6 +19,7 @@ Itemsizes are plain byte counts here; the templates pass their dtypes' (`jnp.dty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -327,6 +328,9 @@ def default_blocks(grid: FlatGrid, out_features: int, steps: int) -> MosaicBlock
     return dataclasses.replace(blocks, tile_m=128) if grid.rows >= 2048 else blocks
 
 
+MAX_BOX = 256  # a TMA box side: a staged row is copied in pieces of at most this many pixels
+
+
 @dataclasses.dataclass(frozen=True)
 class HaloGrid:
     """The haloed conv template's grid (`emit.mosaic.conv_halo`): per image, the input zero-padded by
@@ -335,24 +339,61 @@ class HaloGrid:
     `q = oy * Wp + ox` (columns `ox >= Wo` computed and dropped) and tap `(ky, kx)` reads padded row
     `q + ky * Wp + kx`. A CTA owns `tile_m` flat rows `[q0, q0 + tile_m)` of one image and stages the
     padded rows `[q0 // Wp, q0 // Wp + staged_rows)` of the input in SMEM: `staged_rows` is the
-    most any CTA needs for its rows and the halo."""
+    most any CTA needs for its rows and the halo.
+
+    Rows too wide to stage (the VAE's 256 and 512 pixels) are cut into `strips` column strips of
+    `strip_width` output columns each: strip s is a grid of its own, pitch `strip_width + kw - 1`,
+    over the padded columns `[s · strip_width, + pitch)` (its halo columns are its neighbours'
+    pixels, zero padding only at the image's edges), `m_tiles` CTAs of rows each; the flat output
+    holds the strips one after the other (`m_padded` rows per image).
+
+    Stride 2: the staged rows are the padded input's (pitch `Wp` rounded up to even), in two row
+    phases (padded rows `2j` and `2j + 1`, `phase_rows` SMEM rows apart); output pixel `(oy, ox)` is
+    flat row `q = oy · Wp/2 + ox` (`out_pitch`), and tap `(ky, kx)` reads the staged row
+    `(ky % 2) · phase_rows + (2 · oy + ky // 2 · 2 - 2 · oy0) / 2 · Wp + 2 · ox + kx`: `tile_m` rows
+    at a stride of 2 from an offset whose parity is kx's."""
 
     geometry: ConvGeometry
     tile_m: int
+    strips: int = 1
+
+    @property
+    def stride(self) -> int:
+        """1, or 2 along both axes (`halo_conv_uncovered`)."""
+        return self.geometry.params.strides[0]
+
+    @property
+    def strip_width(self) -> int:
+        return self.geometry.out_size[1] // self.strips
 
     @property
     def pitch(self) -> int:
-        (px0, px1) = self.geometry.params.padding[1]
-        return px0 + self.geometry.in_size[1] + px1
+        """Staged pixels per padded input row."""
+        if self.strips == 1:
+            (px0, px1) = self.geometry.params.padding[1]
+            wp = px0 + self.geometry.in_size[1] + px1
+            return wp + wp % self.stride
+        return self.strip_width + self.geometry.window[1] - 1
+
+    @property
+    def out_pitch(self) -> int:
+        """Flat rows per output row."""
+        return self.pitch // self.stride
 
     @property
     def out_rows(self) -> int:
-        """Flat rows per image that hold outputs (`Ho` rows of the pitch)."""
-        return self.geometry.out_size[0] * self.pitch
+        """Flat rows per image and strip that hold outputs (`Ho` rows of the pitch)."""
+        return self.geometry.out_size[0] * self.out_pitch
 
     @property
     def m_tiles(self) -> int:
+        """CTAs along the rows of one strip."""
         return -(-self.out_rows // self.tile_m)
+
+    @property
+    def m_padded(self) -> int:
+        """Flat output rows per image: every strip's `m_tiles` tiles."""
+        return self.strips * self.m_tiles * self.tile_m
 
     @property
     def halo(self) -> int:
@@ -361,30 +402,78 @@ class HaloGrid:
 
     @property
     def staged_rows(self) -> int:
+        """Padded rows a CTA stages (per row phase at stride 2: its output rows and those below)."""
         wp = self.pitch
-        return max(-(-(m * self.tile_m % wp + self.tile_m + self.halo) // wp) for m in range(self.m_tiles))
+        if self.stride == 1:
+            return max(-(-(m * self.tile_m % wp + self.tile_m + self.halo) // wp) for m in range(self.m_tiles))
+        wo, kh = self.out_pitch, self.geometry.window[0]
+        return max((m * self.tile_m % wo + self.tile_m - 1) // wo + 1 + (kh - 1) // 2 for m in range(self.m_tiles))
+
+    @property
+    def row_copies(self) -> int:
+        """TMA copies of one staged chunk: one per staged row (and row phase)."""
+        return self.staged_rows * self.stride
+
+    @property
+    def phase_rows(self) -> int:
+        """SMEM rows between the row phases of the staging (stride 2)."""
+        return self.staged_rows * self.pitch
 
     @property
     def staging(self) -> int:
-        """SMEM rows of one staged chunk: the staged padded rows, rounded up to 64 (prologue slabs)."""
-        return -(-self.staged_rows * self.pitch // 64) * 64
+        """SMEM rows of one staged chunk: the staged padded rows, rounded up to 64 (prologue slabs);
+        at stride 2 both row phases, and as far as a tap's strided rows reach."""
+        if self.stride == 1:
+            return -(-self.staged_rows * self.pitch // 64) * 64
+        kh, kw = self.geometry.window
+        reach = max(((kh > 1) * self.phase_rows + 2 * (m * self.tile_m % self.out_pitch)
+                     + (kh - 1) // 2 * self.pitch + kw - 1) // 2 * 2 + 2 * self.tile_m for m in range(self.m_tiles))
+        return -(-max(2 * self.phase_rows, reach) // 64) * 64
+
+    def strip_columns(self, strip: int) -> tuple[int, int, int]:
+        """`(first input column, columns, SMEM column)` of the input a staged row of `strip` copies:
+        the strip's padded columns that lie in the image."""
+        (px0, _px1), width = self.geometry.params.padding[1], self.geometry.in_size[1]
+        if self.strips == 1:
+            return 0, width, px0
+        first = strip * self.strip_width - px0
+        start, stop = max(first, 0), min(first + self.pitch, width)
+        return start, stop - start, start - first
+
+    @property
+    def copied_columns(self) -> int:
+        """Input columns one staged row copies, summed over the strips (the image's width, plus the
+        halo columns two strips both copy)."""
+        return sum(self.strip_columns(s)[1] for s in range(self.strips))
+
+
+def strip_counts(geometry: ConvGeometry) -> list[int]:
+    """The strip counts the haloed template may cut a conv's rows into (`HaloGrid.strips`), fewest
+    first: 1 where a row is one TMA box, then each count that divides the output row into strips
+    whose staged rows (`strip_width + kw - 1` pixels) are one TMA box (stride 1 only)."""
+    wo, kw = geometry.out_size[1], geometry.window[1]
+    out = [1] if geometry.in_size[1] <= MAX_BOX else []
+    if tuple(geometry.params.strides) != (1, 1):  # strips of a strided conv: not done
+        return out
+    return out + [s for s in range(2, wo + 1) if wo % s == 0 and wo // s + kw - 1 <= MAX_BOX and wo // s >= 8]
 
 
 def halo_conv_uncovered(geometry: ConvGeometry, itemsize: int, part_channels: Sequence[int] | None = None) -> str | None:
     """Why the haloed template does not take this conv (None when it does): it reads the input by
-    per-row TMA copies of `[W, 64]` channel chunks, so it needs unit strides and dilations, at most
-    a 3x3 window, each K range's channels (`part_channels`, default all the input's) a multiple of 64
-    of a 16-bit dtype, and a row of at most 256 pixels (a TMA box side)."""
+    per-row TMA copies of `[W, 64]` channel chunks, so it needs strides of 1 or 2 (both axes alike),
+    unit dilations, at most a 3x3 window, each K range's channels (`part_channels`, default all the
+    input's) a multiple of 64 of a 16-bit dtype, and rows of at most 256 pixels (a TMA box side) or
+    strips of them (`strip_counts`; stride 1 only)."""
     p = geometry.params
-    if tuple(p.strides) != (1, 1) or tuple(p.rhs_dilation) != (1, 1):
+    if tuple(p.strides) not in ((1, 1), (2, 2)) or tuple(p.rhs_dilation) != (1, 1):
         return f"strides {tuple(p.strides)}, dilation {tuple(p.rhs_dilation)}"
     if any(k > 3 for k in geometry.window):
         return f"a {geometry.window} window"
     for channels in part_channels if part_channels is not None else [geometry.in_features]:
         if channels % CHUNK or itemsize != 2:
             return f"{channels} input channels of {itemsize} bytes (TMA reads 64-channel chunks of halves)"
-    if geometry.in_size[1] > 256:
-        return f"rows of {geometry.in_size[1]} pixels (a TMA box side is at most 256)"
+    if not strip_counts(geometry):
+        return f"rows of {geometry.in_size[1]} pixels in no strips of at most {MAX_BOX} (a TMA box side)"
     return None
 
 
@@ -549,6 +638,21 @@ def halo_blocks(grid_of, out_rows: int, out_features: int, vectors: Sequence[int
                    MosaicBlocks(tile_m, 64, CHUNK, stages=2, compute_wgs=1)):
         if halo_smem_bytes(grid, blocks, vectors, operands, out_itemsize) <= SMEM_BYTES:
             return blocks
+    return None
+
+
+def halo_tiling(geometry: ConvGeometry, out_features: int, vectors: Sequence[int] = (),
+                operands: Sequence[tuple[str, int]] = (), out_itemsize: int = 2,
+                batch: int = 1) -> tuple[MosaicBlocks, "functools.partial"] | None:
+    """`(blocks, grid_of)`: the haloed template's tiles (`halo_blocks`) and its grid for a `tile_m`
+    (`grid_of(tile_m)`: a `HaloGrid`) with the fewest strips (`strip_counts`) whose staged rows fit
+    SMEM; None when none do."""
+    for strips in strip_counts(geometry):
+        grid_of = functools.partial(HaloGrid, geometry, strips=strips)
+        blocks = halo_blocks(grid_of, grid_of(128).out_rows, out_features, vectors, operands, out_itemsize,
+                             batch * strips)
+        if blocks is not None:
+            return blocks, grid_of
     return None
 
 
