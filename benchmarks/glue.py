@@ -239,11 +239,46 @@ def summary(launches: list[GlueLaunch]) -> str:
     return "\n".join(lines)
 
 
+def compare(launches: list[GlueLaunch], rows: list[dict]) -> str:
+    """Per plan kernel, the glue the model charges (`modeled_glue` of a `benchmarks.kernels` row) beside
+    the glue launches whose named scope is that kernel's, grouped by pattern."""
+    counted: dict[str, list[str]] = collections.defaultdict(list)
+    for l in launches:
+        counted[l.kernel_scope].append(f"{l.family}/{l.jax_op}")
+    patterns = collections.Counter()
+    names = set()
+    for row in rows:
+        names.add(row["name"])
+        modeled = tuple(sorted(row.get("modeled_glue") or []))
+        found = tuple(sorted(counted.get(row["name"], [])))
+        if modeled or found:
+            patterns[(row["name"].rsplit(":", 1)[-1], modeled, found)] += 1
+    lines = [f"modeled {sum(len(r.get('modeled_glue') or []) for r in rows)} glue launches, counted {len(launches)}",
+             "per kernel kind: n x (modeled) vs (counted in its scope):"]
+    for (kind, modeled, found), n in sorted(patterns.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {n:3d} x {kind:9s} modeled {len(modeled)} {list(modeled)}\n"
+                     f"        counted {len(found)} {list(found)}")
+    orphans = {scope: found for scope, found in counted.items() if scope not in names}
+    for scope, found in orphans.items():
+        lines.append(f"  in no plan kernel's scope: {scope}: {found}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dump", type=Path, help="XLA's dump of the emitted per-call program")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="a benchmarks.kernels JSON report of the same program: compare the modeled glue")
+    parser.add_argument("--component", default="unet")
     args = parser.parse_args(argv)
-    print(summary(glue_launches(args.dump)))
+    launches = glue_launches(args.dump)
+    if args.report is not None:
+        import json
+
+        rows = json.loads(args.report.read_text())["components"][args.component]["kernels"]
+        print(compare(launches, rows))
+        print()
+    print(summary(launches))
     return 0
 
 
