@@ -8,7 +8,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]`; the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
 
@@ -101,6 +101,8 @@ class MosaicWork:
     padded_outputs: int                # output elements the epilogue runs on (the padded tile grid)
     glue: tuple[Glue, ...] = field(default_factory=tuple)
     warpgroups: int = 3                # the memory warpgroup and the compute ones (128 threads each)
+    haloed: bool = False               # a conv on the haloed template (`emit.mosaic.conv_halo`)
+    weight_columns: int = 0            # the haloed conv's weight columns (N↑; 4 · Cout in the phase form)
 
     @property
     def ctas(self) -> int:
@@ -528,11 +530,11 @@ def range_exprs(term: Term) -> list[tuple] | None:
 
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False, rhs)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None, exprs=None) -> MosaicWork:
+                 epilogue: Term | None = None, exprs=None, rhs: Term | None = None) -> MosaicWork:
     """`emit.mosaic.conv_halo.build` on this conv where it takes it (`halo_conv_work`), else
     `emit.mosaic.conv.build`: the flat padded grid's CTAs, its pipeline steps (taps × 64-channel
     chunks per K range), the TMA bytes (each step's A tile re-read through L2), and the fusions:
@@ -560,7 +562,8 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
                                                          _itemsize(lhs_ty), [e for e, *_ in parts if e is not None]) is None:
             if phase_outputs:  # a phase's 2x2 taps
                 parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
-            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs)
+            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs,
+                                  rhs)
             if work is not None:
                 return work
     taps = plan_taps(grid, ranges)
@@ -592,13 +595,15 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
 
 
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
-                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None) -> MosaicWork | None:
+                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None,
+                   rhs: Term | None = None) -> MosaicWork | None:
     """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
     of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per K range (`parts`:
     `halo_parts`' `(expression, range, offset, channels, taps)`, default one over all channels and
     the whole window) and 64-channel chunk the staged input rows (the CTA's and the halo) and the
     range's per-channel vectors by TMA, per step (chunk x tap) a `[64, tile_n]` weight tile; the
-    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]`, the vectors
+    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]` unless the
+    kernel reads them as they lie (`halo_weight_in_place`: the prepared layout), the vectors
     gathered per channel into one float32 table (unless one range reads them all as views), a
     residual mapped onto the flat rows, the output unflattened. The input expressions run on every
     staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
@@ -648,7 +653,9 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                     else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
-    glue = [Glue("weights laid out", w_bytes)]
+    glue = []
+    if not halo_weight_in_place(rhs, params, parts, n_padded, cout, phase_outputs):
+        glue.append(Glue("weights laid out", w_bytes))
     if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
         glue.append(Glue("prologue vectors per channel", vector_bytes))
     for item_bytes in reads.tiles:
@@ -666,7 +673,47 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
     return MosaicWork(work, blocks.stages, ctas * per_cta, kernel_reads, store, batch * m_padded * n_padded,
-                      tuple(glue), 1)
+                      tuple(glue), 1, haloed=True, weight_columns=n_padded)
+
+
+def halo_weight_in_place(rhs: Term | None, params: str, parts, n_padded: int, cout: int,
+                         phase_outputs: int | None, prepared: bool = True) -> bool:
+    """Whether the haloed conv reads its weight as it lies, no fusion before it: one tensor stored
+    `[ky, kx, in, out]` row-major (the layout `emit.prepare` gives a conv's weight) whose outputs the
+    tiles divide (`emit.mosaic.conv_halo.layout_weight` is a view), or, `prepared`, a weight the
+    prepare stage computes from parameters (`prepared_weight`): it lays the template's weight out
+    once (`emit.mosaic.layouts.halo_weight_layout`: a merged shortcut's concat, N padded, the phase
+    form's sums of taps). Types only (`rhs` None, an e-node): a weight of parameters, laid out once."""
+    if rhs is None:
+        return prepared or (not phase_outputs and n_padded == cout and len({taps for *_, taps in parts}) == 1)
+    if prepared and prepared_weight(rhs):
+        return True
+    if phase_outputs or n_padded != cout:
+        return False
+    spec = ConvParams.parse(params).rhs_spec
+    return read_in_order(rhs, (spec[2], spec[3], spec[1], spec[0]), False)
+
+
+def prepared_weight(expr: Term) -> bool:
+    """Whether an operand expression reads only tensors the prepare stage computed from parameters
+    and constants (`Pointwise` kernels over inputs and constants, e.g. a weight laid out K x N), at
+    least one: `emit.prepare` then lays the template's weight out once too."""
+    loads = loaded_tensors(expr)
+    if not loads:
+        return False
+    seen: set[int] = set()
+    stack = list(loads)
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.op == "Constant" or (tensor.op == "Input" and tensor not in loads):
+            continue
+        if tensor.op != "Pointwise":
+            return False
+        stack.extend(loaded_tensors(tensor.args[0]))
+    return True
 
 
 # --- attention -----------------------------------------------------------------------------------
