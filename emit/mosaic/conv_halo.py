@@ -688,13 +688,18 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
                                                ctx.value)
 
-    known = _Evaluator({}, ctx.constants, ctx.payloads)
-    known.values = ctx.values
-    (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
-    if upsampled is not None:  # [phase, a, b, in, out]: rows (phase, a, b, in)
-        w = jnp.reshape(phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec), (16 * geometry.in_features, -1))
-    else:
-        w = layout_weight(w.astype(sources[0].x.dtype), params.rhs_spec, n_padded)
+    from emit.mosaic.layouts import prepared_halo_weight
+
+    w = prepared_halo_weight(ctx, term, conv_geometry.out_features if upsampled is not None else n_padded)
+    if w is None:  # not laid out once by the prepare stage: here, per call
+        known = _Evaluator({}, ctx.constants, ctx.payloads)
+        known.values = ctx.values
+        (w,) = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([term.args[1]])
+        if upsampled is not None:  # [phase, a, b, in, out]: rows (phase, a, b, in)
+            w = jnp.reshape(phase_weights(w.astype(sources[0].x.dtype), params.rhs_spec),
+                            (16 * geometry.in_features, -1))
+        else:
+            w = layout_weight(w.astype(sources[0].x.dtype), params.rhs_spec, n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
