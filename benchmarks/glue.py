@@ -148,8 +148,11 @@ def _kernel_label(inst: Instruction) -> str:
 
 def glue_launches(dump: Path) -> list[GlueLaunch]:
     """The glue launches (XLA fusions and copies) of the per-call executable dumped in `dump`."""
-    hlo = next(iter(sorted(dump.glob("*jit_emitted_per_call*gpu_after_optimizations.txt"))))
-    meta = next(iter(sorted(dump.glob("*jit_emitted_per_call*thunk_metadata.txt"))))
+    metas = sorted(dump.glob("*jit_emitted_per_call*thunk_metadata.txt")) or sorted(
+        dump.glob("*thunk_metadata.txt"), key=lambda path: path.stat().st_size)
+    meta = metas[-1]  # the per-call executable's, else the largest module's
+    module = meta.name[:-len("thunk_metadata.txt")]
+    hlo = next(iter(sorted(dump.glob(f"{module}*gpu_after_optimizations.txt"))))
     entry, computations, users = read_module(hlo.read_text(errors="replace"))
     params_only_memo: dict[str, bool] = {}
 

@@ -8,9 +8,9 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows and the output unflattened, unless the flat rows are the output's (a 1x1 conv without padding); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
-| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
+| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K; a head padded over unpadded keys a second fusion), padded q / v (one multi-output fusion from one tensor; v with Kᵀ when the keys are padded), a materialized float32 bias, the padded output sliced (`attention_glue`) |
 
 ↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
 
@@ -175,19 +175,83 @@ def stored_axes(expr: Term | None) -> tuple[int, ...] | None:
     """For an operand expression that reads one tensor as it lies up to one permutation (a `Load`
     through reshapes, under at most one `Transpose`: a prepared weight stored `[K, N]` and read back
     as the `[N, K]` the plan names), each of its axes' position in the stored row-major order;
-    None for anything else. Types only (None): the identity."""
+    None for anything else. The tensor's stored order is its template's (`written_order`: the Mosaic
+    attention writes `[B, S, H, D]`), so a transpose that cancels it, under reshapes (the attention's
+    output read back as `[B, S, H·D]`), is the identity. Types only (None): the identity."""
     if expr is None:
         return None
+    node, outer = expr, False
+    while node.op == "Reshape":
+        node, outer = node.args[0], True
     perm = None
-    node = expr
     if node.op == "Transpose":
         perm, node = ints(node.args[1]), node.args[0]
+    inner = False
     while node.op == "Reshape":
-        node = node.args[0]
+        node, inner = node.args[0], True
     if node.op != "Load":
         return None
-    rank = len(parse_type(expr.ty).shape)
-    return tuple(perm) if perm is not None else tuple(range(rank))
+    written = None if inner else written_order(node.args[0])
+    if perm is None and written is None:
+        return tuple(range(len(parse_type(expr.ty).shape)))
+    composed = tuple(written[a] for a in perm) if written is not None and perm is not None else (perm or written)
+    if not outer:
+        return tuple(composed)
+    shape = parse_type(node.ty).shape if perm is None else [parse_type(node.ty).shape[a] for a in perm]
+    kept = [position for position, size in zip(composed, shape) if size != 1]
+    return tuple(range(len(parse_type(expr.ty).shape))) if kept == sorted(kept) else None
+
+
+def written_order(tensor: Term) -> tuple[int, ...] | None:
+    """Where a Mosaic template stores each axis of the tensor it writes, when not in the term's own
+    order: the attention's `[B, H, S, D]` output as `[B, S, H, D]` when it reads q so
+    (`seq_major`, `emit.mosaic.attention.Layouts`); else None (row-major in its own order)."""
+    if tensor.op == "Attention" and seq_major(tensor.args[0]):
+        return (0, 2, 1, 3)
+    return None
+
+
+def seq_major(operand: Term) -> bool:
+    """`emit.mosaic.attention.reads_seq_major` on shapes: an attention operand `[B, H, S, D]` that is a
+    view of one tensor in which consecutive sequence positions lie further apart than consecutive
+    heads (a `[B, S, H·D]` projection read per head, a fused QKV's slice)."""
+    _, heads, seq, _ = parse_type(operand.ty).shape
+    if heads == 1 or seq == 1:
+        return False
+    origin, next_head, next_row = (view_offset(operand, i) for i in ((0, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0)))
+    if origin is None or next_head is None or next_row is None:
+        return False
+    return abs(next_row - origin) > abs(next_head - origin)
+
+
+def view_offset(expr: Term, index) -> int | None:
+    """The flat offset, in the one tensor a view expression loads (through reshapes, transposes,
+    slices and broadcasts), of its element at `index`; None for anything else."""
+    node, at = expr, [int(i) for i in index]
+    while True:
+        shape = parse_type(node.ty).shape
+        if node.op == "Load":
+            return int(np.ravel_multi_index(at, shape)) if shape else 0
+        if node.op == "Reshape":
+            child = node.args[0]
+            flat = int(np.ravel_multi_index(at, shape)) if shape else 0
+            at = [int(i) for i in np.unravel_index(flat, parse_type(child.ty).shape)] if parse_type(child.ty).shape else []
+        elif node.op == "Transpose":
+            child, perm = node.args[0], ints(node.args[1])
+            inner = [0] * len(perm)
+            for position, axis in enumerate(perm):
+                inner[axis] = at[position]
+            at = inner
+        elif node.op == "Slice":
+            child, axis, start, _stop, stride = node.args[:5]
+            at[axis] = start + at[axis] * stride
+        elif node.op == "Broadcast":
+            child, dims = node.args[0], ints(node.args[1])
+            child_shape = parse_type(child.ty).shape
+            at = [at[d] if child_shape[i] != 1 else 0 for i, d in enumerate(dims)]
+        else:
+            return None
+        node = child
 
 
 def read_in_order(expr: Term | None, order: tuple[int, ...], ordered_by_type: bool) -> bool:
@@ -658,10 +722,16 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
         glue.append(Glue("weights laid out", w_bytes))
     if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
         glue.append(Glue("prologue vectors per channel", vector_bytes))
+    # the flat rows are the output's own NHWC rows (a 1x1 conv without padding, whole tiles): the
+    # residual is read and the output written in place (`mapped_operands` and `unflatten` are views)
+    (ho, wo), out_spec = geometry.out_size, tuple(ConvParams.parse(params).out_spec)
+    flat_is_output = not phase_outputs and grid.pitch == wo and m_padded == ho * wo and out_spec == (0, 3, 1, 2)
     for item_bytes in reads.tiles:
-        glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
+        if not flat_is_output:
+            glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     store = batch * m_padded * n_padded * out_item
-    glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
+    if not (flat_is_output and n_padded == cout):
+        glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
     evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
     exprs = [e for e, *_ in parts if e is not None]
     in_elements = batch * math.prod(geometry.in_size) * geometry.in_features  # the staged tensors' elements
@@ -723,11 +793,11 @@ def attention_work(term: Term) -> MosaicWork:
     q, k, v, bias, _scale, _epilogue, ty = term.args
     has_bias = not (bias.op == "Lit" and bias.args[0] == 0.0)
     bias_ty = bias.ty if has_bias else None
-    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v)
+    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v, k)
 
 
 def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = None, q: Term | None = None,
-                      v: Term | None = None) -> MosaicWork:
+                      v: Term | None = None, k: Term | None = None) -> MosaicWork:
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
     padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
     key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
@@ -746,11 +816,8 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
                     bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
-    glue = [Glue("K transposed", kv_bytes)]
-    if not is_view(q) or (q_pad, head) != (q_len, head_dim):
-        glue.append(Glue("q laid out", q_bytes))
-    if not is_view(v) or (kv_pad, head) != (kv_len, head_dim):
-        glue.append(Glue("v laid out", kv_bytes))
+    glue = attention_glue(q, k, v, q_bytes, kv_bytes, bh * kv_len * head_dim * item, (q_pad, head) != (q_len, head_dim),
+                          (kv_pad, head) != (kv_len, head_dim), kv_pad != kv_len)
     tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
     kernel_reads = q_bytes + 2 * kv_bytes
     if bias_ty is not None:
@@ -769,6 +836,31 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
                         alu_flops=scores * SOFTMAX_INSTRUCTIONS_PER_SCORE * INSTRUCTION_FLOPS)
     return MosaicWork(work, ring, tma, kernel_reads, store, bh * q_pad * head, tuple(glue),
                       blocks.compute_wgs + 1)
+
+
+def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: float, kv_bytes: float,
+                   k_bytes: float, q_padded: bool, kv_padded: bool, keys_padded: bool) -> list[Glue]:
+    """The fusions `emit.mosaic.attention.build` launches before its kernel, as XLA fuses them: Kᵀ in
+    one (a transpose fusion; padded as well in one loop fusion when the keys are padded, but a head
+    padded over unpadded keys is a second fusion after the transpose), q and v padded or computed
+    (one multi-output fusion when both are laid out from one tensor, a fused QKV's; v joins Kᵀ's
+    fusion when both come from one tensor and the keys are padded, a fused text K/V's)."""
+    same = lambda a, b: a is not None and b is not None and loaded_tensors(a) == loaded_tensors(b)  # noqa: E731
+    q_out = not is_view(q) or q_padded
+    v_out = not is_view(v) or kv_padded
+    glue = []
+    if kv_padded and not keys_padded:  # the transpose fusion, then the head's padding
+        glue += [Glue("K transposed", k_bytes), Glue("K padded", kv_bytes)]
+    elif v_out and keys_padded and same(k, v):
+        glue.append(Glue("K transposed, v laid out", 2 * kv_bytes))
+        v_out = False
+    else:
+        glue.append(Glue("K transposed", kv_bytes))
+    if q_out and v_out and same(q, v):
+        glue.append(Glue("q and v laid out", q_bytes + kv_bytes))
+    else:
+        glue += [Glue("q laid out", q_bytes)] * q_out + [Glue("v laid out", kv_bytes)] * v_out
+    return glue
 
 
 def mosaic_work(kernel: Term) -> MosaicWork:
