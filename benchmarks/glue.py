@@ -248,19 +248,25 @@ def compare(launches: list[GlueLaunch], rows: list[dict]) -> str:
     counted: dict[str, list[str]] = collections.defaultdict(list)
     for l in launches:
         counted[l.kernel_scope].append(f"{l.family}/{l.jax_op}")
+    modeled_by_name: dict[str, list[str]] = collections.defaultdict(list)
+    for row in rows:  # kernels that share a name share a scope: compared together
+        modeled_by_name[row["name"]] += row.get("modeled_glue") or []
     patterns = collections.Counter()
-    names = set()
-    for row in rows:
-        names.add(row["name"])
-        modeled = tuple(sorted(row.get("modeled_glue") or []))
-        found = tuple(sorted(counted.get(row["name"], [])))
+    names = set(modeled_by_name)
+    for name, modeled in modeled_by_name.items():
+        found = tuple(sorted(counted.get(name, [])))
         if modeled or found:
-            patterns[(row["name"].rsplit(":", 1)[-1], modeled, found)] += 1
+            patterns[(name.rsplit(":", 1)[-1], tuple(sorted(modeled)), found)] += 1
     lines = [f"modeled {sum(len(r.get('modeled_glue') or []) for r in rows)} glue launches, counted {len(launches)}",
-             "per kernel kind: n x (modeled) vs (counted in its scope):"]
+             "per kernel name (kernels of one name together): n x (modeled) vs (counted in its scope):"]
     for (kind, modeled, found), n in sorted(patterns.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {n:3d} x {kind:9s} modeled {len(modeled)} {list(modeled)}\n"
                      f"        counted {len(found)} {list(found)}")
+    by_kind = collections.defaultdict(lambda: [0, 0])
+    for (kind, modeled, found), n in patterns.items():
+        by_kind[kind][0] += n * len(modeled)
+        by_kind[kind][1] += n * len(found)
+    lines.append("by kernel kind, modeled / counted: " + ", ".join(f"{k} {m} / {c}" for k, (m, c) in by_kind.items()))
     orphans = {scope: found for scope, found in counted.items() if scope not in names}
     for scope, found in orphans.items():
         lines.append(f"  in no plan kernel's scope: {scope}: {found}")
