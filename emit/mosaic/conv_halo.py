@@ -512,7 +512,10 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     n_padded = w.shape[1] if not phase_cols else 4 * phase_cols
     if phase_cols and phase_cols % blocks.tile_n:
         raise ValueError(f"tile_n {blocks.tile_n} does not divide a phase's {phase_cols} outputs")
-    mask = jnp.asarray(row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64))  # TMA boxes: <= 256 a side
+    mask = row_mask(grid).reshape(grid.m_tiles, grid.staging // 64, 64)  # TMA boxes: <= 256 a side
+    if mask.all():  # no padding (a 1x1 conv): XLA would make the splat constant a broadcast fusion per
+        mask = np.concatenate([mask, np.zeros_like(mask[:1])])  # call; one unread zero tile keeps it a literal
+    mask = jnp.asarray(mask)
     arrays, kinds, shared = [], [], []
     for operand in operands:
         a = operand.array
