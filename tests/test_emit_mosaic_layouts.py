@@ -196,3 +196,31 @@ def test_compiles_for_sm90a_with_the_upsample_weights_prepared(tmp_path):
     assert report.by_category.get("Pallas (Mosaic GPU)") == 1 == naive.by_category.get("Pallas (Mosaic GPU)")
     assert report.kernels + report.copies == naive.kernels + naive.copies - 1, (report.by_category,
                                                                                naive.by_category)
+
+
+def test_a_1x1_conv_without_padding_keeps_its_all_ones_mask_a_literal():
+    """2 x 8x8 images, 1x1, 64 -> 64: every staged row is an input pixel (the row mask is all ones);
+    the kernel gets one extra, unread zero tile (so XLA embeds the constant instead of launching a
+    broadcast) and matches `lax` in GPU interpret mode."""
+    from jax import lax
+
+    from tests.test_emit_mosaic_conv_halo import _haloed_conv, _params
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 8, 8, 64)), F16)
+    w = jnp.asarray(0.1 * rng.standard_normal((1, 1, 64, 64)), F16)
+    params = _params(x.shape, w.shape, ((0, 0), (0, 0)))
+    masks = []
+    original = ch.build
+
+    def recording(xs, w_, grid, *a, **k):
+        masks.append(ch.row_mask(grid))
+        return original(xs, w_, grid, *a, **k)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ch, "build", recording)
+        out = _haloed_conv(x, w, params)
+    assert masks and masks[0].all()
+    expected = lax.conv_general_dilated(x.astype(jnp.float32), w.astype(jnp.float32), (1, 1), ((0, 0), (0, 0)),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-2, atol=2e-2)
