@@ -10,7 +10,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
 | conv (haloed: stride 1, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each) | batch · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image, pitch W + 2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`staged_rows` `[W, 64]` copies) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows and the output unflattened, unless the flat rows are the output's (a 1x1 conv without padding); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
-| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K; padded, a second fusion), padded q / v (one multi-output fusion from one tensor), a materialized float32 bias, the padded output sliced (`attention_glue`) |
+| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K; a head padded over unpadded keys a second fusion), padded q / v (one multi-output fusion from one tensor; v with Kᵀ when the keys are padded), a materialized float32 bias, the padded output sliced (`attention_glue`) |
 
 ↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
 
@@ -819,7 +819,7 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
                     bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
     glue = attention_glue(q, k, v, q_bytes, kv_bytes, bh * kv_len * head_dim * item, (q_pad, head) != (q_len, head_dim),
-                          (kv_pad, head) != (kv_len, head_dim))
+                          (kv_pad, head) != (kv_len, head_dim), kv_pad != kv_len)
     tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
     kernel_reads = q_bytes + 2 * kv_bytes
     if bias_ty is not None:
@@ -841,20 +841,26 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
 
 
 def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: float, kv_bytes: float,
-                   k_bytes: float, q_padded: bool, kv_padded: bool) -> list[Glue]:
-    """The fusions `emit.mosaic.attention.build` launches before its kernel, as XLA fuses them: Kᵀ (a
-    transpose fusion) and, where the head or the keys are padded, the pad after it (XLA's transpose
-    emitter takes no pad: a second fusion); q and v padded or computed, in one multi-output fusion
-    when both are laid out from one tensor (a fused QKV's). Where several attentions read K and V of
-    one tensor (SD 1.5's cross-attentions: all text K/V from one matmul) XLA may lay them out in
-    shared multi-output fusions: fewer launches than charged here, per kernel."""
-    same = q is not None and v is not None and loaded_tensors(q) == loaded_tensors(v)
+                   k_bytes: float, q_padded: bool, kv_padded: bool, keys_padded: bool) -> list[Glue]:
+    """The fusions `emit.mosaic.attention.build` launches before its kernel, as XLA fuses them in SD
+    1.5's UNet: Kᵀ in one (a transpose fusion; a head padded over unpadded keys is a second fusion
+    after it: XLA's transpose emitter takes no pad), q and v padded or computed (one multi-output
+    fusion when both are laid out from one tensor, a fused QKV's); with padded keys (77 text tokens)
+    Kᵀ and v of one tensor (a fused text K/V projection's) are padded together in one multi-output
+    loop fusion. (A lone cross-attention, its K/V projection read by nothing else, gets Kᵀ by the
+    transpose emitter and two pads instead: tests/test_cost_mosaic_glue.py.)"""
+    same = lambda a, b: a is not None and b is not None and loaded_tensors(a) == loaded_tensors(b)  # noqa: E731
     q_out = not is_view(q) or q_padded
     v_out = not is_view(v) or kv_padded
-    glue = [Glue("K transposed", k_bytes if kv_padded else kv_bytes)]
-    if kv_padded:
-        glue.append(Glue("K padded", kv_bytes))
-    if q_out and v_out and same:
+    glue = []
+    if kv_padded and not keys_padded:  # the transpose fusion, then the head's padding
+        glue += [Glue("K transposed", k_bytes), Glue("K padded", kv_bytes)]
+    elif v_out and keys_padded and same(k, v):
+        glue.append(Glue("K transposed, v laid out", 2 * kv_bytes))
+        v_out = False
+    else:
+        glue.append(Glue("K transposed", kv_bytes))
+    if q_out and v_out and same(q, v):
         glue.append(Glue("q and v laid out", q_bytes + kv_bytes))
     else:
         glue += [Glue("q laid out", q_bytes)] * q_out + [Glue("v laid out", kv_bytes)] * v_out
