@@ -414,6 +414,7 @@ def kernel_row(planned: PlannedKernel | None, thunk: ThunkKernel | None, counts:
         "modeled_seconds": seconds,
         "merge_seconds": merge,
         "merge_fraction": merge / seconds if merge is not None and seconds else None,
+        "modeled_glue": modeled_glue(planned) if planned else [],
     }
 
 
@@ -592,6 +593,15 @@ def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
     from eqsat.cost.mosaic import mosaic_work
 
     return sum(len(mosaic_work(k.term).glue) for k in planned if k.route == "mosaic" and k.term is not None)
+
+
+def modeled_glue(kernel: PlannedKernel) -> list[str]:
+    """The fusions the model says a Mosaic-routed kernel launches around it, by what they do."""
+    from eqsat.cost.mosaic import mosaic_work
+
+    if kernel.route != "mosaic" or kernel.term is None:
+        return []
+    return [g.what for g in mosaic_work(kernel.term).glue]
 
 
 def _is_mosaic(launch) -> bool:

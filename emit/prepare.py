@@ -28,6 +28,12 @@ What is prepared:
   unit-stride along N: 16-byte loads a warp coalesces, not one 2-byte load per element `K`
   elements apart.
 
+- weights in the layout a Mosaic template reads (`emit.mosaic.layouts`), when the plan's device
+  emits its dense kernels on Mosaic GPU: the haloed conv's `[window · C, N↑]` weight where the
+  kernel would concatenate (a merged shortcut) or pad it per call, and the phase form's sums of
+  taps (a conv over a nearest-2x upsample). The template finds the prepared tensor among its
+  context's values by the same interned term; without it, it lays the weight out per call.
+
 The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
 program output the prepare stage computes) as inputs.
 
@@ -101,19 +107,22 @@ def split_plan(plan, parameters) -> Split:
     marked = frozenset(parameters)
     staged, hoisted = _hoist(plan, marked)
     prepared = _prepared_kernels(staged, marked)
+    layouts = _template_layouts(staged, marked, prepared)
     per_call = [k for i, k in enumerate(staged.kernels) if i not in prepared]
     produced = {t for i, k in enumerate(staged.kernels) if i in prepared for t in k.outputs}
     outputs_read, inputs_read = _stage_reads(staged, per_call)
     prepared_tensors = list(dict.fromkeys([t for t in outputs_read if t in produced]
-                                          + [t for t in staged.outputs if t in produced]))
-    prepare_kernels = [k for i, k in enumerate(staged.kernels) if i in prepared]
+                                          + [t for t in staged.outputs if t in produced]
+                                          + [k.term for k in layouts]))
+    prepare_kernels = [k for i, k in enumerate(staged.kernels) if i in prepared] + layouts
     _, prepare_inputs = _stage_reads(staged, prepare_kernels)
     program_inputs = [t.args[0] for t in staged.program.inputs] if staged.program is not None else []
     per_call_inputs = [n for n in program_inputs
                        if n not in marked or n in inputs_read or any(o.op == "Input" and o.args[0] == n
                                                                      for o in staged.outputs)]
     return Split(staged, _part(staged, prepare_kernels, prepared_tensors, naive=False),
-                 _part(staged, per_call, staged.outputs, naive=True), parameters, prepared_tensors, hoisted,
+                 _part(staged, per_call, staged.outputs, naive=True), parameters, prepared_tensors,
+                 hoisted + len(layouts),
                  tuple(n for n in program_inputs if n in prepare_inputs), tuple(per_call_inputs))
 
 
@@ -180,6 +189,49 @@ def _stage_reads(plan, kernels) -> tuple[list[Term], set[str]]:
     found = _tensors_read([t for k in kernels for t in k.outputs], producers)
     return ([t for t in found if t in producers and t not in own],
             {t.args[0] for t in found if t.op == "Input"})
+
+
+# --- weight layouts a Mosaic template reads ------------------------------------------------------
+
+
+def _template_layouts(plan, parameters: frozenset, prepared: set[int]) -> list:
+    """Prepared `Pointwise` kernels (`extract.plan.Kernel`s, after the plan's own) for the weight
+    layouts the Mosaic templates of the per-call kernels read (`emit.mosaic.layouts`: the haloed
+    conv's weight concatenated, padded or summed into its phase form), each from parameters and
+    prepared tensors only; none unless the plan's device emits its dense kernels on Mosaic GPU
+    (`mosaic`, or `auto` where the model routes the kernel there)."""
+    from emit.backends import plan_routes, runs_on_mosaic
+    from emit.mosaic.layouts import halo_weight_layout
+    from eqsat.cost import get_device
+    from extract.plan import Plan
+
+    backend = get_device(plan.device).backend
+    if backend not in ("mosaic", "auto"):
+        return []
+    routes = plan_routes(plan) if backend == "auto" else {}
+    producers = {t: i for i, k in enumerate(plan.kernels) for t in k.outputs}
+
+    def available(tensor: Term) -> bool:
+        if tensor.op == "Input":
+            return tensor.args[0] in parameters
+        return tensor.op == "Constant" or producers.get(tensor) in prepared
+
+    layouts, host_of = {}, {}
+    for i, kernel in enumerate(plan.kernels):
+        if i in prepared or not runs_on_mosaic(kernel.term) or routes.get(kernel.term, "mosaic") != "mosaic":
+            continue
+        layout = halo_weight_layout(kernel.term) if kernel.op == "Conv" else None
+        if layout is None or layout in layouts or not all(
+                available(node.args[0]) for node in _expr_postorder([layout.args[0]]) if node.op == "Load"):
+            continue
+        layouts[layout], host_of[layout] = kernel, i
+    if not layouts:
+        return []
+    class_of = {t: plan.kernels[host_of[t]].eclass for t in layouts if plan.kernels[host_of[t]].eclass is not None}
+    components = {k.eclass: k.component for k in layouts.values() if k.eclass is not None}
+    built = Plan.build(list(layouts), program=plan.program, class_of=class_of, class_components=components,
+                       device=plan.device, extractor=plan.extractor)
+    return [k for k in built.kernels if k.term in layouts]
 
 
 # --- hoisting parameter-only operands ------------------------------------------------------------

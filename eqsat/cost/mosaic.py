@@ -8,9 +8,9 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
-| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]`; the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows; the output unflattened (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows and the output unflattened, unless the flat rows are the output's (a 1x1 conv without padding); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
-| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K), padded q / v, a materialized float32 bias, the padded output sliced |
+| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K; a head padded over unpadded keys a second fusion), padded q / v (one multi-output fusion from one tensor; v with Kᵀ when the keys are padded), a materialized float32 bias, the padded output sliced (`attention_glue`) |
 
 ↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
 
@@ -101,6 +101,8 @@ class MosaicWork:
     padded_outputs: int                # output elements the epilogue runs on (the padded tile grid)
     glue: tuple[Glue, ...] = field(default_factory=tuple)
     warpgroups: int = 3                # the memory warpgroup and the compute ones (128 threads each)
+    haloed: bool = False               # a conv on the haloed template (`emit.mosaic.conv_halo`)
+    weight_columns: int = 0            # the haloed conv's weight columns (N↑; 4 · Cout in the phase form)
 
     @property
     def ctas(self) -> int:
@@ -173,19 +175,83 @@ def stored_axes(expr: Term | None) -> tuple[int, ...] | None:
     """For an operand expression that reads one tensor as it lies up to one permutation (a `Load`
     through reshapes, under at most one `Transpose`: a prepared weight stored `[K, N]` and read back
     as the `[N, K]` the plan names), each of its axes' position in the stored row-major order;
-    None for anything else. Types only (None): the identity."""
+    None for anything else. The tensor's stored order is its template's (`written_order`: the Mosaic
+    attention writes `[B, S, H, D]`), so a transpose that cancels it, under reshapes (the attention's
+    output read back as `[B, S, H·D]`), is the identity. Types only (None): the identity."""
     if expr is None:
         return None
+    node, outer = expr, False
+    while node.op == "Reshape":
+        node, outer = node.args[0], True
     perm = None
-    node = expr
     if node.op == "Transpose":
         perm, node = ints(node.args[1]), node.args[0]
+    inner = False
     while node.op == "Reshape":
-        node = node.args[0]
+        node, inner = node.args[0], True
     if node.op != "Load":
         return None
-    rank = len(parse_type(expr.ty).shape)
-    return tuple(perm) if perm is not None else tuple(range(rank))
+    written = None if inner else written_order(node.args[0])
+    if perm is None and written is None:
+        return tuple(range(len(parse_type(expr.ty).shape)))
+    composed = tuple(written[a] for a in perm) if written is not None and perm is not None else (perm or written)
+    if not outer:
+        return tuple(composed)
+    shape = parse_type(node.ty).shape if perm is None else [parse_type(node.ty).shape[a] for a in perm]
+    kept = [position for position, size in zip(composed, shape) if size != 1]
+    return tuple(range(len(parse_type(expr.ty).shape))) if kept == sorted(kept) else None
+
+
+def written_order(tensor: Term) -> tuple[int, ...] | None:
+    """Where a Mosaic template stores each axis of the tensor it writes, when not in the term's own
+    order: the attention's `[B, H, S, D]` output as `[B, S, H, D]` when it reads q so
+    (`seq_major`, `emit.mosaic.attention.Layouts`); else None (row-major in its own order)."""
+    if tensor.op == "Attention" and seq_major(tensor.args[0]):
+        return (0, 2, 1, 3)
+    return None
+
+
+def seq_major(operand: Term) -> bool:
+    """`emit.mosaic.attention.reads_seq_major` on shapes: an attention operand `[B, H, S, D]` that is a
+    view of one tensor in which consecutive sequence positions lie further apart than consecutive
+    heads (a `[B, S, H·D]` projection read per head, a fused QKV's slice)."""
+    _, heads, seq, _ = parse_type(operand.ty).shape
+    if heads == 1 or seq == 1:
+        return False
+    origin, next_head, next_row = (view_offset(operand, i) for i in ((0, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0)))
+    if origin is None or next_head is None or next_row is None:
+        return False
+    return abs(next_row - origin) > abs(next_head - origin)
+
+
+def view_offset(expr: Term, index) -> int | None:
+    """The flat offset, in the one tensor a view expression loads (through reshapes, transposes,
+    slices and broadcasts), of its element at `index`; None for anything else."""
+    node, at = expr, [int(i) for i in index]
+    while True:
+        shape = parse_type(node.ty).shape
+        if node.op == "Load":
+            return int(np.ravel_multi_index(at, shape)) if shape else 0
+        if node.op == "Reshape":
+            child = node.args[0]
+            flat = int(np.ravel_multi_index(at, shape)) if shape else 0
+            at = [int(i) for i in np.unravel_index(flat, parse_type(child.ty).shape)] if parse_type(child.ty).shape else []
+        elif node.op == "Transpose":
+            child, perm = node.args[0], ints(node.args[1])
+            inner = [0] * len(perm)
+            for position, axis in enumerate(perm):
+                inner[axis] = at[position]
+            at = inner
+        elif node.op == "Slice":
+            child, axis, start, _stop, stride = node.args[:5]
+            at[axis] = start + at[axis] * stride
+        elif node.op == "Broadcast":
+            child, dims = node.args[0], ints(node.args[1])
+            child_shape = parse_type(child.ty).shape
+            at = [at[d] if child_shape[i] != 1 else 0 for i, d in enumerate(dims)]
+        else:
+            return None
+        node = child
 
 
 def read_in_order(expr: Term | None, order: tuple[int, ...], ordered_by_type: bool) -> bool:
@@ -528,11 +594,11 @@ def range_exprs(term: Term) -> list[tuple] | None:
 
 def conv_work(term: Term) -> MosaicWork:
     lhs, rhs, params, epilogue, ty = term.args
-    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False)
+    return conv_work_of(lhs.ty, rhs.ty, params, ty, conv_ranges(term), epilogue, range_exprs(term) or False, rhs)
 
 
 def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None,
-                 epilogue: Term | None = None, exprs=None) -> MosaicWork:
+                 epilogue: Term | None = None, exprs=None, rhs: Term | None = None) -> MosaicWork:
     """`emit.mosaic.conv_halo.build` on this conv where it takes it (`halo_conv_work`), else
     `emit.mosaic.conv.build`: the flat padded grid's CTAs, its pipeline steps (taps × 64-channel
     chunks per K range), the TMA bytes (each step's A tile re-read through L2), and the fusions:
@@ -560,7 +626,8 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
                                                          _itemsize(lhs_ty), [e for e, *_ in parts if e is not None]) is None:
             if phase_outputs:  # a phase's 2x2 taps
                 parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
-            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs)
+            work = halo_conv_work(halo_geometry, lhs_ty, rhs_ty, params, out_ty, epilogue, parts, phase_outputs,
+                                  rhs)
             if work is not None:
                 return work
     taps = plan_taps(grid, ranges)
@@ -592,13 +659,15 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
 
 
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
-                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None) -> MosaicWork | None:
+                   epilogue: Term | None = None, parts=None, phase_outputs: int | None = None,
+                   rhs: Term | None = None) -> MosaicWork | None:
     """`emit.mosaic.conv_halo.build` on this conv (None where its staged rows do not fit SMEM): CTAs
     of `tile_m` flat rows of one image's padded grid x `tile_n` outputs; per K range (`parts`:
     `halo_parts`' `(expression, range, offset, channels, taps)`, default one over all channels and
     the whole window) and 64-channel chunk the staged input rows (the CTA's and the halo) and the
     range's per-channel vectors by TMA, per step (chunk x tap) a `[64, tile_n]` weight tile; the
-    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]`, the vectors
+    inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]` unless the
+    kernel reads them as they lie (`halo_weight_in_place`: the prepared layout), the vectors
     gathered per channel into one float32 table (unless one range reads them all as views), a
     residual mapped onto the flat rows, the output unflattened. The input expressions run on every
     staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
@@ -652,13 +721,23 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                     else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.strips * grid.m_tiles * grid.staging * 2
     epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
-    glue = [Glue("weights laid out", w_bytes)]
+    glue = []
+    if not halo_weight_in_place(rhs, params, parts, n_padded, cout, phase_outputs):
+        glue.append(Glue("weights laid out", w_bytes))
     if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
         glue.append(Glue("prologue vectors per channel", vector_bytes))
+    # the flat rows are the output's own NHWC rows (a 1x1 conv without padding, whole tiles): the
+    # residual is read and the output written in place (`mapped_operands` and `unflatten` are views)
+    (ho, wo), out_spec = geometry.out_size, tuple(ConvParams.parse(params).out_spec)
+    flat_is_output = not phase_outputs and grid.pitch == wo and m_padded == ho * wo and out_spec == (0, 3, 1, 2)
     for item_bytes in reads.tiles:
-        glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
+        if not flat_is_output:
+            glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
+    if phase_outputs:  # a column vector (the bias) gathered onto the phase-major columns
+        glue += [Glue("column vector per phase", n_padded * item_bytes) for item_bytes in reads.cols]
     store = batch * m_padded * n_padded * out_item
-    glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
+    if not (flat_is_output and n_padded == cout):
+        glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
     evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
     exprs = [e for e, *_ in parts if e is not None]
     in_elements = batch * math.prod(geometry.in_size) * geometry.in_features  # the staged tensors' elements
@@ -670,7 +749,47 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
     return MosaicWork(work, blocks.stages, ctas * per_cta + staged, kernel_reads, store, batch * m_padded * n_padded,
-                      tuple(glue), 1)
+                      tuple(glue), 1, haloed=True, weight_columns=n_padded)
+
+
+def halo_weight_in_place(rhs: Term | None, params: str, parts, n_padded: int, cout: int,
+                         phase_outputs: int | None, prepared: bool = True) -> bool:
+    """Whether the haloed conv reads its weight as it lies, no fusion before it: one tensor stored
+    `[ky, kx, in, out]` row-major (the layout `emit.prepare` gives a conv's weight) whose outputs the
+    tiles divide (`emit.mosaic.conv_halo.layout_weight` is a view), or, `prepared`, a weight the
+    prepare stage computes from parameters (`prepared_weight`): it lays the template's weight out
+    once (`emit.mosaic.layouts.halo_weight_layout`: a merged shortcut's concat, N padded, the phase
+    form's sums of taps). Types only (`rhs` None, an e-node): a weight of parameters, laid out once."""
+    if rhs is None:
+        return prepared or (not phase_outputs and n_padded == cout and len({taps for *_, taps in parts}) == 1)
+    if prepared and prepared_weight(rhs):
+        return True
+    if phase_outputs or n_padded != cout:
+        return False
+    spec = ConvParams.parse(params).rhs_spec
+    return read_in_order(rhs, (spec[2], spec[3], spec[1], spec[0]), False)
+
+
+def prepared_weight(expr: Term) -> bool:
+    """Whether an operand expression reads only tensors the prepare stage computed from parameters
+    and constants (`Pointwise` kernels over inputs and constants, e.g. a weight laid out K x N), at
+    least one: `emit.prepare` then lays the template's weight out once too."""
+    loads = loaded_tensors(expr)
+    if not loads:
+        return False
+    seen: set[int] = set()
+    stack = list(loads)
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.op == "Constant" or (tensor.op == "Input" and tensor not in loads):
+            continue
+        if tensor.op != "Pointwise":
+            return False
+        stack.extend(loaded_tensors(tensor.args[0]))
+    return True
 
 
 # --- attention -----------------------------------------------------------------------------------
@@ -680,11 +799,11 @@ def attention_work(term: Term) -> MosaicWork:
     q, k, v, bias, _scale, _epilogue, ty = term.args
     has_bias = not (bias.op == "Lit" and bias.args[0] == 0.0)
     bias_ty = bias.ty if has_bias else None
-    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v)
+    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v, k)
 
 
 def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = None, q: Term | None = None,
-                      v: Term | None = None) -> MosaicWork:
+                      v: Term | None = None, k: Term | None = None) -> MosaicWork:
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
     padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
     key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
@@ -703,11 +822,8 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
                     bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
-    glue = [Glue("K transposed", kv_bytes)]
-    if not is_view(q) or (q_pad, head) != (q_len, head_dim):
-        glue.append(Glue("q laid out", q_bytes))
-    if not is_view(v) or (kv_pad, head) != (kv_len, head_dim):
-        glue.append(Glue("v laid out", kv_bytes))
+    glue = attention_glue(q, k, v, q_bytes, kv_bytes, bh * kv_len * head_dim * item, (q_pad, head) != (q_len, head_dim),
+                          (kv_pad, head) != (kv_len, head_dim), kv_pad != kv_len)
     tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
     kernel_reads = q_bytes + 2 * kv_bytes
     if bias_ty is not None:
@@ -726,6 +842,33 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
                         alu_flops=scores * SOFTMAX_INSTRUCTIONS_PER_SCORE * INSTRUCTION_FLOPS)
     return MosaicWork(work, ring, tma, kernel_reads, store, bh * q_pad * head, tuple(glue),
                       blocks.compute_wgs + 1)
+
+
+def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: float, kv_bytes: float,
+                   k_bytes: float, q_padded: bool, kv_padded: bool, keys_padded: bool) -> list[Glue]:
+    """The fusions `emit.mosaic.attention.build` launches before its kernel, as XLA fuses them in SD
+    1.5's UNet: Kᵀ in one (a transpose fusion; a head padded over unpadded keys is a second fusion
+    after it: XLA's transpose emitter takes no pad), q and v padded or computed (one multi-output
+    fusion when both are laid out from one tensor, a fused QKV's); with padded keys (77 text tokens)
+    Kᵀ and v of one tensor (a fused text K/V projection's) are padded together in one multi-output
+    loop fusion. (A lone cross-attention, its K/V projection read by nothing else, gets Kᵀ by the
+    transpose emitter and two pads instead: tests/test_cost_mosaic_glue.py.)"""
+    same = lambda a, b: a is not None and b is not None and loaded_tensors(a) == loaded_tensors(b)  # noqa: E731
+    q_out = not is_view(q) or q_padded
+    v_out = not is_view(v) or kv_padded
+    glue = []
+    if kv_padded and not keys_padded:  # the transpose fusion, then the head's padding
+        glue += [Glue("K transposed", k_bytes), Glue("K padded", kv_bytes)]
+    elif v_out and keys_padded and same(k, v):
+        glue.append(Glue("K transposed, v laid out", 2 * kv_bytes))
+        v_out = False
+    else:
+        glue.append(Glue("K transposed", kv_bytes))
+    if q_out and v_out and same(q, v):
+        glue.append(Glue("q and v laid out", q_bytes + kv_bytes))
+    else:
+        glue += [Glue("q laid out", q_bytes)] * q_out + [Glue("v laid out", kv_bytes)] * v_out
+    return glue
 
 
 def mosaic_work(kernel: Term) -> MosaicWork:

@@ -1,0 +1,130 @@
+"""Weight layouts a Mosaic template reads, as tensor terms the prepare stage can compute once
+(`emit.prepare.split_plan` asks `prepared_layouts` for each per-call kernel the Mosaic backend
+emits; the template finds the prepared tensor in its context's values, else lays the weight out
+per call as before).
+
+    halo_weight_layout(conv)   the haloed conv's `[window · C, N↑]` weight, or its phase form's
+                               `[4 · 2 · 2 · C, Cout]` sums of taps (`emit.mosaic.conv_halo`)
+
+A layout is a `Pointwise` term over the kernel's own weight expression (views of prepared weights,
+a merged shortcut's `concat(w, pad(w1x1))`), built the same way here at split time and in the
+template at emission, so the interned term is the key both sides meet on. Only layouts that are
+not already a view of the weight are made (a prepared `[ky, kx, in, out]` weight whose N the tiles
+divide is read as it lies).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from eqsat.term import Term
+from eqsat.types import ints_key, parse_type, with_shape
+
+
+def halo_weight_layout(term: Term) -> Term | None:
+    """The tensor the haloed conv template reads as its weight when the prepare stage computes it:
+    `conv_halo.layout_weight` (rows `[ky, kx, in]`, N zero-padded to the template's tiles) or, for a
+    conv over a nearest-2x upsample, `conv_halo.phase_weights` as `[16 · C, Cout]`; None when the
+    template does not take the conv, or reads its weight in place already."""
+    from emit.pallas.conv import k_ranges
+    from eqsat.conv_params import ConvParams
+    from eqsat.cost.mosaic import conv_work, halo_weight_in_place
+    from eqsat.tiling.conv import ConvGeometry
+    from eqsat.tiling.mosaic import upsample_source
+
+    if term.op != "Conv":
+        return None
+    lhs, rhs, params_key, _epilogue, ty = term.args
+    if parse_type(lhs.ty).dtype != parse_type(rhs.ty).dtype:
+        return None
+    try:
+        work = conv_work(term)
+        params = ConvParams.parse(params_key)
+        geometry = ConvGeometry(params, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape, parse_type(ty).shape)
+        ranges = k_ranges(term)
+    except (NotImplementedError, ValueError):
+        return None
+    if not work.haloed:
+        return None
+    spec = params.rhs_spec
+    hwio = _transpose(rhs, (spec[2], spec[3], spec[1], spec[0]))  # [ky, kx, in, out]
+    kh, kw, cin, cout = parse_type(hwio.ty).shape
+    if len(ranges) == 1 and upsample_source(ranges[0].lhs, geometry) is not None:
+        layout = _reshape(phase_weights(hwio), (16 * cin, cout))
+    elif halo_weight_in_place(rhs, params_key, None, work.weight_columns, cout, None, prepared=False):
+        return None
+    else:
+        layout = _reshape(hwio, (kh * kw * cin, cout))
+        if work.weight_columns > cout:
+            layout = _pad_columns(layout, work.weight_columns)
+    return Term("Pointwise", layout, layout.ty)
+
+
+def phase_weights(hwio: Term) -> Term:
+    """`conv_halo.phase_weights` as a term over a `[3, 3, C, Cout]` weight: per output phase `(py, px)`
+    the 2x2 window whose tap `(a, b)` sums, in the same order, the taps reading that source pixel;
+    `[4, 2, 2, C, Cout]`."""
+    from eqsat.tiling.mosaic import PHASE_OFFSET
+
+    _, _, cin, cout = parse_type(hwio.ty).shape
+    phases = []
+    for py in (0, 1):
+        for px in (0, 1):
+            rows = []
+            for a in (0, 1):
+                taps = [functools.reduce(_add, [_tap(hwio, ky, kx) for ky in range(3) for kx in range(3)
+                                                if (PHASE_OFFSET[py, ky], PHASE_OFFSET[px, kx]) == (py + a, px + b)])
+                        for b in (0, 1)]
+                rows.append(_concat(taps, 1))            # [1, 2, C, Cout]
+            phases.append(_reshape(_concat(rows, 0), (1, 2, 2, cin, cout)))
+    return _concat(phases, 0)
+
+
+def _tap(hwio: Term, ky: int, kx: int) -> Term:
+    return _slice(_slice(hwio, 0, ky, ky + 1), 1, kx, kx + 1)
+
+
+def _slice(x: Term, axis: int, start: int, stop: int) -> Term:
+    shape = list(parse_type(x.ty).shape)
+    shape[axis] = stop - start
+    return Term("Slice", x, axis, start, stop, 1, with_shape(x.ty, shape))
+
+
+def _add(x: Term, y: Term) -> Term:
+    return Term("Binary", "add", x, y, x.ty)
+
+
+def _concat(parts: list[Term], axis: int) -> Term:
+    out = parts[0]
+    for part in parts[1:]:
+        shape = list(parse_type(out.ty).shape)
+        split = shape[axis]
+        shape[axis] += parse_type(part.ty).shape[axis]
+        out = Term("Concat", out, part, axis, split, with_shape(out.ty, shape))
+    return out
+
+
+def _reshape(x: Term, shape) -> Term:
+    return Term("Reshape", x, with_shape(x.ty, shape))
+
+
+def _transpose(x: Term, order) -> Term:
+    shape = parse_type(x.ty).shape
+    return Term("Transpose", x, ints_key(order), with_shape(x.ty, [shape[a] for a in order]))
+
+
+def _pad_columns(x: Term, columns: int) -> Term:
+    rows, cols = parse_type(x.ty).shape
+    zero = Term("Lit", 0.0, with_shape(x.ty, ()))
+    return Term("Pad", x, zero, f"0,0,0;0,{columns - cols},0", with_shape(x.ty, (rows, columns)))
+
+
+def prepared_halo_weight(ctx, term: Term, columns: int):
+    """The haloed conv's weight as the prepare stage laid it out (`halo_weight_layout`), when the
+    context holds it with `columns` columns (the template's N↑, or Cout in the phase form); else None
+    (the template lays the weight out per call)."""
+    layout = halo_weight_layout(term)
+    value = ctx.values.get(layout) if layout is not None else None
+    if value is None or value.shape[-1] != columns:
+        return None
+    return value
