@@ -95,8 +95,8 @@ def _assert_group_statistics(out: np.ndarray, partials, images: int, channels: i
 
 @pytest.mark.slow
 def test_flat_grid_partials_are_the_group_moments_of_its_stored_output():
-    """Stride 2 on two 15x15 images (8x8 outputs on a 9x8 phase grid: 72 flat rows per image, so the
-    second 64-row tile holds both images, and rows with ox >= 8 or oy >= 8 are off the output),
+    """Stride 2 on two 15x15 images (8x8 outputs on a 9x16 phase grid: 144 flat rows per image, so
+    the third 64-row tile holds both images, and rows with ox >= 8 or oy >= 8 are off the output),
     8 channels in, 24 out (8 groups of 3; the 64-column tile's last 40 columns are padding)."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 15, 15, 8)), jnp.float16)
@@ -104,7 +104,7 @@ def test_flat_grid_partials_are_the_group_moments_of_its_stored_output():
     params = _params(x.shape, w.shape, strides=(2, 2))
     out_shape = jax.eval_shape(lambda: mc.reference(x, w, params)).shape
     grid = mc.FlatGrid(ConvGeometry(params, x.shape, w.shape, out_shape))
-    assert grid.phase_size[0] * grid.phase_size[1] == 72
+    assert grid.phase_size == (9, 16)
     (r,) = mc.plan_taps(grid, [(8, ((0, 3), (0, 3)))])
     blocks = mm.MosaicBlocks(64, 64, 64, stages=2, compute_wgs=1)
 
@@ -117,7 +117,7 @@ def test_flat_grid_partials_are_the_group_moments_of_its_stored_output():
         return mc.unflatten(flat, grid, 24), partials
 
     out, partials = run(x, w)
-    assert [p.shape for p in partials] == [(3, 3, 16), (3, 1, 16)]  # 3 tiles (one CTA, one warpgroup each)
+    assert [p.shape for p in partials] == [(5, 3, 16), (5, 1, 16)]  # 5 tiles (one CTA, one warpgroup each)
     _assert_group_statistics(np.asarray(out), partials, 2, 24)
 
 
@@ -146,16 +146,16 @@ def test_haloed_partials_are_the_group_moments_of_its_stored_output():
 
 
 def test_row_images_mark_the_output_pixels_by_image():
-    """The flat grid's row table: image b on its 8x8 output pixels of a 9x8 phase grid, -1 elsewhere;
+    """The flat grid's row table: image b on its 8x8 output pixels of a 9x16 phase grid, -1 elsewhere;
     the haloed grid's: per image, its 3x5 outputs at pitch 7."""
     params = _params((2, 15, 15, 8), (3, 3, 8, 24), strides=(2, 2))
     grid = mc.FlatGrid(ConvGeometry(params, (2, 15, 15, 8), (3, 3, 8, 24), (2, 8, 8, 24)))
-    table = mc.row_images(grid, 192)
-    image = table[:144].reshape(2, 9, 8)
+    table = mc.row_images(grid, 320)
+    image = table[:288].reshape(2, 9, 16)
     for b in range(2):
-        np.testing.assert_array_equal(image[b, :8], b)
-        np.testing.assert_array_equal(image[b, 8], -1)
-    assert (table[144:] == -1).all()
+        np.testing.assert_array_equal(image[b, :8, :8], b)
+        assert (image[b, 8] == -1).all() and (image[b, :, 8:] == -1).all()
+    assert (table[288:] == -1).all()
     params = _params((2, 3, 5, 64), (3, 3, 64, 8))
     halo = HaloGrid(ConvGeometry(params, (2, 3, 5, 64), (3, 3, 64, 8), (2, 3, 5, 8)), 64)
     table = ch.row_images(halo, 64)
