@@ -1,4 +1,6 @@
-"""Hosted statistics written by the Mosaic GPU matmul's epilogue as per-tile partials.
+"""Hosted statistics written by the Mosaic GPU matmul's and convs' epilogues as per-tile partials
+(`RowStatistic`: one output per matmul row; `GroupStatistic`: one per (image, channel group) of a
+conv's output, below).
 
 A statistic the plan hosts on a Mosaic matmul (`EpilogueReduce(term, op, body, axes, ty)`, op `sum`
 or `moments`, one statistic output per output row: a LayerNorm over the matmul's last axis) is
@@ -27,7 +29,13 @@ reading nothing but this matmul's output (through the ops the epilogue lowers), 
 row in row order, and an output the kernel writes in place (no padded rows to drop). Any other
 hosted statistic is left to the driver (its own reduce kernel after the host), as before. Readers
 on Triton merge the partials where they read them; a Mosaic matmul reads them finished, merged once
-by `emit.pallas.partials.finalize` (`emit.mosaic.matmul.emit`).
+by `emit.pallas.partials.finalize` (`emit.mosaic.matmul.emit`, `emit.mosaic.conv.emit`).
+
+A conv's GroupNorm statistic (`GroupStatistic.of`, `eqsat.cost.backends.group_statistic_declined`:
+its only host, a body reading only the conv's output, slot = image · groups + channel // cpg) is
+computed per stored sub-tile by `group_partials` (columns first, groups as column ranges, the group
+scalars placed into `[slots]` vectors cast to the WGMMA row layout) and merged across sub-tiles;
+each CTA (and compute warpgroup) writes one `[fields, slots]` row (`write_group_partials`).
 """
 
 from __future__ import annotations
