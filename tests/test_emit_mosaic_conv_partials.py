@@ -311,3 +311,30 @@ def test_compiles_for_sm90a_writing_group_partials(cin, images, channels, tmp_pa
     args = (S((images, 16, 16, cin), jnp.float16), S((channels, cin, 3, 3), jnp.float16),
             *(S((channels,), jnp.float16) for _ in range(3)))
     _compile(conv_groupnorm32, args, tmp_path, monkeypatch)
+
+
+def test_an_upsample_conv_in_its_phase_form_hosting_a_groupnorm():
+    """A 3x3 conv over a nearest-2x upsample (64 channels of 7x7 -> 14x14, 192 out: 64 groups of 3)
+    runs in the haloed template's phase form (N = 4 phases of 192 columns, each CTA's columns one
+    phase's channels): it writes the GroupNorm's partials, which the pointwise GroupNorm + SiLU
+    merges; equal to XLA's and jit's."""
+    def upsample_conv_groupnorm(x, w, b, gamma, beta):
+        p = {"u.conv.weight": w, "u.conv.bias": b, "n.weight": gamma, "n.bias": beta}
+        h = layers.upsample(p, "u", x)
+        return layers.silu(layers.group_norm(p, "n", h, h.shape[-1] // CPG, 1e-5))
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 7, 7, 64))
+    w = 0.1 * rng.standard_normal((192, 64, 3, 3))
+    w[CPG:2 * CPG] = 0.0
+    args = tuple(jnp.asarray(a, jnp.float16) for a in (x, w, 40.0 + rng.standard_normal(192),
+                                                         1 + 0.2 * rng.standard_normal(192), rng.standard_normal(192)))
+    plan = eqsat.optimize(upsample_conv_groupnorm, extractor="greedy", progress=False).lower(*args).plan
+    _hosted_on_conv(plan)
+    builds = []
+    original = ch.build
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ch, "build", lambda *a, **k: builds.append(k.get("phase_cols")) or original(*a, **k))
+        got = _run_without_reduce_kernels(plan, args)
+    assert builds == [192], builds  # the phase form
+    _close(got, emit.emit(plan, "xla")(*args), jax.jit(upsample_conv_groupnorm)(*args), atol=2e-2)
