@@ -427,6 +427,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     else:
                         axis = 1 if kind == "col" else 0
                         vector = load(smem, plgpu.Layout.WGMMA.reduce(1 - axis))
+                        if statistics and o == len(kinds) - 1:  # the row images: kept a vector
+                            tiles.append(vector)
+                            continue
                         tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
                 if statistics:  # the last operand: the image of each row (-1 off the output)
                     tiles, row_image = tiles[:-1], tiles[-1]

@@ -317,6 +317,9 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                                 # the compiler's business, the values are the same.
                                 vector = smem[wg] if interpreted else \
                                     plgpu.load(smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                                if group_statistics and o == len(kinds) - 1:  # the row images: kept a vector
+                                    tiles.append(vector)
+                                    continue
                                 tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
                         if group_statistics:  # the last operand: the image of each flat row
                             tiles, row_image = tiles[:-1], tiles[-1]

@@ -214,7 +214,7 @@ def _as_column_vector(vector: jax.Array, interpreted: bool) -> jax.Array:
 def group_partials(statistic: GroupStatistic, stored: jax.Array, row_image: jax.Array, first_image,
                    channel0, images_span: int, interpreted: bool) -> tuple[jax.Array, ...]:
     """A sub-tile's partials of every slot, `fields` `[padded_slots]` vectors (count 0 for slots it
-    does not touch): `stored` the output sub-tile `[em, en]` as stored, `row_image` `[em, en]` int32
+    does not touch): `stored` the output sub-tile `[em, en]` as stored, `row_image` `[em]` int32
     the image of each row (-1 where the row is not an output pixel), `first_image` the first of the
     `images_span` images its rows may hold, `channel0` the conv output channel of its first column
     (columns past the conv's channels, `groups · cpg`, do not count).
@@ -222,8 +222,9 @@ def group_partials(statistic: GroupStatistic, stored: jax.Array, row_image: jax.
     Columns first: each column's count and sum over the rows of one image, then per group (the
     `ceil((en - 1) / cpg) + 1` groups its columns may touch) the count and rough mean from those
     vectors; the deviations from each column's group mean, summed per column, give the group's drift
-    and sum of squares (`tile_partials`' corrected two-pass); each group's scalars are placed at its
-    slot. No vector integer division: groups are column ranges, `channel0 // cpg` a scalar."""
+    and sum of squares (`tile_partials`' corrected two-pass); each group's sums are placed at its
+    slot as they are found, the moments finished on the slot vectors. No vector integer division:
+    groups are column ranges, `channel0 // cpg` a scalar."""
     em, en = stored.shape
     body = statistic.body(stored)
     cpg, channels = statistic.cpg, statistic.groups * statistic.cpg
@@ -235,34 +236,42 @@ def group_partials(statistic: GroupStatistic, stored: jax.Array, row_image: jax.
     out = [zeros] * statistic.fields
     for j in range(images_span):
         image = first_image + j
-        rows = row_image == image
+        rows = lax.broadcast_in_dim(row_image == image, (em, en), (0,))
         live = lambda v: jnp.where(rows, v, 0.0)  # noqa: E731
         column_sum = jnp.sum(live(body), axis=0)
-        column_count = jnp.sum(live(jnp.ones_like(body)), axis=0)
-        groups, column_mean = [], jnp.zeros((en,), jnp.float32)
+        # a group's count is its image's rows times its columns here: scalars, no column vector
+        rows_here = jnp.sum(jnp.sum(live(jnp.ones_like(body)), axis=1), axis=0) / en
+        column_end = jnp.minimum(channel0 + en, channels)
+        base = image * statistic.groups + first_group
+        inside = lambda k: ((column >= (first_group + k) * cpg) & (column < (first_group + k + 1) * cpg)  # noqa: E731
+                            & (column < channels))
+        # Each group's scalars go straight into [slots] vectors (2 registers a field), not kept per
+        # group: kept, they pushed a 2-warpgroup flat-grid conv (168 registers) into spilling.
+        count_at, total_at, column_mean = zeros, zeros, jnp.zeros((en,), jnp.float32)
         for k in range(span):
             start = (first_group + k) * cpg
-            inside = (column >= start) & (column < start + cpg) & (column < channels)
-            count = jnp.sum(jnp.where(inside, column_count, 0.0), axis=0)
-            total = jnp.sum(jnp.where(inside, column_sum, 0.0), axis=0)
-            rough = total / jnp.maximum(count, 1.0)
-            column_mean = jnp.where(inside, rough, column_mean)
-            groups.append((inside, count, total, rough))
-        if statistic.op == "moments":
+            columns = jnp.maximum(jnp.minimum(start + cpg, column_end) - jnp.maximum(start, channel0), 0)
+            count = rows_here * columns.astype(jnp.float32)
+            total = jnp.sum(jnp.where(inside(k), column_sum, 0.0), axis=0)
+            column_mean = jnp.where(inside(k), total / jnp.maximum(count, 1.0), column_mean)
+            at = slot_ids == base + k
+            count_at, total_at = jnp.where(at, count, count_at), jnp.where(at, total, total_at)
+        if statistic.op == "sum":
+            part = (total_at,)
+        else:
             deviation = live(body - lax.broadcast_in_dim(column_mean, (em, en), (1,)))
             column_drift = jnp.sum(deviation, axis=0)
             column_square = jnp.sum(deviation * deviation, axis=0)
-        for k, (inside, count, total, rough) in enumerate(groups):
-            here = (slot_ids == image * statistic.groups + first_group + k) & (count > 0)
-            if statistic.op == "sum":
-                values = (total,)
-            else:
-                safe = jnp.maximum(count, 1.0)
-                drift = jnp.sum(jnp.where(inside, column_drift, 0.0), axis=0)
-                square = jnp.sum(jnp.where(inside, column_square, 0.0), axis=0)
-                correction = drift / safe
-                values = (count, rough + correction, jnp.maximum(square - drift * correction, 0.0))
-            out = [jnp.where(here, value, field) for value, field in zip(values, out)]
+            drift_at, square_at = zeros, zeros
+            for k in range(span):
+                at = slot_ids == base + k
+                drift_at = jnp.where(at, jnp.sum(jnp.where(inside(k), column_drift, 0.0), axis=0), drift_at)
+                square_at = jnp.where(at, jnp.sum(jnp.where(inside(k), column_square, 0.0), axis=0), square_at)
+            safe = jnp.maximum(count_at, 1.0)
+            correction = drift_at / safe
+            part = (count_at, total_at / safe + correction, jnp.maximum(square_at - drift_at * correction, 0.0))
+        touched = count_at > 0
+        out = [jnp.where(touched, value, field) for value, field in zip(part, out)]
     return tuple(out)
 
 
