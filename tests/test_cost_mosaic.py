@@ -398,3 +398,55 @@ def test_the_reduce_kernels_the_model_charges_are_the_ones_emitted(fn, shape, wr
         warnings.simplefilter("error", TritonFallbackWarning)
         closed = jax.make_jaxpr(emit.emit(plan, "mosaic", interpret=False)._run_leaves)(list(args))
     assert len(launches) + len(pallas_calls(closed.jaxpr)) == len(plan.kernels) + len(reduced)
+
+
+def _conv_groupnorm(x, w, b, gamma, beta):
+    """A 3x3 conv and its output's GroupNorm (32 groups) + SiLU: a pointwise reader."""
+    from sd15 import layers
+
+    p = {"a.weight": w, "a.bias": b, "n.weight": gamma, "n.bias": beta}
+    return layers.silu(layers.group_norm(p, "n", layers.conv2d(p, "a", x), 32, 1e-5))
+
+
+def _conv_groupnorm_conv(x, w, b, gamma, beta, w2, b2):
+    """The same, read by a second 3x3 conv (a Mosaic reader: it reads the statistic finished)."""
+    from sd15 import layers
+
+    p = {"c.weight": w2, "c.bias": b2}
+    return layers.conv2d(p, "c", _conv_groupnorm(x, w, b, gamma, beta))
+
+
+@pytest.mark.parametrize("fn,cin,extra,finalized", [
+    (_conv_groupnorm, 192, (), False),                         # haloed host, Triton pointwise reader: merged there
+    (_conv_groupnorm, 4, (), False),                           # flat-grid host (4 channels in)
+    (_conv_groupnorm_conv, 192, (S((128, 320, 3, 3), F16), S((128,), F16)), True),  # a Mosaic conv reads it: one finalize
+])
+def test_a_groupnorm_a_mosaic_conv_writes_needs_no_reduce_kernel(fn, cin, extra, finalized, launches):
+    """A GroupNorm statistic (2 images x 32 groups of 10) hosted on a Mosaic conv: the conv writes
+    its partials (`writes_partials`; the model charges no reduce kernel for it), and the emitted
+    launches are the planned kernels plus one finalize where a Mosaic conv reads the statistic
+    finished (`driver_reduced` counts it), none where a Triton kernel merges it."""
+    from eqsat.cost import hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.backends import hosted_extra, writes_partials
+    from eqsat.cost.roofline import driver_reduced, finished_statistics
+    from tests.test_emit_matmul import pallas_calls
+
+    args = (S((2, 16, 16, cin), F16), S((320, cin, 3, 3), F16), S((320,), F16), S((320,), F16), S((320,), F16),
+            *extra)
+    plan = _plan(fn, args).plan
+    (host,) = [k for k in plan.kernels if k.op == "Conv" and k.hosted]
+    (statistic,) = host.hosted
+    assert writes_partials(statistic, "mosaic", host.term)
+    assert hosted_extra(statistic, "mosaic", "h100", host.term).seconds == 0
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    order = kernel_order(outputs, hosting)
+    device = get_device(plan.device)
+    routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
+    assert routes[id(host.term)] == "mosaic"
+    assert (statistic in reduced) is finalized
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        closed = jax.make_jaxpr(emit.emit(plan, "mosaic", interpret=False)._run_leaves)(list(args))
+    assert len(launches) + len(pallas_calls(closed.jaxpr)) == len(plan.kernels) + len(reduced)

@@ -36,8 +36,10 @@ one XLA fusion that writes the laid-out input (padding applied after it, so a ta
 reads 0, not prologue(0)): each input element is computed once, but it costs HBM writes of the
 shifted copies and a read, and each tap re-reads its rows through L2. The epilogue (bias,
 time-embedding row, residual, cast) is mapped onto the flat grid on the host
-(`emit.mosaic.matmul.mapped_operands`). Statistics the plan hosts on the conv are left to the
-driver (its own reduce kernel), as the matmul template does.
+(`emit.mosaic.matmul.mapped_operands`). A statistic the plan hosts on the conv alone, one output
+per (image, channel group) (a GroupNorm's), is written by the epilogue as per-tile partials
+(`emit.mosaic.partials.GroupStatistic`: the flat rows that are output pixels, tagged by image in a
+row table); other hosted statistics are left to the driver (its own reduce kernel).
 
 Raises `NotImplementedError` (the kernel then runs through the Triton template with a
 `TritonFallbackWarning`) for: operands other than two fp16 or two bf16, transposed or grouped
@@ -58,6 +60,7 @@ from emit import expr as ex
 from emit.mosaic import conv_halo
 from emit.mosaic.conv_halo import layout_weights  # noqa: F401 (both conv kernels lay weights out so)
 from emit.mosaic import matmul as mm
+from emit.mosaic.partials import GroupStatistic
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
@@ -132,10 +135,13 @@ def layout_input(x: jax.Array, grid: FlatGrid, spec: Sequence[int], r: RangeTaps
 
 def build(inputs: Sequence[jax.Array], weights: Sequence[jax.Array], ranges: Sequence[RangeTaps], grid: FlatGrid,
           *, epilogue: mm.EpilogueFn = lambda acc, _: acc, operands: Sequence[mm.EpilogueOperand] = (),
-          out_dtype=None, blocks: mm.MosaicBlocks | None = None, interpret=None, name: str = "conv") -> jax.Array:
+          out_dtype=None, blocks: mm.MosaicBlocks | None = None, interpret=None, name: str = "conv",
+          statistics: Sequence = ()):
     """The conv on the flat grid, `[grid.rows, out_features]` (rows off the output included): `inputs`
     and `weights` per range from `layout_input` / `layout_weights`, `operands` of the epilogue
-    laid out over the flat grid's rows (`mapped_operands`)."""
+    laid out over the flat grid's rows (`mapped_operands`). With `statistics`
+    (`emit.mosaic.partials.GroupStatistic`): `(out, partials)`, each statistic's
+    `[tiles, fields, slots]` over the rows that are output pixels (`row_images`)."""
     steps = sum(r.steps for r in ranges)
     blocks = blocks or default_blocks(grid, weights[0].shape[1], steps)
     halo = grid.halo
@@ -144,9 +150,22 @@ def build(inputs: Sequence[jax.Array], weights: Sequence[jax.Array], ranges: Seq
     a = mm.pad_to(a, (m_padded + halo, a.shape[1]))
     b = jnp.concatenate(list(weights), axis=0) if len(weights) > 1 else weights[0]
     window = mm.AWindow(halo, step_offset(grid, ranges))
+    hi, wq = grid.phase_size
     out = mm.build(a[None], b[None], epilogue=epilogue, operands=operands, out_dtype=out_dtype, blocks=blocks,
-                   interpret=interpret, name=name, a_window=window)
+                   interpret=interpret, name=name, a_window=window, group_statistics=statistics,
+                   row_image=row_images(grid, m_padded) if statistics else None, rows_per_image=hi * wq)
+    if statistics:
+        out, partials = out
+        return out[0, :grid.rows], partials
     return out[0, :grid.rows]
+
+
+def row_images(grid: FlatGrid, rows: int) -> np.ndarray:
+    """`[rows]` int32: the image of each flat row, -1 where the row is not an output pixel."""
+    hi, wq = grid.phase_size
+    q = np.arange(rows)
+    _index, valid = grid.output_index(q, np.zeros(1, np.int64))
+    return np.where(valid, q // (hi * wq), -1).astype(np.int32)
 
 
 def unflatten(out: jax.Array, grid: FlatGrid, out_features: int) -> jax.Array:
@@ -213,9 +232,11 @@ def sub_tile_epilogue(epilogue: Term, out_spec):
 
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Conv` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
-    Mosaic GPU kernel. Hosted statistics are left to the driver; forms not covered raise
-    `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
+    Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
+    it writes (`emit.mosaic.partials.GroupStatistic`; the others the driver reduces after it); forms
+    not covered raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
     from emit.pallas import loaded_tensors
+    from emit.pallas.partials import Partials, finalize
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -239,10 +260,25 @@ def emit(kernel, ctx) -> dict:
     n_padded = -(-geometry.out_features // blocks.cta_tile_n) * blocks.cta_tile_n
 
     for tensor in loaded_tensors(lhs, rhs, epilogue):
-        if tensor in ctx.partials:
-            ctx.value(tensor)  # statistics are read finished here (merged once)
+        if tensor in ctx.partials and tensor not in ctx.values:
+            # read finished here: merged once by the Pallas finalize kernel (one launch, as the Mosaic
+            # matmul does; `eqsat.cost.roofline.driver_reduced` counts it), kept for later readers
+            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
+            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                          name=f"{component}:finalize" if component else "finalize")
+    statistics, computed = [], []
+    for reduction in kernel.hosted:
+        if ctx.pending.get(reduction) is not None:
+            continue  # an earlier host wrote partials: not a statistic this template writes alone
+        try:
+            statistics.append(GroupStatistic.of(reduction, term))
+        except NotImplementedError:
+            continue  # the driver reduces it after this kernel
+        computed.append(reduction)
     try:
-        return conv_halo.emit(kernel, ctx, geometry, parts, sub_tile_epilogue(epilogue, params.out_spec))
+        out, partials = conv_halo.emit(kernel, ctx, geometry, parts, sub_tile_epilogue(epilogue, params.out_spec),
+                                       statistics)
+        return {**out, **{r: Partials(p) for r, p in zip(computed, partials)}}
     except conv_halo.HaloUncovered:
         pass  # the flat-grid template below: its input laid out by an XLA fusion
     m_padded = -(-grid.rows // blocks.tile_m) * blocks.tile_m
@@ -270,6 +306,7 @@ def emit(kernel, ctx) -> dict:
         weights.append(layout_weights(w.astype(dot_dtype), params.rhs_spec, r, n_padded))
 
     flat = build(inputs, weights, ranges, grid, epilogue=sub_tile_epilogue(epilogue, params.out_spec)(tensors),
-                 operands=operands,
-                 out_dtype=out_type.dtype, blocks=blocks, interpret=ctx.interpret, name=kernel.name)
-    return {term: unflatten(flat, grid, geometry.out_features)}
+                 operands=operands, out_dtype=out_type.dtype, blocks=blocks, interpret=ctx.interpret, name=kernel.name,
+                 statistics=statistics)
+    flat, partials = flat if statistics else (flat, ())
+    return {term: unflatten(flat, grid, geometry.out_features), **{r: Partials(p) for r, p in zip(computed, partials)}}

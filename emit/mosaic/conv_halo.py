@@ -90,6 +90,7 @@ from jax import lax
 
 from emit import expr as ex
 from emit.mosaic import matmul as mm
+from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
@@ -303,7 +304,8 @@ def plan_parts(parts: Sequence[tuple]) -> tuple[PartPlan, ...]:
 def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
             vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
-            weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None):
+            weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None,
+            statistics: tuple = (), n_tiles: int = 1):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -312,7 +314,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     refs = refs[len(parts) + 2:]
     vector_gmems = refs[:n_vectors]
     operand_gmems = refs[n_vectors:n_vectors + len(kinds)]
-    out_gmem = refs[n_vectors + len(kinds)]
+    out_gmem, *partial_gmems = refs[n_vectors + len(kinds):]
     g = grid.geometry
     (height, _), wp = g.in_size, grid.pitch
     (py0, _), (px0, _) = g.params.padding
@@ -339,7 +341,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         return plgpu.SMEM((epi_m if kind == "row" else epi_n,), dt)
 
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
-              ring_barriers, mask_barrier, operand_barriers, acc_ref):
+              ring_barriers, mask_barrier, operand_barriers, group_smems, acc_ref):
 
         def copy_rows(p, channels, slot, barrier, start, columns, at):
             for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
@@ -455,6 +457,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         plgpu.wgmma_wait(0)
         acc = acc_ref[...]
         rows0 = b_idx * m_padded + m_idx * tile_m
+        groups = [None] * len(statistics)
         for em in range(tile_m // epi_m):
             for en in range(tile_n // epi_n):
                 slot = (em * (tile_n // epi_n) + en) % 2
@@ -474,12 +477,25 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     else:
                         axis = 1 if kind == "col" else 0
                         vector = load(smem, plgpu.Layout.WGMMA.reduce(1 - axis))
+                        if statistics and o == len(kinds) - 1:  # the row images: kept a vector
+                            tiles.append(vector)
+                            continue
                         tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
+                if statistics:  # the last operand: the image of each row (-1 off the output)
+                    tiles, row_image = tiles[:-1], tiles[-1]
                 value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[slot] = value.astype(out_dtype)
+                stored = value.astype(out_dtype)
+                out_smem[slot] = stored
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+                channel0 = n_idx * tile_n + en * epi_n - (phase * phase_cols if phase_cols else 0)
+                for s, statistic in enumerate(statistics):
+                    part = group_partials(statistic, stored, row_image, b_idx, channel0, 1, interpreted)
+                    groups[s] = part if groups[s] is None else merge_partials(statistic.op, groups[s], part)
+        if statistics:
+            tile = (b_idx * grid.strips * grid.m_tiles + m_idx) * n_tiles + n_idx
+            write_group_partials(statistics, groups, group_smems, partial_gmems, tile)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @functools.partial(
@@ -496,11 +512,12 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         ring_barriers=plgpu.Barrier(num_barriers=stages),
         mask_barrier=plgpu.Barrier(),
         operand_barriers=plgpu.Barrier(num_barriers=max(1, len(kinds))),
+        group_smems=[plgpu.SMEM((s.fields, s.padded_slots), jnp.float32) for s in statistics],
     )
     def _scope(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
-               ring_barriers, mask_barrier, operand_barriers):
+               ring_barriers, mask_barrier, operand_barriers, group_smems):
         pl.run_scoped(functools.partial(_body, staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems,
-                                        staged_barriers, ring_barriers, mask_barrier, operand_barriers),
+                                        staged_barriers, ring_barriers, mask_barrier, operand_barriers, group_smems),
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
 
@@ -529,7 +546,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
           name: str = "conv", weight_window: tuple[int, int] | None = None,
-          phase_cols: int | None = None) -> jax.Array:
+          phase_cols: int | None = None, statistics: Sequence = ()):
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output): `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
     channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
@@ -537,7 +554,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
     laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
     nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
-    phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps."""
+    phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps.
+    `statistics` (`emit.mosaic.partials.GroupStatistic`): `(out, partials)`, each statistic's
+    `[tiles, fields, slots]`, one tile per CTA, over the rows that are output pixels."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
@@ -576,6 +595,15 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         shared.append(a.shape[0] == 1)
     vector_rows = tuple(max([rows for part in parts for t, _r, rows in part.vectors if t == table] or [1])
                         for table in range(len(vectors)))
+    statistics = tuple(statistics)
+    if statistics:  # one more epilogue operand: the image of each row, -1 off the output
+        arrays.append(jnp.asarray(row_images(grid, m_padded)))
+        kinds.append("row")
+        shared.append(False)
+    grid_shape = (n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch)
+    out_type = (jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
+                *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics))
+    out_type = out_type if statistics else out_type[0]
 
     def call(interpret_here):
         return plgpu.kernel(
@@ -584,9 +612,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
                               kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
                               epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
                               weight_window=weight_window, weight_channels=weight_channels,
-                              phase_cols=phase_cols),
-            out_type=jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
-            grid=(n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch),
+                              phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0]),
+            out_type=out_type,
+            grid=grid_shape,
             grid_names=("n", "m", "b"),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             kernel_name=mm._kernel_name(name),
@@ -594,7 +622,6 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         )
 
     operands_in = (*xs, w, mask, *vectors, *arrays)
-    out_type = jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype)
     if interpret is None:
         out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
                                      default=lambda *xs: call(False)(*xs))
@@ -602,6 +629,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         out = mm.one_at_a_time(call(True), out_type, operands_in)
     else:
         out = call(False)(*operands_in)
+    if statistics:
+        out, *partials = out
+        return out.reshape(batch, m_padded, n_padded), partials
     return out.reshape(batch, m_padded, n_padded)
 
 
@@ -613,6 +643,13 @@ def _strips_side_by_side(out: jax.Array, grid: HaloGrid, columns: int) -> jax.Ar
     out = out[:, :, :columns].reshape(g.batch, s, grid.m_tiles * grid.tile_m, columns)[:, :, :ho * wp]
     out = out.reshape(g.batch, s, ho, wp, columns)[:, :, :, :ws]
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(g.batch, ho, s * ws, columns)
+
+
+def row_images(grid: HaloGrid, m_padded: int) -> np.ndarray:
+    """`[batch, m_padded]` int32: image b at flat row q of image b's rows where q is an output pixel
+    (`_flat_pixels`: strips, stride 2's output pitch), else -1 (the hosted statistics' rows)."""
+    *_, valid = _flat_pixels(grid, m_padded)
+    return np.where(valid.reshape(1, m_padded), np.arange(grid.geometry.batch)[:, None], -1).astype(np.int32)
 
 
 def unflatten(out: jax.Array, grid: HaloGrid, out_features: int) -> jax.Array:
@@ -689,11 +726,12 @@ def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.
 # --- emit: a plan's Conv term --------------------------------------------------------------------------
 
 
-def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
-    """`{kernel.term: value}` for a plan's `Conv` kernel as the haloed template, or `HaloUncovered`.
-    `ranges` are its K ranges (`emit.pallas.conv.k_ranges`), each cut per tensor (`halo_parts`);
-    `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]` sub-tile reading those tensors'
-    operand tiles (`emit.mosaic.conv`)."""
+def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()) -> tuple[dict, list]:
+    """`({kernel.term: value}, partials of each of `statistics`)` for a plan's `Conv` kernel as the
+    haloed template, or `HaloUncovered`. `ranges` are its K ranges (`emit.pallas.conv.k_ranges`),
+    each cut per tensor (`halo_parts`); `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]`
+    sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`); `statistics` the hosted
+    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`)."""
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -770,7 +808,8 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue) -> dict:
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
-                 phase_cols=conv_geometry.out_features if upsampled is not None else None)
+                 phase_cols=conv_geometry.out_features if upsampled is not None else None, statistics=statistics)
+    flat, partials = flat if statistics else (flat, [])
     if upsampled is not None:
-        return {term: unflatten_phases(flat, grid, conv_geometry)}
-    return {term: unflatten(flat, grid, geometry.out_features)}
+        return {term: unflatten_phases(flat, grid, conv_geometry)}, partials
+    return {term: unflatten(flat, grid, geometry.out_features)}, partials

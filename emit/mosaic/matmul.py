@@ -74,7 +74,8 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
-from emit.mosaic.partials import RowStatistic, merge_partials, tile_partials
+from emit.mosaic.partials import (RowStatistic, group_partials, merge_partials, tile_partials,
+                                  write_group_partials)
 from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
@@ -182,7 +183,8 @@ def _swizzled(tile_minor: int, dtype) -> tuple:
 def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...], epilogue: EpilogueFn,
             m_padded: int, k_padded: int, batch_shared: tuple[bool, ...], interpreted: bool,
             a_window: AWindow | None = None, in_place: tuple[int, int] | None = None, batched: bool = False,
-            prologue: tuple | None = None, statistics: tuple = (), n_valid: int = 0):
+            prologue: tuple | None = None, statistics: tuple = (), n_valid: int = 0,
+            group_statistics: tuple = (), rows_per_image: int = 0, n_ctas: int = 1):
     """`batched`: A, B and the output are `[batch, ., .]` arrays (each padded to the tiles or not,
     `InPlace`); `in_place`: `(M, N)` when the output is written unpadded, its last tiles clamped to
     end there. Otherwise (the conv's A window) A and the output are flat `[batch * M↑, .]` views
@@ -191,12 +193,17 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     (`a_gmem` the first source, the others after the epilogue's operands) by the compute warpgroup
     (one), stored to a 2-slot SMEM stage and fed to wgmma from there. `statistics`: the hosted
     statistics the epilogue writes as partials (`emit.mosaic.partials.RowStatistic`, batched only),
-    each a `[tiles, fields, batch, rows]` output after the result, over the first `n_valid` columns."""
+    each a `[tiles, fields, batch, rows]` output after the result, over the first `n_valid` columns.
+    `group_statistics` (the conv's A window only): per-(image, channel group) statistics
+    (`emit.mosaic.partials.GroupStatistic`), each a `[tiles, fields, slots]` output after those, one
+    row per CTA and compute warpgroup (`n_ctas` CTAs along N); the last epilogue operand is then the
+    image of each flat row (-1 off the output), `rows_per_image` rows per image."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    outputs = len(statistics) + 1
+    outputs = len(statistics) + len(group_statistics) + 1
     operand_gmems, (out_gmem, *partial_gmems) = refs[:len(kinds)], refs[len(refs) - outputs:]
+    partial_gmems, group_gmems = partial_gmems[:len(statistics)], partial_gmems[len(statistics):]
     prologue_fn, sources = prologue if prologue is not None else (None, ())
     source_gmems = (a_gmem, *refs[len(kinds):len(refs) - outputs]) if prologue is not None else ()
     tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
@@ -252,6 +259,9 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     fields = sum(statistic.fields for statistic in statistics)
     if fields:  # each row block's partial vectors, per warpgroup: written once, no slot reuse
         stage_alloc["stat_smem"] = plgpu.SMEM((wgs, tile_m // epi_m, fields, epi_m), jnp.float32)
+    if group_statistics:  # each warpgroup's slot vectors, written once at its tile's end
+        stage_alloc["group_smems"] = [plgpu.SMEM((wgs, s.fields, s.padded_slots), jnp.float32)
+                                      for s in group_statistics]
 
     @functools.partial(
         pl.run_scoped,
@@ -262,7 +272,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         collective_axes="wg",
         **stage_alloc,
     )
-    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None, stat_smem=None):
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None, stat_smem=None, group_smems=None):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
         if in_place is None:
@@ -280,6 +290,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                 plgpu.wgmma_wait(0)
                 acc = acc_ref[...]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                groups = [None] * len(group_statistics)
                 for em in range(tile_m // epi_m):
                     partials = [None] * len(statistics)
                     for en in range(tile_n // epi_n):
@@ -306,7 +317,12 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                                 # the compiler's business, the values are the same.
                                 vector = smem[wg] if interpreted else \
                                     plgpu.load(smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+                                if group_statistics and o == len(kinds) - 1:  # the row images: kept a vector
+                                    tiles.append(vector)
+                                    continue
                                 tiles.append(lax.broadcast_in_dim(vector, (epi_m, epi_n), (axis,)))
+                        if group_statistics:  # the last operand: the image of each flat row
+                            tiles, row_image = tiles[:-1], tiles[-1]
                         value = epilogue(acc[em * epi_m:(em + 1) * epi_m, en * epi_n:(en + 1) * epi_n], tiles)
                         stored = value.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store has read it
@@ -323,9 +339,21 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
                                 part = tile_partials(statistic.op, statistic.body(stored), valid)
                                 partials[s] = part if partials[s] is None else \
                                     merge_partials(statistic.op, partials[s], part)
+                        if group_statistics:
+                            first_row = m0 + em * epi_m  # the window's rows: batch 1, images along M
+                            first_image = lax.div(first_row, rows_per_image)
+                            span = -(-(epi_m - 1) // rows_per_image) + 1
+                            for s, statistic in enumerate(group_statistics):
+                                part = group_partials(statistic, stored, row_image, first_image, cols0 + en * epi_n,
+                                                      min(span, statistic.images), interpreted)
+                                groups[s] = part if groups[s] is None else \
+                                    merge_partials(statistic.op, groups[s], part)
                     if statistics:
                         _write_partials(statistics, partials, stat_smem.at[wg, em], partial_gmems,
                                         n_idx * wgs + wg, b_idx, pl.ds(m0 + em * epi_m, epi_m))
+                if group_statistics:
+                    write_group_partials(group_statistics, groups, [smem.at[wg] for smem in group_smems],
+                                         group_gmems, (m_idx * n_ctas + n_idx) * wgs + wg)
 
         def mma(_, a_smem, b_smem, acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * tile_n, tile_n)])
@@ -400,7 +428,8 @@ def _write_partials(statistics, partials, smem, gmems, tile, b_idx, rows) -> Non
 def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: acc,
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
           interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None,
-          prologue: Prologue | None = None, statistics: Sequence[RowStatistic] = ()):
+          prologue: Prologue | None = None, statistics: Sequence[RowStatistic] = (),
+          group_statistics: Sequence = (), row_image: jax.Array | None = None, rows_per_image: int = 0):
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
@@ -412,7 +441,12 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
 
     With `statistics` (no `a_window`): `(out, partials)`, partials each statistic's
     `[tiles, fields, batch · m]` (`emit.mosaic.partials`), or None when the output is not written
-    in place (padded rows: the driver reduces the statistics then)."""
+    in place (padded rows: the driver reduces the statistics then).
+
+    With `group_statistics` (an A window: the flat-grid conv; `emit.mosaic.partials.GroupStatistic`):
+    `(out, partials)`, partials each statistic's `[tiles, fields, slots]`, one tile per CTA and
+    compute warpgroup; `row_image` `[m]` int32 is the image of each output row (-1 for a row that is
+    not an output pixel), `rows_per_image` the rows from one image's first to the next's."""
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or (a_window is None and a.shape[2] != b.shape[1]):
         raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
     if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
@@ -434,7 +468,11 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue,
                               tuple(statistics))
     if statistics:
-        raise ValueError("statistics are written by the batched matmul only (no A window)")
+        raise ValueError("row statistics are written by the batched matmul only (no A window)")
+    if group_statistics:  # rows past the table (the tile grid's padding) hold no image
+        table = jnp.asarray(row_image, jnp.int32).reshape(-1)
+        table = jnp.pad(table, (0, mp - table.shape[0]), constant_values=-1)
+        operands = (*operands, EpilogueOperand("row", table.reshape(1, mp)))
     if batch != 1 or mp != m or kp != k or a.shape[2] % blocks.tile_k:
         raise ValueError(f"a windowed A {a.shape} (halo {a_window.halo}) and B {b.shape} must be laid out for "
                          f"{blocks.tile_m}-row tiles and {blocks.tile_k}-column blocks, batch 1")
@@ -450,18 +488,28 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
         arrays.append(pad_to(array, target))
         kinds.append(operand.kind)
         shared.append(array.shape[0] == 1)
+    group_statistics = tuple(group_statistics)
+    # the slot vectors in SMEM, per warpgroup: `fields` vectors of `padded_slots` floats each
+    slot_rows = [("row", 4 * s.fields * s.padded_slots // blocks.epi_m) for s in group_statistics]
     blocks = fit_smem(blocks, jnp.dtype(a.dtype).itemsize, out_dtype.itemsize,
-                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)])
+                      [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)] + slot_rows)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
+    tiles = grid[0] * grid[1] * blocks.compute_wgs
+    out_type = (jax.ShapeDtypeStruct((batch * mp, np_), out_dtype),
+                *(jax.ShapeDtypeStruct((tiles, s.fields, s.slots), jnp.float32) for s in group_statistics))
+    out_type = out_type if group_statistics else out_type[0]
 
     def call(interpret_here):
         body = functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=mp,
                                  k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
-                                 a_window=a_window)
-        return _warp_specialized(body, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), grid, blocks, name,
-                                 interpret_params() if interpret_here else None)
+                                 a_window=a_window, group_statistics=group_statistics,
+                                 rows_per_image=rows_per_image, n_ctas=grid[0])
+        return _warp_specialized(body, out_type, grid, blocks, name, interpret_params() if interpret_here else None)
 
-    out = _launch(call, jax.ShapeDtypeStruct((batch * mp, np_), out_dtype), (a_flat, b_flat, *arrays), interpret)
+    out = _launch(call, out_type, (a_flat, b_flat, *arrays), interpret)
+    if group_statistics:
+        out, *partials = out
+        return out.reshape(batch, mp, np_)[:, :m, :n], partials
     return out.reshape(batch, mp, np_)[:, :m, :n]
 
 

@@ -30,23 +30,28 @@ Routes (what one kernel runs as): `"triton"`, `"mosaic"`, `"library"`.
 
 A statistic hosted on a kernel the route does not write partials from (the library; a Mosaic
 host for any statistic but the row statistics its matmul writes, `eqsat.cost.mosaic.
-row_statistic_declined`) is reduced by its own kernel after the host (`emit.pallas.run_kernels`):
+row_statistic_declined`, and the per-(image, channel group) statistics its convs write,
+`group_statistic_declined`) is reduced by its own kernel after the host (`emit.pallas.run_kernels`):
 `hosted_extra` prices that.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
+import numpy as np
+
+from eqsat.conv_params import ConvParams
 from eqsat.cost.devices import Device, get_device, with_backend
-from eqsat.cost.hosting import hosts_of
+from eqsat.cost.hosting import hosts_of, side_inputs
 from eqsat.cost.merges import finalize_cost, statistics_read
-from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, is_view, mosaic_work, node_mosaic_work,
-                               row_statistic_declined,
-                                once_flops)
+from eqsat.cost.mosaic import (EPILOGUE_OPS, L2_BANDWIDTH, EpilogueReads, _host_elements, covers, covers_term, is_view,
+                               mosaic_work, node_mosaic_work, once_flops, row_statistic_declined)
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
                               own_flops, size_of)
 from eqsat.cost.work import mma_seconds
+from eqsat.types import ints, parse_type
 
 ROUTES = ("triton", "mosaic", "library")
 DENSE = frozenset({"Matmul", "Conv", "Attention"})
@@ -73,10 +78,76 @@ def routes_for(kernel_op: str, args, device: "str | Device", term: Term | None =
 
 def writes_partials(reduction: Term, route: str, host: Term | None) -> bool:
     """Whether `host`, run on `route`, writes `reduction`'s partials: every Triton host; a Mosaic
-    matmul its row statistics (`row_statistic_declined`); nothing on the library."""
+    matmul its row statistics (`row_statistic_declined`), a Mosaic conv its per-(image, channel
+    group) statistics (`group_statistic_declined`); nothing on the library."""
     if route == "triton":
         return True
-    return route == "mosaic" and host is not None and row_statistic_declined(reduction, host) is None
+    if route != "mosaic" or host is None:
+        return False
+    if host.op == "Conv":
+        return group_statistic_declined(reduction, host) is None
+    return row_statistic_declined(reduction, host) is None
+
+
+# Slots a Mosaic conv's epilogue keeps per statistic (registers: `emit.mosaic.partials.GroupStatistic`).
+MAX_GROUP_SLOTS = 256
+
+
+def group_statistic_declined(reduction: Term, host: Term) -> str | None:
+    """Why the Mosaic conv `host` (either template) does not write the hosted statistic `reduction`
+    as per-tile partials (`emit.mosaic.partials.GroupStatistic`; the driver then reduces it after
+    the host), or None when it does: its only host, a body reading nothing but the conv's output
+    through ops the epilogue lowers, and one statistic output per (image, group of `cpg`
+    consecutive output channels): slot = image · groups + channel // cpg (a GroupNorm's), at most
+    `MAX_GROUP_SLOTS` slots, a multiple of 4 (16-byte TMA rows)."""
+    return _group_statistic_declined(reduction, host)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_statistic_declined(reduction: Term, host: Term) -> str | None:
+    if host.op != "Conv":
+        return f"a {host.op} host (the Mosaic conv writes per-group statistics)"
+    _producer, op, body, axes, _ty = reduction.args
+    if op not in ("sum", "moments"):
+        return f"a {op} statistic"
+    if hosts_of(reduction) != [host]:
+        return "a statistic with several hosts (or none)"
+    if side_inputs(reduction):
+        return "a body reading other tensors than the conv's output"
+    missing = sorted({node.op for node in expr_nodes(body)} - EPILOGUE_OPS)
+    if missing:
+        return f"a body with {', '.join(missing)}"
+    ids = _host_elements(body, host)
+    if ids is None:
+        return "a body that reads the output through a view the epilogue does not invert"
+    return group_form(ids, ints(axes), ConvParams.parse(host.args[2]).out_spec,
+                      tuple(parse_type(host.ty).shape))[0]
+
+
+def group_form(ids: np.ndarray, reduced: Sequence[int], out_spec: Sequence[int], out_shape: tuple
+               ) -> tuple[str | None, int, int]:
+    """(why not, groups per image, channels per group): whether the statistic whose body reads the
+    conv output's flat element `ids` (one per body element) and reduces `reduced` axes of the body
+    has slot = image · groups + channel // cpg at every element."""
+    kept = [a for a in range(ids.ndim) if a not in set(reduced)]
+    grids = np.indices(ids.shape, sparse=True)
+    slot = np.zeros((), np.int64)
+    for a in kept:
+        slot = slot * ids.shape[a] + grids[a]
+    slot = np.broadcast_to(slot, ids.shape).reshape(-1)
+    index = np.unravel_index(ids.reshape(-1), out_shape)
+    image, channel = index[out_spec[0]], index[out_spec[1]]
+    batch, channels = out_shape[out_spec[0]], out_shape[out_spec[1]]
+    slots = int(slot.max()) + 1 if slot.size else 0
+    if slots % batch or slots // batch == 0 or channels % (slots // batch):
+        return "a statistic that is not one output per (image, channel group)", 0, 0
+    groups = slots // batch
+    cpg = channels // groups
+    if not np.array_equal(slot, image * groups + channel // cpg):
+        return "a statistic that is not one output per (image, channel group)", 0, 0
+    if slots > MAX_GROUP_SLOTS or slots % 4:
+        return f"{slots} slots (the conv epilogue keeps at most {MAX_GROUP_SLOTS}, a multiple of 4)", 0, 0
+    return None, groups, cpg
 
 
 def hosted_extra(reduction: Term, route: str, device: "str | Device", host: Term | None = None) -> Cost:
