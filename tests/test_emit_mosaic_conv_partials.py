@@ -121,17 +121,21 @@ def test_flat_grid_partials_are_the_group_moments_of_its_stored_output():
     _assert_group_statistics(np.asarray(out), partials, 2, 24)
 
 
-def test_haloed_partials_are_the_group_moments_of_its_stored_output():
+@pytest.mark.parametrize("strips,strides", [(1, (1, 1)), (3, (1, 1)), (1, (2, 2))], ids=["rows", "strips", "stride2"])
+def test_haloed_partials_are_the_group_moments_of_its_stored_output(strips, strides):
     """Two 15x15 images (pitch 17: rows with ox >= 15 are off the output), 64 channels in, 24 out
-    (8 groups of 3): 4 CTAs of 64 rows per image, each one tile of the partials."""
+    (8 groups of 3): 4 CTAs of 64 rows per image, each one tile of the partials. In 3 column strips
+    of 5 pixels (pitch 7: each strip's CTAs write their own tiles), and at stride 2 (8x8 outputs at
+    output pitch 8 of a padded pitch 18: the staged row phases), the same moments."""
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((2, 15, 15, 64)), jnp.float16)
     w = jnp.asarray(_weights(rng, 64, 24), jnp.float16)
-    params = _params(x.shape, w.shape)
+    params = _params(x.shape, w.shape, strides=strides)
     out_shape = jax.eval_shape(lambda: mc.reference(x, w, params)).shape
     geometry = ConvGeometry(params, x.shape, w.shape, out_shape)
     blocks = MosaicBlocks(64, 64, 64, stages=3, compute_wgs=1)
-    grid = HaloGrid(geometry, 64)
+    grid = HaloGrid(geometry, 64, strips)
+    assert grid.strips == strips and grid.stride == strides[0]
 
     @jax.jit
     def run(x, w):
@@ -141,7 +145,10 @@ def test_haloed_partials_are_the_group_moments_of_its_stored_output():
         return ch.unflatten(flat, grid, 24), partials
 
     out, partials = run(x, w)
-    assert [p.shape for p in partials] == [(2 * grid.m_tiles, 3, 16), (2 * grid.m_tiles, 1, 16)]
+    tiles = 2 * grid.strips * grid.m_tiles
+    assert [p.shape for p in partials] == [(tiles, 3, 16), (tiles, 1, 16)]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(mc.reference(x, w, params), np.float32) + OFFSET, rtol=0,
+                               atol=4 * np.spacing(np.float32(OFFSET)))  # the conv itself: each pixel where it belongs
     _assert_group_statistics(np.asarray(out), partials, 2, 24)
 
 
