@@ -47,6 +47,12 @@ class TopLevelJit:
                 lowered.compile()
         return jitted(*args, **kwargs)
 
+    def __getattr__(self, name):
+        """The rest of a jit's interface (`lower`, `trace`, `eval_shape`, ...): the top level's jit."""
+        if name in ("plain", "optioned"):
+            raise AttributeError(name)
+        return getattr(self.optioned if self.optioned is not None else self.plain, name)
+
 
 class compile_status:
     """A tqdm status line, "eqsat compile <label> (<kernels> kernels): <elapsed>", refreshed twice a

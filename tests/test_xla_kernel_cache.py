@@ -367,3 +367,13 @@ def test_no_status_line_when_progress_is_off(capsys):
     run = TopLevelJit(lambda x: x + 1, progress=False)
     assert float(run(np.float32(1))) == 2.0
     assert "eqsat compile" not in capsys.readouterr().err
+
+
+def test_a_top_level_jit_is_a_jit_for_lower_and_trace(options_on_this_cpu):
+    from emit.top_level_jit import TopLevelJit
+
+    run = TopLevelJit(lambda x: x * 3, options_on_this_cpu)
+    compiled = run.lower(np.float32(2)).compile()
+    assert float(compiled(np.float32(2))) == 6.0
+    assert run.trace(np.float32(2)).jaxpr is not None
+    assert TopLevelJit(lambda x: x).lower(np.float32(1)) is not None  # no options: the plain jit's
