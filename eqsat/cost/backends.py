@@ -44,9 +44,9 @@ import numpy as np
 
 from eqsat.conv_params import ConvParams
 from eqsat.cost.devices import Device, get_device, with_backend
-from eqsat.cost.hosting import hosts_of, side_inputs
+from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
-from eqsat.cost.mosaic import (EPILOGUE_OPS, L2_BANDWIDTH, EpilogueReads, _host_elements, covers, covers_term, is_view,
+from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, epilogue_body_declined, is_view,
                                mosaic_work, node_mosaic_work, once_flops, row_statistic_declined)
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
                               own_flops, size_of)
@@ -105,21 +105,10 @@ def group_statistic_declined(reduction: Term, host: Term) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _group_statistic_declined(reduction: Term, host: Term) -> str | None:
-    if host.op != "Conv":
-        return f"a {host.op} host (the Mosaic conv writes per-group statistics)"
-    _producer, op, body, axes, _ty = reduction.args
-    if op not in ("sum", "moments"):
-        return f"a {op} statistic"
-    if hosts_of(reduction) != [host]:
-        return "a statistic with several hosts (or none)"
-    if side_inputs(reduction):
-        return "a body reading other tensors than the conv's output"
-    missing = sorted({node.op for node in expr_nodes(body)} - EPILOGUE_OPS)
-    if missing:
-        return f"a body with {', '.join(missing)}"
-    ids = _host_elements(body, host)
-    if ids is None:
-        return "a body that reads the output through a view the epilogue does not invert"
+    why, ids = epilogue_body_declined(reduction, host, "Conv", "per-group statistics")
+    if why is not None:
+        return why
+    axes = reduction.args[3]
     return group_form(ids, ints(axes), ConvParams.parse(host.args[2]).out_spec,
                       tuple(parse_type(host.ty).shape))[0]
 

@@ -417,23 +417,36 @@ def row_statistic_declined(reduction: Term, host: Term) -> str | None:
     return _row_statistic_declined(reduction, host)
 
 
-@functools.lru_cache(maxsize=4096)
-def _row_statistic_declined(reduction: Term, host: Term) -> str | None:
-    if host.op != "Matmul":
-        return f"a {host.op} host (the Mosaic matmul writes row statistics)"
-    _producer, op, body, axes, ty = reduction.args
+def epilogue_body_declined(reduction: Term, host: Term, template: str, writes: str):
+    """`(why not, None)` when the Mosaic `template` (the host's op: "Matmul", "Conv") cannot compute
+    the hosted statistic `reduction` in its epilogue, else `(None, ids)`: the host output's flat
+    element each element of the statistic's body reads (`_host_elements`). What every epilogue
+    statistic needs: its only host, a sum or moments, a body reading nothing but the host's output
+    through ops the epilogue lowers."""
+    if host.op != template:
+        return f"a {host.op} host (the Mosaic {template.lower()} writes {writes})", None
+    _producer, op, body, _axes, _ty = reduction.args
     if op not in ("sum", "moments"):
-        return f"a {op} statistic"
+        return f"a {op} statistic", None
     if hosts_of(reduction) != [host]:
-        return "a statistic with several hosts (or none)"
+        return "a statistic with several hosts (or none)", None
     if side_inputs(reduction):
-        return "a body reading other tensors than the matmul's output"
+        return f"a body reading other tensors than the {template.lower()}'s output", None
     missing = sorted({node.op for node in expr_nodes(body)} - EPILOGUE_OPS)
     if missing:
-        return f"a body with {', '.join(missing)}"
+        return f"a body with {', '.join(missing)}", None
     ids = _host_elements(body, host)
     if ids is None:
-        return "a body that reads the output through a view the epilogue does not invert"
+        return "a body that reads the output through a view the epilogue does not invert", None
+    return None, ids
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_statistic_declined(reduction: Term, host: Term) -> str | None:
+    why, ids = epilogue_body_declined(reduction, host, "Matmul", "row statistics")
+    if why is not None:
+        return why
+    axes = reduction.args[3]
     lhs, rhs, dims, _epilogue, out_ty = host.args
     n = matmul_layout(lhs.ty, rhs.ty, dims).n
     reduced = set(ints(axes))
