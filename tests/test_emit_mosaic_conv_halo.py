@@ -42,21 +42,26 @@ def _params(x_shape, w_shape, padding) -> ConvParams:
                       out_spec=tuple(numbers.out_spec))
 
 
+def run_on_grid(x, w, params, grid, blocks, out_features: int):
+    """`ch.build` of one input on `grid` in GPU interpret mode, unflattened: the conv's output (float32)."""
+    n_padded = -(-out_features // blocks.tile_n) * blocks.tile_n
+
+    @jax.jit
+    def run(x, w):
+        flat = ch.build([x], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks,
+                        out_dtype=jnp.float32, interpret=True)
+        return ch.unflatten(flat, grid, out_features)
+
+    return run(x, w)
+
+
 def _haloed_conv(x, w, params, blocks=None):
     out_shape = jax.eval_shape(lambda: mc.reference(x, w, params)).shape
     geometry = ConvGeometry(params, x.shape, w.shape, out_shape)
     grid_of = functools.partial(HaloGrid, geometry)
     blocks = blocks or halo_blocks(grid_of, grid_of(128).out_rows, out_shape[-1], batch=x.shape[0])
     grid = grid_of(blocks.tile_m)
-    n_padded = -(-out_shape[-1] // blocks.tile_n) * blocks.tile_n
-
-    @jax.jit
-    def run(x, w):
-        flat = ch.build([x], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks,
-                        out_dtype=jnp.float32, interpret=True)
-        return ch.unflatten(flat, grid, out_shape[-1])
-
-    return run(x, w)
+    return run_on_grid(x, w, params, grid, blocks, out_shape[-1])
 
 
 @pytest.mark.parametrize("shape,window,out,tiles", [

@@ -25,7 +25,7 @@ from eqsat.cost.mosaic import conv_work
 from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks, halo_tiling
 from sd15 import layers
 from tests.test_emit_mosaic import compile_mosaic
-from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound
+from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, run_on_grid
 from tests.test_emit_mosaic_conv_ranges import _plan, _run_haloed
 
 S, F16 = jax.ShapeDtypeStruct, jnp.float16
@@ -72,15 +72,7 @@ def _stride2(x, w, params, tiles=None):
     else:
         blocks = MosaicBlocks(*tiles, 64, stages=3, compute_wgs=1)
         grid = HaloGrid(geometry, blocks.tile_m)
-    n_padded = -(-out_shape[-1] // blocks.tile_n) * blocks.tile_n
-
-    @jax.jit
-    def run(x, w):
-        flat = ch.build([x], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks,
-                        out_dtype=jnp.float32, interpret=True)
-        return ch.unflatten(flat, grid, out_shape[-1])
-
-    return run(x, w)
+    return run_on_grid(x, w, params, grid, blocks, out_shape[-1])
 
 
 @pytest.mark.parametrize("shape,window,padding,tiles", [

@@ -20,8 +20,8 @@ from emit.pallas.conv import ConvGeometry
 from eqsat.cost.mosaic import conv_work
 from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks, halo_tiling, strip_counts
 from tests.test_emit_mosaic import compile_mosaic
-from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, _params
-from tests.test_emit_mosaic_conv_ranges import _gn_silu_concat_conv, _plan, _run_haloed, _conv_lhs
+from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, _params, run_on_grid
+from tests.test_emit_mosaic_conv_ranges import _plan, _run_haloed
 
 S, F16 = jax.ShapeDtypeStruct, jnp.float16
 
@@ -31,15 +31,7 @@ def _strip_conv(x, w, params, strips, tiles=(64, 64)):
     geometry = ConvGeometry(params, x.shape, w.shape, out_shape)
     blocks = MosaicBlocks(*tiles, 64, stages=3, compute_wgs=1)
     grid = HaloGrid(geometry, blocks.tile_m, strips)
-    n_padded = -(-out_shape[-1] // blocks.tile_n) * blocks.tile_n
-
-    @jax.jit
-    def run(x, w):
-        flat = ch.build([x], ch.layout_weight(w, params.rhs_spec, n_padded), grid, blocks,
-                        out_dtype=jnp.float32, interpret=True)
-        return ch.unflatten(flat, grid, out_shape[-1])
-
-    return run(x, w)
+    return run_on_grid(x, w, params, grid, blocks, out_shape[-1])
 
 
 def test_a_strips_columns_and_mask():
