@@ -56,6 +56,28 @@ def _run_haloed(plan, args, inputs):
     return out
 
 
+def assert_haloed_matches_xla_and_jit(plan, fn, args, inputs, scale):
+    """The plan's haloed conv (staging `inputs`) against the XLA emitter and `jax.jit(fn)`: NaN exactly
+    where jit has NaN, elsewhere within `_assert_close`'s bound for values of `scale`."""
+    out = np.asarray(_run_haloed(plan, args, inputs), np.float32)
+    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
+    jitted = np.asarray(jax.jit(fn)(*args), np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
+    finite = ~np.isnan(jitted)
+    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0), scale=scale)
+
+
+def assert_compiles_to_one_pipelined_mosaic_kernel(plan, args, path, monkeypatch):
+    """The plan compiled for an H100 (deviceless): one Mosaic GPU kernel, wgmma with an MMA in flight,
+    TMA loads, no spills; `compile_mosaic`'s (report, ptx path, counts, resources)."""
+    report, ptx_path, counts, resources = compile_mosaic(plan, args, path, monkeypatch)
+    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
+    assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
+    assert counts.tma_loads >= 4, counts
+    assert resources.spill_bytes == 0, resources
+    return report, ptx_path, counts, resources
+
+
 # --- the kernel on its own ---------------------------------------------------------------------------
 
 
@@ -230,13 +252,8 @@ def test_a_concat_conv_matches_xla_and_jit_on_adversarial_values(split, data):
     if split not in _PLANS:
         _PLANS[split] = _plan(_gn_silu_concat_conv, args)
     plan = _PLANS[split]
-    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, split), (1, 15, 15, 384 - split)]), np.float32)
-    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
-    jitted = np.asarray(jax.jit(_gn_silu_concat_conv)(*args), np.float32)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
-    finite = ~np.isnan(jitted)
-    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0),
-                  scale=_bound(*args[2:]))
+    assert_haloed_matches_xla_and_jit(plan, _gn_silu_concat_conv, args,
+                                      [(1, 15, 15, split), (1, 15, 15, 384 - split)], _bound(*args[2:]))
 
 
 @pytest.mark.slow
@@ -279,11 +296,7 @@ def test_compiles_for_sm90a_with_a_concat_and_a_merged_shortcut(tmp_path, monkey
     for i, (fn, args) in enumerate(cases):
         plan = _plan(fn, args)
         (tmp_path / str(i)).mkdir()
-        report, ptx_path, counts, resources = compile_mosaic(plan, args, tmp_path / str(i), monkeypatch)
-        assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-        assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
-        assert counts.tma_loads >= 4, counts
-        assert resources.spill_bytes == 0, resources
+        assert_compiles_to_one_pipelined_mosaic_kernel(plan, args, tmp_path / str(i), monkeypatch)
 
 
 # --- a conv over a nearest-2x upsample: four phases of a conv over the source ---------------------------
@@ -374,8 +387,4 @@ def test_compiles_for_sm90a_over_an_upsample(tmp_path, monkeypatch):
     if reason is not None:
         pytest.skip(f"no deviceless H100 compile here: {reason}")
     args = (S((2, 16, 16, 320), F16), S((320, 320, 3, 3), F16), S((320,), F16))
-    report, ptx_path, counts, resources = compile_mosaic(_plan(_upsample_conv, args), args, tmp_path, monkeypatch)
-    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-    assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
-    assert counts.tma_loads >= 4, counts
-    assert resources.spill_bytes == 0, resources
+    assert_compiles_to_one_pipelined_mosaic_kernel(_plan(_upsample_conv, args), args, tmp_path, monkeypatch)

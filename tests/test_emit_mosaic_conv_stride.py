@@ -24,9 +24,9 @@ from eqsat.conv_params import ConvParams
 from eqsat.cost.mosaic import conv_work
 from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks, halo_tiling
 from sd15 import layers
-from tests.test_emit_mosaic import compile_mosaic
 from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, run_on_grid
-from tests.test_emit_mosaic_conv_ranges import _plan, _run_haloed
+from tests.test_emit_mosaic_conv_ranges import (_plan, _run_haloed, assert_compiles_to_one_pipelined_mosaic_kernel,
+                                                 assert_haloed_matches_xla_and_jit)
 
 S, F16 = jax.ShapeDtypeStruct, jnp.float16
 
@@ -142,13 +142,7 @@ def test_a_stride_2_conv_matches_xla_and_jit_on_adversarial_values(data):
     if "plan" not in _PLANS:
         _PLANS["plan"] = _plan(_gn_silu_downsample, args)
     plan = _PLANS["plan"]
-    out = np.asarray(_run_haloed(plan, args, [(1, 15, 15, 192)]), np.float32)
-    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
-    jitted = np.asarray(jax.jit(_gn_silu_downsample)(*args), np.float32)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
-    finite = ~np.isnan(jitted)
-    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0),
-                  scale=_bound(gamma, beta, w, b))
+    assert_haloed_matches_xla_and_jit(plan, _gn_silu_downsample, args, [(1, 15, 15, 192)], _bound(gamma, beta, w, b))
 
 
 @pytest.mark.slow
@@ -162,11 +156,7 @@ def test_compiles_for_sm90a_at_stride_2(tmp_path, monkeypatch):
     if reason is not None:
         pytest.skip(f"no deviceless H100 compile here: {reason}")
     args = (S((2, 16, 16, 640), F16), S((640, 640, 3, 3), F16), S((640,), F16))
-    report, ptx_path, counts, resources = compile_mosaic(_plan(_downsample, args), args, tmp_path, monkeypatch)
-    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-    assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
-    assert counts.tma_loads >= 4, counts
-    assert resources.spill_bytes == 0, resources
+    assert_compiles_to_one_pipelined_mosaic_kernel(_plan(_downsample, args), args, tmp_path, monkeypatch)
 
 
 def test_every_tap_reads_inside_the_staging_and_its_rows_hold_its_pixels():

@@ -19,9 +19,9 @@ from emit.mosaic import conv_halo as ch
 from emit.pallas.conv import ConvGeometry
 from eqsat.cost.mosaic import conv_work
 from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks, halo_tiling, strip_counts
-from tests.test_emit_mosaic import compile_mosaic
 from tests.test_emit_mosaic_conv_halo import _adversarial_input, _assert_close, _bound, _params, run_on_grid
-from tests.test_emit_mosaic_conv_ranges import _plan, _run_haloed
+from tests.test_emit_mosaic_conv_ranges import (_plan, _run_haloed, assert_compiles_to_one_pipelined_mosaic_kernel,
+                                                 assert_haloed_matches_xla_and_jit)
 
 S, F16 = jax.ShapeDtypeStruct, jnp.float16
 
@@ -116,13 +116,8 @@ def test_a_groupnorm_silu_conv_over_300_pixel_rows(data):
     plan = _PLANS["plan"]
     (conv,) = [k for k in plan.kernels if k.op == "Conv"]
     assert "input laid out" not in {g.what for g in conv_work(conv.term).glue}
-    out = np.asarray(_run_haloed(plan, args, [(1, 2, 300, 192)]), np.float32)
-    expected = np.asarray(emit.emit(plan, "xla")(*args), np.float32)
-    jitted = np.asarray(jax.jit(_gn_silu_conv_residual)(*args), np.float32)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(jitted))
-    finite = ~np.isnan(jitted)
-    _assert_close(np.where(finite, out, 0), np.where(finite, expected, 0), np.where(finite, jitted, 0),
-                  scale=_bound(*args[3:5], args[1], args[2]) + 8)
+    assert_haloed_matches_xla_and_jit(plan, _gn_silu_conv_residual, args, [(1, 2, 300, 192)],
+                                      _bound(*args[3:5], args[1], args[2]) + 8)
 
 
 @pytest.mark.slow
@@ -137,11 +132,7 @@ def test_compiles_for_sm90a_in_strips(tmp_path, monkeypatch):
     args = (S((1, 4, 512, 192), F16), S((128, 192, 3, 3), F16), S((128,), F16), S((192,), F16), S((192,), F16),
             S((1, 4, 512, 128), F16))
     plan = _plan(_gn_silu_conv_residual, args)
-    report, ptx_path, counts, resources = compile_mosaic(plan, args, tmp_path, monkeypatch)
-    assert report.by_category.get("Pallas (Mosaic GPU)") == 1, report.by_category
-    assert counts.tensor_core == "wgmma" and counts.wgmma_wait_depth >= 1, counts
-    assert counts.tma_loads >= 4, counts
-    assert resources.spill_bytes == 0, resources
+    assert_compiles_to_one_pipelined_mosaic_kernel(plan, args, tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
