@@ -496,6 +496,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
              _first_elements(instructions[launch.name].shape) if launch.name in instructions else None)
             for launch in pallas]
     matched = match_launches(planned, keys)
+    shared_name = pallas_names(lowered)
     rows: list[dict[str, Any] | None] = [None] * len(planned)
     extra = []
     for launch, (triton_name, _), index in zip(pallas, keys, matched):
@@ -503,7 +504,8 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         if _is_mosaic(launch):
             if thunk is None:
                 thunk = mosaic_thunk(launch, planned[index] if index is not None else None)
-            _path, counts, resource = mosaic_entry(mosaic_entries, triton_name, thunk.kernel)
+            _path, counts, resource = mosaic_entry(mosaic_entries, shared_name.get(triton_name, triton_name),
+                                                   thunk.kernel)
             row_backend = "mosaic"
         else:
             counts, resource, row_backend = entries.get(thunk.kernel, (None, None))[1], resources.get(thunk.kernel), "triton"
@@ -619,10 +621,21 @@ def mosaic_thunk(launch, planned: "PlannedKernel | None") -> ThunkKernel:
     return ThunkKernel(launch.index, "", (work.ctas, 1, 1), (128 * work.warpgroups, 1, 1), 0)
 
 
+def pallas_names(lowered) -> dict[str, str]:
+    """Plan kernel name -> the name of its `pallas_call` (`emit.kernel_names`): kernels of one structure
+    share the first one's (Mosaic compiles that kernel once; its PTX entry is named after it)."""
+    from emit import kernel_names
+    from emit.pallas import name_of
+
+    split = getattr(lowered, "split", None)
+    plan = split.per_call if split is not None else lowered.plan
+    return dict(zip((name_of(k.component, k.kind) for k in plan.kernels), kernel_names(plan)))
+
+
 def mosaic_entry(entries: dict, name: str, thunk_kernel: str):
-    """(PTX path, counts, ptxas resources) of the Mosaic kernel of plan kernel `name` (`read_dump`'s
-    entries): the entry the launch names, else the one spelled as the kernel (`kernel_symbol`:
-    Mosaic names the entry after the `<component>:<kind>` it is given), else (None, None, None)."""
+    """(PTX path, counts, ptxas resources) of the Mosaic kernel named `name` (its `pallas_call`'s name,
+    `pallas_names`; `read_dump`'s entries): the entry the launch names, else the one spelled as the
+    kernel (`kernel_symbol`: Mosaic names the entry after the name it is given), else (None, None, None)."""
     if thunk_kernel in entries:
         return entries[thunk_kernel]
     symbol = kernel_symbol(name)

@@ -8,7 +8,9 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import emit
 import eqsat
 from benchmarks.compile import kernel_counts, triton_calls
 from emit.pallas import KernelCall, shared_names
@@ -133,9 +135,58 @@ def test_finalize_kernels_finish_from_partials_when_shared(monkeypatch):
     assert plan.kinds().get("finalize") == 2, plan.kinds()
     got = emit.emit(plan, "pallas", interpret=True)(x, w, v)
     assert len(finalized) == 1  # traced once, for both sites
-    monkeypatch.setattr(emit.pallas, "emit_shared", lambda kernel, ctx: emit.pallas.emit_kernel(kernel, ctx))
+    monkeypatch.setattr(emit.pallas, "emit_shared", lambda kernel, ctx, mosaic=False: emit.pallas.emit_kernel(kernel, ctx))
     apart = emit.emit(plan, "pallas", interpret=True)(x, w, v)  # every kernel emitted on its own
     assert len(finalized) == 3
     for g, a, e in zip(got, apart, jax.jit(fn)(x, w, v)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4)
+
+
+def repeated_half(x, y, z, w, v):
+    """Three fp16 matmul blocks for the Mosaic GPU template, two of one structure."""
+    outs = []
+    for i, (a, b) in enumerate(((x, w), (y, w), (z, v))):
+        with jax.named_scope(f"blocks.{i}"):
+            outs.append(jax.nn.silu(a @ b) * 2.0)
+    return outs
+
+
+def half_arguments():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(1e2 + rng.standard_normal((128, 64)), jnp.float16)  # an offset large against the spread
+    y = jnp.asarray(rng.standard_normal((128, 64)), jnp.float16).at[5].set(0.0)
+    z = jnp.asarray(rng.standard_normal((128, 128)), jnp.float16)
+    w = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float16)
+    v = jnp.asarray(rng.standard_normal((128, 64)) / 8, jnp.float16)
+    return x, y, z, w, v
+
+
+def test_identical_mosaic_kernels_are_traced_once(monkeypatch):
+    """On the Mosaic backend too, the first kernel of a structure is traced for all its sites: the
+    template builds two kernels for three launches, and each site computes its own values."""
+    from emit.mosaic import matmul as mm
+
+    built = []
+    original = mm.build
+    monkeypatch.setattr(mm, "build", lambda *a, **k: built.append(k.get("name")) or original(*a, **k))
+    args = half_arguments()
+    got = eqsat.optimize(repeated_half, backend="mosaic", progress=False)(*args)
+    assert built == ["blocks.0:matmul.x2", "blocks.2:matmul"], built
+    for g, e in zip(got, jax.jit(repeated_half)(*args)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_identical_mosaic_kernels_compile_once_for_h100(tmp_path):
+    """Deviceless: the executable launches three Mosaic GPU kernels and Mosaic compiles two (one PTX
+    dump per compiled module)."""
+    from benchmarks.mosaic_ptx import dumping
+
+    args = half_arguments()
+    plan = eqsat.optimize(repeated_half, backend="mosaic", progress=False).lower(*args).plan
+    with dumping(tmp_path / "mosaic"):
+        report = xla_target.compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if report is None:
+        pytest.skip(xla_target.unavailable_reason() or "the H100 compile target is unavailable")
+    assert report.by_category.get("Pallas (Mosaic GPU)") == 3, report.by_category
+    assert len(list((tmp_path / "mosaic").glob("*.ptx"))) == 2, sorted(p.name for p in (tmp_path / "mosaic").iterdir())

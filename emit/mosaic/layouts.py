@@ -5,6 +5,7 @@ per call as before).
 
     halo_weight_layout(conv)   the haloed conv's `[window · C, N↑]` weight, or its phase form's
                                `[4 · 2 · 2 · C, Cout]` sums of taps (`emit.mosaic.conv_halo`)
+    prepared_layouts(kernel)   every such layout of one kernel (what a shared emission passes it)
 
 A layout is a `Pointwise` term over the kernel's own weight expression (views of prepared weights,
 a merged shortcut's `concat(w, pad(w1x1))`), built the same way here at split time and in the
@@ -117,6 +118,14 @@ def _pad_columns(x: Term, columns: int) -> Term:
     rows, cols = parse_type(x.ty).shape
     zero = Term("Lit", 0.0, with_shape(x.ty, ()))
     return Term("Pad", x, zero, f"0,0,0;0,{columns - cols},0", with_shape(x.ty, (rows, columns)))
+
+
+def prepared_layouts(term: Term) -> list[Term]:
+    """Every layout of a kernel's weights the prepare stage may have made for the Mosaic templates
+    (what they look up in their context's values): what a shared emission must pass them
+    (`emit.pallas.emit_shared`)."""
+    layout = halo_weight_layout(term)
+    return [layout] if layout is not None else []
 
 
 def prepared_halo_weight(ctx, term: Term, columns: int):

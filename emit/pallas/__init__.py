@@ -58,7 +58,8 @@ from typing import Iterable
 import jax
 
 # Shared with `emit.mosaic` through `emit.backends` (below both packages); importable from here as before.
-from emit.backends import EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors
+from emit.backends import (EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors,
+                           runs_on_mosaic)
 from eqsat.term import Term
 
 def remember_missing_triton_dialect_module() -> None:
@@ -297,23 +298,38 @@ def finalize_structure(statistic: Term) -> tuple:
 NOT_SHARED = frozenset({"Loop", "Opaque", "Gather", "AssignScatter"})
 
 
-def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
+def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> dict:
     """`emit_kernel(kernel, ctx)`, traced and lowered once per kernel structure: the first kernel
     of a structure is emitted inside a `jax.jit` of the values it reads (and the partials of its
     statistics' earlier hosts); every later kernel of that structure, in the same state (which
     reads are partials, which prefixes exist, their shapes), calls the same jitted function on its
     own values, so JAX traces the template and lowers its Triton kernel once and XLA sees one
     function called at every site. Its results are rebound to the calling kernel's terms. A
-    statistic finished from its partials is keyed by `finalize_structure` and its partials' shape."""
+    statistic finished from its partials is keyed by `finalize_structure` and its partials' shape.
+
+    `mosaic`: the kernel's Mosaic GPU template first (`emit_on_mosaic`; its Triton template where
+    that declines), shared the same way. The weight layouts the prepare stage made for it
+    (`emit.mosaic.layouts.prepared_layouts`) are among its reads, so every site passes its own.
+    Identical Mosaic kernels then lower to one module, which jaxlib compiles once per process
+    (its kernel cache is keyed by the module)."""
     from emit.pallas.partials import Partials
 
+    if mosaic and not runs_on_mosaic(kernel.term):
+        mosaic = False
     if kernel.term.op in NOT_SHARED or is_empty(kernel):
-        return emit_kernel(kernel, ctx)
+        return emit_unshared(kernel, ctx, mosaic)
     reads: list = []
     if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
         structure = finalize_structure(kernel.term)
     else:
         structure = kernel_structure(kernel, ctx.structures, reads)
+    if mosaic:
+        from emit.mosaic.layouts import prepared_layouts
+
+        layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
+        reads = [*reads, *layouts]
+        structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
+                                                for t in layouts))
     states = []
     for tensor in reads:
         if tensor in ctx.values or tensor.op == "Constant":
@@ -321,7 +337,7 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
         elif tensor in ctx.partials:
             states.append("partials")
         else:  # not computed yet: the template raises the error that says so
-            return emit_kernel(kernel, ctx)
+            return emit_unshared(kernel, ctx, mosaic)
     if kernel.term in ctx.partials:  # a statistic finished once from its hosts' partials (`finalize`)
         reads, states = [*reads, kernel.term], [*states, "partials"]
     operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
@@ -329,10 +345,17 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
     key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
     shared = ctx.shared_kernels.get(key)
     if shared is None:
-        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx)
+        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic)
     results = shared.jitted(operands, prefixes)
     order = [kernel.term, *kernel.hosted]
     return {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
+
+
+def emit_unshared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> dict:
+    """The kernel's values from its Mosaic GPU template when `mosaic` and the template takes it, else
+    from its Triton template (`emit_kernel`)."""
+    produced = emit_on_mosaic(kernel, ctx) if mosaic else None
+    return produced if produced is not None else emit_kernel(kernel, ctx)
 
 
 def _aval(value):
@@ -342,7 +365,7 @@ def _aval(value):
 class _SharedKernel:
     """The jitted emission of the first kernel of a structure (see `emit_shared`)."""
 
-    def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext):
+    def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext, mosaic: bool = False):
         self.layout: list[tuple[int, bool]] = []  # (position in [term, *hosted], is partials) of each result
 
         def run(operands, prefixes):
@@ -354,7 +377,7 @@ class _SharedKernel:
             for reduction, prefix in zip(kernel.hosted, prefixes):
                 if prefix is not None:
                     inner.pending[reduction] = prefix
-            produced = emit_kernel(kernel, inner)
+            produced = emit_unshared(kernel, inner, mosaic)
             layout, results = [], []
             for i, term in enumerate([kernel.term, *kernel.hosted]):
                 if term in produced:
@@ -399,9 +422,8 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
                     own = tuple(r for r in call.hosted if host_count[r] == 1)
                     produced = emit_with_xla(KernelCall(call.term, call.name, own), ctx)
                 else:
-                    produced = emit_on_mosaic(call, ctx) if ctx.backend == "mosaic" or route == "mosaic" else None
-                    if produced is None:
-                        produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx)
+                    produced = emit_shared(KernelCall(call.term, names[i], call.hosted), ctx,
+                                           mosaic=ctx.backend == "mosaic" or route == "mosaic")
                 for term, value in produced.items():
                     if isinstance(value, Partials):
                         ctx.pending[term] = value.buffer
