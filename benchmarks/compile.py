@@ -4,6 +4,7 @@
     python -m benchmarks.compile --duplicates 24       # N identical Triton kernels, named alike vs apart
     python -m benchmarks.compile --phases --components vae [--config tiny] [--xla-flags ...]  # where a cold compile goes
     python -m benchmarks.compile --fingerprint --components unet,vae   # the kernels launched: names and IR, hashed
+    python -m benchmarks.compile --emitters --components unet   # one Mosaic plan, emitted by Mosaic and by Triton
 
 Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloads`), deployed as
 `sd15 plan` deploys it (`measure.compare.optimized`: the Pallas backend, weights marked as parameters):
@@ -30,6 +31,13 @@ Per SD 1.5 component (full size, fp16, abstract weights; `sd15.workloads.workloa
 building kernel jaxprs, Pallas lowering them to Triton IR), XLA's HLO passes, and per Triton kernel
 the Triton pipeline, LLVM and ptxas, read from XLA's own log; wall, thread and CPU seconds
 (`benchmarks.compile_phases`).
+
+`--emitters`: one plan, made for the Mosaic GPU backend (`optimize(..., backend="mosaic")`), its per-call
+stage emitted by the Mosaic templates and by the Triton templates (`Lowered.executable(backend)`),
+each compiled cold for the H100 topology in a fresh process of its own (no JAX cache, no kernel
+cache): trace + lowering seconds (the templates and, for Mosaic, its layout inference and lowering),
+XLA's compile seconds (for Mosaic its PTX and cubins too), the process's CPU seconds, and the
+Pallas kernels launched and distinct (custom calls and their distinct backend configs).
 
 `--duplicates N` compiles N identical Pallas Triton kernels (one template, one shape) for an H100
 twice: named apart (`site0`, `site1`, ...) and named alike, the case `emit.pallas.shared_names`
@@ -280,6 +288,54 @@ def child_ready(request: dict) -> dict[str, Any]:
             "ptxas_cpu_seconds": after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime}
 
 
+def child_emitter(request: dict) -> dict[str, Any]:
+    """The per-call stage of `request["component"]`'s Mosaic plan emitted by `request["emitter"]`,
+    traced, lowered and compiled for the H100 topology (planning first, not timed): seconds per step,
+    this process's CPU seconds over both (its children's too: ptxas), Pallas kernels launched and
+    distinct."""
+    import re
+    import resource
+
+    import jax
+    import numpy as np
+
+    from measure import compare
+    from measure.xla_target import h100_topology
+
+    workload = _workload(request["component"], request["batch"], request["size"], request["config"])
+    optimize, reason = compare._load_optimize()
+    if optimize is None:
+        raise RuntimeError(reason)
+    fast = compare.optimized(workload, optimize, "h100", "mosaic")
+    lowered = fast.lower(*workload.args)
+    prepared = lowered.split.prepared_specs() if lowered.split is not None else []
+    run = lowered.executable(request["emitter"])
+    topology = h100_topology()
+    mesh = jax.sharding.Mesh(np.array(topology.devices), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
+    args = jax.tree_util.tree_map(place, [prepared, *workload.args])
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    per_call = run.per_call if hasattr(run, "per_call") else (lambda _prepared, *xs: run(*xs))
+    cpu0, start = cpu(), time.perf_counter()
+    gpu = jax.jit(per_call).lower(*args)
+    lower_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = gpu.compile()
+    compile_seconds = time.perf_counter() - start
+    text = compiled.as_text()
+    calls = re.findall(r'custom_call_target="([^"]*)"[^\n]*?backend_config=(\{[^\n]*\}|"[^"\n]*")', text)
+    pallas = [(target, config) for target, config in calls if "mosaic" in target or "triton" in target]
+    return {"planned_kernels": lowered.stats["per_call_kernels"], "lower_seconds": lower_seconds,
+            "compile_seconds": compile_seconds, "cpu_seconds": cpu() - cpu0,
+            "launched": {t: sum(1 for target, _ in pallas if target == t) for t in {t for t, _ in pallas}},
+            "distinct": len(set(pallas))}
+
+
 def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 7200,
                keep_stderr: bool = False) -> dict[str, Any]:
     """Run a child of this module in a fresh process; its JSON result (or its error), with the
@@ -291,7 +347,7 @@ def _run_child(kind: str, payload, env: dict | None = None, timeout: float = 720
     with tempfile.TemporaryDirectory(prefix="eqsat_compile_") as scratch:
         request, report = Path(scratch) / "request.pkl", Path(scratch) / "report.json"
         request.write_bytes(cloudpickle.dumps(payload))
-        compiles = kind in ("compile", "phases", "ready")
+        compiles = kind in ("compile", "phases", "ready", "emitter")
         child_env = _child_env(Path(scratch) / "dump") if compiles else dict(os.environ)
         if compiles:  # no XLA dump: it is not read here, and it costs disk and time
             child_env["XLA_FLAGS"] = " ".join(f for f in child_env["XLA_FLAGS"].split() if "xla_dump_to" not in f)
@@ -384,6 +440,8 @@ def _child_main(kind: str, request_path: str, report_path: str) -> int:
             result = child_phases(request)
         elif kind == "ready":
             result = child_ready(request)
+        elif kind == "emitter":
+            result = child_emitter(request)
         else:
             result = child_compile(request)
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -519,6 +577,35 @@ def measure_ready(component: str, batch: int, size: int | None, config: str = "f
     return row
 
 
+def measure_emitters(component: str, batch: int, size: int | None, config: str = "full", log=print) -> dict[str, Any]:
+    """One Mosaic plan of `component`, its per-call stage compiled cold by each emitter (`child_emitter`),
+    in fresh processes on one warm plan cache (the plan is made once, before either)."""
+    row: dict[str, Any] = {"component": component, "config": config, "load_before": _load()}
+    env = {"EQSAT_CACHE_DIR": tempfile.mkdtemp(prefix="eqsat_emitters_")}
+    for emitter in ("mosaic", "pallas", "mosaic"):  # the first plans (and fills the plan cache); the last is timed
+        key = emitter if emitter not in row else f"{emitter}_again"
+        row[key] = _run_child("emitter", {"component": component, "batch": batch, "size": size, "config": config,
+                                          "emitter": emitter}, env)
+        log(f"{component}: {emitter} emitter {row[key]}")
+    row["load_after"] = _load()
+    return row
+
+
+def print_emitters(rows: list[dict[str, Any]]) -> None:
+    print("| component | emitter | planned kernels | Pallas launched (distinct) | trace+lower s | compile s | CPU s | "
+          "load before / after |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        for key in ("mosaic", "pallas", "mosaic_again"):
+            run = row[key]
+            if "error" in run:
+                print(f"| {row['component']} | {key} | error: {run['error'][-200:]} |")
+                continue
+            print(f"| {row['component']} | {key} | {run['planned_kernels']} | {sum(run['launched'].values())} "
+                  f"({run['distinct']}) | {run['lower_seconds']:.1f} | {run['compile_seconds']:.1f} | "
+                  f"{run['cpu_seconds']:.1f} | {row['load_before']} / {row['load_after']} |")
+
+
 def print_ready(rows: list[dict[str, Any]]) -> None:
     steps = ("plan", "topology", "trace", "write", "read", "lower", "compile")
     print(f"| component | start | plan from | {' | '.join(steps)} | ptxas CPU s | process wall s | load before / after |")
@@ -565,12 +652,15 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--duplicates", type=int, default=0, help="only the N identical kernels experiment")
     parser.add_argument("--phases", action="store_true", help="only where the cold compile goes, by phase")
-    parser.add_argument("--config", default="full", choices=("full", "tiny"), help="with --phases and --ready")
+    parser.add_argument("--config", default="full", choices=("full", "tiny"),
+                        help="with --phases, --ready and --emitters")
     parser.add_argument("--xla-flags", default="", help="with --phases: added to XLA_FLAGS in both children")
     parser.add_argument("--ready", action="store_true",
                         help="only a cold and a warm start, deviceless: plan, exported stage, compile with XLA's kernel cache")
     parser.add_argument("--fingerprint", action="store_true",
                         help="only the Triton kernels' fingerprint (names and IR, no debug locations) per component")
+    parser.add_argument("--emitters", action="store_true",
+                        help="only one Mosaic plan per component compiled by the Mosaic and by the Triton templates")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "REQUEST", "REPORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -580,6 +670,10 @@ def main(argv=None) -> int:
     if args.duplicates:
         results: Any = measure_duplicates(args.duplicates, log)
         print(json.dumps(results, indent=2))
+    elif args.emitters:
+        results = [measure_emitters(c.strip(), args.batch, args.size, args.config, log)
+                   for c in args.components.split(",")]
+        print_emitters(results)
     elif args.ready:
         results = [measure_ready(c.strip(), args.batch, args.size, args.config, log) for c in args.components.split(",")]
         print_ready(results)
