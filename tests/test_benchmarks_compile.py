@@ -212,3 +212,25 @@ def test_a_warm_start_of_the_tiny_text_encoder_reads_everything_back():
     assert "read" in warm["seconds"] and "trace" not in warm["seconds"]
     assert cold["ptxas_cpu_seconds"] > 0 and warm["ptxas_cpu_seconds"] <= 0.1 * cold["ptxas_cpu_seconds"]
     print_ready([row])
+
+
+@pytest.mark.slow
+def test_one_mosaic_plan_of_the_tiny_text_encoder_compiled_by_both_emitters():
+    """`--emitters`: the same plan's per-call stage, compiled cold deviceless by the Mosaic and by the
+    Triton templates, launches Mosaic kernels only through the first; every run reports its seconds."""
+    from benchmarks.compile import measure_emitters, print_emitters
+    from measure import xla_target
+
+    if xla_target.prepare_target() is not None:
+        pytest.skip("the H100 compile target is not installed")
+    row = measure_emitters("text_encoder", 2, None, "tiny", log=lambda message: None)
+    runs = [row[key] for key in ("mosaic", "pallas", "mosaic_again")]
+    assert all("error" not in run for run in runs), [run.get("error") for run in runs]
+    mosaic, pallas, again = runs
+    assert mosaic["planned_kernels"] == pallas["planned_kernels"] == again["planned_kernels"]
+    assert mosaic["launched"].get("mosaic_gpu_v2", 0) > 0 and "mosaic_gpu_v2" not in pallas["launched"]
+    assert mosaic["launched"] == again["launched"] and mosaic["distinct"] == again["distinct"]
+    for run in runs:
+        assert 0 < run["distinct"] <= sum(run["launched"].values())
+        assert run["lower_seconds"] > 0 and run["compile_seconds"] > 0 and run["cpu_seconds"] > 0
+    print_emitters([row])
