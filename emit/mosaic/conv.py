@@ -60,7 +60,7 @@ from emit import expr as ex
 from emit.mosaic import conv_halo
 from emit.mosaic.conv_halo import layout_weights  # noqa: F401 (both conv kernels lay weights out so)
 from emit.mosaic import matmul as mm
-from emit.mosaic.partials import GroupStatistic
+from emit.mosaic.partials import GroupStatistic, finish_read_statistics
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
@@ -235,8 +235,7 @@ def emit(kernel, ctx) -> dict:
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
     it writes (`emit.mosaic.partials.GroupStatistic`; the others the driver reduces after it); forms
     not covered raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
-    from emit.pallas import loaded_tensors
-    from emit.pallas.partials import Partials, finalize
+    from emit.pallas.partials import Partials
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -259,13 +258,7 @@ def emit(kernel, ctx) -> dict:
     blocks = default_blocks(grid, geometry.out_features, steps)
     n_padded = -(-geometry.out_features // blocks.cta_tile_n) * blocks.cta_tile_n
 
-    for tensor in loaded_tensors(lhs, rhs, epilogue):
-        if tensor in ctx.partials and tensor not in ctx.values:
-            # read finished here: merged once by the Pallas finalize kernel (one launch, as the Mosaic
-            # matmul does; `eqsat.cost.roofline.driver_reduced` counts it), kept for later readers
-            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
-            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
-                                          name=f"{component}:finalize" if component else "finalize")
+    finish_read_statistics(kernel, ctx)  # one finalize launch each (`eqsat.cost.roofline.driver_reduced` counts it)
     statistics, computed = [], []
     for reduction in kernel.hosted:
         if ctx.pending.get(reduction) is not None:

@@ -74,8 +74,8 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
-from emit.mosaic.partials import (RowStatistic, group_partials, merge_partials, tile_partials,
-                                  write_group_partials)
+from emit.mosaic.partials import (RowStatistic, finish_read_statistics, group_partials, merge_partials,
+                                  tile_partials, write_group_partials)
 from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
@@ -845,8 +845,7 @@ def emit(kernel, ctx) -> dict:
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
     it writes (`emit.mosaic.partials`; the others the driver reduces after it); forms the template
     does not cover raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
-    from emit.pallas import loaded_tensors
-    from emit.pallas.partials import Partials, finalize
+    from emit.pallas.partials import Partials
     from emit.pallas.matmul import DotAxes
     from eqsat.interpret import _Evaluator
 
@@ -866,13 +865,8 @@ def emit(kernel, ctx) -> dict:
     batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
-    for tensor in loaded_tensors(lhs, rhs, epilogue):
-        if tensor in ctx.partials and tensor not in ctx.values:
-            # read finished here: merged once by the Pallas finalize kernel (one launch; merging in
-            # plain jax would be several XLA fusions), and kept for the statistic's later readers
-            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
-            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
-                                          name=f"{component}:finalize" if component else "finalize")
+    # read finished: merged once by the Pallas finalize kernel (merging in plain jax would be several XLA fusions)
+    finish_read_statistics(kernel, ctx)
     tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
     # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.

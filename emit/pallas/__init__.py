@@ -311,7 +311,9 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     that declines), shared the same way. The weight layouts the prepare stage made for it
     (`emit.mosaic.layouts.prepared_layouts`) are among its reads, so every site passes its own.
     Identical Mosaic kernels then lower to one module, which jaxlib compiles once per process
-    (its kernel cache is keyed by the module)."""
+    (its kernel cache is keyed by the module). The statistics it reads that are still partials are
+    finished first, here (`emit.mosaic.partials.finish_read_statistics`, as the Mosaic templates
+    do): finished inside the shared function they would be lost to the statistic's later readers."""
     from emit.pallas.partials import Partials
 
     if mosaic and not runs_on_mosaic(kernel.term):
@@ -325,7 +327,9 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         structure = kernel_structure(kernel, ctx.structures, reads)
     if mosaic:
         from emit.mosaic.layouts import prepared_layouts
+        from emit.mosaic.partials import finish_read_statistics
 
+        finish_read_statistics(kernel, ctx)  # as its template would: once, kept for the statistic's later readers
         layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
         reads = [*reads, *layouts]
         structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
