@@ -186,7 +186,9 @@ def gn_silu_conv3x3(x, w, b, gamma, beta):
 @contextlib.contextmanager
 def dumping(directory: Path):
     """Mosaic GPU dumps each kernel's PTX and its ptxas `-v` report into `directory` while this holds
-    (`MOSAIC_GPU_DUMP_*`; a compile subprocess inherits them)."""
+    (`MOSAIC_GPU_DUMP_*`; a compile subprocess inherits them). Mosaic also logs every MLIR pass per
+    kernel there (`*.mlir-passes.log`, ~60 MB a kernel: 7 GB for the full UNet); nothing here reads
+    them, and they are deleted when this ends."""
     directory.mkdir(parents=True, exist_ok=True)
     keys = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
     saved = {key: os.environ.get(key) for key in keys}
@@ -194,6 +196,8 @@ def dumping(directory: Path):
     try:
         yield directory
     finally:
+        for log in directory.glob("*.mlir-passes.log"):
+            log.unlink(missing_ok=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
