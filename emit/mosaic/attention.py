@@ -66,6 +66,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import interpreter
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
 from emit.pallas.attention import reference  # noqa: F401  one reference for both templates
 from eqsat.term import Term
@@ -143,7 +144,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
         # the output leaves through the Q tile's slot when it has Q's dtype, else through its own
         o_smem=None if out_ref.dtype == dtype else plgpu.SMEM(
             (wgs, bq, head), out_ref.dtype, transforms=_swizzled(swizzle_bytes(head, out_ref.dtype), out_ref.dtype)),
-        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=operand_transforms),
+        k_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
         p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=operand_transforms),
         v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
         bias_smem=plgpu.SMEM((ring, wgs * bq, bk), jnp.float32, transforms=bias_transforms) if has_bias else None,
@@ -195,7 +196,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 slot = lax.rem(t, jnp.array(ring, t.dtype))
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     schedule_barrier()
                     return acc_ref[...]
 
@@ -269,16 +270,17 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(40, action="decrease")
             q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
 
-            def issue_k(t, slot):  # Kᵀ and the bias tiles: free once Q·Kᵀ and the bias are read
-                plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
-                                        k_barriers.at[slot])
+            def keys(t, seq_major):
+                return (b_idx, pl.ds(t * bk, bk), h_idx) if seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
+
+            def issue_k(t, slot):  # K and the bias tiles: free once Q·Kᵀ and the bias are read
+                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major)], k_smem.at[slot], k_barriers.at[slot])
                 if has_bias:
                     plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
                                             bias_smem.at[slot], bias_barriers.at[slot])
 
             def issue_v(t, slot):  # free once P·V is read
-                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major)], v_smem.at[slot], v_barriers.at[slot])
 
             for t in range(ring):
                 issue_k(t, t)
@@ -311,6 +313,7 @@ class Layouts:
 
     q_seq_major: bool = True
     v_seq_major: bool = True
+    k_seq_major: bool = True
 
 
 def _seq_major(x: jax.Array, yes: bool) -> jax.Array:
@@ -356,9 +359,11 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
     q_shape = (batch, q_padded, heads, head) if layouts.q_seq_major else (batch, heads, q_padded, head)
     qp = pad_to(_seq_major(q, layouts.q_seq_major), q_shape)
-    kp = pad_to(jnp.transpose(k, (0, 1, 3, 2)), (batch, heads, head, kv_padded))
-    vp = pad_to(_seq_major(v, layouts.v_seq_major),
-                (batch, kv_padded, heads, head) if layouts.v_seq_major else (batch, heads, kv_padded, head))
+    def kv_shape(seq_major):
+        return (batch, kv_padded, heads, head) if seq_major else (batch, heads, kv_padded, head)
+
+    kp = pad_to(_seq_major(k, layouts.k_seq_major), kv_shape(layouts.k_seq_major))
+    vp = pad_to(_seq_major(v, layouts.v_seq_major), kv_shape(layouts.v_seq_major))
     inputs = [qp, kp, vp]
     shared = (True, True)
     if bias is not None:
@@ -378,6 +383,8 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     grid = (batch, heads, q_padded // rows_per_cta)
 
     def call(interpret_here):
+        if interpret_here:
+            interpreter.install()  # K is read through a transposed SMEM operand
         return plgpu.kernel(
             functools.partial(_kernel, blocks=blocks, kv_len=kv_len, scale=float(scale), has_bias=bias is not None,
                               bias_shared=shared, epilogue=epilogue, layouts=layouts, interpreted=interpret_here),
@@ -519,6 +526,7 @@ def emit(kernel, ctx) -> dict:
     q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
     bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
     out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
-                out_dtype=out_type.dtype, layouts=Layouts(reads_seq_major(q), reads_seq_major(v)),
+                out_dtype=out_type.dtype,
+                layouts=Layouts(reads_seq_major(q), reads_seq_major(v), reads_seq_major(k)),
                 interpret=ctx.interpret, name=kernel.name)
     return {term: out.reshape(out_type.shape)}
