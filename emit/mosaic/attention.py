@@ -181,8 +181,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
             q_smem = qo_smem.at[wg]
             row0 = q_idx * (wgs * bq) + wg * bq
-            q_tile = (b_idx, pl.ds(row0, bq), h_idx) if layouts.q_seq_major else (b_idx, h_idx, pl.ds(row0, bq))
-            plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem, q_barriers.at[wg])
+            rows = pl.ds(row0, bq)
+
+            def q_rows(head):
+                return (b_idx, rows, head) if layouts.q_seq_major else (b_idx, head, rows)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows(layouts.q_head0 + h_idx)], q_smem, q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
             m = in_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = in_layout(jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -261,7 +265,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             out_smem = q_smem if o_smem is None else o_smem.at[wg]
             out_smem[...] = out.astype(out_ref.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_tile])
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_rows(h_idx)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -270,17 +274,18 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(40, action="decrease")
             q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
 
-            def keys(t, seq_major):
-                return (b_idx, pl.ds(t * bk, bk), h_idx) if seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
+            def keys(t, seq_major, head0):
+                head = head0 + h_idx
+                return (b_idx, pl.ds(t * bk, bk), head) if seq_major else (b_idx, head, pl.ds(t * bk, bk))
 
             def issue_k(t, slot):  # K and the bias tiles: free once Q·Kᵀ and the bias are read
-                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major)], k_smem.at[slot], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major, layouts.k_head0)], k_smem.at[slot], k_barriers.at[slot])
                 if has_bias:
                     plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
                                             bias_smem.at[slot], bias_barriers.at[slot])
 
             def issue_v(t, slot):  # free once P·V is read
-                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major)], v_smem.at[slot], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major, layouts.v_head0)], v_smem.at[slot], v_barriers.at[slot])
 
             for t in range(ring):
                 issue_k(t, t)
@@ -305,31 +310,69 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
 
 @dataclasses.dataclass(frozen=True)
 class Layouts:
-    """How the kernel reads q (and writes the output) and v in global memory: `seq_major` as
+    """How the kernel reads q (and writes the output), k and v in global memory: `seq_major` as
     `[batch, seq, heads, head]` (a projection's `[B, S, H·D]` output viewed per head: read in place),
-    else `[batch, heads, seq, head]`. K is always read as Kᵀ `[batch, heads, head, kv]` (the wgmma B
-    operand with the keys along its rows' minor axis; GPU interpret mode has no transposed SMEM
-    operand for wgmma), one XLA transpose of K per call."""
+    else `[batch, heads, seq, head]`; `head0`: the operand's first head in that array (a fused
+    QKV's k starts at head H: `Stored`). K arrives as `[block_kv, head]` tiles, multiplied through a
+    transposed SMEM operand (no Kᵀ)."""
 
     q_seq_major: bool = True
     v_seq_major: bool = True
     k_seq_major: bool = True
+    q_head0: int = 0
+    k_head0: int = 0
+    v_head0: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """An operand read where it lies: heads `head0 .. head0 + heads` of `array`, stored
+    `[batch, seq, heads', head]` (`eqsat.cost.mosaic.StoredHeads`: a projection's output, a fused
+    QKV's slice), with no copy; its sequence a multiple of the tiles, its head of wgmma's width."""
+
+    array: jax.Array
+    head0: int
+    heads: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        batch, seq, _, head = self.array.shape
+        return batch, self.heads, seq, head
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
 
 
 def _seq_major(x: jax.Array, yes: bool) -> jax.Array:
     return jnp.transpose(x, (0, 2, 1, 3)) if yes else x
 
 
-def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.Array | None = None,
-          epilogue: EpilogueFn = lambda o: o, out_dtype=None, blocks: AttentionBlocks | None = None,
-          layouts: Layouts = Layouts(), interpret: Any = None, name: str = "attention") -> jax.Array:
+def _laid_out(x, seq_major: bool, shape_seq_major, shape_head_major):
+    """`(array, seq_major, head0)` the kernel reads for operand `x`: a `Stored` as it lies, else `x`
+    in the order asked, zero-padded to the tiles."""
+    if isinstance(x, Stored):
+        if tuple(x.array.shape[:2]) != shape_seq_major[:2] or x.array.shape[3] != shape_seq_major[3]:
+            raise ValueError(f"a stored operand {x.array.shape} read as {shape_seq_major} needs padding")
+        return x.array, True, x.head0
+    return pad_to(_seq_major(x, seq_major), shape_seq_major if seq_major else shape_head_major), seq_major, 0
+
+
+def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stored", *, scale: float,
+          bias: jax.Array | None = None, epilogue: EpilogueFn = lambda o: o, out_dtype=None,
+          blocks: AttentionBlocks | None = None, layouts: Layouts = Layouts(), interpret: Any = None,
+          name: str = "attention") -> jax.Array:
     """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, heads, q_len, head_dim]`,
     `k, v [batch, heads, kv_len, head_dim]` (fp16 or bf16, the same) and a float `bias`
     broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
     returns `[batch, heads, q_len, head_dim]` of `out_dtype` (default q's). `layouts`: the order the
-    kernel reads q and v in (the transposes here cancel against a view of that order). `interpret`:
-    True runs GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU
-    interprets)."""
+    kernel reads q, k and v in (the transposes here cancel against a view of that order; a `Stored`
+    operand is read where it lies, seq-major, whatever `layouts` says). `interpret`: True runs GPU
+    interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != \
@@ -357,13 +400,15 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     rows_per_cta = blocks.block_q * blocks.compute_wgs
     q_padded = -(-q_len // rows_per_cta) * rows_per_cta
     kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
-    q_shape = (batch, q_padded, heads, head) if layouts.q_seq_major else (batch, heads, q_padded, head)
-    qp = pad_to(_seq_major(q, layouts.q_seq_major), q_shape)
-    def kv_shape(seq_major):
-        return (batch, kv_padded, heads, head) if seq_major else (batch, heads, kv_padded, head)
-
-    kp = pad_to(_seq_major(k, layouts.k_seq_major), kv_shape(layouts.k_seq_major))
-    vp = pad_to(_seq_major(v, layouts.v_seq_major), kv_shape(layouts.v_seq_major))
+    qp, q_seq, q_head0 = _laid_out(q, layouts.q_seq_major, (batch, q_padded, heads, head),
+                                   (batch, heads, q_padded, head))
+    kp, k_seq, k_head0 = _laid_out(k, layouts.k_seq_major, (batch, kv_padded, heads, head),
+                                   (batch, heads, kv_padded, head))
+    vp, v_seq, v_head0 = _laid_out(v, layouts.v_seq_major, (batch, kv_padded, heads, head),
+                                   (batch, heads, kv_padded, head))
+    # the output in q's order (the transposes below cancel against the reader's view)
+    layouts = Layouts(q_seq, v_seq, k_seq, q_head0, k_head0, v_head0)
+    q_shape = (batch, q_padded, heads, head) if q_seq else (batch, heads, q_padded, head)
     inputs = [qp, kp, vp]
     shared = (True, True)
     if bias is not None:
@@ -453,6 +498,31 @@ def reads_seq_major(operand: Term) -> bool:
     return abs(int(flat[0, 1] - flat[0, 0])) > abs(int(flat[1, 0] - flat[0, 0]))
 
 
+def stored_operand(operand: Term, rows_tile: int, values: Callable[[Term], jax.Array]) -> Stored | None:
+    """The operand as a `Stored` view of the tensor it reads, when the kernel reads it there
+    (`eqsat.cost.mosaic.stored_heads`, the cost model's test), else None. The test's probes are
+    checked at every element here: a view it took for heads of one stored tensor that reads anything
+    else is a bug (AssertionError), not a fallback."""
+    from eqsat.cost.mosaic import stored_heads
+
+    found = stored_heads(operand, rows_tile)
+    if found is None:
+        return None
+    batch, heads, seq, head = parse_type(operand.ty).shape
+    memory = _IndexRecorder()
+    index = tuple(np.arange(n).reshape([n if i == axis else 1 for i in range(4)])
+                  for axis, n in enumerate((batch, heads, seq, head)))
+    ex.compile_expr(operand)(memory, index, True)
+    ((tensor, at),) = memory.loads
+    flat = np.asarray(ex.linearize(at, parse_type(tensor.ty).shape))
+    pitch = found.heads * head
+    b, h, s, d = index
+    expected = b * seq * pitch + s * pitch + (found.head0 + h) * head + d
+    if tensor is not found.tensor or not np.array_equal(np.broadcast_to(flat, expected.shape), expected):
+        raise AssertionError(f"stored_heads took {operand!r} for heads {found.head0}.. of {found.tensor!r}")
+    return Stored(jnp.reshape(values(tensor), (batch, seq, found.heads, head)), found.head0, heads)
+
+
 def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
     """The bias expression as a float32 `[batch', heads', q_len, kv_len]` array, `batch'`/`heads'` 1
     where it does not depend on that index (CLIP's causal mask: `[1, 1, S, S]`), found by which index
@@ -521,9 +591,14 @@ def emit(kernel, ctx) -> dict:
 
         return jnp.broadcast_to(compiled_epilogue(None, index, True, accumulator), o.shape)
 
+    blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    rows_tile = {0: blocks.block_q * blocks.compute_wgs, 1: blocks.block_kv, 2: blocks.block_kv}
+    stored = [stored_operand(x, rows_tile[i], ctx.value) for i, x in enumerate((q, k, v))]
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
+    computed = iter(_Evaluator({}, ctx.constants, ctx.payloads, parent=known).run(
+        [x for x, s in zip((q, k, v), stored) if s is None]))
+    q_value, k_value, v_value = (s if s is not None else next(computed) for s in stored)
     bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
     out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
                 out_dtype=out_type.dtype,

@@ -1,0 +1,120 @@
+"""Where the Mosaic attention reads its operands (`emit/mosaic/attention.py`, issue 17): K as it lies
+through a transposed SMEM operand (no Kᵀ), q, k and v of a fused QKV projection at their heads of
+its `[B, S, 3·H·D]` output (`Stored`, `eqsat.cost.mosaic.stored_heads`: no slice copies), in GPU
+interpret mode against the XLA emitter and `jax.jit` on adversarial values (offsets large against
+the spread, constant rows, a key of large magnitude), and the compiled program's launches: no
+pad, transpose or slice fusion around an attention whose operands need no padding; the cost model
+charges what launches.
+
+Interpreted kernels are slow here: tiny shapes (2 heads of 16 or 40, 128 tokens, 77 keys)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import emit
+import eqsat
+from emit.mosaic import TritonFallbackWarning
+from emit.mosaic import attention as ma
+from emit.pallas import XlaFallbackWarning
+from eqsat.cost.mosaic import mosaic_work, stored_heads
+from sd15.layers import attention
+
+
+def _self_attention(x, wqkv, wo):
+    q, k, v = jnp.split(x @ wqkv, 3, axis=-1)
+    return attention(q, k, v, 2) @ wo
+
+
+def _cross_attention(x, context, wq, wkv, wo):
+    k, v = jnp.split(context @ wkv, 2, axis=-1)
+    return attention(x @ wq, k, v, 2) @ wo
+
+
+def _adversarial(rng, tokens, width, heads):
+    """Inputs whose q, k and v carry offsets large against their spread, constant token rows, and one
+    key of large magnitude (finite: ~3e3 logits)."""
+    x = (rng.standard_normal((2, tokens, width)) + 8.0).astype(np.float32)
+    x[:, 3] = 1.5                      # a constant row
+    x[1, 5:9] = x[1, 4]                # equal tokens
+    x[0, 7] *= 40.0                    # a key of large magnitude
+    return x.astype(np.float16)
+
+
+def _weights(rng, *shape):
+    return (0.3 * rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float16)
+
+
+def _emitted(fn, args):
+    lowered = eqsat.optimize(fn, progress=False).lower(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("error", XlaFallbackWarning)
+        mosaic = emit.emit(lowered.plan, "mosaic", interpret=True)(*args)
+    return lowered.plan, mosaic, emit.emit(lowered.plan, "xla")(*args), jax.jit(fn)(*args)
+
+
+def _assert_close(actual, expected):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert np.all(np.isfinite(actual))
+    atol = 2e-2 + 8 * np.finfo(np.float16).eps * float(np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=atol)
+
+
+def _attention_term(plan):
+    (term,) = [k.term for k in plan.kernels if k.op == "Attention"]
+    return term
+
+
+def test_fused_qkv_heads_of_16_read_in_place():
+    """A self-attention over one `x @ [wq wk wv]` projection, 2 heads of 16, 128 tokens (one CTA of
+    two compute warpgroups), 2 batches: q, k and v are heads 0-1, 2-3 and 4-5 of the projection's
+    output stored `[B, S, 6, 16]`, read there; the kernel matches the XLA emitter and jit."""
+    rng = np.random.default_rng(0)
+    args = (_adversarial(rng, 128, 32, 2), _weights(rng, 32, 96), _weights(rng, 32, 32))
+    plan, mosaic, xla, jit = _emitted(_self_attention, args)
+    q, k, v = _attention_term(plan).args[:3]
+    found = [stored_heads(x, tile) for x, tile in ((q, 128), (k, 64), (v, 64))]
+    assert [(f.heads, f.head0) for f in found] == [(6, 0), (6, 2), (6, 4)], found
+    assert found[0].tensor is found[1].tensor is found[2].tensor
+    assert "q and v laid out" not in {g.what for g in mosaic_work(_attention_term(plan)).glue}
+    _assert_close(mosaic, xla)
+    _assert_close(mosaic, jit)
+
+
+@pytest.mark.slow
+def test_heads_of_40_over_77_keys_match_xla_and_jit():
+    """A cross-attention with heads of 40 (padded to 48 by XLA: not read in place) over 77 context
+    tokens (keys masked in their one 80-key step), K read through the transposed operand."""
+    rng = np.random.default_rng(1)
+    args = (_adversarial(rng, 64, 80, 2), _adversarial(rng, 77, 32, 2)[:, :, :32], _weights(rng, 80, 80),
+            _weights(rng, 32, 160), _weights(rng, 80, 80))
+    plan, mosaic, xla, jit = _emitted(_cross_attention, args)
+    q, k, v = _attention_term(plan).args[:3]
+    assert stored_heads(q, 64) is None and stored_heads(k, 80) is None  # heads padded to 48
+    _assert_close(mosaic, xla)
+    _assert_close(mosaic, jit)
+
+
+def test_stored_heads_refuses_what_needs_padding_or_a_copy():
+    """Heads of 40 (wgmma pads them), 77 rows (not whole tiles), a head-major tensor read per head
+    (heads do not lie side by side in a row): not read in place."""
+    from eqsat.term import Term
+    from eqsat.types import ints_key, with_shape
+
+    def viewed(shape, heads, order=(0, 2, 1, 3)):
+        batch, seq, width = shape
+        tensor = Term("Input", "x", f"f16[{batch},{seq},{width}]")
+        load = Term("Load", tensor, tensor.ty)
+        split = Term("Reshape", load, with_shape(load.ty, (batch, seq, heads, width // heads)))
+        out_shape = [(batch, seq, heads, width // heads)[a] for a in order]
+        return Term("Transpose", split, ints_key(order), with_shape(load.ty, out_shape))
+
+    assert stored_heads(viewed((2, 128, 64), 4), 128) is not None
+    assert stored_heads(viewed((2, 128, 80), 2), 128) is None   # heads of 40
+    assert stored_heads(viewed((2, 77, 64), 4), 64) is None     # 77 rows
