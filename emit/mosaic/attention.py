@@ -9,11 +9,12 @@ registers; the scores never reach memory.
 One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
 `pallas/ops/gpu/attention_mgpu.py`:
 
-- a memory warpgroup (40 registers) copies `[head, block_kv]` Kᵀ and `[block_kv, head]` V tiles
-  (and the bias tiles of both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
+- a memory warpgroup (40 registers) copies `[block_kv, head]` K and V tiles (and the bias tiles of
+  both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
   and refills a slot once both compute warpgroups have arrived on its "consumed" barriers;
 - each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
-  block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
+  block issues `wgmma` Q·Kᵀ from SMEM (K through a transposed SMEM operand, `plgpu.transpose_ref`,
+  as `attention_mgpu.py` does) into an fp32 accumulator, runs the online softmax on it in
   registers (running max m of the unscaled scores, `p = 2^((s - m)·scale·log2 e)`: a subtraction,
   a multiply and one `ex2` per score, exact at the max key for any magnitude (`exponent_unit`);
   FlashAttention-2's rescaling of the output by `2^((m_old - m_new)·scale·log2 e)`), stores P (fp16/bf16)
@@ -27,10 +28,12 @@ One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt
 FA3 proper keeps P in registers as wgmma's A operand and accumulates P·V into the live output
 (`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`NotImplementedError: Higher-order
 primitive run_state`; a register A operand fails in its wgmma callback, "Expected shape (5,) but
-got (64, 64)": it reads A as an SMEM allocation key), nor a transposed SMEM operand (its wgmma:
-"'TransposeTransform' object has no attribute 'indices'"), so this template takes the forms it can
-check there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
-layout-typed iota and loads) apply only when compiled; the interpreter has no rule for them.
+got (64, 64)": it reads A as an SMEM allocation key), so this template takes the forms it can
+check there: P through SMEM, a second accumulator. Its wgmma callback had no transposed SMEM
+operand either ("'TransposeTransform' object has no attribute 'indices'"): `emit.mosaic.interpreter`
+adds one (the same callback, the operand transposed as read), so K is multiplied where it lies in
+both modes (no XLA transpose). Layouts (`layout_cast`, layout-typed iota and loads) apply only
+when compiled; the interpreter has no rule for them.
 
 Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
 they are), all SMEM tiles of an MMA swizzled alike, as far as the padded head allows (48 and 80
@@ -45,11 +48,15 @@ arrives with the K tiles, `[block_q, block_kv]` per compute warpgroup and step; 
 scores are `q kᵀ·scale + bias` and only their difference to the max goes to base 2 (a bias of
 finfo.min stays finite, as in `jax.nn.softmax`).
 
-`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output) and v in
+`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output), k and v in
 the order `Layouts` says: `[B, S, H, D]` when the plan's view comes from a `[B, S, H·D]`
-projection (the transposes cancel against the view: read in place), else `[B, H, S, D]`. Heads
-are zero-padded to the wgmma width and sequences to the tiles by XLA around the kernel (padded keys
-are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype); anything else
+projection (the transposes cancel against the view), else `[B, H, S, D]`. An operand that is heads
+of one tensor stored `[B, S, heads·D]` (a fused QKV's q, k or v; `Stored`, found by
+`eqsat.cost.mosaic.stored_heads`, which the cost model shares) is read there at its first head,
+no copy, when its head needs no padding and its sequence is whole tiles. Otherwise heads are
+zero-padded to the wgmma width (40 -> 48) and sequences to the tiles (77 keys -> 80) by XLA around
+the kernel, one multi-output fusion per source tensor (padded keys are masked, padded query rows
+dropped, the padded output sliced). Operands are fp16 or bf16 (the same dtype); anything else
 raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
 """
 
@@ -205,7 +212,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                if has_bias:  # read before the slot is released: the memory warpgroup refills Kᵀ and bias together
+                if has_bias:  # read before the slot is released: the memory warpgroup refills K and bias together
                     plgpu.barrier_wait(bias_barriers.at[slot])
                     bias = plgpu.load(bias_smem.at[slot], (pl.ds(wg * bq, bq), slice(None)),
                                       layout=plgpu.Layout.WGMMA) if not interpreted else \
@@ -279,13 +286,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 return (b_idx, pl.ds(t * bk, bk), head) if seq_major else (b_idx, head, pl.ds(t * bk, bk))
 
             def issue_k(t, slot):  # K and the bias tiles: free once Q·Kᵀ and the bias are read
-                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major, layouts.k_head0)], k_smem.at[slot], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major, layouts.k_head0)], k_smem.at[slot],
+                                        k_barriers.at[slot])
                 if has_bias:
                     plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
                                             bias_smem.at[slot], bias_barriers.at[slot])
 
             def issue_v(t, slot):  # free once P·V is read
-                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major, layouts.v_head0)], v_smem.at[slot], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major, layouts.v_head0)], v_smem.at[slot],
+                                        v_barriers.at[slot])
 
             for t in range(ring):
                 issue_k(t, t)
@@ -294,7 +303,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             @pl.loop(0, kv_steps - ring)
             def _refill(t):
                 # K's slot refills as soon as it is consumed, before V's: with a one-slot ring the
-                # compute warpgroups wait for the next Kᵀ before they release V
+                # compute warpgroups wait for the next K before they release V
                 slot = lax.rem(t, jnp.array(ring, t.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
                 issue_k(t + ring, slot)
@@ -389,7 +398,7 @@ def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stor
     blocks.validate()
     if blocks.block_kv % key_quantum(padded_head(head_dim)):
         raise ValueError(f"block_kv={blocks.block_kv} at a head of {padded_head(head_dim)} lanes must be a multiple "
-                         f"of {key_quantum(padded_head(head_dim))} (Kᵀ and P rows swizzled like the head's)")
+                         f"of {key_quantum(padded_head(head_dim))} (P rows swizzled like the head's)")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
         raise NotImplementedError(f"a {out_dtype} result")
@@ -552,7 +561,8 @@ def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[T
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Attention` kernel (`emit.pallas.KernelCall`) in `ctx`, as
     one Mosaic GPU kernel. q, k and v (views of a projection's `[B, S, H·D]` output, slices of a fused
-    QKV) are evaluated as XLA fusions into the kernel's layouts; the bias as a float32 array broadcast
+    QKV) are read where they lie when `stored_operand` finds them so, else evaluated as XLA fusions
+    into the kernel's layouts; the bias as a float32 array broadcast
     over what it does not depend on; the epilogue in registers. Forms not covered raise
     `NotImplementedError` (`emit.mosaic` then runs the Triton template)."""
     from eqsat.interpret import _Evaluator

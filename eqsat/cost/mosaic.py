@@ -911,8 +911,8 @@ def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: floa
                    blocks: AttentionBlocks, q_padded: bool, kv_padded: bool) -> list[Glue]:
     """The fusions `emit.mosaic.attention.build` launches before its kernel: each of q, k and v that
     the kernel does not read where it lies (`reads_as_it_lies`: computed, a copy of part of a tensor,
-    or padded: heads of 40 to 48, 77 keys to the 80 of their step) is written laid out, those of one
-    tensor (a fused QKV's, the text K/V projection's) by one multi-output fusion. K is read as it
+    or padded: heads of 40 to 48, 77 keys to the 80 of their step) is written laid out, those reading
+    one activation (a fused QKV's, the text K/V projection's; biases aside) by one multi-output fusion. K is read as it
     lies too (a transposed SMEM operand, no Kᵀ)."""
     rows = {"q": blocks.block_q * blocks.compute_wgs, "k": blocks.block_kv, "v": blocks.block_kv}
     padded = {"q": q_padded, "k": kv_padded, "v": kv_padded}
@@ -921,7 +921,8 @@ def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: floa
     for name, operand in (("q", q), ("k", k), ("v", v)):
         if padded[name] or not reads_as_it_lies(operand, rows[name]):
             tensors = loaded_tensors(operand) if operand is not None else []
-            source = tuple(id(t) for t in tensors) if tensors else (name,)
+            # siblings reading one activation (a fused QKV's, each slice plus its own bias) fuse into one
+            source = id(max(tensors, key=lambda t: size_of(t.ty))) if tensors else name
             groups.setdefault(source, []).append(name)
     glue = []
     for names in groups.values():
