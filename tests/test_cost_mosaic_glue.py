@@ -49,6 +49,24 @@ def _two_cross_attentions(x, context, wq, wkv, wo):
     return x
 
 
+def _sd_self_attention(params, x):
+    from sd15.unet import cross_attention
+
+    return cross_attention(params, "a", x, x, 8)
+
+
+def _sd_cross_attention(params, x, context):
+    from sd15.unet import cross_attention
+
+    return cross_attention(params, "a", x, context, 8)
+
+
+def _attention_params(width, context_width):
+    return {"a.to_q.weight": S((width, width), F16), "a.to_k.weight": S((width, context_width), F16),
+            "a.to_v.weight": S((width, context_width), F16), "a.to_out.0.weight": S((width, width), F16),
+            "a.to_out.0.bias": S((width,), F16)}
+
+
 def _proj_with_residual(params, x):
     return layers.conv2d({"c.weight": params["w"], "c.bias": params["b"]}, "c", x) + x
 
@@ -74,6 +92,10 @@ CASES = {
     "two cross-attentions sharing a text K/V projection": (
         _two_cross_attentions, (S((2, 256, 640), F16), S((2, 77, 768), F16), S((640, 640), F16), S((768, 2560), F16),
                                 S((640, 640), F16)), None),
+    "self-attention heads of 40, weights prepared": (_sd_self_attention, (_attention_params(320, 320),
+                                                                          S((2, 256, 320), F16)), 0),
+    "cross-attention heads of 40, weights prepared": (
+        _sd_cross_attention, (_attention_params(320, 768), S((2, 256, 320), F16), S((2, 77, 768), F16)), 0),
     "1x1 conv with a residual": (_proj_with_residual, ({"w": S((320, 320, 1, 1), F16), "b": S((320,), F16)},
                                                        S((2, 16, 16, 320), F16)), 0),
     "upsample conv, weights prepared": (_upsample, ({"w": S((320, 320, 3, 3), F16), "b": S((320,), F16)},

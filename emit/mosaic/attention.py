@@ -342,11 +342,12 @@ class Stored:
     array: jax.Array
     head0: int
     heads: int
+    head_dim: int  # the operand's; the array's heads may be padded to wgmma's width (40 -> 48)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        batch, seq, _, head = self.array.shape
-        return batch, self.heads, seq, head
+        batch, seq, _, _ = self.array.shape
+        return batch, self.heads, seq, self.head_dim
 
     @property
     def dtype(self):
@@ -507,17 +508,23 @@ def reads_seq_major(operand: Term) -> bool:
     return abs(int(flat[0, 1] - flat[0, 0])) > abs(int(flat[1, 0] - flat[0, 0]))
 
 
-def stored_operand(operand: Term, rows_tile: int, values: Callable[[Term], jax.Array]) -> Stored | None:
+def stored_operand(operand: Term, rows_tile: int, values: Callable[[Term], jax.Array],
+                   ctx_values: dict | None = None) -> Stored | None:
     """The operand as a `Stored` view of the tensor it reads, when the kernel reads it there
-    (`eqsat.cost.mosaic.stored_heads`, the cost model's test), else None. The test's probes are
+    (`eqsat.cost.mosaic.stored_heads`, the cost model's test), or the padded heads its projection
+    wrote (`padded_by_projection`: found in `ctx_values` by `padded_heads_key`), else None. The test's probes are
     checked at every element here: a view it took for heads of one stored tensor that reads anything
     else is a bug (AssertionError), not a fallback."""
-    from eqsat.cost.mosaic import stored_heads
+    from emit.mosaic.layouts import padded_heads_key
+    from eqsat.cost.mosaic import padded_by_projection, stored_heads
 
-    found = stored_heads(operand, rows_tile)
-    if found is None:
-        return None
     batch, heads, seq, head = parse_type(operand.ty).shape
+    found, padded = stored_heads(operand, rows_tile), None
+    if found is None:
+        found = padded_by_projection(operand, rows_tile)
+        padded = None if found is None else (ctx_values or {}).get(padded_heads_key(found.tensor))
+        if padded is None:
+            return None
     memory = _IndexRecorder()
     index = tuple(np.arange(n).reshape([n if i == axis else 1 for i in range(4)])
                   for axis, n in enumerate((batch, heads, seq, head)))
@@ -529,7 +536,9 @@ def stored_operand(operand: Term, rows_tile: int, values: Callable[[Term], jax.A
     expected = b * seq * pitch + s * pitch + (found.head0 + h) * head + d
     if tensor is not found.tensor or not np.array_equal(np.broadcast_to(flat, expected.shape), expected):
         raise AssertionError(f"stored_heads took {operand!r} for heads {found.head0}.. of {found.tensor!r}")
-    return Stored(jnp.reshape(values(tensor), (batch, seq, found.heads, head)), found.head0, heads)
+    if padded is not None:  # the projection wrote each head zero-padded to wgmma's width
+        return Stored(jnp.reshape(padded, (batch, seq, found.heads, padded_head(head))), found.head0, heads, head)
+    return Stored(jnp.reshape(values(tensor), (batch, seq, found.heads, head)), found.head0, heads, head)
 
 
 def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
@@ -603,7 +612,7 @@ def emit(kernel, ctx) -> dict:
 
     blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim)
     rows_tile = {0: blocks.block_q * blocks.compute_wgs, 1: blocks.block_kv, 2: blocks.block_kv}
-    stored = [stored_operand(x, rows_tile[i], ctx.value) for i, x in enumerate((q, k, v))]
+    stored = [stored_operand(x, rows_tile[i], ctx.value, ctx.values) for i, x in enumerate((q, k, v))]
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     computed = iter(_Evaluator({}, ctx.constants, ctx.payloads, parent=known).run(

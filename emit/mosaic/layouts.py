@@ -16,6 +16,7 @@ divide is read as it lies).
 from __future__ import annotations
 
 import functools
+import math
 
 from eqsat.term import Term
 from eqsat.types import ints_key, parse_type, with_shape
@@ -128,3 +129,40 @@ def prepared_halo_weight(ctx, term: Term, columns: int):
     if value is None or value.shape[-1] != columns:
         return None
     return value
+
+
+# --- heads padded to wgmma's width in the projections' weights (the Mosaic attention) --------------
+
+
+def padded_heads_key(tensor: Term) -> tuple:
+    """The key under which a Mosaic template leaves, in its context's values, `tensor` stored with
+    each head zero-padded to wgmma's width (`[..., groups · padded]` for `[..., groups · head]`): a
+    projection computed with `head_padded_weight`'s columns (`emit.mosaic.matmul`), read by the
+    attention as it lies (`emit.mosaic.attention`)."""
+    return ("mosaic heads padded", tensor)
+
+
+def head_padded_weight(term: Term, head: int) -> Term | None:
+    """The prepared weight a `Matmul` (no batch axes) reads to write its `[.., N]` output with each
+    of its `N / head` column groups zero-padded to `padded_head(head)` columns: its `[K, N]` weight
+    with zero columns after each group (SD 1.5's to_q/k/v have no bias: the padded columns come out
+    0); None when the matmul has batch axes or N is not whole heads."""
+    from emit.pallas.matmul import DotAxes
+    from eqsat.tiling.mosaic import padded_head
+
+    if term.op != "Matmul":
+        return None
+    lhs, rhs, dims, _epilogue, _ty = term.args
+    axes = DotAxes.of(dims, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape)
+    rhs_shape = parse_type(rhs.ty).shape
+    k = math.prod(rhs_shape[a] for a in axes.rhs_contract)
+    n = math.prod(rhs_shape[a] for a in axes.rhs_free)
+    padded = padded_head(head)
+    if axes.batch_shape or n % head or padded == head:
+        return None
+    matrix = _reshape(_transpose(rhs, (*axes.rhs_contract, *axes.rhs_free)), (k, n))
+    grouped = _reshape(matrix, (k, n // head, head))
+    zero = Term("Lit", 0.0, with_shape(grouped.ty, ()))
+    wide = Term("Pad", grouped, zero, f"0,0,0;0,0,0;0,{padded - head},0", with_shape(grouped.ty, (k, n // head, padded)))
+    layout = _reshape(wide, (k, n // head * padded))
+    return Term("Pointwise", layout, layout.ty)

@@ -840,6 +840,28 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
     return jnp.reshape(value, shape)
 
 
+def prepared_head_padding(term: Term, ctx):
+    """`(weight [K, N'], head, padded)` when the prepare stage laid this matmul's weight out with
+    each head of its output zero-padded (`emit.mosaic.layouts.head_padded_weight`, chosen by
+    `emit.prepare` for projections only padded-head Mosaic attentions read); else None."""
+    from emit.mosaic.layouts import head_padded_weight
+    from eqsat.cost.mosaic import prepared_weight, zero_preserving
+    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
+
+    _lhs, rhs, _dims, epilogue, ty = term.args
+    n = parse_type(ty).shape[-1]
+    if not zero_preserving(epilogue) or not prepared_weight(rhs):
+        return None
+    for head in range(1, min(n, MAX_HEAD) + 1):
+        if n % head or padded_head(head) == head:
+            continue
+        layout = head_padded_weight(term, head)
+        value = ctx.values.get(layout) if layout is not None else None
+        if value is not None:
+            return value, head, padded_head(head)
+    return None
+
+
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
@@ -887,6 +909,9 @@ def emit(kernel, ctx) -> dict:
         (rhs_value,) = evaluator.run([rhs])
         a = jax.ShapeDtypeStruct((batch, m, k), jnp.dtype(lhs_type.dtype))
     w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
+    padded_heads = prepared_head_padding(term, ctx) if not kernel.hosted else None
+    if padded_heads is not None:  # heads written zero-padded to wgmma's width, for the attention to read
+        w = padded_heads[0][None]
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
 
@@ -918,4 +943,11 @@ def emit(kernel, ctx) -> dict:
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
                 interpret=ctx.interpret, name=kernel.name, prologue=prologue, statistics=statistics)
     out, partials = out if statistics else (out, None)
+    if padded_heads is not None:
+        from emit.mosaic.layouts import padded_heads_key
+
+        _, head, padded = padded_heads
+        ctx.values[padded_heads_key(term)] = out
+        # the unpadded value for any other reader: a slice XLA drops when only the attention reads `out`
+        out = out.reshape(m, n // head, padded)[:, :, :head]
     return {term: out.reshape(out_type.shape), **{r: Partials(p) for r, p in zip(computed, partials or ())}}

@@ -235,16 +235,18 @@ class StoredHeads:
     head0: int
 
 
-def stored_heads(operand: Term | None, rows_tile: int) -> StoredHeads | None:
+def stored_heads(operand: Term | None, rows_tile: int, padded_heads: bool = False) -> StoredHeads | None:
     """The operand as `StoredHeads` when the Mosaic attention reads it in place
     (`emit.mosaic.attention.emit`): a view (`view_offset`) of one tensor of the operand's dtype whose
     element `(b, h, s, d)` lies at `b·S·C + s·C + (head0 + h)·D + d` (C the tensor's row of `heads`
-    heads of D), D a multiple of wgmma's 16 (no head padding) and S of `rows_tile` (the CTA's query
-    rows, or the key block: no sequence padding); else None (XLA writes the operand laid out)."""
+    heads of D), D a multiple of wgmma's 16 (no head padding; any D with `padded_heads`: the heads
+    of a projection that writes them padded, `padded_by_projection`) and S of `rows_tile` (the
+    CTA's query rows, or the key block: no sequence padding); else None (XLA writes the operand
+    laid out)."""
     if operand is None:
         return None
     batch, heads, seq, head = parse_type(operand.ty).shape
-    if head != padded_head(head) or seq % rows_tile or seq < 2:
+    if (head != padded_head(head) and not padded_heads) or seq % rows_tile or seq < 2:
         return None
     node = operand
     while node.op in ("Reshape", "Transpose", "Slice", "Broadcast"):
@@ -267,6 +269,29 @@ def stored_heads(operand: Term | None, rows_tile: int) -> StoredHeads | None:
     if math.prod(parse_type(tensor.ty).shape) != batch * seq * pitch:
         return None
     return StoredHeads(tensor, pitch // head, origin // head)
+
+
+def padded_by_projection(operand: Term | None, rows_tile: int) -> StoredHeads | None:
+    """The operand's `stored_heads` (heads of D not a multiple of 16 allowed) when they are heads of a
+    `Matmul` that writes them zero-padded to wgmma's width, each of its `N / D` column groups: a
+    weight the prepare stage lays out (`prepared_weight`; `emit.mosaic.layouts.head_padded_weight`,
+    zero columns after each head) and an epilogue that keeps 0 at 0 (a cast, no bias: SD 1.5's
+    to_q/k/v); `emit.prepare` checks that nothing else reads the projection. Else None."""
+    found = stored_heads(operand, rows_tile, padded_heads=True) if operand is not None else None
+    if found is None or padded_head(parse_type(operand.ty).shape[3]) == parse_type(operand.ty).shape[3]:
+        return None
+    projection = found.tensor
+    if projection.op != "Matmul" or not zero_preserving(projection.args[3]) or not prepared_weight(projection.args[1]):
+        return None
+    return found
+
+
+def zero_preserving(epilogue: Term) -> bool:
+    """Whether a matmul epilogue is its accumulator, converted at most (0 stays 0, reads nothing else)."""
+    node = epilogue
+    while node.op == "Unary" and node.args[0] == "convert":
+        node = node.args[1]
+    return node.op == "Acc"
 
 
 def _offset_at(operand: Term, *index) -> int | None:
@@ -885,8 +910,7 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
                     bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
-    glue = attention_glue(q, k, v, q_bytes, kv_bytes, blocks, (q_pad, head) != (q_len, head_dim),
-                          (kv_pad, head) != (kv_len, head_dim))
+    glue = attention_glue(q, k, v, q_bytes, kv_bytes, blocks, q_pad != q_len, kv_pad != kv_len, head != head_dim)
     tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
     kernel_reads = q_bytes + 2 * kv_bytes
     if bias_ty is not None:
@@ -908,18 +932,22 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
 
 
 def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: float, kv_bytes: float,
-                   blocks: AttentionBlocks, q_padded: bool, kv_padded: bool) -> list[Glue]:
+                   blocks: AttentionBlocks, q_rows_padded: bool, kv_rows_padded: bool,
+                   head_padded: bool) -> list[Glue]:
     """The fusions `emit.mosaic.attention.build` launches before its kernel: each of q, k and v that
     the kernel does not read where it lies (`reads_as_it_lies`: computed, a copy of part of a tensor,
-    or padded: heads of 40 to 48, 77 keys to the 80 of their step) is written laid out, those reading
-    one activation (a fused QKV's, the text K/V projection's; biases aside) by one multi-output fusion. K is read as it
+    or padded: heads of 40 to 48 unless the projection writes them so, `padded_by_projection`; 77
+    keys to the 80 of their step) is written laid out, those reading one activation (a fused QKV's,
+    the text K/V projection's; biases aside) by one multi-output fusion. K is read as it
     lies too (a transposed SMEM operand, no Kᵀ)."""
     rows = {"q": blocks.block_q * blocks.compute_wgs, "k": blocks.block_kv, "v": blocks.block_kv}
-    padded = {"q": q_padded, "k": kv_padded, "v": kv_padded}
+    rows_padded = {"q": q_rows_padded, "k": kv_rows_padded, "v": kv_rows_padded}
     sizes = {"q": q_bytes, "k": kv_bytes, "v": kv_bytes}
     groups: dict = {}
     for name, operand in (("q", q), ("k", k), ("v", v)):
-        if padded[name] or not reads_as_it_lies(operand, rows[name]):
+        in_place = padded_by_projection(operand, rows[name]) is not None if head_padded else \
+            reads_as_it_lies(operand, rows[name])
+        if rows_padded[name] or not in_place:
             tensors = loaded_tensors(operand) if operand is not None else []
             # siblings reading one activation (a fused QKV's, each slice plus its own bias) fuse into one
             source = id(max(tensors, key=lambda t: size_of(t.ty))) if tensors else name
