@@ -244,10 +244,12 @@ def _projection_layouts(plan, mosaic: set[int]) -> dict:
     """`emit.mosaic.layouts.head_padded_weight` of each per-call Mosaic `Matmul` whose output only
     Mosaic attentions read, each as heads of D that wgmma pads (40 -> 48) and that the attention
     then reads as the projection writes them (`eqsat.cost.mosaic.padded_by_projection`: a prepared
-    weight, an epilogue keeping 0 at 0): layout -> the matmul's index. The matmul writes its heads
-    padded with that weight (zero columns), so no XLA fusion pads q, k or v."""
+    weight, an epilogue keeping 0 at 0), and, rows padded, of each one reading a Mosaic attention's
+    padded output (`reads_padded_heads`: to_out): layout -> the matmul's index. The projection
+    writes its heads padded (zero columns), to_out reads them so (zero rows): no XLA fusion pads q,
+    k or v or slices the output."""
     from emit.mosaic.layouts import head_padded_weight
-    from eqsat.cost.mosaic import padded_by_projection
+    from eqsat.cost.mosaic import padded_by_projection, reads_padded_heads
     from eqsat.tiling.mosaic import AttentionBlocks
 
     producers = {t: i for i, k in enumerate(plan.kernels) for t in k.outputs}
@@ -273,6 +275,16 @@ def _projection_layouts(plan, mosaic: set[int]) -> dict:
             else:
                 heads.setdefault(found.tensor, set()).add(head_dim)
     out = {}
+    for i in sorted(mosaic):  # to_out reading an attention's padded output: its weight's rows padded
+        kernel = plan.kernels[i]
+        if kernel.op != "Matmul":
+            continue
+        lhs, rhs, dims = kernel.term.args[:3]
+        found = reads_padded_heads(lhs, rhs, dims)
+        if found is not None and producers.get(found[0]) in mosaic:
+            layout = head_padded_weight(kernel.term, found[1], rows=True)
+            if layout is not None:
+                out[layout] = i
     for projection, widths in heads.items():
         host = producers.get(projection)
         if projection in refused or len(widths) != 1 or host not in mosaic or plan.kernels[host].hosted:

@@ -375,14 +375,15 @@ def _laid_out(x, seq_major: bool, shape_seq_major, shape_head_major):
 def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stored", *, scale: float,
           bias: jax.Array | None = None, epilogue: EpilogueFn = lambda o: o, out_dtype=None,
           blocks: AttentionBlocks | None = None, layouts: Layouts = Layouts(), interpret: Any = None,
-          name: str = "attention") -> jax.Array:
+          name: str = "attention", with_padded: bool = False) -> jax.Array:
     """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, heads, q_len, head_dim]`,
     `k, v [batch, heads, kv_len, head_dim]` (fp16 or bf16, the same) and a float `bias`
     broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
     returns `[batch, heads, q_len, head_dim]` of `out_dtype` (default q's). `layouts`: the order the
     kernel reads q, k and v in (the transposes here cancel against a view of that order; a `Stored`
     operand is read where it lies, seq-major, whatever `layouts` says). `interpret`: True runs GPU
-    interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets)."""
+    interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets).
+    `with_padded`: `(out, the kernel's output as written)`, padded heads and rows included."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != \
@@ -457,7 +458,8 @@ def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stor
         out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
     else:
         out = call(bool(interpret))(*inputs)
-    return _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
+    sliced = _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
+    return (sliced, out) if with_padded else sliced
 
 
 # --- emit: a plan's Attention term --------------------------------------------------------------
@@ -574,6 +576,8 @@ def emit(kernel, ctx) -> dict:
     into the kernel's layouts; the bias as a float32 array broadcast
     over what it does not depend on; the epilogue in registers. Forms not covered raise
     `NotImplementedError` (`emit.mosaic` then runs the Triton template)."""
+    from emit.mosaic.layouts import padded_heads_key
+    from eqsat.cost.mosaic import padded_attention_output
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -619,8 +623,13 @@ def emit(kernel, ctx) -> dict:
         [x for x, s in zip((q, k, v), stored) if s is None]))
     q_value, k_value, v_value = (s if s is not None else next(computed) for s in stored)
     bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
-    out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
-                out_dtype=out_type.dtype,
-                layouts=Layouts(reads_seq_major(q), reads_seq_major(v), reads_seq_major(k)),
-                interpret=ctx.interpret, name=kernel.name)
+    out, written = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
+                         out_dtype=out_type.dtype,
+                         layouts=Layouts(reads_seq_major(q), reads_seq_major(v), reads_seq_major(k)),
+                         interpret=ctx.interpret, name=kernel.name, with_padded=True)
+    q_seq_major = isinstance(q_value, Stored) or reads_seq_major(q)
+    if padded_attention_output(term) is not None and q_seq_major and written.shape[1] == q_len:
+        # `[B, S, H, padded]` for a reader that takes the padded heads (to_out,
+        # `eqsat.cost.mosaic.reads_padded_heads`); the slice below XLA drops when no one else reads it
+        ctx.values[padded_heads_key(term)] = written
     return {term: out.reshape(out_type.shape)}

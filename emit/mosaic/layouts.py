@@ -142,11 +142,13 @@ def padded_heads_key(tensor: Term) -> tuple:
     return ("mosaic heads padded", tensor)
 
 
-def head_padded_weight(term: Term, head: int) -> Term | None:
+def head_padded_weight(term: Term, head: int, rows: bool = False) -> Term | None:
     """The prepared weight a `Matmul` (no batch axes) reads to write its `[.., N]` output with each
     of its `N / head` column groups zero-padded to `padded_head(head)` columns: its `[K, N]` weight
     with zero columns after each group (SD 1.5's to_q/k/v have no bias: the padded columns come out
-    0); None when the matmul has batch axes or N is not whole heads."""
+    0); with `rows`, the weight with zero rows after each of its `K / head` row groups, for A an
+    attention's output with padded heads (to_out: its padded lanes meet zeros). None when the matmul
+    has batch axes or N (K) is not whole heads."""
     from emit.pallas.matmul import DotAxes
     from eqsat.tiling.mosaic import padded_head
 
@@ -158,11 +160,18 @@ def head_padded_weight(term: Term, head: int) -> Term | None:
     k = math.prod(rhs_shape[a] for a in axes.rhs_contract)
     n = math.prod(rhs_shape[a] for a in axes.rhs_free)
     padded = padded_head(head)
-    if axes.batch_shape or n % head or padded == head:
+    if axes.batch_shape or (k if rows else n) % head or padded == head:
         return None
     matrix = _reshape(_transpose(rhs, (*axes.rhs_contract, *axes.rhs_free)), (k, n))
-    grouped = _reshape(matrix, (k, n // head, head))
-    zero = Term("Lit", 0.0, with_shape(grouped.ty, ()))
-    wide = Term("Pad", grouped, zero, f"0,0,0;0,0,0;0,{padded - head},0", with_shape(grouped.ty, (k, n // head, padded)))
-    layout = _reshape(wide, (k, n // head * padded))
+    zero = Term("Lit", 0.0, with_shape(matrix.ty, ()))
+    if rows:
+        grouped = _reshape(matrix, (k // head, head, n))
+        wide = Term("Pad", grouped, zero, f"0,0,0;0,{padded - head},0;0,0,0",
+                    with_shape(grouped.ty, (k // head, padded, n)))
+        layout = _reshape(wide, (k // head * padded, n))
+    else:
+        grouped = _reshape(matrix, (k, n // head, head))
+        wide = Term("Pad", grouped, zero, f"0,0,0;0,0,0;0,{padded - head},0",
+                    with_shape(grouped.ty, (k, n // head, padded)))
+        layout = _reshape(wide, (k, n // head * padded))
     return Term("Pointwise", layout, layout.ty)

@@ -840,6 +840,26 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
     return jnp.reshape(value, shape)
 
 
+def prepared_padded_input(term: Term, ctx):
+    """`(a [1, M, H·padded], weight [1, H·padded, N])` when A is an attention's output its Mosaic
+    template left with padded heads in the context and the prepare stage laid the weight out with
+    zero rows after each head (`eqsat.cost.mosaic.reads_padded_heads`); else None."""
+    from emit.mosaic.layouts import head_padded_weight, padded_heads_key
+    from eqsat.cost.mosaic import reads_padded_heads
+
+    lhs, rhs, dims = term.args[:3]
+    found = reads_padded_heads(lhs, rhs, dims)
+    if found is None:
+        return None
+    attention, head_dim = found
+    layout = head_padded_weight(term, head_dim, rows=True)
+    weight = ctx.values.get(layout) if layout is not None else None
+    padded = ctx.values.get(padded_heads_key(attention))
+    if weight is None or padded is None:
+        return None
+    return jnp.reshape(padded, (1, -1, weight.shape[0])), weight[None]
+
+
 def prepared_head_padding(term: Term, ctx):
     """`(weight [K, N'], head, padded)` when the prepare stage laid this matmul's weight out with
     each head of its output zero-padded (`emit.mosaic.layouts.head_padded_weight`, chosen by
@@ -912,6 +932,10 @@ def emit(kernel, ctx) -> dict:
     padded_heads = prepared_head_padding(term, ctx) if not kernel.hosted else None
     if padded_heads is not None:  # heads written zero-padded to wgmma's width, for the attention to read
         w = padded_heads[0][None]
+    padded_input = prepared_padded_input(term, ctx)
+    if padded_input is not None:  # an attention's output read with its padded heads, the weight's rows padded
+        a, w = padded_input
+        prologue = None
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
 

@@ -36,6 +36,7 @@ fits them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -284,6 +285,41 @@ def padded_by_projection(operand: Term | None, rows_tile: int) -> StoredHeads | 
     if projection.op != "Matmul" or not zero_preserving(projection.args[3]) or not prepared_weight(projection.args[1]):
         return None
     return found
+
+
+def padded_attention_output(attention: Term) -> int | None:
+    """The padded head `emit.mosaic.attention` writes its output at, `[B, S, H, padded]` unsliced
+    in its context (`emit.mosaic.layouts.padded_heads_key`), when the head is padded and the output
+    is written seq-major with whole query tiles; else None (the output is sliced to its head)."""
+    if attention.op != "Attention":
+        return None
+    q, k = attention.args[0], attention.args[1]
+    _, _, q_len, head_dim = parse_type(q.ty).shape
+    blocks = AttentionBlocks.get_default(q_len, parse_type(k.ty).shape[2], head_dim)
+    head = padded_head(head_dim)
+    if head == head_dim or q_len % (blocks.block_q * blocks.compute_wgs) or not seq_major(q):
+        return None
+    return head
+
+
+def reads_padded_heads(lhs: Term | None, rhs: Term | None, dims: str) -> tuple[Term, int] | None:
+    """`(attention, head_dim)` when a matmul's A is an attention's output read `[M, H·D]` in the
+    order it is stored (to_out over `[B, S, H, D]`), the attention writes it with padded heads
+    (`padded_attention_output`) and the weight is prepared (`prepared_weight`: the prepare stage
+    lays it out with zero rows after each head, `emit.mosaic.layouts.head_padded_weight(rows=True)`):
+    the matmul then reads the padded output as it lies, K = H·padded. Else None."""
+    if lhs is None or rhs is None or not is_view(lhs) or not prepared_weight(rhs):
+        return None
+    tensors = loaded_tensors(lhs)
+    if len(tensors) != 1 or padded_attention_output(tensors[0]) is None:
+        return None
+    attention = tensors[0]
+    shape = matmul_layout(lhs.ty, rhs.ty, dims)
+    head_dim = parse_type(attention.ty).shape[3]
+    if shape.batch != 1 or shape.k % head_dim or size_of(lhs.ty) != size_of(attention.ty) or \
+            not read_in_order(lhs, shape.lhs_order, shape.lhs_ordered):
+        return None
+    return attention, head_dim
 
 
 def zero_preserving(epilogue: Term) -> bool:
@@ -582,6 +618,12 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
+    useful_k, padded_a = shape.k, reads_padded_heads(lhs, rhs, dims)
+    sliced_a = padded_a is None and lhs is not None and any(padded_attention_output(t) is not None
+                                                             for t in loaded_tensors(lhs))
+    if padded_a is not None:  # an attention's output with padded heads, its rows of the weight zero-padded
+        attention, head_dim = padded_a
+        shape = dataclasses.replace(shape, k=shape.k // head_dim * padded_head(head_dim))
     prologue = prologue_reads(lhs, rhs, dims, out_ty) if lhs is not None and rhs is not None else "types only"
     in_kernel = not isinstance(prologue, str)
     blocks = matmul_blocks(shape.m, shape.n, shape.k)
@@ -596,10 +638,10 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     (ma, ka), (kb, nb) = (m, k) if place.a else (mp, kp), (k, n) if place.b else (kp, np_)
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
-    glue = []
+    glue = [Glue("attention output sliced", 0.0, read_bytes=2 * a_bytes)] if sliced_a else []
     if in_kernel:  # the prologue's sources as they lie instead of A
         a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
-    elif not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
+    elif not ((padded_a is not None or read_in_order(lhs, shape.lhs_order, shape.lhs_ordered)) and place.a):
         glue.append(Glue("A laid out", a_bytes))
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
@@ -628,7 +670,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
     again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
-                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k, alu_flops=again)
+                        2.0 * shape.batch * shape.m * shape.n * useful_k, steps=kp // blocks.tile_k, alu_flops=again)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
                       batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
 
@@ -921,7 +963,10 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
         tma += ctas * kv_steps * rows * blocks.block_kv * 4
         kernel_reads += bias_bytes
     store = bh * q_pad * head * out_item
-    if (q_pad, head) != (q_len, head_dim):
+    # heads padded over whole query tiles: the output is left padded for its reader (`reads_padded_heads`:
+    # to_out reads it as it lies; a reader that cannot is charged the slice, `matmul_work_of`)
+    kept_padded = q is not None and head != head_dim and q_pad == q_len and seq_major(q)
+    if (q_pad, head) != (q_len, head_dim) and not kept_padded:
         glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))
     scores = bh * q_pad * kv_pad
     work = TemplateWork("mosaic.attention", ctas, "wgmma", 4.0 * scores * head,
