@@ -6,7 +6,8 @@ without a GPU; every launch that is not a Pallas kernel is glue, and the model's
 Cases are the forms SD 1.5's UNet has: a self-attention over a fused QKV with heads of 40 (q, k and
 v padded to heads of 48 in one fusion, the output sliced), one with heads of 80 (read in place: no
 fusion), a cross-attention over 77 text tokens with heads of 80 (K and v padded to 80 keys in one
-fusion), a 1x1 conv with a residual (its own rows:
+fusion), both with heads of 40 and weights prepared (heads padded by the projections: nothing
+around a self-attention), a 1x1 conv with a residual (its own rows:
 no fusion), a conv over a nearest-2x upsample with prepared phase weights (the unflatten and the
 bias per phase), a merged-shortcut conv with prepared weights."""
 
@@ -142,7 +143,8 @@ def _skip_without_target():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"cross-attention heads of 80 over 77 tokens",
-                                                       "two cross-attentions sharing a text K/V projection"}))
+                                                       "two cross-attentions sharing a text K/V projection",
+                                                       "cross-attention heads of 40, weights prepared"}))
 def test_compiles_with_the_glue_the_model_charges(case, tmp_path):
     _skip_without_target()
     fn, args, params_argnums = CASES[case]
@@ -196,3 +198,23 @@ def test_cross_attentions_sharing_one_text_projection(tmp_path):
     attention_glue = [glue for key, glue in modeled.items() if key[1] == "attention"]
     assert attention_glue == [["k and v laid out"]] * 2
     assert counted == sum(len(glue) for glue in modeled.values()) - 2, (counted, modeled, report.by_category)
+
+
+@pytest.mark.slow
+def test_heads_of_40_padded_by_the_prepared_weights(tmp_path):
+    """SD 1.5's attention blocks with heads of 40, weights prepared: the projections write heads of 48
+    (zero columns per head in their prepared weights) and to_out reads the padded output (zero rows):
+    a self-attention launches nothing around its three kernels (it launched four fusions: q and v
+    padded, Kᵀ, Kᵀ padded, the output sliced); a cross-attention only pads its 77 text keys (K and
+    v in one fusion, the K/V projection's padded output sliced inside it: one fewer than modeled)."""
+    from benchmarks.glue import glue_launches
+
+    _skip_without_target()
+    counted, modeled, report = _counted_and_modeled(*CASES["self-attention heads of 40, weights prepared"], tmp_path)
+    assert glue_launches(next(p.parent for p in tmp_path.rglob("*thunk_metadata.txt"))) == []
+    assert counted == 0 and all(glue == [] for glue in modeled.values()), (modeled, report.by_category)
+    cross = tmp_path / "cross"
+    counted, modeled, report = _counted_and_modeled(*CASES["cross-attention heads of 40, weights prepared"], cross)
+    ((_, attention_glue),) = [(key, glue) for key, glue in modeled.items() if key[1] == "attention"]
+    assert attention_glue == ["k and v laid out"]
+    assert counted == sum(len(glue) for glue in modeled.values()) - 1, (counted, modeled, report.by_category)

@@ -1,10 +1,11 @@
 """Where the Mosaic attention reads its operands (`emit/mosaic/attention.py`, issue 17): K as it lies
 through a transposed SMEM operand (no Kᵀ), q, k and v of a fused QKV projection at their heads of
-its `[B, S, 3·H·D]` output (`Stored`, `eqsat.cost.mosaic.stored_heads`: no slice copies), in GPU
-interpret mode against the XLA emitter and `jax.jit` on adversarial values (offsets large against
-the spread, constant rows, a key of large magnitude), and the compiled program's launches: no
-pad, transpose or slice fusion around an attention whose operands need no padding; the cost model
-charges what launches.
+its `[B, S, 3·H·D]` output (`Stored`, `eqsat.cost.mosaic.stored_heads`: no slice copies), heads of
+40 padded to 48 by the projections' prepared weights (zero columns per head; to_out's weight zero
+rows per head, reading the padded output), in GPU interpret mode against the XLA emitter and
+`jax.jit` on adversarial values (offsets large against the spread, constant rows, a key of large
+magnitude), and the compiled program's launches: no pad, transpose or slice fusion around a
+self-attention (tests/test_cost_mosaic_glue.py); the cost model charges what launches.
 
 Interpreted kernels are slow here: tiny shapes (2 heads of 16 or 40, 128 tokens, 77 keys)."""
 
@@ -118,3 +119,60 @@ def test_stored_heads_refuses_what_needs_padding_or_a_copy():
     assert stored_heads(viewed((2, 128, 64), 4), 128) is not None
     assert stored_heads(viewed((2, 128, 80), 2), 128) is None   # heads of 40
     assert stored_heads(viewed((2, 77, 64), 4), 64) is None     # 77 rows
+
+
+def _sd_block(params, x, context):
+    """SD 1.5's transformer block attentions: self-attention (fused to_q/k/v), then cross-attention
+    over the context (its K/V projection apart), each to_out with a bias, residuals between."""
+    from sd15.unet import cross_attention
+
+    x = x + cross_attention(params, "attn1", x, x, 2)
+    return x + cross_attention(params, "attn2", x, context, 2)
+
+
+@pytest.mark.slow
+def test_heads_of_40_padded_by_the_prepared_weights():
+    """2 heads of 40 (80 channels), 128 tokens, a 77-token context of 32, weights prepared
+    (`params_argnums=0`): the self-attention's fused projection writes heads of 48 (zero columns its
+    weight gained per head), the attention reads q, k and v there and its to_out reads the padded
+    output (zero rows per head); the cross-attention's q likewise, its K and V (77 keys) padded by
+    XLA. In GPU interpret mode against the XLA emitter and jit on adversarial values."""
+    from emit.mosaic.layouts import head_padded_weight
+    from emit.prepare import Prepared
+
+    rng = np.random.default_rng(3)
+    params = {}
+    for name, context_width in (("attn1", 80), ("attn2", 32)):
+        params |= {f"{name}.to_q.weight": _weights(rng, 80, 80).T,
+                   f"{name}.to_k.weight": _weights(rng, context_width, 80).T,
+                   f"{name}.to_v.weight": _weights(rng, context_width, 80).T,
+                   f"{name}.to_out.0.weight": _weights(rng, 80, 80).T,
+                   f"{name}.to_out.0.bias": (rng.standard_normal(80) * 0.1).astype(np.float16)}
+    x, context = _adversarial(rng, 128, 80, 2), _adversarial(rng, 77, 32, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        lowered = eqsat.optimize(_sd_block, backend="mosaic", params_argnums=0, progress=False,
+                                 cache=False).lower(params, x, context)
+        split = lowered.split
+        matmuls = [k.term for k in split.per_call.kernels if k.op == "Matmul"]
+        laid_out = {(rows, k.args[1].ty) for k in matmuls for rows in (False, True)
+                    if head_padded_weight(k, 40, rows) in split.prepared_tensors}
+        # attn1's fused q/k/v and attn2's to_q by columns, both to_outs by rows; not attn2's K/V (77 keys)
+        assert sorted(laid_out) == [(False, "f16[240,80]"), (False, "f16[80,80]"), (True, "f16[80,80]")], laid_out
+        assert sum(head_padded_weight(k, 40, True) in split.prepared_tensors for k in matmuls) == 2
+        calls = []
+        original = ma.build
+
+        def spy(q, k, v, **kwargs):
+            calls.append([type(x).__name__ for x in (q, k, v)])
+            return original(q, k, v, **kwargs)
+
+        ma.build = spy
+        try:
+            mosaic = Prepared(split, "mosaic", interpret=True)(params, x, context)
+        finally:
+            ma.build = original
+    assert calls[0] == ["Stored"] * 3 and calls[1][0] == "Stored" and "Stored" not in calls[1][1:], calls
+    xla = Prepared(split, "xla")(params, x, context)
+    _assert_close(mosaic, xla)
+    _assert_close(mosaic, jax.jit(_sd_block)(params, x, context))
