@@ -31,8 +31,11 @@ What is prepared:
 - weights in the layout a Mosaic template reads (`emit.mosaic.layouts`), when the plan's device
   emits its dense kernels on Mosaic GPU: the haloed conv's `[window · C, N↑]` weight where the
   kernel would concatenate (a merged shortcut) or pad it per call, and the phase form's sums of
-  taps (a conv over a nearest-2x upsample). The template finds the prepared tensor among its
-  context's values by the same interned term; without it, it lays the weight out per call.
+  taps (a conv over a nearest-2x upsample); a projection's weight with zero columns after each
+  head of 40 (to_q/k/v read only by Mosaic attentions, which then read the heads padded to 48 as
+  the projection writes them) and to_out's with zero rows (it reads the padded output). The
+  template finds the prepared tensor among its context's values by the same interned term; without
+  it, it lays the weight out per call (the attention's heads padded by XLA).
 
 The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
 program output the prepare stage computes) as inputs.

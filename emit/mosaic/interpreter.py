@@ -1,6 +1,6 @@
 """What jax 0.10.2's GPU interpret mode lacks and the Mosaic templates use, added to it.
 
-    with_transposed_wgmma_operands()   wgmma reads an SMEM operand through `plgpu.transpose_ref`
+    install()   wgmma reads an SMEM operand through `plgpu.transpose_ref` (idempotent; jax 0.10.2)
 
 The compiled kernel multiplies a transposed SMEM operand natively (wgmma's K-major / MN-major
 operand layouts; jax's `attention_mgpu.py` passes K so: `wgmma(acc, q, transpose_ref(k, (1, 0)))`).

@@ -5,6 +5,9 @@ per call as before).
 
     halo_weight_layout(conv)   the haloed conv's `[window · C, N↑]` weight, or its phase form's
                                `[4 · 2 · 2 · C, Cout]` sums of taps (`emit.mosaic.conv_halo`)
+    head_padded_weight(mm, D)  a projection's `[K, N]` weight with zero columns after each head of D
+                               (rows=True: zero rows, to_out), heads padded to wgmma's width for the
+                               attention (`emit.mosaic.attention`; chosen by `emit.prepare`)
 
 A layout is a `Pointwise` term over the kernel's own weight expression (views of prepared weights,
 a merged shortcut's `concat(w, pad(w1x1))`), built the same way here at split time and in the

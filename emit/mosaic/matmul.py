@@ -31,6 +31,13 @@ K add nothing, padded rows and columns are computed and dropped. Operands are fp
 is fp32; anything else raises `NotImplementedError`, and `emit.mosaic` runs that kernel through
 the Pallas Triton template instead.
 
+Heads padded for the Mosaic attention (`prepared_head_padding`, `prepared_padded_input`): where the
+prepare stage laid a projection's weight out with zero columns after each head of 40
+(`emit.mosaic.layouts.head_padded_weight`), the matmul writes `[.., G·48]` and leaves it in the
+context under `padded_heads_key` for the attention (its own value, the heads sliced back, is an XLA
+slice only another reader would keep); to_out, its weight given zero rows after each head, reads the
+attention's `[B, S, H, 48]` output as its A (K = H·48).
+
 The epilogue's operands are mapped on the host: `epilogue_operands` evaluates the epilogue's index
 arithmetic with NumPy index tables over the whole output and sorts each `Load` it meets into a
 `tile` (reads depend on rows and columns: a residual), a `col` vector (columns only: a bias) or a
