@@ -72,6 +72,7 @@ def _attention_term(plan):
     return term
 
 
+@pytest.mark.slow
 def test_fused_qkv_heads_of_16_read_in_place():
     """A self-attention over one `x @ [wq wk wv]` projection, 2 heads of 16, 128 tokens (one CTA of
     two compute warpgroups), 2 batches: q, k and v are heads 0-1, 2-3 and 4-5 of the projection's
