@@ -267,7 +267,7 @@ def _projection_layouts(plan, mosaic: set[int]) -> dict:
         if kernel.op != "Attention":
             continue
         q, k, v = kernel.term.args[:3]
-        batch, _, q_len, head_dim = parse_type(q.ty).shape
+        _, _, q_len, head_dim = parse_type(q.ty).shape
         blocks = AttentionBlocks.get_default(q_len, parse_type(k.ty).shape[2], head_dim)
         tiles = (blocks.block_q * blocks.compute_wgs, blocks.block_kv, blocks.block_kv)
         for operand, tile in zip((q, k, v), tiles):
