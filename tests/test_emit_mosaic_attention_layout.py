@@ -177,3 +177,42 @@ def test_heads_of_40_padded_by_the_prepared_weights():
     xla = Prepared(split, "xla")(params, x, context)
     _assert_close(mosaic, xla)
     _assert_close(mosaic, jax.jit(_sd_block)(params, x, context))
+
+
+def test_interpret_mode_multiplies_a_transposed_smem_operand():
+    """`emit.mosaic.interpreter.install`: GPU interpret mode's wgmma reads a B operand through
+    `plgpu.transpose_ref` (what the attention passes K as) transposed, as the compiled wgmma does:
+    one warpgroup, a [64, 48] A times the transpose of a [64, 48] B, against NumPy."""
+    import functools
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from emit.mosaic import interpreter
+    from emit.mosaic.matmul import interpret_params
+
+    interpreter.install()
+    transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+    def kernel(a_ref, b_ref, out_ref):
+        @functools.partial(pl.run_scoped, a_smem=plgpu.SMEM((64, 48), jnp.float16, transforms=transforms),
+                           b_smem=plgpu.SMEM((64, 48), jnp.float16, transforms=transforms),
+                           barrier=plgpu.Barrier(num_barriers=2))
+        def _(a_smem, b_smem, barrier):
+            plgpu.copy_gmem_to_smem(a_ref, a_smem, barrier.at[0])
+            plgpu.copy_gmem_to_smem(b_ref, b_smem, barrier.at[1])
+            plgpu.barrier_wait(barrier.at[0])
+            plgpu.barrier_wait(barrier.at[1])
+
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+                return acc_ref[...]
+
+            out_ref[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+
+    rng = np.random.default_rng(5)
+    a, b = (jnp.asarray(rng.standard_normal((64, 48)) * 8 + 100, jnp.float16) for _ in range(2))
+    out = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                       interpret=interpret_params())(a, b)
+    expected = np.asarray(a, np.float32) @ np.asarray(b, np.float32).T
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5)
