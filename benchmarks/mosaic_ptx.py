@@ -21,7 +21,7 @@ so. Each is emitted with `backend="mosaic"` and with `backend="pallas"`, each co
 
 - `launches`: kernels of the whole executable (the template's plus whatever XLA launches around it:
   a pad of an operand whose rows the tile does not divide, the Mosaic conv's input layout, the
-  Mosaic attention's Kᵀ), by category;
+  Mosaic attention's heads padded 40 -> 48 when its projections are not prepared), by category;
 - from the PTX of the template's `.entry` (`benchmarks.ptx.read_ptx`, static instruction counts):
   tensor-core instruction, `wgmma` instructions, the deepest `wgmma.wait_group N` (N >= 1: the next
   MMA is issued before the previous one is waited for), TMA copies (`cp.async.bulk.tensor`

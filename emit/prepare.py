@@ -31,8 +31,11 @@ What is prepared:
 - weights in the layout a Mosaic template reads (`emit.mosaic.layouts`), when the plan's device
   emits its dense kernels on Mosaic GPU: the haloed conv's `[window · C, N↑]` weight where the
   kernel would concatenate (a merged shortcut) or pad it per call, and the phase form's sums of
-  taps (a conv over a nearest-2x upsample). The template finds the prepared tensor among its
-  context's values by the same interned term; without it, it lays the weight out per call.
+  taps (a conv over a nearest-2x upsample); a projection's weight with zero columns after each
+  head of 40 (to_q/k/v read only by Mosaic attentions, which then read the heads padded to 48 as
+  the projection writes them) and to_out's with zero rows (it reads the padded output). The
+  template finds the prepared tensor among its context's values by the same interned term; without
+  it, it lays the weight out per call (the attention's heads padded by XLA).
 
 The per-call kernels read the prepared tensors they need (`Split.prepared_tensors`, also any
 program output the prepare stage computes) as inputs.
@@ -225,6 +228,12 @@ def _template_layouts(plan, parameters: frozenset, prepared: set[int]) -> list:
                 available(node.args[0]) for node in _expr_postorder([layout.args[0]]) if node.op == "Load"):
             continue
         layouts[layout], host_of[layout] = kernel, i
+    mosaic = {i for i, k in enumerate(plan.kernels) if i not in prepared and runs_on_mosaic(k.term)
+              and routes.get(k.term, "mosaic") == "mosaic"}
+    for layout, i in _projection_layouts(plan, mosaic).items():
+        if layout not in layouts and all(available(node.args[0]) for node in _expr_postorder([layout.args[0]])
+                                         if node.op == "Load"):
+            layouts[layout], host_of[layout] = plan.kernels[i], i
     if not layouts:
         return []
     class_of = {t: plan.kernels[host_of[t]].eclass for t in layouts if plan.kernels[host_of[t]].eclass is not None}
@@ -232,6 +241,63 @@ def _template_layouts(plan, parameters: frozenset, prepared: set[int]) -> list:
     built = Plan.build(list(layouts), program=plan.program, class_of=class_of, class_components=components,
                        device=plan.device, extractor=plan.extractor)
     return [k for k in built.kernels if k.term in layouts]
+
+
+def _projection_layouts(plan, mosaic: set[int]) -> dict:
+    """`emit.mosaic.layouts.head_padded_weight` of each per-call Mosaic `Matmul` whose output only
+    Mosaic attentions read, each as heads of D that wgmma pads (40 -> 48) and that the attention
+    then reads as the projection writes them (`eqsat.cost.mosaic.padded_by_projection`: a prepared
+    weight, an epilogue keeping 0 at 0), and, rows padded, of each one reading a Mosaic attention's
+    padded output (`reads_padded_heads`: to_out): layout -> the matmul's index. The projection
+    writes its heads padded (zero columns), to_out reads them so (zero rows): no XLA fusion pads q,
+    k or v or slices the output."""
+    from emit.mosaic.layouts import head_padded_weight
+    from eqsat.cost.mosaic import padded_by_projection, reads_padded_heads
+    from eqsat.tiling.mosaic import AttentionBlocks
+
+    producers = {t: i for i, k in enumerate(plan.kernels) for t in k.outputs}
+    readers: dict[Term, set[int]] = {}
+    for i, kernel in enumerate(plan.kernels):
+        for tensor in _tensors_read([kernel.term, *kernel.outputs], producers):
+            readers.setdefault(tensor, set()).add(i)
+    heads: dict[Term, set] = {}   # projection -> the head widths its attention readers read it at
+    refused: set[Term] = set(plan.outputs)
+    for i in sorted(mosaic):
+        kernel = plan.kernels[i]
+        if kernel.op != "Attention":
+            continue
+        q, k, v = kernel.term.args[:3]
+        _, _, q_len, head_dim = parse_type(q.ty).shape
+        blocks = AttentionBlocks.get_default(q_len, parse_type(k.ty).shape[2], head_dim)
+        tiles = (blocks.block_q * blocks.compute_wgs, blocks.block_kv, blocks.block_kv)
+        for operand, tile in zip((q, k, v), tiles):
+            found = padded_by_projection(operand, tile)
+            loads = {node.args[0] for node in _expr_postorder([operand]) if node.op == "Load"}
+            if found is None:
+                refused |= loads
+            else:
+                heads.setdefault(found.tensor, set()).add(head_dim)
+    out = {}
+    for i in sorted(mosaic):  # to_out reading an attention's padded output: its weight's rows padded
+        kernel = plan.kernels[i]
+        if kernel.op != "Matmul":
+            continue
+        lhs, rhs, dims = kernel.term.args[:3]
+        found = reads_padded_heads(lhs, rhs, dims)
+        if found is not None and producers.get(found[0]) in mosaic:
+            layout = head_padded_weight(kernel.term, found[1], rows=True)
+            if layout is not None:
+                out[layout] = i
+    for projection, widths in heads.items():
+        host = producers.get(projection)
+        if projection in refused or len(widths) != 1 or host not in mosaic or plan.kernels[host].hosted:
+            continue
+        if not all(plan.kernels[r].op == "Attention" and r in mosaic for r in readers.get(projection, ())):
+            continue
+        layout = head_padded_weight(plan.kernels[host].term, next(iter(widths)))
+        if layout is not None:
+            out[layout] = host
+    return out
 
 
 # --- hoisting parameter-only operands ------------------------------------------------------------

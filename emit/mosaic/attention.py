@@ -9,11 +9,12 @@ registers; the scores never reach memory.
 One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt from jax's
 `pallas/ops/gpu/attention_mgpu.py`:
 
-- a memory warpgroup (40 registers) copies `[head, block_kv]` Kᵀ and `[block_kv, head]` V tiles
-  (and the bias tiles of both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
+- a memory warpgroup (40 registers) copies `[block_kv, head]` K and V tiles (and the bias tiles of
+  both compute warpgroups' rows) by TMA into a ring of `stages` SMEM slots,
   and refills a slot once both compute warpgroups have arrived on its "consumed" barriers;
 - each compute warpgroup (232 registers) TMA-loads its `[block_q, head]` Q tile once and per key
-  block issues `wgmma` Q·Kᵀ from SMEM into an fp32 accumulator, runs the online softmax on it in
+  block issues `wgmma` Q·Kᵀ from SMEM (K through a transposed SMEM operand, `plgpu.transpose_ref`,
+  as `attention_mgpu.py` does) into an fp32 accumulator, runs the online softmax on it in
   registers (running max m of the unscaled scores, `p = 2^((s - m)·scale·log2 e)`: a subtraction,
   a multiply and one `ex2` per score, exact at the max key for any magnitude (`exponent_unit`);
   FlashAttention-2's rescaling of the output by `2^((m_old - m_new)·scale·log2 e)`), stores P (fp16/bf16)
@@ -27,10 +28,12 @@ One CTA computes `compute_wgs x block_q` query rows of one (batch, head). Learnt
 FA3 proper keeps P in registers as wgmma's A operand and accumulates P·V into the live output
 (`pl.run_state`); jax 0.10.2's GPU interpret mode has neither (`NotImplementedError: Higher-order
 primitive run_state`; a register A operand fails in its wgmma callback, "Expected shape (5,) but
-got (64, 64)": it reads A as an SMEM allocation key), nor a transposed SMEM operand (its wgmma:
-"'TransposeTransform' object has no attribute 'indices'"), so this template takes the forms it can
-check there: P through SMEM, a second accumulator, Kᵀ transposed by XLA. Layouts (`layout_cast`,
-layout-typed iota and loads) apply only when compiled; the interpreter has no rule for them.
+got (64, 64)": it reads A as an SMEM allocation key), so this template takes the forms it can
+check there: P through SMEM, a second accumulator. Its wgmma callback had no transposed SMEM
+operand either ("'TransposeTransform' object has no attribute 'indices'"): `emit.mosaic.interpreter`
+adds one (the same callback, the operand transposed as read), so K is multiplied where it lies in
+both modes (no XLA transpose). Layouts (`layout_cast`, layout-typed iota and loads) apply only
+when compiled; the interpreter has no rule for them.
 
 Head dims are padded only to what wgmma needs: a multiple of 16 halves (40 -> 48, 80 and 160 as
 they are), all SMEM tiles of an MMA swizzled alike, as far as the padded head allows (48 and 80
@@ -45,11 +48,15 @@ arrives with the K tiles, `[block_q, block_kv]` per compute warpgroup and step; 
 scores are `q kᵀ·scale + bias` and only their difference to the max goes to base 2 (a bias of
 finfo.min stays finite, as in `jax.nn.softmax`).
 
-`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output) and v in
+`build` takes `[batch, heads, seq, head]` operands and reads q (and writes the output), k and v in
 the order `Layouts` says: `[B, S, H, D]` when the plan's view comes from a `[B, S, H·D]`
-projection (the transposes cancel against the view: read in place), else `[B, H, S, D]`. Heads
-are zero-padded to the wgmma width and sequences to the tiles by XLA around the kernel (padded keys
-are masked, padded query rows dropped). Operands are fp16 or bf16 (the same dtype); anything else
+projection (the transposes cancel against the view), else `[B, H, S, D]`. An operand that is heads
+of one tensor stored `[B, S, heads·D]` (a fused QKV's q, k or v; `Stored`, found by
+`eqsat.cost.mosaic.stored_heads`, which the cost model shares) is read there at its first head,
+no copy, when its head needs no padding and its sequence is whole tiles. Otherwise heads are
+zero-padded to the wgmma width (40 -> 48) and sequences to the tiles (77 keys -> 80) by XLA around
+the kernel, one multi-output fusion per source tensor (padded keys are masked, padded query rows
+dropped, the padded output sliced). Operands are fp16 or bf16 (the same dtype); anything else
 raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
 """
 
@@ -66,6 +73,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import interpreter
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
 from emit.pallas.attention import reference  # noqa: F401  one reference for both templates
 from eqsat.term import Term
@@ -143,7 +151,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
         # the output leaves through the Q tile's slot when it has Q's dtype, else through its own
         o_smem=None if out_ref.dtype == dtype else plgpu.SMEM(
             (wgs, bq, head), out_ref.dtype, transforms=_swizzled(swizzle_bytes(head, out_ref.dtype), out_ref.dtype)),
-        k_smem=plgpu.SMEM((ring, head, bk), dtype, transforms=operand_transforms),
+        k_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
         p_smem=plgpu.SMEM((wgs, bq, bk), dtype, transforms=operand_transforms),
         v_smem=plgpu.SMEM((ring, bk, head), dtype, transforms=operand_transforms),
         bias_smem=plgpu.SMEM((ring, wgs * bq, bk), jnp.float32, transforms=bias_transforms) if has_bias else None,
@@ -180,8 +188,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
             q_smem = qo_smem.at[wg]
             row0 = q_idx * (wgs * bq) + wg * bq
-            q_tile = (b_idx, pl.ds(row0, bq), h_idx) if layouts.q_seq_major else (b_idx, h_idx, pl.ds(row0, bq))
-            plgpu.copy_gmem_to_smem(q_ref.at[q_tile], q_smem, q_barriers.at[wg])
+            rows = pl.ds(row0, bq)
+
+            def q_rows(head):
+                return (b_idx, rows, head) if layouts.q_seq_major else (b_idx, head, rows)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows(layouts.q_head0 + h_idx)], q_smem, q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
             m = in_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = in_layout(jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -195,12 +207,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 slot = lax.rem(t, jnp.array(ring, t.dtype))
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     schedule_barrier()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                if has_bias:  # read before the slot is released: the memory warpgroup refills Kᵀ and bias together
+                if has_bias:  # read before the slot is released: the memory warpgroup refills K and bias together
                     plgpu.barrier_wait(bias_barriers.at[slot])
                     bias = plgpu.load(bias_smem.at[slot], (pl.ds(wg * bq, bq), slice(None)),
                                       layout=plgpu.Layout.WGMMA) if not interpreted else \
@@ -260,7 +272,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             out_smem = q_smem if o_smem is None else o_smem.at[wg]
             out_smem[...] = out.astype(out_ref.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_tile])
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[q_rows(h_idx)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -269,16 +281,20 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
                 plgpu.set_max_registers(40, action="decrease")
             q_rows = pl.ds(q_idx * (wgs * bq), wgs * bq)
 
-            def issue_k(t, slot):  # Kᵀ and the bias tiles: free once Q·Kᵀ and the bias are read
-                plgpu.copy_gmem_to_smem(k_ref.at[b_idx, h_idx, :, pl.ds(t * bk, bk)], k_smem.at[slot],
+            def keys(t, seq_major, head0):
+                head = head0 + h_idx
+                return (b_idx, pl.ds(t * bk, bk), head) if seq_major else (b_idx, head, pl.ds(t * bk, bk))
+
+            def issue_k(t, slot):  # K and the bias tiles: free once Q·Kᵀ and the bias are read
+                plgpu.copy_gmem_to_smem(k_ref.at[keys(t, layouts.k_seq_major, layouts.k_head0)], k_smem.at[slot],
                                         k_barriers.at[slot])
                 if has_bias:
                     plgpu.copy_gmem_to_smem(bias_ref.at[bias_b, bias_h, q_rows, pl.ds(t * bk, bk)],
                                             bias_smem.at[slot], bias_barriers.at[slot])
 
             def issue_v(t, slot):  # free once P·V is read
-                keys = (b_idx, pl.ds(t * bk, bk), h_idx) if layouts.v_seq_major else (b_idx, h_idx, pl.ds(t * bk, bk))
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys(t, layouts.v_seq_major, layouts.v_head0)], v_smem.at[slot],
+                                        v_barriers.at[slot])
 
             for t in range(ring):
                 issue_k(t, t)
@@ -287,7 +303,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
             @pl.loop(0, kv_steps - ring)
             def _refill(t):
                 # K's slot refills as soon as it is consumed, before V's: with a one-slot ring the
-                # compute warpgroups wait for the next Kᵀ before they release V
+                # compute warpgroups wait for the next K before they release V
                 slot = lax.rem(t, jnp.array(ring, t.dtype))
                 plgpu.barrier_wait(k_consumed.at[slot])
                 issue_k(t + ring, slot)
@@ -303,30 +319,71 @@ def _kernel(q_ref, k_ref, v_ref, *refs, blocks: AttentionBlocks, kv_len: int, sc
 
 @dataclasses.dataclass(frozen=True)
 class Layouts:
-    """How the kernel reads q (and writes the output) and v in global memory: `seq_major` as
+    """How the kernel reads q (and writes the output), k and v in global memory: `seq_major` as
     `[batch, seq, heads, head]` (a projection's `[B, S, H·D]` output viewed per head: read in place),
-    else `[batch, heads, seq, head]`. K is always read as Kᵀ `[batch, heads, head, kv]` (the wgmma B
-    operand with the keys along its rows' minor axis; GPU interpret mode has no transposed SMEM
-    operand for wgmma), one XLA transpose of K per call."""
+    else `[batch, heads, seq, head]`; `head0`: the operand's first head in that array (a fused
+    QKV's k starts at head H: `Stored`). K arrives as `[block_kv, head]` tiles, multiplied through a
+    transposed SMEM operand (no Kᵀ)."""
 
     q_seq_major: bool = True
     v_seq_major: bool = True
+    k_seq_major: bool = True
+    q_head0: int = 0
+    k_head0: int = 0
+    v_head0: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """An operand read where it lies: heads `head0 .. head0 + heads` of `array`, stored
+    `[batch, seq, heads', head]` (`eqsat.cost.mosaic.StoredHeads`: a projection's output, a fused
+    QKV's slice), with no copy; its sequence a multiple of the tiles, its head of wgmma's width."""
+
+    array: jax.Array
+    head0: int
+    heads: int
+    head_dim: int  # the operand's; the array's heads may be padded to wgmma's width (40 -> 48)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        batch, seq, _, _ = self.array.shape
+        return batch, self.heads, seq, self.head_dim
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
 
 
 def _seq_major(x: jax.Array, yes: bool) -> jax.Array:
     return jnp.transpose(x, (0, 2, 1, 3)) if yes else x
 
 
-def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.Array | None = None,
-          epilogue: EpilogueFn = lambda o: o, out_dtype=None, blocks: AttentionBlocks | None = None,
-          layouts: Layouts = Layouts(), interpret: Any = None, name: str = "attention") -> jax.Array:
+def _laid_out(x, seq_major: bool, shape_seq_major, shape_head_major):
+    """`(array, seq_major, head0)` the kernel reads for operand `x`: a `Stored` as it lies, else `x`
+    in the order asked, zero-padded to the tiles."""
+    if isinstance(x, Stored):
+        if tuple(x.array.shape[:2]) != shape_seq_major[:2] or x.array.shape[3] != shape_seq_major[3]:
+            raise ValueError(f"a stored operand {x.array.shape} read as {shape_seq_major} needs padding")
+        return x.array, True, x.head0
+    return pad_to(_seq_major(x, seq_major), shape_seq_major if seq_major else shape_head_major), seq_major, 0
+
+
+def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stored", *, scale: float,
+          bias: jax.Array | None = None, epilogue: EpilogueFn = lambda o: o, out_dtype=None,
+          blocks: AttentionBlocks | None = None, layouts: Layouts = Layouts(), interpret: Any = None,
+          name: str = "attention", with_padded: bool = False) -> jax.Array:
     """`epilogue(softmax(q kᵀ scale + bias) v)` for `q [batch, heads, q_len, head_dim]`,
     `k, v [batch, heads, kv_len, head_dim]` (fp16 or bf16, the same) and a float `bias`
     broadcasting against `[batch, heads, q_len, kv_len]` (or None), as one Mosaic GPU kernel;
     returns `[batch, heads, q_len, head_dim]` of `out_dtype` (default q's). `layouts`: the order the
-    kernel reads q and v in (the transposes here cancel against a view of that order). `interpret`:
-    True runs GPU interpret mode, False compiles for the GPU, None decides by the platform (a CPU
-    interprets)."""
+    kernel reads q, k and v in (the transposes here cancel against a view of that order; a `Stored`
+    operand is read where it lies, seq-major, whatever `layouts` says). `interpret`: True runs GPU
+    interpret mode, False compiles for the GPU, None decides by the platform (a CPU interprets).
+    `with_padded`: `(out, the kernel's output as written)`, padded heads and rows included."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != \
@@ -343,7 +400,7 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     blocks.validate()
     if blocks.block_kv % key_quantum(padded_head(head_dim)):
         raise ValueError(f"block_kv={blocks.block_kv} at a head of {padded_head(head_dim)} lanes must be a multiple "
-                         f"of {key_quantum(padded_head(head_dim))} (Kᵀ and P rows swizzled like the head's)")
+                         f"of {key_quantum(padded_head(head_dim))} (P rows swizzled like the head's)")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     if out_dtype.itemsize not in (2, 4) or not jnp.issubdtype(out_dtype, jnp.floating):
         raise NotImplementedError(f"a {out_dtype} result")
@@ -354,11 +411,15 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     rows_per_cta = blocks.block_q * blocks.compute_wgs
     q_padded = -(-q_len // rows_per_cta) * rows_per_cta
     kv_padded = -(-kv_len // blocks.block_kv) * blocks.block_kv
-    q_shape = (batch, q_padded, heads, head) if layouts.q_seq_major else (batch, heads, q_padded, head)
-    qp = pad_to(_seq_major(q, layouts.q_seq_major), q_shape)
-    kp = pad_to(jnp.transpose(k, (0, 1, 3, 2)), (batch, heads, head, kv_padded))
-    vp = pad_to(_seq_major(v, layouts.v_seq_major),
-                (batch, kv_padded, heads, head) if layouts.v_seq_major else (batch, heads, kv_padded, head))
+    qp, q_seq, q_head0 = _laid_out(q, layouts.q_seq_major, (batch, q_padded, heads, head),
+                                   (batch, heads, q_padded, head))
+    kp, k_seq, k_head0 = _laid_out(k, layouts.k_seq_major, (batch, kv_padded, heads, head),
+                                   (batch, heads, kv_padded, head))
+    vp, v_seq, v_head0 = _laid_out(v, layouts.v_seq_major, (batch, kv_padded, heads, head),
+                                   (batch, heads, kv_padded, head))
+    # the output in q's order (the transposes below cancel against the reader's view)
+    layouts = Layouts(q_seq, v_seq, k_seq, q_head0, k_head0, v_head0)
+    q_shape = (batch, q_padded, heads, head) if q_seq else (batch, heads, q_padded, head)
     inputs = [qp, kp, vp]
     shared = (True, True)
     if bias is not None:
@@ -378,6 +439,8 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
     grid = (batch, heads, q_padded // rows_per_cta)
 
     def call(interpret_here):
+        if interpret_here:
+            interpreter.install()  # K is read through a transposed SMEM operand
         return plgpu.kernel(
             functools.partial(_kernel, blocks=blocks, kv_len=kv_len, scale=float(scale), has_bias=bias is not None,
                               bias_shared=shared, epilogue=epilogue, layouts=layouts, interpreted=interpret_here),
@@ -395,7 +458,8 @@ def build(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, bias: jax.A
         out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
     else:
         out = call(bool(interpret))(*inputs)
-    return _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
+    sliced = _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
+    return (sliced, out) if with_padded else sliced
 
 
 # --- emit: a plan's Attention term --------------------------------------------------------------
@@ -446,6 +510,39 @@ def reads_seq_major(operand: Term) -> bool:
     return abs(int(flat[0, 1] - flat[0, 0])) > abs(int(flat[1, 0] - flat[0, 0]))
 
 
+def stored_operand(operand: Term, rows_tile: int, values: Callable[[Term], jax.Array],
+                   ctx_values: dict | None = None) -> Stored | None:
+    """The operand as a `Stored` view of the tensor it reads, when the kernel reads it there
+    (`eqsat.cost.mosaic.stored_heads`, the cost model's test), or the padded heads its projection
+    wrote (`padded_by_projection`: found in `ctx_values` by `padded_heads_key`), else None. The test's probes are
+    checked at every element here: a view it took for heads of one stored tensor that reads anything
+    else is a bug (AssertionError), not a fallback."""
+    from emit.mosaic.layouts import padded_heads_key
+    from eqsat.cost.mosaic import padded_by_projection, stored_heads
+
+    batch, heads, seq, head = parse_type(operand.ty).shape
+    found, padded = stored_heads(operand, rows_tile), None
+    if found is None:
+        found = padded_by_projection(operand, rows_tile)
+        padded = None if found is None else (ctx_values or {}).get(padded_heads_key(found.tensor))
+        if padded is None:
+            return None
+    memory = _IndexRecorder()
+    index = tuple(np.arange(n).reshape([n if i == axis else 1 for i in range(4)])
+                  for axis, n in enumerate((batch, heads, seq, head)))
+    ex.compile_expr(operand)(memory, index, True)
+    ((tensor, at),) = memory.loads
+    flat = np.asarray(ex.linearize(at, parse_type(tensor.ty).shape))
+    pitch = found.heads * head
+    b, h, s, d = index
+    expected = b * seq * pitch + s * pitch + (found.head0 + h) * head + d
+    if tensor is not found.tensor or not np.array_equal(np.broadcast_to(flat, expected.shape), expected):
+        raise AssertionError(f"stored_heads took {operand!r} for heads {found.head0}.. of {found.tensor!r}")
+    if padded is not None:  # the projection wrote each head zero-padded to wgmma's width
+        return Stored(jnp.reshape(padded, (batch, seq, found.heads, padded_head(head))), found.head0, heads, head)
+    return Stored(jnp.reshape(values(tensor), (batch, seq, found.heads, head)), found.head0, heads, head)
+
+
 def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[Term], jax.Array]) -> jax.Array:
     """The bias expression as a float32 `[batch', heads', q_len, kv_len]` array, `batch'`/`heads'` 1
     where it does not depend on that index (CLIP's causal mask: `[1, 1, S, S]`), found by which index
@@ -475,9 +572,12 @@ def bias_value(bias: Term, shape: tuple[int, int, int, int], values: Callable[[T
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Attention` kernel (`emit.pallas.KernelCall`) in `ctx`, as
     one Mosaic GPU kernel. q, k and v (views of a projection's `[B, S, H·D]` output, slices of a fused
-    QKV) are evaluated as XLA fusions into the kernel's layouts; the bias as a float32 array broadcast
+    QKV) are read where they lie when `stored_operand` finds them so, else evaluated as XLA fusions
+    into the kernel's layouts; the bias as a float32 array broadcast
     over what it does not depend on; the epilogue in registers. Forms not covered raise
     `NotImplementedError` (`emit.mosaic` then runs the Triton template)."""
+    from emit.mosaic.layouts import padded_heads_key
+    from eqsat.cost.mosaic import padded_attention_output
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -514,11 +614,22 @@ def emit(kernel, ctx) -> dict:
 
         return jnp.broadcast_to(compiled_epilogue(None, index, True, accumulator), o.shape)
 
+    blocks = AttentionBlocks.get_default(q_len, kv_len, head_dim)
+    rows_tile = {0: blocks.block_q * blocks.compute_wgs, 1: blocks.block_kv, 2: blocks.block_kv}
+    stored = [stored_operand(x, rows_tile[i], ctx.value, ctx.values) for i, x in enumerate((q, k, v))]
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    q_value, k_value, v_value = _Evaluator({}, ctx.constants, ctx.payloads, parent=known).run([q, k, v])
+    computed = iter(_Evaluator({}, ctx.constants, ctx.payloads, parent=known).run(
+        [x for x, s in zip((q, k, v), stored) if s is None]))
+    q_value, k_value, v_value = (s if s is not None else next(computed) for s in stored)
     bias_array = None if _is_zero(bias) else bias_value(bias, (batch, heads, q_len, kv_len), ctx.value)
-    out = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
-                out_dtype=out_type.dtype, layouts=Layouts(reads_seq_major(q), reads_seq_major(v)),
-                interpret=ctx.interpret, name=kernel.name)
+    out, written = build(q_value, k_value, v_value, scale=float(scale), bias=bias_array, epilogue=tile_epilogue,
+                         out_dtype=out_type.dtype,
+                         layouts=Layouts(reads_seq_major(q), reads_seq_major(v), reads_seq_major(k)),
+                         interpret=ctx.interpret, name=kernel.name, with_padded=True)
+    q_seq_major = isinstance(q_value, Stored) or reads_seq_major(q)
+    if padded_attention_output(term) is not None and q_seq_major and written.shape[1] == q_len:
+        # `[B, S, H, padded]` for a reader that takes the padded heads (to_out,
+        # `eqsat.cost.mosaic.reads_padded_heads`); the slice below XLA drops when no one else reads it
+        ctx.values[padded_heads_key(term)] = written
     return {term: out.reshape(out_type.shape)}

@@ -5,7 +5,11 @@ per call as before).
 
     halo_weight_layout(conv)   the haloed conv's `[window · C, N↑]` weight, or its phase form's
                                `[4 · 2 · 2 · C, Cout]` sums of taps (`emit.mosaic.conv_halo`)
+    head_padded_weight(mm, D)  a projection's `[K, N]` weight with zero columns after each head of D
+                               (rows=True: zero rows, to_out), heads padded to wgmma's width for the
+                               attention (`emit.mosaic.attention`; chosen by `emit.prepare`)
     prepared_layouts(kernel)   every such layout of one kernel (what a shared emission passes it)
+    side_values(tensor)        the keys of a tensor's other forms templates leave in the context
 
 A layout is a `Pointwise` term over the kernel's own weight expression (views of prepared weights,
 a merged shortcut's `concat(w, pad(w1x1))`), built the same way here at split time and in the
@@ -17,6 +21,7 @@ divide is read as it lies).
 from __future__ import annotations
 
 import functools
+import math
 
 from eqsat.term import Term
 from eqsat.types import ints_key, parse_type, with_shape
@@ -123,9 +128,32 @@ def _pad_columns(x: Term, columns: int) -> Term:
 def prepared_layouts(term: Term) -> list[Term]:
     """Every layout of a kernel's weights the prepare stage may have made for the Mosaic templates
     (what they look up in their context's values): what a shared emission must pass them
-    (`emit.pallas.emit_shared`)."""
-    layout = halo_weight_layout(term)
-    return [layout] if layout is not None else []
+    (`emit.pallas.emit_shared`). The haloed conv's; a projection's with padded heads, for every head
+    width its N is whole heads of (`emit.mosaic.matmul.prepared_head_padding`), and to_out's with zero
+    rows (`prepared_padded_input`)."""
+    from eqsat.cost.mosaic import reads_padded_heads
+    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
+
+    if term.op == "Conv":
+        layouts = [halo_weight_layout(term)]
+    elif term.op == "Matmul":
+        lhs, rhs, dims, _epilogue, ty = term.args
+        n = parse_type(ty).shape[-1] if parse_type(ty).shape else 1
+        layouts = [head_padded_weight(term, head) for head in range(1, min(n, MAX_HEAD) + 1)
+                   if n % head == 0 and padded_head(head) != head]
+        found = reads_padded_heads(lhs, rhs, dims)
+        if found is not None:
+            layouts.append(head_padded_weight(term, found[1], rows=True))
+    else:
+        layouts = []
+    return [layout for layout in layouts if layout is not None]
+
+
+def side_values(term: Term) -> list:
+    """The keys under which a Mosaic template leaves, beside a tensor's value, another form of it in
+    its context's values for the kernels that read it (`padded_heads_key`): what a shared emission
+    passes in for the tensors a kernel reads and hands back for the tensor it writes."""
+    return [padded_heads_key(term)]
 
 
 def prepared_halo_weight(ctx, term: Term, columns: int):
@@ -137,3 +165,49 @@ def prepared_halo_weight(ctx, term: Term, columns: int):
     if value is None or value.shape[-1] != columns:
         return None
     return value
+
+
+# --- heads padded to wgmma's width in the projections' weights (the Mosaic attention) --------------
+
+
+def padded_heads_key(tensor: Term) -> tuple:
+    """The key under which a Mosaic template leaves, in its context's values, `tensor` stored with
+    each head zero-padded to wgmma's width (`[..., groups · padded]` for `[..., groups · head]`): a
+    projection computed with `head_padded_weight`'s columns (`emit.mosaic.matmul`), read by the
+    attention as it lies (`emit.mosaic.attention`)."""
+    return ("mosaic heads padded", tensor)
+
+
+def head_padded_weight(term: Term, head: int, rows: bool = False) -> Term | None:
+    """The prepared weight a `Matmul` (no batch axes) reads to write its `[.., N]` output with each
+    of its `N / head` column groups zero-padded to `padded_head(head)` columns: its `[K, N]` weight
+    with zero columns after each group (SD 1.5's to_q/k/v have no bias: the padded columns come out
+    0); with `rows`, the weight with zero rows after each of its `K / head` row groups, for A an
+    attention's output with padded heads (to_out: its padded lanes meet zeros). None when the matmul
+    has batch axes or N (K) is not whole heads."""
+    from emit.pallas.matmul import DotAxes
+    from eqsat.tiling.mosaic import padded_head
+
+    if term.op != "Matmul":
+        return None
+    lhs, rhs, dims, _epilogue, _ty = term.args
+    axes = DotAxes.of(dims, parse_type(lhs.ty).shape, parse_type(rhs.ty).shape)
+    rhs_shape = parse_type(rhs.ty).shape
+    k = math.prod(rhs_shape[a] for a in axes.rhs_contract)
+    n = math.prod(rhs_shape[a] for a in axes.rhs_free)
+    padded = padded_head(head)
+    if axes.batch_shape or (k if rows else n) % head or padded == head:
+        return None
+    matrix = _reshape(_transpose(rhs, (*axes.rhs_contract, *axes.rhs_free)), (k, n))
+    zero = Term("Lit", 0.0, with_shape(matrix.ty, ()))
+    if rows:
+        grouped = _reshape(matrix, (k // head, head, n))
+        wide = Term("Pad", grouped, zero, f"0,0,0;0,{padded - head},0;0,0,0",
+                    with_shape(grouped.ty, (k // head, padded, n)))
+        layout = _reshape(wide, (k // head * padded, n))
+    else:
+        grouped = _reshape(matrix, (k, n // head, head))
+        wide = Term("Pad", grouped, zero, f"0,0,0;0,0,0;0,{padded - head},0",
+                    with_shape(grouped.ty, (k, n // head, padded)))
+        layout = _reshape(wide, (k, n // head * padded))
+    return Term("Pointwise", layout, layout.ty)

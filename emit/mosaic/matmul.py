@@ -31,6 +31,13 @@ K add nothing, padded rows and columns are computed and dropped. Operands are fp
 is fp32; anything else raises `NotImplementedError`, and `emit.mosaic` runs that kernel through
 the Pallas Triton template instead.
 
+Heads padded for the Mosaic attention (`prepared_head_padding`, `prepared_padded_input`): where the
+prepare stage laid a projection's weight out with zero columns after each head of 40
+(`emit.mosaic.layouts.head_padded_weight`), the matmul writes `[.., G·48]` and leaves it in the
+context under `padded_heads_key` for the attention (its own value, the heads sliced back, is an XLA
+slice only another reader would keep); to_out, its weight given zero rows after each head, reads the
+attention's `[B, S, H, 48]` output as its A (K = H·48).
+
 The epilogue's operands are mapped on the host: `epilogue_operands` evaluates the epilogue's index
 arithmetic with NumPy index tables over the whole output and sorts each `Load` it meets into a
 `tile` (reads depend on rows and columns: a residual), a `col` vector (columns only: a bias) or a
@@ -840,6 +847,48 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
     return jnp.reshape(value, shape)
 
 
+def prepared_padded_input(term: Term, ctx):
+    """`(a [1, M, H·padded], weight [1, H·padded, N])` when A is an attention's output its Mosaic
+    template left with padded heads in the context and the prepare stage laid the weight out with
+    zero rows after each head (`eqsat.cost.mosaic.reads_padded_heads`); else None."""
+    from emit.mosaic.layouts import head_padded_weight, padded_heads_key
+    from eqsat.cost.mosaic import reads_padded_heads
+
+    lhs, rhs, dims = term.args[:3]
+    found = reads_padded_heads(lhs, rhs, dims)
+    if found is None:
+        return None
+    attention, head_dim = found
+    layout = head_padded_weight(term, head_dim, rows=True)
+    weight = ctx.values.get(layout) if layout is not None else None
+    padded = ctx.values.get(padded_heads_key(attention))
+    if weight is None or padded is None:
+        return None
+    return jnp.reshape(padded, (1, -1, weight.shape[0])), weight[None]
+
+
+def prepared_head_padding(term: Term, ctx):
+    """`(weight [K, N'], head, padded)` when the prepare stage laid this matmul's weight out with
+    each head of its output zero-padded (`emit.mosaic.layouts.head_padded_weight`, chosen by
+    `emit.prepare` for projections only padded-head Mosaic attentions read); else None."""
+    from emit.mosaic.layouts import head_padded_weight
+    from eqsat.cost.mosaic import prepared_weight, zero_preserving
+    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
+
+    _lhs, rhs, _dims, epilogue, ty = term.args
+    n = parse_type(ty).shape[-1]
+    if not zero_preserving(epilogue) or not prepared_weight(rhs):
+        return None
+    for head in range(1, min(n, MAX_HEAD) + 1):
+        if n % head or padded_head(head) == head:
+            continue
+        layout = head_padded_weight(term, head)
+        value = ctx.values.get(layout) if layout is not None else None
+        if value is not None:
+            return value, head, padded_head(head)
+    return None
+
+
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Matmul` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
@@ -881,6 +930,13 @@ def emit(kernel, ctx) -> dict:
         (rhs_value,) = evaluator.run([rhs])
         a = jax.ShapeDtypeStruct((batch, m, k), jnp.dtype(lhs_type.dtype))
     w = _operand_matrix(rhs_value, axes.rhs_batch, axes.rhs_contract, axes.rhs_free, (batch, k, n))
+    padded_heads = prepared_head_padding(term, ctx) if not kernel.hosted else None
+    if padded_heads is not None:  # heads written zero-padded to wgmma's width, for the attention to read
+        w = padded_heads[0][None]
+    padded_input = prepared_padded_input(term, ctx)
+    if padded_input is not None:  # an attention's output read with its padded heads, the weight's rows padded
+        a, w = padded_input
+        prologue = None
     compiled = ex.compile_expr(epilogue)
     with_batch = bool(axes.batch_shape)
 
@@ -912,4 +968,11 @@ def emit(kernel, ctx) -> dict:
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
                 interpret=ctx.interpret, name=kernel.name, prologue=prologue, statistics=statistics)
     out, partials = out if statistics else (out, None)
+    if padded_heads is not None:
+        from emit.mosaic.layouts import padded_heads_key
+
+        _, head, padded = padded_heads
+        ctx.values[padded_heads_key(term)] = out
+        # the unpadded value for any other reader: a slice XLA drops when only the attention reads `out`
+        out = out.reshape(m, n // head, padded)[:, :, :head]
     return {term: out.reshape(out_type.shape), **{r: Partials(p) for r, p in zip(computed, partials or ())}}

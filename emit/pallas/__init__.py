@@ -311,9 +311,12 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     that declines), shared the same way. The weight layouts the prepare stage made for it
     (`emit.mosaic.layouts.prepared_layouts`) are among its reads, so every site passes its own.
     Identical Mosaic kernels then lower to one module, which jaxlib compiles once per process
-    (its kernel cache is keyed by the module). The statistics it reads that are still partials are
-    finished first, here (`emit.mosaic.partials.finish_read_statistics`, as the Mosaic templates
-    do): finished inside the shared function they would be lost to the statistic's later readers."""
+    (its kernel cache is keyed by the module). Other forms of its reads a Mosaic template left in the
+    context (`emit.mosaic.layouts.side_values`: heads padded for the attention) go in as operands,
+    and those it leaves of its own result come back under the calling kernel's keys. The statistics
+    it reads that are still partials are finished first, here
+    (`emit.mosaic.partials.finish_read_statistics`, as the Mosaic templates do): finished inside the
+    shared function they would be lost to the statistic's later readers."""
     from emit.pallas.partials import Partials
 
     if mosaic and not runs_on_mosaic(kernel.term):
@@ -325,15 +328,17 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         structure = finalize_structure(kernel.term)
     else:
         structure = kernel_structure(kernel, ctx.structures, reads)
+    sides: list = []  # (read position, key) of the other forms of what it reads (`side_values`)
     if mosaic:
-        from emit.mosaic.layouts import prepared_layouts
+        from emit.mosaic.layouts import prepared_layouts, side_values
         from emit.mosaic.partials import finish_read_statistics
 
         finish_read_statistics(kernel, ctx)  # as its template would: once, kept for the statistic's later readers
         layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
+        sides = [(i, key) for i, t in enumerate(reads) for key in side_values(t) if key in ctx.values]
         reads = [*reads, *layouts]
         structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
-                                                for t in layouts))
+                                                for t in layouts), tuple((i, key[0]) for i, key in sides))
     states = []
     for tensor in reads:
         if tensor in ctx.values or tensor.op == "Constant":
@@ -345,14 +350,22 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     if kernel.term in ctx.partials:  # a statistic finished once from its hosts' partials (`finalize`)
         reads, states = [*reads, kernel.term], [*states, "partials"]
     operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
+    operands += [ctx.values[key] for _i, key in sides]
     prefixes = [ctx.pending.get(r) for r in kernel.hosted]
     key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
     shared = ctx.shared_kernels.get(key)
     if shared is None:
-        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic)
+        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic, sides)
     results = shared.jitted(operands, prefixes)
     order = [kernel.term, *kernel.hosted]
-    return {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
+    produced = {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
+    if shared.sides_out:  # the other forms of its result its template left (`side_values`), under this site's keys
+        from emit.mosaic.layouts import side_values
+
+        keys = {key[0]: key for key in side_values(kernel.term)}
+        for tag, value in zip(shared.sides_out, results[len(shared.layout):]):
+            ctx.values[keys[tag]] = value
+    return produced
 
 
 def emit_unshared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> dict:
@@ -369,8 +382,10 @@ def _aval(value):
 class _SharedKernel:
     """The jitted emission of the first kernel of a structure (see `emit_shared`)."""
 
-    def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext, mosaic: bool = False):
+    def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext, mosaic: bool = False,
+                 sides: list = ()):
         self.layout: list[tuple[int, bool]] = []  # (position in [term, *hosted], is partials) of each result
+        self.sides_out: list = []  # tags of the other forms of its result the template left (`side_values`)
 
         def run(operands, prefixes):
             from emit.pallas.partials import Partials
@@ -378,6 +393,8 @@ class _SharedKernel:
             inner = EmitContext({}, ctx.constants, ctx.payloads, ctx.interpret, ctx.backend, ctx.components)
             for tensor, state, value in zip(reads, states, operands):
                 (inner.partials if state == "partials" else inner.values)[tensor] = value
+            for (_i, key), value in zip(sides, operands[len(reads):]):
+                inner.values[key] = value
             for reduction, prefix in zip(kernel.hosted, prefixes):
                 if prefix is not None:
                     inner.pending[reduction] = prefix
@@ -388,7 +405,14 @@ class _SharedKernel:
                     value = produced[term]
                     layout.append((i, isinstance(value, Partials)))
                     results.append(value.buffer if isinstance(value, Partials) else value)
-            self.layout = layout
+            self.layout, self.sides_out = layout, []
+            if mosaic:
+                from emit.mosaic.layouts import side_values
+
+                for key in side_values(kernel.term):
+                    if key in inner.values:
+                        self.sides_out.append(key[0])
+                        results.append(inner.values[key])
             return results
 
         run.__name__ = run.__qualname__ = kernel.name

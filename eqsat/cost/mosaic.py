@@ -7,10 +7,10 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
-| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back |
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back; an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
 | conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows and the output unflattened, unless the flat rows are the output's (a 1x1 conv without padding); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
-| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, Kᵀ and V per key block (and the bias) | Kᵀ (always: one transpose of K; a head padded over unpadded keys a second fusion), padded q / v (one multi-output fusion from one tensor; v with Kᵀ when the keys are padded), a materialized float32 bias, the padded output sliced (`attention_glue`) |
+| attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, K and V per key block (and the bias) | q, k, v not read where they lie (`stored_heads`: heads of one `[B, S, heads·D]` tensor, its sequence whole tiles, D a multiple of 16) written laid out, one multi-output fusion per source tensor; a materialized float32 bias; the padded output sliced (`attention_glue`) |
 
 ↑: rounded up to the tile. `steps` = Σ over K ranges of taps × 64-channel chunks (`plan_taps`).
 
@@ -36,6 +36,7 @@ fits them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -222,6 +223,115 @@ def seq_major(operand: Term) -> bool:
     if origin is None or next_head is None or next_row is None:
         return False
     return abs(next_row - origin) > abs(next_head - origin)
+
+
+@dataclass(frozen=True)
+class StoredHeads:
+    """An attention operand `[B, H, S, D]` that is heads `head0 .. head0 + H` of one tensor stored
+    `[B, S, heads, D]` (a `[B, S, heads·D]` projection's output; a fused QKV's q, k or v at head
+    `head0` = its column offset / D): the kernel TMA-reads its tiles there, no copy."""
+
+    tensor: Term
+    heads: int
+    head0: int
+
+
+def stored_heads(operand: Term | None, rows_tile: int, padded_heads: bool = False) -> StoredHeads | None:
+    """The operand as `StoredHeads` when the Mosaic attention reads it in place
+    (`emit.mosaic.attention.emit`): a view (`view_offset`) of one tensor of the operand's dtype whose
+    element `(b, h, s, d)` lies at `b·S·C + s·C + (head0 + h)·D + d` (C the tensor's row of `heads`
+    heads of D), D a multiple of wgmma's 16 (no head padding; any D with `padded_heads`: the heads
+    of a projection that writes them padded, `padded_by_projection`) and S of `rows_tile` (the
+    CTA's query rows, or the key block: no sequence padding); else None (XLA writes the operand
+    laid out)."""
+    if operand is None:
+        return None
+    batch, heads, seq, head = parse_type(operand.ty).shape
+    if (head != padded_head(head) and not padded_heads) or seq % rows_tile or seq < 2:
+        return None
+    node = operand
+    while node.op in ("Reshape", "Transpose", "Slice", "Broadcast"):
+        node = node.args[0]
+    if node.op != "Load" or parse_type(node.ty).dtype != parse_type(operand.ty).dtype:
+        return None
+    tensor = node.args[0]
+    at = functools.partial(_offset_at, operand)
+    origin = at(0, 0, 0, 0)
+    if origin is None:
+        return None
+    pitch = at(0, 0, 1, 0)
+    if pitch is None or (pitch := pitch - origin) <= 0 or pitch % head or origin % pitch % head or origin >= pitch:
+        return None
+    expected = lambda b, h, s, d: origin + b * seq * pitch + s * pitch + h * head + d  # noqa: E731
+    corners = [(b, h, s, d) for b in {0, batch - 1} for h in {0, heads - 1} for s in {0, 1, seq - 1}
+               for d in {0, 1 % head, head - 1}]
+    if any(at(*index) != expected(*index) for index in corners):
+        return None
+    if math.prod(parse_type(tensor.ty).shape) != batch * seq * pitch:
+        return None
+    return StoredHeads(tensor, pitch // head, origin // head)
+
+
+def padded_by_projection(operand: Term | None, rows_tile: int) -> StoredHeads | None:
+    """The operand's `stored_heads` (heads of D not a multiple of 16 allowed) when they are heads of a
+    `Matmul` that writes them zero-padded to wgmma's width, each of its `N / D` column groups: a
+    weight the prepare stage lays out (`prepared_weight`; `emit.mosaic.layouts.head_padded_weight`,
+    zero columns after each head) and an epilogue that keeps 0 at 0 (a cast, no bias: SD 1.5's
+    to_q/k/v); `emit.prepare` checks that nothing else reads the projection. Else None."""
+    found = stored_heads(operand, rows_tile, padded_heads=True) if operand is not None else None
+    if found is None or padded_head(parse_type(operand.ty).shape[3]) == parse_type(operand.ty).shape[3]:
+        return None
+    projection = found.tensor
+    if projection.op != "Matmul" or not zero_preserving(projection.args[3]) or not prepared_weight(projection.args[1]):
+        return None
+    return found
+
+
+def padded_attention_output(attention: Term) -> int | None:
+    """The padded head `emit.mosaic.attention` writes its output at, `[B, S, H, padded]` unsliced
+    in its context (`emit.mosaic.layouts.padded_heads_key`), when the head is padded and the output
+    is written seq-major with whole query tiles; else None (the output is sliced to its head)."""
+    if attention.op != "Attention":
+        return None
+    q, k = attention.args[0], attention.args[1]
+    _, _, q_len, head_dim = parse_type(q.ty).shape
+    blocks = AttentionBlocks.get_default(q_len, parse_type(k.ty).shape[2], head_dim)
+    head = padded_head(head_dim)
+    if head == head_dim or q_len % (blocks.block_q * blocks.compute_wgs) or not seq_major(q):
+        return None
+    return head
+
+
+def reads_padded_heads(lhs: Term | None, rhs: Term | None, dims: str) -> tuple[Term, int] | None:
+    """`(attention, head_dim)` when a matmul's A is an attention's output read `[M, H·D]` in the
+    order it is stored (to_out over `[B, S, H, D]`), the attention writes it with padded heads
+    (`padded_attention_output`) and the weight is prepared (`prepared_weight`: the prepare stage
+    lays it out with zero rows after each head, `emit.mosaic.layouts.head_padded_weight(rows=True)`):
+    the matmul then reads the padded output as it lies, K = H·padded. Else None."""
+    if lhs is None or rhs is None or not is_view(lhs) or not prepared_weight(rhs):
+        return None
+    tensors = loaded_tensors(lhs)
+    if len(tensors) != 1 or padded_attention_output(tensors[0]) is None:
+        return None
+    attention = tensors[0]
+    shape = matmul_layout(lhs.ty, rhs.ty, dims)
+    head_dim = parse_type(attention.ty).shape[3]
+    if shape.batch != 1 or shape.k % head_dim or size_of(lhs.ty) != size_of(attention.ty) or \
+            not read_in_order(lhs, shape.lhs_order, shape.lhs_ordered):
+        return None
+    return attention, head_dim
+
+
+def zero_preserving(epilogue: Term) -> bool:
+    """Whether a matmul epilogue is its accumulator, converted at most (0 stays 0, reads nothing else)."""
+    node = epilogue
+    while node.op == "Unary" and node.args[0] == "convert":
+        node = node.args[1]
+    return node.op == "Acc"
+
+
+def _offset_at(operand: Term, *index) -> int | None:
+    return view_offset(operand, index)
 
 
 def view_offset(expr: Term, index) -> int | None:
@@ -508,6 +618,12 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     shape = matmul_layout(lhs_ty, rhs_ty, dims)
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
+    useful_k, padded_a = shape.k, reads_padded_heads(lhs, rhs, dims)
+    sliced_a = padded_a is None and lhs is not None and any(padded_attention_output(t) is not None
+                                                             for t in loaded_tensors(lhs))
+    if padded_a is not None:  # an attention's output with padded heads, its rows of the weight zero-padded
+        attention, head_dim = padded_a
+        shape = dataclasses.replace(shape, k=shape.k // head_dim * padded_head(head_dim))
     prologue = prologue_reads(lhs, rhs, dims, out_ty) if lhs is not None and rhs is not None else "types only"
     in_kernel = not isinstance(prologue, str)
     blocks = matmul_blocks(shape.m, shape.n, shape.k)
@@ -522,10 +638,10 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     (ma, ka), (kb, nb) = (m, k) if place.a else (mp, kp), (k, n) if place.b else (kp, np_)
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
-    glue = []
+    glue = [Glue("attention output sliced", 0.0, read_bytes=2 * a_bytes)] if sliced_a else []
     if in_kernel:  # the prologue's sources as they lie instead of A
         a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
-    elif not (read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and place.a):
+    elif not ((padded_a is not None or read_in_order(lhs, shape.lhs_order, shape.lhs_ordered)) and place.a):
         glue.append(Glue("A laid out", a_bytes))
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
@@ -554,7 +670,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
     again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
-                        2.0 * shape.batch * shape.m * shape.n * shape.k, steps=kp // blocks.tile_k, alu_flops=again)
+                        2.0 * shape.batch * shape.m * shape.n * useful_k, steps=kp // blocks.tile_k, alu_flops=again)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
                       batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
 
@@ -818,8 +934,9 @@ def attention_work(term: Term) -> MosaicWork:
 def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = None, q: Term | None = None,
                       v: Term | None = None, k: Term | None = None) -> MosaicWork:
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
-    padded head (a multiple of 16) over the padded keys, TMA of Q once and Kᵀ, V (and the bias) per
-    key block; the fusions: Kᵀ, q / v computed or padded, a float32 bias, the padded output sliced."""
+    padded head (a multiple of 16) over the padded keys, TMA of Q once and K, V (and the bias) per
+    key block; the fusions: q / k / v computed, copied or padded (`attention_glue`), a float32 bias,
+    the padded output sliced."""
 
     batch, heads, q_len, head_dim = parse_type(q_ty).shape
     kv_len = parse_type(k_ty).shape[2]
@@ -835,8 +952,7 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
     ring = fit_ring(blocks, kv_len, head, itemsize_of(dtype), itemsize_of(out_dtype), dtype != out_dtype,
                     bias_ty is not None)
     q_bytes, kv_bytes = bh * q_pad * head * item, bh * kv_pad * head * item
-    glue = attention_glue(q, k, v, q_bytes, kv_bytes, bh * kv_len * head_dim * item, (q_pad, head) != (q_len, head_dim),
-                          (kv_pad, head) != (kv_len, head_dim), kv_pad != kv_len)
+    glue = attention_glue(q, k, v, q_bytes, kv_bytes, blocks, q_pad != q_len, kv_pad != kv_len, head != head_dim)
     tma = ctas * rows * head * item + ctas * kv_steps * 2 * blocks.block_kv * head * item
     kernel_reads = q_bytes + 2 * kv_bytes
     if bias_ty is not None:
@@ -847,7 +963,10 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
         tma += ctas * kv_steps * rows * blocks.block_kv * 4
         kernel_reads += bias_bytes
     store = bh * q_pad * head * out_item
-    if (q_pad, head) != (q_len, head_dim):
+    # heads padded over whole query tiles: the output is left padded for its reader (`reads_padded_heads`:
+    # to_out reads it as it lies; a reader that cannot is charged the slice, `matmul_work_of`)
+    kept_padded = q is not None and head != head_dim and q_pad == q_len and seq_major(q)
+    if (q_pad, head) != (q_len, head_dim) and not kept_padded:
         glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))
     scores = bh * q_pad * kv_pad
     work = TemplateWork("mosaic.attention", ctas, "wgmma", 4.0 * scores * head,
@@ -858,30 +977,47 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
 
 
 def attention_glue(q: Term | None, k: Term | None, v: Term | None, q_bytes: float, kv_bytes: float,
-                   k_bytes: float, q_padded: bool, kv_padded: bool, keys_padded: bool) -> list[Glue]:
-    """The fusions `emit.mosaic.attention.build` launches before its kernel, as XLA fuses them in SD
-    1.5's UNet: Kᵀ in one (a transpose fusion; a head padded over unpadded keys is a second fusion
-    after it: XLA's transpose emitter takes no pad), q and v padded or computed (one multi-output
-    fusion when both are laid out from one tensor, a fused QKV's); with padded keys (77 text tokens)
-    Kᵀ and v of one tensor (a fused text K/V projection's) are padded together in one multi-output
-    loop fusion. (A lone cross-attention, its K/V projection read by nothing else, gets Kᵀ by the
-    transpose emitter and two pads instead: tests/test_cost_mosaic_glue.py.)"""
-    same = lambda a, b: a is not None and b is not None and loaded_tensors(a) == loaded_tensors(b)  # noqa: E731
-    q_out = not is_view(q) or q_padded
-    v_out = not is_view(v) or kv_padded
+                   blocks: AttentionBlocks, q_rows_padded: bool, kv_rows_padded: bool,
+                   head_padded: bool) -> list[Glue]:
+    """The fusions `emit.mosaic.attention.build` launches before its kernel: each of q, k and v that
+    the kernel does not read where it lies (`reads_as_it_lies`: computed, a copy of part of a tensor,
+    or padded: heads of 40 to 48 unless the projection writes them so, `padded_by_projection`; 77
+    keys to the 80 of their step) is written laid out, those reading one activation (a fused QKV's,
+    the text K/V projection's; biases aside) by one multi-output fusion. K is read as it
+    lies too (a transposed SMEM operand, no Kᵀ)."""
+    rows = {"q": blocks.block_q * blocks.compute_wgs, "k": blocks.block_kv, "v": blocks.block_kv}
+    rows_padded = {"q": q_rows_padded, "k": kv_rows_padded, "v": kv_rows_padded}
+    sizes = {"q": q_bytes, "k": kv_bytes, "v": kv_bytes}
+    groups: dict = {}
+    for name, operand in (("q", q), ("k", k), ("v", v)):
+        in_place = padded_by_projection(operand, rows[name]) is not None if head_padded else \
+            reads_as_it_lies(operand, rows[name])
+        if rows_padded[name] or not in_place:
+            tensors = loaded_tensors(operand) if operand is not None else []
+            # siblings reading one activation (a fused QKV's, each slice plus its own bias) fuse into one
+            source = id(max(tensors, key=lambda t: size_of(t.ty))) if tensors else name
+            groups.setdefault(source, []).append(name)
     glue = []
-    if kv_padded and not keys_padded:  # the transpose fusion, then the head's padding
-        glue += [Glue("K transposed", k_bytes), Glue("K padded", kv_bytes)]
-    elif v_out and keys_padded and same(k, v):
-        glue.append(Glue("K transposed, v laid out", 2 * kv_bytes))
-        v_out = False
-    else:
-        glue.append(Glue("K transposed", kv_bytes))
-    if q_out and v_out and same(q, v):
-        glue.append(Glue("q and v laid out", q_bytes + kv_bytes))
-    else:
-        glue += [Glue("q laid out", q_bytes)] * q_out + [Glue("v laid out", kv_bytes)] * v_out
+    for names in groups.values():
+        what = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        glue.append(Glue(f"{what} laid out", sum(sizes[n] for n in names)))
     return glue
+
+
+def reads_as_it_lies(operand: Term | None, rows_tile: int) -> bool:
+    """Whether the Mosaic attention reads an operand `[B, H, S, D]` (not padded) with no copy: heads
+    of one tensor stored `[B, S, heads, D]` (`stored_heads`), or a whole tensor stored in the term's
+    own order `[B, H, S, D]`. Types only (None): yes."""
+    if operand is None:
+        return True
+    if stored_heads(operand, rows_tile) is not None:
+        return True
+    node = operand
+    while node.op == "Reshape":
+        node = node.args[0]
+    if node.op != "Load" or parse_type(node.ty).dtype != parse_type(operand.ty).dtype:
+        return False
+    return math.prod(parse_type(node.ty).shape) == math.prod(parse_type(operand.ty).shape)
 
 
 def mosaic_work(kernel: Term) -> MosaicWork:

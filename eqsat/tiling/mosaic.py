@@ -689,8 +689,8 @@ def swizzle_for(minor: int, itemsize: int) -> int | None:
 
 
 def key_quantum(head: int) -> int:
-    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: Kᵀ and P
-    tiles (keys along their rows) are swizzled like the head's tiles, so a row holds whole swizzle
+    """What `block_kv` must be a multiple of for a padded head of `head` fp16/bf16 lanes: P tiles
+    (keys along their rows, the A operand of P·V) are swizzled like the head's tiles, so a row holds whole swizzle
     groups (16 keys at a 32-byte swizzle, 32 at 64, 64 at 128)."""
     swizzle = swizzle_for(head, 2)
     if swizzle is None:
