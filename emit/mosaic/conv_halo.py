@@ -94,7 +94,7 @@ from emit.mosaic.partials import group_partials, merge_partials, write_group_par
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, PixelView,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
-                                 phase_geometry, pixel_view, row_pieces, segment_geometry, tap_list,
+                                 phase_geometry, pixel_view, row_pieces, segment_geometry, stores_pixels, tap_list,
                                  upsample_source)
 from eqsat.types import parse_type
 
@@ -302,6 +302,28 @@ def plan_parts(parts: Sequence[tuple]) -> tuple[PartPlan, ...]:
     return tuple(out)
 
 
+def segments(window, pieces: Sequence, segment: tuple[int, int, int], epi_m: int) -> list[tuple]:
+    """`(taken, SMEM row, view row, view column, rows)` of each TMA copy moving the `epi_m` flat rows
+    from a strip's flat row `window` (an int32 scalar) as pixel-row segments: `pieces` the
+    `row_pieces` (static sizes), `segment` the `segment_geometry`; `taken` None where every window
+    copies the piece, else whether this one's segment length has that bit. Rows of the window off
+    the output (padding columns, rows past the image) are in none."""
+    pitch, width, rows = segment
+    first = lax.div(window, pitch)
+    out = []
+    for r, piece in enumerate(pieces):
+        oy = first + r
+        start = jnp.maximum(window, oy * pitch)
+        length = jnp.where(oy < rows, jnp.maximum(jnp.minimum(window + epi_m, oy * pitch + width) - start, 0), 0)
+        for size in piece.sizes:
+            if piece.conditional:  # after the larger pieces of this length
+                at = start + jnp.bitwise_and(length, -2 * size)
+                out.append((jnp.bitwise_and(length, size) != 0, at - window, oy, at - oy * pitch, size))
+            else:
+                out.append((None, start - window, oy, start - oy * pitch, size))
+    return out
+
+
 def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
             vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
@@ -343,26 +365,6 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         if kind == "tile":
             return plgpu.SMEM((epi_m, epi_n), dt, transforms=mm._swizzled(epi_n, dt))
         return plgpu.SMEM((epi_m if kind == "row" else epi_n,), dt)
-
-    def segments(window):
-        """`(taken, SMEM row, view row, view column, rows)` of each TMA copy moving the `epi_m` flat
-        rows from the strip's flat row `window` as pixel-row segments (`row_pieces`: static sizes;
-        `taken` None where every window copies it, else whether this one's segment length has that
-        bit); rows of the window off the output (padding columns, rows past the image) are in none."""
-        pitch, width, rows = segment
-        first = lax.div(window, pitch)
-        out = []
-        for r, piece in enumerate(pieces):
-            oy = first + r
-            start = jnp.maximum(window, oy * pitch)
-            length = jnp.where(oy < rows, jnp.maximum(jnp.minimum(window + epi_m, oy * pitch + width) - start, 0), 0)
-            for size in piece.sizes:
-                if piece.conditional:  # after the larger pieces of this length
-                    at = start + jnp.bitwise_and(length, -2 * size)
-                    out.append((jnp.bitwise_and(length, size) != 0, at - window, oy, at - oy * pitch, size))
-                else:
-                    out.append((None, start - window, oy, start - oy * pitch, size))
-        return out
 
     def when(taken, action):
         if taken is None:
@@ -499,7 +501,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         groups = [None] * len(statistics)
         pixel_operands = [o for o, kind in enumerate(kinds) if kind == "pixel"]
         for em in range(tile_m // epi_m):
-            segs = segments(q0 + em * epi_m) if view is not None else []
+            segs = segments(q0 + em * epi_m, pieces, segment, epi_m) if view is not None else []
             for en in range(tile_n // epi_n):
                 slot = (em * (tile_n // epi_n) + en) % 2
                 row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
@@ -762,14 +764,6 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
 
 
 # --- the output and a residual as they lie: pixel-row segments ------------------------------------
-
-
-def stores_pixels(conv: ConvGeometry, n_padded: int, tile_n: int, phases: bool) -> bool:
-    """Whether the kernel stores the conv's output itself (`build`'s `view`): an NHWC output whose
-    channels the N tiles divide (the phase form's do). Otherwise it writes flat rows and `unflatten`
-    slices them (one XLA fusion)."""
-    return tuple(conv.params.out_spec) == NHWC and (phases or n_padded == conv.out_features) \
-        and conv.out_features % tile_n == 0
 
 
 def pixel_index(view: PixelView, conv: ConvGeometry) -> tuple[tuple, np.ndarray]:

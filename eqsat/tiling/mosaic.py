@@ -10,7 +10,7 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
     halo_input_loads, halo_blocks, halo_smem_bytes,  `eqsat.tiling.channel_parts`), what it takes, its tiles
     strip_counts, halo_tiling                        and SMEM, its strips of wide rows (emit.mosaic.conv_halo)
-    PixelView, pixel_view, row_pieces,               its output stored (and a residual read) per pixel row
+    PixelView, pixel_view, row_pieces, stores_pixels, its output stored (and a residual read) per pixel row
     segment_geometry, segment_copies                 segment by static-size TMA copies (no flat output)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
@@ -474,6 +474,14 @@ def pixel_view(grid: HaloGrid, channels: int, phases: bool = False) -> PixelView
     if not phases and grid.strips == 1 and grid.out_pitch == wo:
         return PixelView(1, 1, ho * wo, 1, channels)
     return PixelView(ho, 2 if phases else 1, wo, 2 if phases else 1, channels)
+
+
+def stores_pixels(conv: ConvGeometry, n_padded: int, tile_n: int, phases: bool) -> bool:
+    """Whether the haloed kernel stores the conv's output itself (in its `PixelView`): an NHWC output
+    whose channels the N tiles divide (the phase form's always do). Otherwise it writes flat rows
+    and `emit.mosaic.conv_halo.unflatten` slices them (one XLA fusion)."""
+    return (tuple(conv.params.out_spec) == (0, 3, 1, 2) and (phases or n_padded == conv.out_features)
+            and conv.out_features % tile_n == 0)
 
 
 def segment_geometry(grid: HaloGrid, view: PixelView) -> tuple[int, int, int]:
