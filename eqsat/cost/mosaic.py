@@ -52,7 +52,8 @@ from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
                                  halo_input_loads, halo_parts, halo_tiling, halo_uncovered, matmul_in_place, minor_tile, padded_head,
-                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
+                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, stores_pixels,
+                                 tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -296,6 +297,33 @@ def loaded_tensors(expr: Term) -> list[Term]:
             seen.add(id(node.args[0]))
             tensors.append(node.args[0])
     return tensors
+
+
+def pixel_reads(epilogue: Term | None, out_elements: int) -> list[int]:
+    """Itemsizes of the tensors of the output's size an epilogue reads only at the output's own
+    element (through elementwise nodes and reshapes: a residual): the haloed conv storing pixels
+    reads them as they lie (`emit.mosaic.conv_halo.pixel_operands`), one per tensor."""
+    if epilogue is None:
+        return []
+    own, other = {}, set()
+    stack = [(epilogue, True)]
+    seen = set()
+    while stack:
+        node, at_own = stack.pop()
+        if (id(node), at_own) in seen:
+            continue
+        seen.add((id(node), at_own))
+        if node.op == "Load":
+            tensor = node.args[0]
+            if at_own and size_of(tensor.ty) == out_elements:
+                own[id(tensor)] = _itemsize(tensor.ty)
+            else:
+                other.add(id(tensor))
+            continue
+        through = at_own and node.op in ("Unary", "Binary", "Select", "Reshape")
+        stack.extend((child, through and size_of(child.ty) == size_of(node.ty))
+                     for child in node.children if child.sort == "Expr")
+    return [item for key, item in own.items() if key not in other]
 
 
 @dataclass(frozen=True)
@@ -704,6 +732,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
         vectors = [_itemsize(node.args[0].ty) for node in vector_loads[0]]
         per_chunk = [sum(vectors) * CHUNK]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    in_place = pixel_reads(epilogue, out_elements)
     tiling = halo_tiling(geometry, cout, vectors, reads.smem_operands, out_item, batch)
     if tiling is None:
         return None
@@ -721,9 +750,16 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     n_tiles = n_padded // blocks.tile_n
     ctas = batch * grid.strips * grid.m_tiles * n_tiles
     sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+    # stored as pixels (`stores_pixels`): the output's pixels and a residual's, in segments; no flat rows
+    pixels = stores_pixels(geometry, n_padded, blocks.tile_n, bool(phase_outputs))
+    pixel_tiles = [i for i in in_place if pixels]
+    flat_tiles = list(reads.tiles)
+    for i in pixel_tiles:
+        flat_tiles.remove(i)
+    pixel_bytes = batch * math.prod(geometry.out_size) * n_padded * sum(pixel_tiles)
     per_cta = (sum(c * v for c, v in zip(chunks, per_chunk))
                + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
-               + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
+               + sub_tiles * (sum(flat_tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
     # each staged row: its strip's columns inside the image (`HaloGrid.strip_columns`), per chunk
     staged = batch * grid.m_tiles * n_tiles * sum(chunks) * grid.row_copies * grid.copied_columns * CHUNK * item
@@ -733,7 +769,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     vector_bytes = (batch * sum(rows) * widest * 4 if gathered  # B' = batch: at most
                     else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.strips * grid.m_tiles * grid.staging * 2
-    epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+    epilogue_read = (batch * m_padded * (sum(flat_tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+                     + pixel_bytes)
     glue = []
     if not halo_weight_in_place(rhs, params, parts, n_padded, cout, phase_outputs):
         glue.append(Glue("weights laid out", w_bytes))
@@ -743,13 +780,15 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     # residual is read and the output written in place (`mapped_operands` and `unflatten` are views)
     (ho, wo), out_spec = geometry.out_size, tuple(ConvParams.parse(params).out_spec)
     flat_is_output = not phase_outputs and grid.pitch == wo and m_padded == ho * wo and out_spec == (0, 3, 1, 2)
-    for item_bytes in reads.tiles:
+    for item_bytes in flat_tiles:
         if not flat_is_output:
             glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     if phase_outputs:  # a column vector (the bias) gathered onto the phase-major columns
         glue += [Glue("column vector per phase", n_padded * item_bytes) for item_bytes in reads.cols]
     store = batch * m_padded * n_padded * out_item
-    if not (flat_is_output and n_padded == cout):
+    if pixels:
+        store = batch * math.prod(geometry.out_size) * n_padded * out_item
+    elif not (flat_is_output and n_padded == cout):
         glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
     evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
     exprs = [e for e, *_ in parts if e is not None]
@@ -761,7 +800,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
-    return MosaicWork(work, blocks.stages, ctas * per_cta + staged, kernel_reads, store, batch * m_padded * n_padded,
+    return MosaicWork(work, blocks.stages, ctas * per_cta + staged + pixel_bytes, kernel_reads, store,
+                      batch * m_padded * n_padded,
                       tuple(glue), 1, haloed=True, weight_columns=n_padded)
 
 
