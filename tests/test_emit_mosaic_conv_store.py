@@ -141,6 +141,11 @@ def _sd_conv2(x, w, b, gamma, beta, r):
     return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5))) + r
 
 
+def _conv_two_residuals(x, w, b, r, s):
+    """A 3x3 conv with a bias and two tensors of its output's shape in its epilogue."""
+    return layers.conv2d({"c.weight": w, "c.bias": b}, "c", x) + r * s
+
+
 def _downsample(x, w, b):
     return layers.conv2d({"c.weight": w, "c.bias": b}, "c", x, stride=2)
 
@@ -193,6 +198,22 @@ def test_a_resnet_conv2_with_its_residual_stores_nhwc(side):
     out, kinds = _run_storing_pixels(plan, args)
     assert sorted(kinds) == ["col", "pixel"] and out.shape == (2, *side, 64)
     _check_against_xla_and_jit(plan, _gn_silu_conv_residual, args, out, _bound(args[3], args[4], args[1], args[2]))
+
+
+def test_two_residuals_on_8x8_images():
+    """A 3x3 conv (128 -> 128) plus the product of two tensors of its output's shape on an 8x8 image:
+    two `pixel` operands of 24 conditional copies each (more barriers than one group holds)."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((1, 8, 8, 128)), jnp.float16)
+    w = jnp.asarray(0.05 * rng.standard_normal((128, 128, 3, 3)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal(128), jnp.float16)
+    r, s = (jnp.asarray(rng.standard_normal((1, 8, 8, 128)), jnp.float16) for _ in range(2))
+    args = (x, w, b, r, s)
+    plan = _plan(_conv_two_residuals, args)
+    out, kinds = _run_storing_pixels(plan, args)
+    assert kinds.count("pixel") == 2
+    scale = float(np.abs(np.asarray(w, np.float32)).sum(axis=(1, 2, 3)).max()) * 4.0 + 16.0
+    _check_against_xla_and_jit(plan, _conv_two_residuals, args, out, scale)
 
 
 _PLANS: dict = {}
@@ -287,7 +308,7 @@ def test_compiles_with_no_slice_or_gather_around_the_conv():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["residual 17x9", "stride 2", "phases"])
+@pytest.mark.parametrize("form", ["residual 17x9", "stride 2", "phases", "two residuals 8x8"])
 def test_compiles_for_sm90a_storing_pixels(form, tmp_path, monkeypatch):
     """Each form compiles for an H100 storing pixels: wgmma with an MMA in flight, TMA loads, no spills."""
     from tests.test_emit_mosaic_conv_ranges import _upsample_conv, assert_compiles_to_one_pipelined_mosaic_kernel
@@ -298,6 +319,9 @@ def test_compiles_for_sm90a_storing_pixels(form, tmp_path, monkeypatch):
                                                    S((192,), F16), S((192,), F16), S((2, 17, 9, 64), F16))),
         "stride 2": (_downsample, (S((2, 32, 32, 320), F16), S((320, 320, 3, 3), F16), S((320,), F16))),
         "phases": (_upsample_conv, (S((2, 8, 8, 320), F16), S((320, 320, 3, 3), F16), S((320,), F16))),
+        # 2 x 24 conditional copies: more barriers than one Mosaic barrier group holds (32)
+        "two residuals 8x8": (_conv_two_residuals, (S((1, 8, 8, 128), F16), S((128, 128, 3, 3), F16), S((128,), F16),
+                                                    S((1, 8, 8, 128), F16), S((1, 8, 8, 128), F16))),
     }[form]
     plan = _plan(fn, args)
     calls = []
@@ -306,4 +330,5 @@ def test_compiles_for_sm90a_storing_pixels(form, tmp_path, monkeypatch):
         patch.setattr(ch, "build", lambda *a, **k: calls.append(k) or original(*a, **k))
         jax.eval_shape(emit.emit(plan, "mosaic", interpret=False), *args)
     assert len(calls) == 1 and calls[0]["view"] is not None
+    assert [o.kind for o in calls[0]["operands"]].count("pixel") == (2 if "two" in form else "residual" in form)
     assert_compiles_to_one_pipelined_mosaic_kernel(plan, args, tmp_path, monkeypatch)

@@ -42,8 +42,8 @@ A 3x3 conv over a nearest-2x upsample (`eqsat.tiling.mosaic.upsample_source`) ru
 form*: a conv over the source (a quarter of the staged rows, no upsampled copy) with N = 4 phases
 `(py, px)` of Cout outputs; a CTA's N tile lies in one phase, which runs a 2x2 window at source
 offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that read that pixel
-(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
-unflatten interleaves the phases (depth-to-space).
+(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. Its
+stores interleave the phases (below; on flat rows `unflatten_phases` does, depth-to-space).
 
 Stride 2 (the UNet's downsamplers): the staging holds the padded input rows in two *row phases*
 (padded rows `2j`, then `2j + 1`, `phase_rows` apart; pitch `Wp` rounded up to even), output pixel
@@ -63,8 +63,25 @@ Each input element is computed once per (CTA, output-channel tile): halo rows tw
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
 The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.prepare` lays out
-K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
-conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
+K x N; each step's 64 rows found by index arithmetic); the inputs are read by the kernel itself.
+
+The output leaves in the conv's own NHWC layout (`stores_pixels`: an NHWC output whose channels the
+N tiles divide; else flat rows that `unflatten` slices, one XLA fusion): per 64 x 64 sub-tile, the
+flat rows are cut into pixel-row segments (the pixels of one output row the sub-tile holds: a tile
+may start and end mid-row, the padding columns between rows are in none), and each segment is
+stored from the unswizzled SMEM sub-tile by TMA copies of static sizes (`row_pieces`: one copy
+where every sub-tile's segment in that row has the same length, else one per bit of the length,
+1, 2, 4, ... rows, each under `pl.when` of its bit; `segments` computes rows and offsets from the
+sub-tile's start), one bulk group per sub-tile. Every pixel is stored once, by the CTA that owns
+its flat row (no races, no store past an array's end: GPU interpret mode drops a partly
+out-of-bounds store whole, so nothing relies on TMA's clipping). A tile operand the epilogue reads
+at the output's own index (a residual) comes in the same segments into an unswizzled SMEM tile
+(`pixel_operands`: a `pixel` operand, the tensor itself; one barrier per copy, waited where it was
+issued), no gather onto the flat rows; rows off the output hold stale values that are never
+stored (the statistics mask them by the row-image table). The phase form's CTAs store phase
+`(py, px)` at output pixels `(2i + py, 2j + px)` of a `[B·h, 2, w, 2·C]` view (`PixelView`): no
+depth-to-space fusion. Stride 2 and strips cut their flat rows the same way (output pitch, a
+strip's columns).
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
 not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
@@ -97,6 +114,9 @@ from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGr
                                  phase_geometry, pixel_view, row_pieces, segment_geometry, stores_pixels, tap_list,
                                  upsample_source)
 from eqsat.types import parse_type
+
+
+BARRIER_GROUP = 32  # barriers one `plgpu.Barrier` may hold ("Only up to 32 barriers per group supported")
 
 
 class HaloUncovered(NotImplementedError):
@@ -384,6 +404,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
               ring_barriers, mask_barrier, operand_barriers, group_smems, pixel_barriers, acc_ref):
 
+        def pixel_barrier(i):  # one per pixel operand's copy: each arrives or not, by its segment
+            return pixel_barriers[i // BARRIER_GROUP].at[i % BARRIER_GROUP]
+
         def copy_rows(p, channels, slot, barrier, start, columns, at):
             for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
                 for i in range(grid.staged_rows):
@@ -514,9 +537,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                         for i, (taken, row, oy, x, size) in enumerate(segs):
                             when(taken, functools.partial(
                                 plgpu.copy_gmem_to_smem, pixel_at(gmem, oy, x, size, col_slice.start),
-                                smem.at[pl.ds(row, size)], pixel_barriers.at[first + i]))
+                                smem.at[pl.ds(row, size)], pixel_barrier(first + i)))
                         for i, (taken, *_rest) in enumerate(segs):
-                            when(taken, functools.partial(plgpu.barrier_wait, pixel_barriers.at[first + i]))
+                            when(taken, functools.partial(plgpu.barrier_wait, pixel_barrier(first + i)))
                         tiles.append(load(smem, plgpu.Layout.WGMMA))  # rows off the output: never stored
                         continue
                     if kind == "tile":
@@ -574,7 +597,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         mask_barrier=plgpu.Barrier(),
         operand_barriers=plgpu.Barrier(num_barriers=max(1, len(kinds))),
         group_smems=[plgpu.SMEM((s.fields, s.padded_slots), jnp.float32) for s in statistics],
-        pixel_barriers=plgpu.Barrier(num_barriers=max(1, kinds.count("pixel") * sum(len(p.sizes) for p in pieces))),
+        pixel_barriers=[plgpu.Barrier(num_barriers=min(BARRIER_GROUP, n - g))  # Mosaic: at most 32 a group
+                        for n in [max(1, kinds.count("pixel") * sum(len(p.sizes) for p in pieces))]
+                        for g in range(0, n, BARRIER_GROUP)],
     )
     def _scope(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
                ring_barriers, mask_barrier, operand_barriers, group_smems, pixel_barriers):
