@@ -6,8 +6,9 @@ without a GPU; every launch that is not a Pallas kernel is glue, and the model's
 Cases are the forms SD 1.5's UNet has: a self-attention over a fused QKV with heads of 40 (Kᵀ, its
 head padded, q and v padded in one fusion, the output sliced), a cross-attention over 77 text
 tokens with heads of 80 (Kᵀ and v padded in one fusion), a 1x1 conv with a residual (its own rows:
-no fusion), a conv over a nearest-2x upsample with prepared phase weights (the unflatten and the
-bias per phase), a merged-shortcut conv with prepared weights."""
+no fusion), a conv over a nearest-2x upsample with prepared phase weights (the bias per phase; its
+phases stored interleaved, no unflatten), a merged-shortcut conv with prepared weights, a 3x3 conv
+with a residual and a downsampler, both storing their pixels (no slice, no residual gather)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def _upsample(params, x):
     return layers.upsample({"u.conv.weight": params["w"], "u.conv.bias": params["b"]}, "u", x)
 
 
+def _conv2_with_residual(params, x, r):
+    """A resnet's conv2: GroupNorm (32 groups) + SiLU, a 3x3 conv with a bias, the residual."""
+    p = {"n.weight": params["gamma"], "n.bias": params["beta"], "c.weight": params["w"], "c.bias": params["b"]}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5))) + r
+
+
+def _downsample(params, x):
+    return layers.conv2d({"c.weight": params["w"], "c.bias": params["b"]}, "c", x, stride=2)
+
+
 def _shortcut(params, x, h):
     p = {"n.weight": params["gamma"], "n.bias": params["beta"], "c.weight": params["w"], "c.bias": params["b"],
          "s.weight": params["ws"], "s.bias": params["bs"]}
@@ -75,6 +86,11 @@ CASES = {
                                                        S((2, 16, 16, 320), F16)), 0),
     "upsample conv, weights prepared": (_upsample, ({"w": S((320, 320, 3, 3), F16), "b": S((320,), F16)},
                                                     S((2, 16, 16, 320), F16)), 0),
+    "3x3 conv with a residual, stored as pixels": (
+        _conv2_with_residual, ({"gamma": S((320,), F16), "beta": S((320,), F16), "w": S((320, 320, 3, 3), F16),
+                                "b": S((320,), F16)}, S((2, 16, 16, 320), F16), S((2, 16, 16, 320), F16)), 0),
+    "downsampler, stored as pixels": (_downsample, ({"w": S((320, 320, 3, 3), F16), "b": S((320,), F16)},
+                                                    S((2, 32, 32, 320), F16)), 0),
     "merged shortcut, weights prepared": (
         _shortcut, ({"gamma": S((640,), F16), "beta": S((640,), F16), "w": S((640, 640, 3, 3), F16),
                      "b": S((640,), F16), "ws": S((640, 320, 1, 1), F16), "bs": S((640,), F16)},
@@ -123,6 +139,10 @@ def test_compiles_with_the_glue_the_model_charges(case, tmp_path):
     fn, args, params_argnums = CASES[case]
     counted, modeled, report = _counted_and_modeled(fn, args, params_argnums, tmp_path)
     assert counted == sum(len(glue) for glue in modeled.values()), (counted, modeled, report.by_category)
+    if "pixels" in case or "upsample" in case:  # the conv stores its pixels: no slice, no residual gather
+        conv_glue = [what for key, glue in modeled.items() if key[1] == "conv" for what in glue]
+        assert not {"output unflattened", "residual on the flat grid"} & set(conv_glue), conv_glue
+        assert not [l.name for l in report.launches if "slice" in l.name or "gather" in l.name], report.by_category
 
 
 @pytest.mark.slow
