@@ -638,8 +638,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output), or with a `view` (`eqsat.tiling.mosaic.pixel_view`) the output itself in that view
     (`unview` reshapes it), each CTA storing its pixels' row segments (`row_pieces`) and reading
-    `pixel` operands (a residual as it lies, in the same view) so: `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
-    channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
+    `pixel` operands (a residual as it lies, in the same view) so: `xs` the raw NHWC input of each
+    K range (`parts`, default one range of all of `xs[0]`'s channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
     (`layout_weight`: `[window · C, N↑]`, `weight_window` its window, default the grid's), `prologues[p](slab, vector tiles)` range p's input expression,
     `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
     laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
@@ -819,6 +819,9 @@ def pixel_operands(epilogue, conv: ConvGeometry, view: PixelView, flat_index: tu
     for i, (tensor, operand, table) in enumerate(zip(tensors, by_pixel, tables)):
         if operand.kind == "tile" and table.shape == linear.shape and np.array_equal(table, linear):
             operands.append(mm.EpilogueOperand("pixel", jnp.reshape(values(tensor), view.shape(conv.batch))))
+            continue
+        if operand.kind == "col":  # the same on any rows
+            operands.append(operand)
             continue
         if flat is None:
             flat = mm.mapped_operands(epilogue, flat_index, (conv.batch, m_padded, n), values)[1]
