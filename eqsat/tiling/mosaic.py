@@ -11,7 +11,7 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     halo_input_loads, halo_blocks, halo_smem_bytes,  `eqsat.tiling.channel_parts`), what it takes, its tiles
     strip_counts, halo_tiling                        and SMEM, its strips of wide rows (emit.mosaic.conv_halo)
     PixelView, pixel_view, row_pieces, stores_pixels, its output stored (and a residual read) per pixel row
-    segment_geometry, segment_copies                 segment by static-size TMA copies (no flat output)
+    segment_geometry, segment_lengths                segment by static-size TMA copies (no flat output)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -534,17 +534,6 @@ def row_pieces(grid: HaloGrid, view: PixelView, epi_m: int) -> tuple[RowPieces, 
     while out and not out[-1].sizes:
         out.pop()
     return tuple(out)
-
-
-def segment_copies(grid: HaloGrid, view: PixelView, epi_m: int) -> int:
-    """TMA copies the windows of one strip and image issue, summed (each taken piece of `row_pieces`)."""
-    pieces = row_pieces(grid, view, epi_m)
-    total = 0
-    for row in segment_lengths(grid, view, epi_m):
-        for r, p in enumerate(pieces):
-            length = row[r] if r < len(row) else 0
-            total += bin(length).count("1") if p.conditional else len(p.sizes)
-    return total
 
 
 def strip_counts(geometry: ConvGeometry) -> list[int]:
