@@ -69,9 +69,12 @@ def _implied(launch) -> dict:
         tables = operands[len(parts) + 2:len(parts) + 2 + n_vectors]  # [B', rows, C] each
         steps = sum(part.chunks * len(part.tap_list) for part in parts)
         sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+        epilogue_operands = list(zip(kw["kinds"], operands[len(parts) + 2 + n_vectors:]))
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
                                          "row": blocks.epi_m}[kind]
-                       for kind, (_shape, dtype) in zip(kw["kinds"], operands[len(parts) + 2 + n_vectors:]))
+                       for kind, (_shape, dtype) in epilogue_operands if kind != "pixel")
+        # a residual read as it lies: each of its elements once, by the CTA storing that pixel
+        pixels = sum(math.prod(shape) * dtype.itemsize for kind, (shape, dtype) in epilogue_operands if kind == "pixel")
         vectors = sum(part.chunks * sum(rows * 64 * tables[t][1].itemsize for t, _row, rows in part.vectors)
                       for part in parts)
         # a staged row copies its strip's columns inside the image: the whole row without strips
@@ -79,6 +82,7 @@ def _implied(launch) -> dict:
         assert halo.strips > 1 or columns == width
         staged = (ctas // halo.strips) * sum(part.chunks for part in parts) * halo.row_copies * columns * 64 * item
         tma = staged + ctas * (vectors + steps * 64 * blocks.tile_n * item + halo.staging * 2 + sub_tiles * epilogue)
+        tma += pixels
         return {"ctas": ctas, "wgmma_flops": 2.0 * ctas * blocks.tile_m * blocks.tile_n * steps * 64,
                 "tma_bytes": tma, "stages": blocks.stages}
     if body.func is matmul._kernel:  # the matmul and the conv (an A window)
@@ -172,6 +176,13 @@ CASES = {
     # TMA, the prologue in SMEM), a residual and per-image statistics
     "conv 15x15 gn haloed": (_gn_silu_conv_residual, (S((2, 15, 15, 192), F16), S((80, 192, 3, 3), F16), S((80,), F16),
                                                       S((192,), F16), S((192,), F16), S((2, 15, 15, 80), F16))),
+    # 64 outputs on 15x15 and 17x9 images: the output stored as pixels, the residual read as it lies
+    "conv 15x15 gn residual as pixels": (_gn_silu_conv_residual, (S((2, 15, 15, 192), F16), S((64, 192, 3, 3), F16),
+                                                                  S((64,), F16), S((192,), F16), S((192,), F16),
+                                                                  S((2, 15, 15, 64), F16))),
+    "conv 17x9 gn residual as pixels": (_gn_silu_conv_residual, (S((1, 17, 9, 192), F16), S((128, 192, 3, 3), F16),
+                                                                 S((128,), F16), S((192,), F16), S((192,), F16),
+                                                                 S((1, 17, 9, 128), F16))),
     # concat(h, skip) under the GroupNorm: two K ranges, each its own staged tensor and prologue
     "conv concat gn haloed": (_gn_silu_concat_conv, (S((1, 15, 15, 192), F16), S((1, 15, 15, 192), F16),
                                                      S((384,), F16), S((384,), F16), S((16, 384, 3, 3), F16),
@@ -451,3 +462,24 @@ def test_a_groupnorm_a_mosaic_conv_writes_needs_no_reduce_kernel(fn, cin, extra,
         warnings.simplefilter("error", TritonFallbackWarning)
         closed = jax.make_jaxpr(emit.emit(plan, "mosaic", interpret=False)._run_leaves)(list(args))
     assert len(launches) + len(pallas_calls(closed.jaxpr)) == len(plan.kernels) + len(reduced)
+
+
+@pytest.mark.parametrize("case", ["conv 15x15 gn residual as pixels", "conv 17x9 gn residual as pixels",
+                                  "conv upsample haloed"])
+def test_a_conv_storing_pixels_is_charged_no_slice_and_no_residual_gather(case, launches):
+    """Where the haloed conv stores its output's pixels itself (`stores_pixels`: NHWC, whole N tiles)
+    the model charges no unflatten and no residual on the flat grid, and stores only the pixels; the
+    template launched so: its output the NHWC elements, its residual a `pixel` operand."""
+    from emit.mosaic import conv_halo
+
+    fn, args = CASES[case]
+    lowered = _plan(fn, args)
+    (term,) = [k.term for k in lowered.plan.kernels if k.op == "Conv"]
+    work = mosaic_work(term)
+    glue = {g.what for g in work.glue}
+    assert not glue & {"output unflattened", "residual on the flat grid"}, glue
+    out = jax.eval_shape(emit.emit(lowered.plan, "mosaic", interpret=False), *args)
+    assert work.store_bytes == math.prod(out.shape) * 2
+    (launch,) = [rec for rec in launches if rec["body"].func is conv_halo._kernel]
+    assert launch["body"].keywords["view"] is not None
+    assert ("pixel" in launch["body"].keywords["kinds"]) == ("residual" in case)

@@ -7,9 +7,10 @@ Cases are the forms SD 1.5's UNet has: a self-attention over a fused QKV with he
 v padded to heads of 48 in one fusion, the output sliced), one with heads of 80 (read in place: no
 fusion), a cross-attention over 77 text tokens with heads of 80 (K and v padded to 80 keys in one
 fusion), both with heads of 40 and weights prepared (heads padded by the projections: nothing
-around a self-attention), a 1x1 conv with a residual (its own rows:
-no fusion), a conv over a nearest-2x upsample with prepared phase weights (the unflatten and the
-bias per phase), a merged-shortcut conv with prepared weights."""
+around a self-attention), a 1x1 conv with a residual (its own rows: no fusion), a conv over a
+nearest-2x upsample with prepared phase weights (the bias per phase; its phases stored interleaved,
+no unflatten), a merged-shortcut conv with prepared weights, a 3x3 conv with a residual and a
+downsampler, both storing their pixels (no slice, no residual gather)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def _upsample(params, x):
     return layers.upsample({"u.conv.weight": params["w"], "u.conv.bias": params["b"]}, "u", x)
 
 
+def _conv2_with_residual(params, x, r):
+    """A resnet's conv2: GroupNorm (32 groups) + SiLU, a 3x3 conv with a bias, the residual."""
+    p = {"n.weight": params["gamma"], "n.bias": params["beta"], "c.weight": params["w"], "c.bias": params["b"]}
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", x, 32, 1e-5))) + r
+
+
+def _downsample(params, x):
+    return layers.conv2d({"c.weight": params["w"], "c.bias": params["b"]}, "c", x, stride=2)
+
+
 def _shortcut(params, x, h):
     p = {"n.weight": params["gamma"], "n.bias": params["beta"], "c.weight": params["w"], "c.bias": params["b"],
          "s.weight": params["ws"], "s.bias": params["bs"]}
@@ -101,6 +112,11 @@ CASES = {
                                                        S((2, 16, 16, 320), F16)), 0),
     "upsample conv, weights prepared": (_upsample, ({"w": S((320, 320, 3, 3), F16), "b": S((320,), F16)},
                                                     S((2, 16, 16, 320), F16)), 0),
+    "3x3 conv with a residual, stored as pixels": (
+        _conv2_with_residual, ({"gamma": S((320,), F16), "beta": S((320,), F16), "w": S((320, 320, 3, 3), F16),
+                                "b": S((320,), F16)}, S((2, 16, 16, 320), F16), S((2, 16, 16, 320), F16)), 0),
+    "downsampler, stored as pixels": (_downsample, ({"w": S((320, 320, 3, 3), F16), "b": S((320,), F16)},
+                                                    S((2, 32, 32, 320), F16)), 0),
     "merged shortcut, weights prepared": (
         _shortcut, ({"gamma": S((640,), F16), "beta": S((640,), F16), "w": S((640, 640, 3, 3), F16),
                      "b": S((640,), F16), "ws": S((640, 320, 1, 1), F16), "bs": S((640,), F16)},
@@ -150,6 +166,12 @@ def test_compiles_with_the_glue_the_model_charges(case, tmp_path):
     fn, args, params_argnums = CASES[case]
     counted, modeled, report = _counted_and_modeled(fn, args, params_argnums, tmp_path)
     assert counted == sum(len(glue) for glue in modeled.values()), (counted, modeled, report.by_category)
+    if "pixels" in case or "upsample" in case:  # the conv stores its pixels: no slice, no residual gather
+        conv_glue = [what for key, glue in modeled.items() if key[1] == "conv" for what in glue]
+        assert not {"output unflattened", "residual on the flat grid"} & set(conv_glue), conv_glue
+        assert not [l.name for l in report.launches if "slice" in l.name], report.by_category
+        gathers = [l.name for l in report.launches if "gather" in l.name]  # only the bias onto the phases' columns
+        assert len(gathers) == conv_glue.count("column vector per phase"), (gathers, conv_glue)
 
 
 @pytest.mark.slow

@@ -42,8 +42,8 @@ A 3x3 conv over a nearest-2x upsample (`eqsat.tiling.mosaic.upsample_source`) ru
 form*: a conv over the source (a quarter of the staged rows, no upsampled copy) with N = 4 phases
 `(py, px)` of Cout outputs; a CTA's N tile lies in one phase, which runs a 2x2 window at source
 offsets `(py + a, px + b)` of the 3x3 halo with weights summing the taps that read that pixel
-(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. The
-unflatten interleaves the phases (depth-to-space).
+(`phase_weights`): 4 of the 9 taps, so an inf the phase never reads never meets a zero weight. Its
+stores interleave the phases (below; on flat rows `unflatten_phases` does, depth-to-space).
 
 Stride 2 (the UNet's downsamplers): the staging holds the padded input rows in two *row phases*
 (padded rows `2j`, then `2j + 1`, `phase_rows` apart; pitch `Wp` rounded up to even), output pixel
@@ -63,8 +63,25 @@ Each input element is computed once per (CTA, output-channel tile): halo rows tw
 stage them (`staging / tile_m` evaluations per output row). The epilogue is the matmul's
 (`emit.mosaic.matmul`: operands mapped onto the flat rows on the host, TMA'd per 64 x 64 sub-tile).
 The weight is read as it lies (`[ky, kx, in]` rows: a view of the weight `emit.prepare` lays out
-K x N; each step's 64 rows found by index arithmetic), and the flat output is sliced back to the
-conv's output layout (one XLA fusion); the inputs are read by the kernel itself.
+K x N; each step's 64 rows found by index arithmetic); the inputs are read by the kernel itself.
+
+The output leaves in the conv's own NHWC layout (`stores_pixels`: an NHWC output whose channels the
+N tiles divide; else flat rows that `unflatten` slices, one XLA fusion): per 64 x 64 sub-tile, the
+flat rows are cut into pixel-row segments (the pixels of one output row the sub-tile holds: a tile
+may start and end mid-row, the padding columns between rows are in none), and each segment is
+stored from the unswizzled SMEM sub-tile by TMA copies of static sizes (`row_pieces`: one copy
+where every sub-tile's segment in that row has the same length, else one per bit of the length,
+1, 2, 4, ... rows, each under `pl.when` of its bit; `segments` computes rows and offsets from the
+sub-tile's start), one bulk group per sub-tile. Every pixel is stored once, by the CTA that owns
+its flat row (no races, no store past an array's end: GPU interpret mode drops a partly
+out-of-bounds store whole, so nothing relies on TMA's clipping). A tile operand the epilogue reads
+at the output's own index (a residual) comes in the same segments into an unswizzled SMEM tile
+(`pixel_operands`: a `pixel` operand, the tensor itself; one barrier per copy, waited where it was
+issued), no gather onto the flat rows; rows off the output hold stale values that are never
+stored (the statistics mask them by the row-image table). The phase form's CTAs store phase
+`(py, px)` at output pixels `(2i + py, 2j + px)` of a `[B·h, 2, w, 2·C]` view (`PixelView`): no
+depth-to-space fusion. Stride 2 and strips cut their flat rows the same way (output pitch, a
+strip's columns).
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
 not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
@@ -92,10 +109,14 @@ from emit import expr as ex
 from emit.mosaic import matmul as mm
 from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
-from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks,
+from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, PixelView,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
-                                 phase_geometry, tap_list, upsample_source)
+                                 phase_geometry, pixel_view, row_pieces, segment_geometry, stores_pixels, tap_list,
+                                 upsample_source)
 from eqsat.types import parse_type
+
+
+BARRIER_GROUP = 32  # barriers one `plgpu.Barrier` may hold ("Only up to 32 barriers per group supported")
 
 
 class HaloUncovered(NotImplementedError):
@@ -301,11 +322,34 @@ def plan_parts(parts: Sequence[tuple]) -> tuple[PartPlan, ...]:
     return tuple(out)
 
 
+def segments(window, pieces: Sequence, segment: tuple[int, int, int], epi_m: int) -> list[tuple]:
+    """`(taken, SMEM row, view row, view column, rows)` of each TMA copy moving the `epi_m` flat rows
+    from a strip's flat row `window` (an int32 scalar) as pixel-row segments: `pieces` the
+    `row_pieces` (static sizes), `segment` the `segment_geometry`; `taken` None where every window
+    copies the piece, else whether this one's segment length has that bit. Rows of the window off
+    the output (padding columns, rows past the image) are in none."""
+    pitch, width, rows = segment
+    first = lax.div(window, pitch)
+    out = []
+    for r, piece in enumerate(pieces):
+        oy = first + r
+        start = jnp.maximum(window, oy * pitch)
+        length = jnp.where(oy < rows, jnp.maximum(jnp.minimum(window + epi_m, oy * pitch + width) - start, 0), 0)
+        for size in piece.sizes:
+            if piece.conditional:  # after the larger pieces of this length
+                at = start + jnp.bitwise_and(length, -2 * size)
+                out.append((jnp.bitwise_and(length, size) != 0, at - window, oy, at - oy * pitch, size))
+            else:
+                out.append((None, start - window, oy, start - oy * pitch, size))
+    return out
+
+
 def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, ...], n_vectors: int,
             vector_shared: tuple[bool, ...], vector_rows: tuple[int, ...], kinds: tuple[str, ...],
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
             weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None,
-            statistics: tuple = (), n_tiles: int = 1):
+            statistics: tuple = (), n_tiles: int = 1, view: PixelView | None = None, pieces: tuple = (),
+            segment: tuple = ()):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -336,12 +380,32 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         return ref[...] if interpreted else plgpu.load(ref, (), layout=layout)
 
     def operand_smem(kind, dt):
+        if kind == "pixel":  # rows land at any SMEM row (one TMA copy per pixel-row segment): unswizzled
+            return plgpu.SMEM((epi_m, epi_n), dt)
         if kind == "tile":
             return plgpu.SMEM((epi_m, epi_n), dt, transforms=mm._swizzled(epi_n, dt))
         return plgpu.SMEM((epi_m if kind == "row" else epi_n,), dt)
 
+    def when(taken, action):
+        if taken is None:
+            action()
+        else:
+            pl.when(taken)(action)
+
+    def pixel_at(gmem, oy, x, size, col):
+        """The `[size, epi_n]` view box of pixels `x..` of output row `oy` (of this CTA's image, strip
+        and phase), output columns `col..` (the phase form: of this CTA's phase)."""
+        if phase_cols:
+            row_phase, col = lax.div(phase, 2), lax.rem(phase, 2) * phase_cols + col - phase * phase_cols
+        else:
+            row_phase = 0
+        return gmem.at[b_idx * view.rows + oy, row_phase, pl.ds(strip * grid.strip_width + x, size), pl.ds(col, epi_n)]
+
     def _body(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
-              ring_barriers, mask_barrier, operand_barriers, group_smems, acc_ref):
+              ring_barriers, mask_barrier, operand_barriers, group_smems, pixel_barriers, acc_ref):
+
+        def pixel_barrier(i):  # one per pixel operand's copy: each arrives or not, by its segment
+            return pixel_barriers[i // BARRIER_GROUP].at[i % BARRIER_GROUP]
 
         def copy_rows(p, channels, slot, barrier, start, columns, at):
             for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
@@ -458,7 +522,9 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         acc = acc_ref[...]
         rows0 = b_idx * m_padded + m_idx * tile_m
         groups = [None] * len(statistics)
+        pixel_operands = [o for o, kind in enumerate(kinds) if kind == "pixel"]
         for em in range(tile_m // epi_m):
+            segs = segments(q0 + em * epi_m, pieces, segment, epi_m) if view is not None else []
             for en in range(tile_n // epi_n):
                 slot = (em * (tile_n // epi_n) + en) % 2
                 row_slice = pl.ds(m_idx * tile_m + em * epi_m, epi_m)
@@ -466,6 +532,16 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                 tiles = []
                 for o, (kind, gmem, smem) in enumerate(zip(kinds, operand_gmems, operand_smems)):
                     batch = 0 if operand_shared[o] else b_idx
+                    if kind == "pixel":  # read as it lies: the output's pixel-row segments
+                        first = pixel_operands.index(o) * len(segs)
+                        for i, (taken, row, oy, x, size) in enumerate(segs):
+                            when(taken, functools.partial(
+                                plgpu.copy_gmem_to_smem, pixel_at(gmem, oy, x, size, col_slice.start),
+                                smem.at[pl.ds(row, size)], pixel_barrier(first + i)))
+                        for i, (taken, *_rest) in enumerate(segs):
+                            when(taken, functools.partial(plgpu.barrier_wait, pixel_barrier(first + i)))
+                        tiles.append(load(smem, plgpu.Layout.WGMMA))  # rows off the output: never stored
+                        continue
                     if kind == "tile":
                         src = gmem.at[batch, row_slice, col_slice]
                     else:
@@ -488,7 +564,14 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                 stored = value.astype(out_dtype)
                 out_smem[slot] = stored
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+                if view is None:
+                    plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
+                else:  # the output pixels' segments, one group per sub-tile
+                    for taken, row, oy, x, size in segs:
+                        when(taken, functools.partial(
+                            plgpu.copy_smem_to_gmem, out_smem.at[slot, pl.ds(row, size)],
+                            pixel_at(out_gmem, oy, x, size, col_slice.start), commit_group=False))
+                    plgpu.commit_smem_to_gmem_group()
                 channel0 = n_idx * tile_n + en * epi_n - (phase * phase_cols if phase_cols else 0)
                 for s, statistic in enumerate(statistics):
                     part = group_partials(statistic, stored, row_image, b_idx, channel0, 1, interpreted)
@@ -505,7 +588,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         a_tiles=plgpu.SMEM((2, tile_m, CHUNK), dtype, transforms=mm._swizzled(CHUNK, dtype)),
         mask_smem=plgpu.SMEM((grid.staging // 64, 64), mask_gmem.dtype),
         vector_smems=[plgpu.SMEM((2, rows, CHUNK), ref.dtype) for ref, rows in zip(vector_gmems, vector_rows)],
-        out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=mm._swizzled(epi_n, out_dtype)),
+        out_smem=plgpu.SMEM((2, epi_m, epi_n), out_dtype,
+                            transforms=() if view is not None else mm._swizzled(epi_n, out_dtype)),
         operand_smems=[operand_smem(kind, ref.dtype) for kind, ref in zip(kinds, operand_gmems)],
         staged_barriers=[plgpu.Barrier(num_arrivals=grid.row_copies + len(part.vectors), num_barriers=2)
                          for part in parts],
@@ -513,11 +597,15 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
         mask_barrier=plgpu.Barrier(),
         operand_barriers=plgpu.Barrier(num_barriers=max(1, len(kinds))),
         group_smems=[plgpu.SMEM((s.fields, s.padded_slots), jnp.float32) for s in statistics],
+        pixel_barriers=[plgpu.Barrier(num_barriers=min(BARRIER_GROUP, n - g))  # Mosaic: at most 32 a group
+                        for n in [max(1, kinds.count("pixel") * sum(len(p.sizes) for p in pieces))]
+                        for g in range(0, n, BARRIER_GROUP)],
     )
     def _scope(staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems, staged_barriers,
-               ring_barriers, mask_barrier, operand_barriers, group_smems):
+               ring_barriers, mask_barrier, operand_barriers, group_smems, pixel_barriers):
         pl.run_scoped(functools.partial(_body, staged, ring, a_tiles, mask_smem, vector_smems, out_smem, operand_smems,
-                                        staged_barriers, ring_barriers, mask_barrier, operand_barriers, group_smems),
+                                        staged_barriers, ring_barriers, mask_barrier, operand_barriers, group_smems,
+                                        pixel_barriers),
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
 
@@ -546,10 +634,12 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
           name: str = "conv", weight_window: tuple[int, int] | None = None,
-          phase_cols: int | None = None, statistics: Sequence = ()):
+          phase_cols: int | None = None, statistics: Sequence = (), view: PixelView | None = None):
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
-    output): `xs` the raw NHWC input of each K range (`parts`, default one range of all of `xs[0]`'s
-    channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
+    output), or with a `view` (`eqsat.tiling.mosaic.pixel_view`) the output itself in that view
+    (`unview` reshapes it), each CTA storing its pixels' row segments (`row_pieces`) and reading
+    `pixel` operands (a residual as it lies, in the same view) so: `xs` the raw NHWC input of each
+    K range (`parts`, default one range of all of `xs[0]`'s channels over the whole window), `w` the conv's weight as it lies, `[ky, kx, in]` rows
     (`layout_weight`: `[window · C, N↑]`, `weight_window` its window, default the grid's), `prologues[p](slab, vector tiles)` range p's input expression,
     `vectors` the `[B', R, C]` tables the ranges' vector copies read, `operands` the epilogue's,
     laid out over `[B', m_padded, N↑]` flat rows. `phase_cols`: the phase form of a conv over a
@@ -586,8 +676,17 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         mask = np.concatenate([mask, np.zeros_like(mask[:1])])  # call; one unread zero tile keeps it a literal
     mask = jnp.asarray(mask)
     arrays, kinds, shared = [], [], []
+    if view is not None and (n_padded != (4 if phase_cols else 1) * view.channels or view.channels % blocks.tile_n):
+        raise ValueError(f"a pixel view of {view.channels} channels for N = {n_padded} in tiles of {blocks.tile_n}")
     for operand in operands:
         a = operand.array
+        if operand.kind == "pixel":
+            if view is None or tuple(a.shape) != view.shape(batch):
+                raise ValueError(f"a pixel operand of shape {a.shape} for the view {view}")
+            arrays.append(a)
+            kinds.append("pixel")
+            shared.append(False)
+            continue
         target = {"tile": (a.shape[0], m_padded, n_padded), "col": (a.shape[0], n_padded),
                   "row": (a.shape[0], m_padded)}[operand.kind]
         arrays.append(mm.pad_to(a, target))
@@ -601,7 +700,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         kinds.append("row")
         shared.append(False)
     grid_shape = (n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch)
-    out_type = (jax.ShapeDtypeStruct((batch * m_padded, n_padded), out_dtype),
+    out_shape = (batch * m_padded, n_padded) if view is None else view.shape(batch)
+    out_type = (jax.ShapeDtypeStruct(out_shape, out_dtype),
                 *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics))
     out_type = out_type if statistics else out_type[0]
 
@@ -612,7 +712,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
                               kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
                               epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
                               weight_window=weight_window, weight_channels=weight_channels,
-                              phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0]),
+                              phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0], view=view,
+                              pieces=row_pieces(grid, view, blocks.epi_m) if view is not None else (),
+                              segment=segment_geometry(grid, view) if view is not None else ()),
             out_type=out_type,
             grid=grid_shape,
             grid_names=("n", "m", "b"),
@@ -631,8 +733,13 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         out = call(False)(*operands_in)
     if statistics:
         out, *partials = out
-        return out.reshape(batch, m_padded, n_padded), partials
-    return out.reshape(batch, m_padded, n_padded)
+        return (out.reshape(batch, m_padded, n_padded) if view is None else out), partials
+    return out.reshape(batch, m_padded, n_padded) if view is None else out
+
+
+def unview(out: jax.Array, conv: ConvGeometry) -> jax.Array:
+    """`build`'s output in its pixel view as the conv's (NHWC) output: a reshape, no copy."""
+    return out.reshape(conv.batch, *conv.out_size, conv.out_features)
 
 
 def _strips_side_by_side(out: jax.Array, grid: HaloGrid, columns: int) -> jax.Array:
@@ -679,6 +786,47 @@ def output_index(grid: HaloGrid, m_padded: int, out_features: int) -> tuple:
     oy, ox, valid = _flat_pixels(grid, m_padded)
     oy, ox = np.where(valid, oy, 0), np.where(valid, ox, 0)
     return _place(g.params.out_spec, (b, np.arange(out_features).reshape(1, 1, -1), oy, ox))
+
+
+# --- the output and a residual as they lie: pixel-row segments ------------------------------------
+
+
+def pixel_index(view: PixelView, conv: ConvGeometry) -> tuple[tuple, np.ndarray]:
+    """`(index, linear)`: the conv output's index at each pixel of the view in order and output
+    column (the phase form's phase-major), `[batch, pixels, N]`, and the NHWC linear position of each."""
+    ho, wo = conv.out_size
+    rows, cols = (ho, wo) if view.py == 1 else (ho // 2, wo // 2)
+    n = np.arange(view.py * view.px * view.channels).reshape(1, 1, -1)
+    b = np.arange(conv.batch).reshape(-1, 1, 1)
+    pixel = np.arange(rows * cols).reshape(1, -1, 1)
+    phase, c = n // view.channels, n % view.channels
+    oy = (pixel // cols) * view.py + phase // 2 * (view.py - 1)
+    ox = (pixel % cols) * view.px + phase % 2 * (view.px - 1)
+    return _place(conv.params.out_spec, (b, c, oy, ox)), ((b * ho + oy) * wo + ox) * view.channels + c
+
+
+def pixel_operands(epilogue, conv: ConvGeometry, view: PixelView, flat_index: tuple, m_padded: int, n: int,
+                   values) -> tuple[list, list]:
+    """`mm.mapped_operands` where the kernel stores pixels (`build`'s `view`): a tile operand read at
+    the output's own index (a residual: a tensor with the output's NHWC elements) is a `pixel`
+    operand, the tensor itself in the view (a reshape: no gather); the others are mapped onto the
+    flat rows (`flat_index`) as before."""
+    index, linear = pixel_index(view, conv)
+    tables = []
+    tensors, by_pixel = mm.mapped_operands(epilogue, index, (conv.batch, linear.shape[1], n), values, tables)
+    flat = None
+    operands = []
+    for i, (tensor, operand, table) in enumerate(zip(tensors, by_pixel, tables)):
+        if operand.kind == "tile" and table.shape == linear.shape and np.array_equal(table, linear):
+            operands.append(mm.EpilogueOperand("pixel", jnp.reshape(values(tensor), view.shape(conv.batch))))
+            continue
+        if operand.kind == "col":  # the same on any rows
+            operands.append(operand)
+            continue
+        if flat is None:
+            flat = mm.mapped_operands(epilogue, flat_index, (conv.batch, m_padded, n), values)[1]
+        operands.append(flat[i])
+    return tensors, operands
 
 
 # --- a conv over a nearest-2x upsample: four output phases of a conv over the source ---------------
@@ -789,8 +937,11 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
     m_padded = grid.m_padded
     out_index = (output_index(grid, m_padded, geometry.out_features) if upsampled is None
                  else phase_output_index(grid, m_padded, conv_geometry))
+    view = (pixel_view(grid, conv_geometry.out_features, phases=upsampled is not None)
+            if stores_pixels(conv_geometry, n_padded, blocks.tile_n, upsampled is not None) else None)
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
-                                               ctx.value)
+                                               ctx.value) if view is None else \
+        pixel_operands(epilogue, conv_geometry, view, out_index, m_padded, geometry.out_features, ctx.value)
 
     from emit.mosaic.layouts import prepared_halo_weight
 
@@ -808,8 +959,11 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
-                 phase_cols=conv_geometry.out_features if upsampled is not None else None, statistics=statistics)
+                 phase_cols=conv_geometry.out_features if upsampled is not None else None, statistics=statistics,
+                 view=view)
     flat, partials = flat if statistics else (flat, [])
+    if view is not None:
+        return {term: unview(flat, conv_geometry)}, partials
     if upsampled is not None:
         return {term: unflatten_phases(flat, grid, conv_geometry)}, partials
     return {term: unflatten(flat, grid, geometry.out_features)}, partials

@@ -111,13 +111,15 @@ def interpret_params(tma_zero_fill: bool = False):
 @dataclasses.dataclass(frozen=True)
 class EpilogueOperand:
     """An array the epilogue reads, laid out for TMA: `tile` `[batch', M, N]`, `col` `[batch', N]`,
-    `row` `[batch', M]` (batch' is 1 when it does not depend on the batch index)."""
+    `row` `[batch', M]` (batch' is 1 when it does not depend on the batch index); `pixel` (the
+    haloed conv's) the conv output's pixel view of a tensor read at the output's own index
+    (`eqsat.tiling.mosaic.PixelView`)."""
 
     kind: str
     array: jax.Array
 
     def __post_init__(self):
-        if self.kind not in ("tile", "col", "row"):
+        if self.kind not in ("tile", "col", "row", "pixel"):
             raise ValueError(f"epilogue operand kind {self.kind!r}")
 
 
@@ -698,9 +700,11 @@ def epilogue_operands(epilogue: Term, axes, values: Callable[[Term], jax.Array])
     return mapped_operands(epilogue, axes.out_index(b, rows, cols), (batch, m, n), values)
 
 
-def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int], values: Callable[[Term], jax.Array]):
+def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
+                    tables: list | None = None):
     """`epilogue_operands` for any output layout: `out_index` is the epilogue's index (NumPy arrays
-    broadcasting to `shape` `[batch, m, n]`) at each element of the kernel's output."""
+    broadcasting to `shape` `[batch, m, n]`) at each element of the kernel's output. `tables`: a list
+    each operand's flat element indices are appended to (`[batch', m, n]`, or a row or column's)."""
     batch, m, n = shape
     memory = _RecordingMemory()
     check = _reads_accumulator_at(out_index)
@@ -737,6 +741,8 @@ def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int
             array = value[table]  # a static gather, once per call
         tensors.append(tensor)
         operands.append(EpilogueOperand(kind, array))
+        if tables is not None:
+            tables.append(table)
     return tensors, operands
 
 

@@ -8,7 +8,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back; an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
-| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); a residual on the flat rows and the output unflattened, unless the flat rows are the output's (a 1x1 conv without padding); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); where the kernel does not store the output's pixels itself (`stores_pixels`: an NHWC output whose channels the N tiles divide) the output unflattened and a residual on the flat rows, unless the flat rows are the output's (a 1x1 conv without padding; storing pixels, a residual read at the output's own index is read as it lies, `pixel_reads`, and only the pixels are stored); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, K and V per key block (and the bias) | q, k, v not read where they lie (`stored_heads`: heads of one `[B, S, heads·D]` tensor, its sequence whole tiles, D a multiple of 16) written laid out, one multi-output fusion per source tensor; a materialized float32 bias; the padded output sliced (`attention_glue`) |
 
@@ -53,7 +53,8 @@ from eqsat.tiling.conv import ConvGeometry
 from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MAX_HEAD, MMA_DTYPES, AttentionBlocks,
                                  FlatGrid, MosaicBlocks, default_blocks, fit_ring, fit_smem, fits_tiles,
                                  halo_input_loads, halo_parts, halo_tiling, halo_uncovered, matmul_in_place, minor_tile, padded_head,
-                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, tile_fits, vector_fits)
+                                 phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, stores_pixels,
+                                 tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -406,6 +407,33 @@ def loaded_tensors(expr: Term) -> list[Term]:
             seen.add(id(node.args[0]))
             tensors.append(node.args[0])
     return tensors
+
+
+def pixel_reads(epilogue: Term | None, out_elements: int) -> list[int]:
+    """Itemsizes of the tensors of the output's size an epilogue reads only at the output's own
+    element (through elementwise nodes and reshapes: a residual): the haloed conv storing pixels
+    reads them as they lie (`emit.mosaic.conv_halo.pixel_operands`), one per tensor."""
+    if epilogue is None:
+        return []
+    own, other = {}, set()
+    stack = [(epilogue, True)]
+    seen = set()
+    while stack:
+        node, at_own = stack.pop()
+        if (id(node), at_own) in seen:
+            continue
+        seen.add((id(node), at_own))
+        if node.op == "Load":
+            tensor = node.args[0]
+            if at_own and size_of(tensor.ty) == out_elements:
+                own[id(tensor)] = _itemsize(tensor.ty)
+            else:
+                other.add(id(tensor))
+            continue
+        through = at_own and node.op in ("Unary", "Binary", "Select", "Reshape")
+        stack.extend((child, through and size_of(child.ty) == size_of(node.ty))
+                     for child in node.children if child.sort == "Expr")
+    return [item for key, item in own.items() if key not in other]
 
 
 @dataclass(frozen=True)
@@ -797,8 +825,10 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     range's per-channel vectors by TMA, per step (chunk x tap) a `[64, tile_n]` weight tile; the
     inputs read as they lie (no fusion), the fusions: the weights as `[steps·64, N↑]` unless the
     kernel reads them as they lie (`halo_weight_in_place`: the prepared layout), the vectors
-    gathered per channel into one float32 table (unless one range reads them all as views), a
-    residual mapped onto the flat rows, the output unflattened. The input expressions run on every
+    gathered per channel into one float32 table (unless one range reads them all as views), and
+    where the kernel does not store the output's pixels (`stores_pixels`) a residual mapped onto the
+    flat rows and the output unflattened; storing pixels, the pixels of the output and of each
+    residual read at its own index (`pixel_reads`) are the TMA bytes, no padded rows. The input expressions run on every
     staged element of every CTA (halo rows in two CTAs, each output-channel tile again): their flops
     beyond one evaluation per element are `alu_flops`. `phase_outputs`: the phase form of a conv over
     a nearest-2x upsample (`phase_geometry`: `geometry` is the source's, N four phases of that many
@@ -820,6 +850,7 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
         vectors = [_itemsize(node.args[0].ty) for node in vector_loads[0]]
         per_chunk = [sum(vectors) * CHUNK]
     reads = EpilogueReads.of(epilogue, out_elements, out_elements // max(cout, 1))
+    in_place = pixel_reads(epilogue, out_elements)
     tiling = halo_tiling(geometry, cout, vectors, reads.smem_operands, out_item, batch)
     if tiling is None:
         return None
@@ -837,9 +868,16 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     n_tiles = n_padded // blocks.tile_n
     ctas = batch * grid.strips * grid.m_tiles * n_tiles
     sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
+    # stored as pixels (`stores_pixels`): the output's pixels and a residual's, in segments; no flat rows
+    pixels = stores_pixels(geometry, n_padded, blocks.tile_n, bool(phase_outputs))
+    pixel_tiles = [i for i in in_place if pixels]
+    flat_tiles = list(reads.tiles)
+    for i in pixel_tiles:
+        flat_tiles.remove(i)
+    pixel_bytes = batch * math.prod(geometry.out_size) * n_padded * sum(pixel_tiles)
     per_cta = (sum(c * v for c, v in zip(chunks, per_chunk))
                + steps * CHUNK * blocks.tile_n * item + grid.staging * 2
-               + sub_tiles * (sum(reads.tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
+               + sub_tiles * (sum(flat_tiles) * blocks.epi_m * blocks.epi_n + sum(reads.cols) * blocks.epi_n
                               + sum(reads.rows) * blocks.epi_m))
     # each staged row: its strip's columns inside the image (`HaloGrid.strip_columns`), per chunk
     staged = batch * grid.m_tiles * n_tiles * sum(chunks) * grid.row_copies * grid.copied_columns * CHUNK * item
@@ -849,7 +887,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     vector_bytes = (batch * sum(rows) * widest * 4 if gathered  # B' = batch: at most
                     else sum(batch * parts[0][3] * v for v in vectors))
     mask_bytes = grid.strips * grid.m_tiles * grid.staging * 2
-    epilogue_read = batch * m_padded * (sum(reads.tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+    epilogue_read = (batch * m_padded * (sum(flat_tiles) * n_padded + sum(reads.rows)) + sum(reads.cols) * n_padded
+                     + pixel_bytes)
     glue = []
     if not halo_weight_in_place(rhs, params, parts, n_padded, cout, phase_outputs):
         glue.append(Glue("weights laid out", w_bytes))
@@ -859,13 +898,15 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     # residual is read and the output written in place (`mapped_operands` and `unflatten` are views)
     (ho, wo), out_spec = geometry.out_size, tuple(ConvParams.parse(params).out_spec)
     flat_is_output = not phase_outputs and grid.pitch == wo and m_padded == ho * wo and out_spec == (0, 3, 1, 2)
-    for item_bytes in reads.tiles:
+    for item_bytes in flat_tiles:
         if not flat_is_output:
             glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
     if phase_outputs:  # a column vector (the bias) gathered onto the phase-major columns
         glue += [Glue("column vector per phase", n_padded * item_bytes) for item_bytes in reads.cols]
     store = batch * m_padded * n_padded * out_item
-    if not (flat_is_output and n_padded == cout):
+    if pixels:
+        store = batch * math.prod(geometry.out_size) * n_padded * out_item
+    elif not (flat_is_output and n_padded == cout):
         glue.append(Glue("output unflattened", 0.0, read_bytes=2 * store))
     evaluated = ctas * sum(chunks) * grid.staging * CHUNK  # the prologues run on every staged slab
     exprs = [e for e, *_ in parts if e is not None]
@@ -877,7 +918,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     work = TemplateWork("mosaic.conv", ctas, "wgmma", 2.0 * batch * m_padded * n_padded * steps * CHUNK, useful,
                         steps=steps, alu_flops=max(0.0, evaluated - in_elements) * per_element)
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
-    return MosaicWork(work, blocks.stages, ctas * per_cta + staged, kernel_reads, store, batch * m_padded * n_padded,
+    return MosaicWork(work, blocks.stages, ctas * per_cta + staged + pixel_bytes, kernel_reads, store,
+                      batch * m_padded * n_padded,
                       tuple(glue), 1, haloed=True, weight_columns=n_padded)
 
 

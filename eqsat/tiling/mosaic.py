@@ -10,6 +10,8 @@ the templates and by the cost model (`eqsat.cost.mosaic`) alike.
     HaloGrid, halo_parts, halo_uncovered,            the haloed conv's grid, its K ranges (cut per tensor:
     halo_input_loads, halo_blocks, halo_smem_bytes,  `eqsat.tiling.channel_parts`), what it takes, its tiles
     strip_counts, halo_tiling                        and SMEM, its strips of wide rows (emit.mosaic.conv_halo)
+    PixelView, pixel_view, row_pieces, stores_pixels, its output stored (and a residual read) per pixel row
+    segment_geometry, segment_lengths                segment by static-size TMA copies (no flat output)
     AttentionBlocks, padded_head, key_quantum,       the attention's tiles and SMEM (emit.mosaic.attention)
     swizzle_for, attention_smem_bytes, fit_ring
 
@@ -445,6 +447,93 @@ class HaloGrid:
         """Input columns one staged row copies, summed over the strips (the image's width, plus the
         halo columns two strips both copy)."""
         return sum(self.strip_columns(s)[1] for s in range(self.strips))
+
+
+@dataclasses.dataclass(frozen=True)
+class PixelView:
+    """The haloed conv's output (and a residual read at its index) as the kernel addresses it by TMA:
+    `[batch · rows, py, width, px · channels]` (a view of the NHWC array): output row `oy` of image
+    b is `b · rows + oy`; the phase form's phase `(py, px)` (pixel `(2i + py, 2j + px)`) is an index
+    of the second axis and a `channels` block of the last (py = px = 2; 1 otherwise). A grid whose
+    flat rows are whole pixel rows (pitch = width, one strip, no phases) is one row per image of
+    `Ho · Wo` pixels, so a sub-tile's rows are one segment."""
+
+    rows: int
+    py: int
+    width: int
+    px: int
+    channels: int
+
+    def shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch * self.rows, self.py, self.width, self.px * self.channels)
+
+
+def pixel_view(grid: HaloGrid, channels: int, phases: bool = False) -> PixelView:
+    """The output's `PixelView` on `grid` (`channels` per phase in the phase form)."""
+    (ho, wo) = grid.geometry.out_size
+    if not phases and grid.strips == 1 and grid.out_pitch == wo:
+        return PixelView(1, 1, ho * wo, 1, channels)
+    return PixelView(ho, 2 if phases else 1, wo, 2 if phases else 1, channels)
+
+
+def stores_pixels(conv: ConvGeometry, n_padded: int, tile_n: int, phases: bool) -> bool:
+    """Whether the haloed kernel stores the conv's output itself (in its `PixelView`): an NHWC output
+    whose channels the N tiles divide (the phase form's always do). Otherwise it writes flat rows
+    and `emit.mosaic.conv_halo.unflatten` slices them (one XLA fusion)."""
+    return (tuple(conv.params.out_spec) == (0, 3, 1, 2) and (phases or n_padded == conv.out_features)
+            and conv.out_features % tile_n == 0)
+
+
+def segment_geometry(grid: HaloGrid, view: PixelView) -> tuple[int, int, int]:
+    """`(pitch, width, rows)` of the flat rows as pixel segments: flat row `q` of a strip is pixel
+    `q % pitch` of view row `q // pitch`, a pixel where that is below `width` and the row below `rows`."""
+    if view.rows == 1 and view.py == 1:
+        return view.width, view.width, 1
+    return grid.out_pitch, grid.strip_width, view.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPieces:
+    """How the `r`-th view row an `epi_m`-row window of flat rows touches is copied: `sizes` rows per
+    TMA copy (static box sizes), each copy `conditional` on its bit of the segment's length (which
+    varies with where the window starts: any length is a sum of distinct powers of two), or one
+    copy of the length every window has."""
+
+    sizes: tuple[int, ...]
+    conditional: bool
+
+
+def segment_lengths(grid: HaloGrid, view: PixelView, epi_m: int) -> list[list[int]]:
+    """Per window (every CTA's `epi_m`-row sub-tiles, one strip: the strips are alike) the pixels of
+    each view row it touches, in order."""
+    pitch, width, rows = segment_geometry(grid, view)
+    out = []
+    for start in (m * grid.tile_m + e * epi_m for m in range(grid.m_tiles) for e in range(grid.tile_m // epi_m)):
+        lengths = []
+        for oy in range(start // pitch, (start + epi_m - 1) // pitch + 1):
+            first, stop = max(start, oy * pitch), min(start + epi_m, oy * pitch + width)
+            lengths.append(max(stop - first, 0) if oy < rows else 0)
+        out.append(lengths)
+    return out
+
+
+def row_pieces(grid: HaloGrid, view: PixelView, epi_m: int) -> tuple[RowPieces, ...]:
+    """The TMA copies (`RowPieces`) of each view row an `epi_m`-row window touches (the most any
+    window touches): one copy where every window's segment there has the same length, else one per
+    bit of the longest (1, 2, 4, ... rows), taken where the segment's length has it."""
+    lengths = segment_lengths(grid, view, epi_m)
+    out = []
+    for r in range(max(len(row) for row in lengths)):
+        at = {row[r] if r < len(row) else 0 for row in lengths}
+        if len(at) == 1:
+            (length,) = at
+            out.append(RowPieces((length,) if length else (), False))
+        else:
+            top = max(at).bit_length()
+            out.append(RowPieces(tuple(1 << k for k in reversed(range(top))), True))
+    while out and not out[-1].sizes:
+        out.pop()
+    return tuple(out)
 
 
 def strip_counts(geometry: ConvGeometry) -> list[int]:
