@@ -230,12 +230,27 @@ def sub_tile_epilogue(epilogue: Term, out_spec):
     return of
 
 
+def halo_table(term: Term) -> tuple | None:
+    """`(shape, rows)` of the float32 vector table the haloed template reads for the conv `term`
+    (`emit.mosaic.conv_halo.table_rows`), from types alone; None where it reads none or the haloed
+    template does not take the conv. What `emit.pallas.tables` asks the Triton kernel finishing a
+    statistic the table gathers to write beside it."""
+    lhs, rhs, _params_key, _epilogue, _ty = term.args
+    if parse_type(lhs.ty).dtype != parse_type(rhs.ty).dtype or parse_type(lhs.ty).dtype not in mm.MMA_DTYPES:
+        return None
+    try:
+        *_, loads = conv_halo.halo_loads(_geometry(term), k_ranges(term))
+    except NotImplementedError:  # HaloUncovered among them
+        return None
+    return conv_halo.table_rows(loads)
+
+
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Conv` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
     it writes (`emit.mosaic.partials.GroupStatistic`; the others the driver reduces after it); forms
     not covered raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
-    from emit.pallas import loaded_tensors
+    from emit.pallas import loaded_tensors, tables
     from emit.pallas.partials import Partials, finalize
     from eqsat.interpret import _Evaluator
 
@@ -264,8 +279,10 @@ def emit(kernel, ctx) -> dict:
             # read finished here: merged once by the Pallas finalize kernel (one launch, as the Mosaic
             # matmul does; `eqsat.cost.roofline.driver_reduced` counts it), kept for later readers
             component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
-            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
-                                          name=f"{component}:finalize" if component else "finalize")
+            with tables.writing(tensor, ctx) as writes:  # and the vector tables of convs gathering it
+                ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                              name=f"{component}:finalize" if component else "finalize",
+                                              tables=writes)
     statistics, computed = [], []
     for reduction in kernel.hosted:
         if ctx.pending.get(reduction) is not None:

@@ -131,6 +131,8 @@ class EmitContext:
     structures: dict = field(default_factory=dict)  # `kernel_structure`'s numbering of what kernels are made of
     shared_kernels: dict = field(default_factory=dict)  # structure and state -> its `_SharedKernel` (`emit_shared`)
     routes: dict = field(default_factory=dict)      # backend "routed": kernel term -> "triton" | "mosaic" | "library"
+    table_requests: list = field(default_factory=list)  # Mosaic convs' vector tables a finishing kernel may write (`emit.pallas.tables`)
+    tables: dict = field(default_factory=dict)      # conv term -> the vector table a Triton kernel wrote for it
 
     def value(self, tensor: Term) -> jax.Array:
         """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
@@ -309,6 +311,11 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext) -> dict:
 
     if kernel.term.op in NOT_SHARED or is_empty(kernel):
         return emit_kernel(kernel, ctx)
+    if ctx.table_requests and kernel.term.op in ("Reduce", "EpilogueReduce"):
+        from emit.pallas import tables
+
+        if tables.ready(kernel.term, ctx):  # it writes Mosaic convs' vector tables too: emitted here, not shared
+            return emit_kernel(kernel, ctx)
     reads: list = []
     if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
         structure = finalize_structure(kernel.term)
@@ -380,6 +387,10 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
 
     calls = list(calls)
     names = shared_names(calls)
+    if ctx.backend in ("mosaic", "routed"):
+        from emit.pallas import tables
+
+        ctx.table_requests.extend(tables.plan_requests(calls, ctx))
     bar = emission_bar(len(calls), ctx.progress)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
