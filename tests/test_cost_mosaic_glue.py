@@ -96,7 +96,7 @@ def _counted_and_modeled(fn, args, params_argnums, dump=None):
         stage = Prepared(split, "mosaic", interpret=False)
         kernels = split.per_call.kernels
         run, run_args = (lambda pre, *a: stage.per_call(pre, *a)), (split.prepared_specs(), *args)
-    modeled = {(k.component, k.kind, i): [g.what for g in mosaic_work(k.term).glue]
+    modeled = {(k.component, k.kind, i): [g.what for g in mosaic_work(k.term).glue if g.launches]
                for i, k in enumerate(kernels) if k.op in DENSE}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
