@@ -7,7 +7,8 @@ Cases are the forms SD 1.5's UNet has: a self-attention over a fused QKV with he
 head padded, q and v padded in one fusion, the output sliced), a cross-attention over 77 text
 tokens with heads of 80 (Kᵀ and v padded in one fusion), a 1x1 conv with a residual (its own rows:
 no fusion), a conv over a nearest-2x upsample with prepared phase weights (the unflatten and the
-bias per phase), a merged-shortcut conv with prepared weights."""
+bias per phase), a merged-shortcut conv with prepared weights, two GroupNorm convs whose vector
+tables the statistics' Triton kernels write (`emit.pallas.tables`: no table fusion)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ def _shortcut(params, x, h):
     return layers.conv2d(p, "s", x) + layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, 64, 1e-5)))
 
 
+def _block_with_time_embedding(params, x, temb):
+    """A resnet's two GroupNorm+SiLU convs (no residual), the time embedding's row added between them:
+    conv1's vector table written by the norm's reduce, conv2's (the row with it) by the driver's
+    reduce of norm2's statistic (its body reads the row too): no table fusion."""
+    p = {"n1.weight": params["g1"], "n1.bias": params["b1"], "c1.weight": params["w1"], "c1.bias": params["c1"],
+         "t.weight": params["wt"], "t.bias": params["bt"], "n2.weight": params["g2"], "n2.bias": params["b2"],
+         "c2.weight": params["w2"], "c2.bias": params["c2"]}
+    h = layers.conv2d(p, "c1", layers.silu(layers.group_norm(p, "n1", x, 32, 1e-5)))
+    h = h + layers.linear(p, "t", layers.silu(temb))[:, None, None, :]
+    return layers.conv2d(p, "c2", layers.silu(layers.group_norm(p, "n2", h, 32, 1e-5)))
+
+
 CASES = {
     "self-attention heads of 40": (_self_attention, (S((2, 256, 320), F16), S((320, 960), F16), S((320, 320), F16)),
                                    None),
@@ -79,6 +92,12 @@ CASES = {
         _shortcut, ({"gamma": S((640,), F16), "beta": S((640,), F16), "w": S((640, 640, 3, 3), F16),
                      "b": S((640,), F16), "ws": S((640, 320, 1, 1), F16), "bs": S((640,), F16)},
                     S((2, 16, 16, 320), F16), S((2, 16, 16, 640), F16)), 0),
+    "two GroupNorm convs and a time embedding, tables written by the statistics' kernels": (
+        _block_with_time_embedding,
+        ({"g1": S((320,), F16), "b1": S((320,), F16), "w1": S((320, 320, 3, 3), F16), "c1": S((320,), F16),
+          "wt": S((320, 1280), F16), "bt": S((320,), F16), "g2": S((320,), F16), "b2": S((320,), F16),
+          "w2": S((320, 320, 3, 3), F16), "c2": S((320,), F16)},
+         S((2, 16, 16, 320), F16), S((2, 1280), F16)), 0),
 }
 
 

@@ -151,3 +151,21 @@ def test_one_statistic_read_by_two_convs():
     assert written == [True, True], written
     assert writers == [("Reduce", 2)], writers
     _assert_matches_xla_and_jit(out, plan, _two_readers, args, 2 * _bound(gamma, beta, wa, jnp.zeros(64)))
+
+
+@pytest.mark.slow
+def test_the_compiled_block_has_no_table_fusion(tmp_path):
+    """The block (its per-call stage, weights prepared) compiled for an H100 without a GPU: no XLA
+    fusion builds a vector table (no `stack` among its glue launches, `benchmarks.glue`), and its
+    non-Pallas launches are the glue the cost model charges."""
+    from benchmarks.glue import glue_launches
+    from tests.test_cost_mosaic_glue import CASES, _counted_and_modeled, _skip_without_target
+
+    _skip_without_target()
+    fn, args, params_argnums = CASES["two GroupNorm convs and a time embedding, tables written by the statistics' "
+                                     "kernels"]
+    counted, modeled, report = _counted_and_modeled(fn, args, params_argnums, tmp_path)
+    launches = glue_launches(next(p.parent for p in tmp_path.rglob("*thunk_metadata.txt")))
+    assert [l.name for l in launches if l.jax_op == "stack"] == []
+    assert counted == sum(len(glue) for glue in modeled.values()), (counted, modeled, report.by_category)
+    assert [glue for key, glue in modeled.items() if key[1] == "conv"] == [["output unflattened"]] * 2, modeled

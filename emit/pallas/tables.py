@@ -9,10 +9,12 @@ driver's `reduce` after its last host, a `finalize` (the plan's, or the Mosaic c
 reads), or a plan `Reduce` kernel. That kernel writes the table too, as extra outputs:
 
 - each program scatters the statistic values it computes to the table entries that gather them
-  (`scatter`: a host-computed `[size, slots↑]` map from the statistic's flat index to table
+  (`scatter`: a host-computed `[size, fanout↑]` map from the statistic's flat index to table
   offsets, -1 padded to a power of two);
 - every other entry (the other tensors' rows, zeros past a row's channels) is copied by the
   programs in shares (`copy`: per source, host-computed destination and source offsets);
+- the maps and offsets of a table are one int32 constant led by (-1, -1), so XLA keeps it a literal
+  (a constant that is an iota, a time-embedding row's offsets, it would compute in a launch);
 
 so each entry is written once, by one program, and the conv reads the table as it lies.
 
@@ -149,65 +151,65 @@ class TableWrites:
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             ranks = np.arange(len(order)) - starts[own_src[order]]
             scatter[own_src[order], ranks] = own_dst[order]
-            copies = []
-            self.operands.append(jnp.asarray(scatter))
+            # one int32 array per table (its scatter map, then each copy's destinations and sources), led
+            # by (-1, -1): XLA keeps it a literal (an array that is an iota or one value it would compute)
+            pieces, at, copies, sources = [np.full(2, -1, np.int32), scatter.reshape(-1)], 2 + scatter.size, [], []
             for key, (source, dsts, srcs) in groups.items():
                 dst = np.concatenate(dsts).astype(np.int32)
                 if not dst.size:
                     continue
-                if source is None:
-                    self.operands.append(jnp.asarray(dst))
-                    copies.append((None, dst.size))
-                else:
-                    self.operands += [ctx.value(source), jnp.asarray(dst), jnp.asarray(np.concatenate(srcs).astype(np.int32))]
-                    copies.append((int(ctx.value(source).size), dst.size))
+                src = None if source is None else np.concatenate(srcs).astype(np.int32)
+                copies.append((source is not None, at, dst.size))
+                pieces += [dst] if src is None else [dst, src]
+                at += dst.size * (1 if src is None else 2)
+                if source is not None:
+                    sources.append(ctx.value(source))
+            self.operands += [jnp.asarray(np.concatenate(pieces)), *sources]
             self.plans.append((fanout, tuple(copies)))
             self.out_shapes.append(jax.ShapeDtypeStruct((images * rows * width,), jnp.float32))
 
     def _split(self, in_refs):
-        """Per request: its scatter ref and `(source ref or None, dst ref, src ref or None, entries)` per copy."""
+        """Per table: its fanout, index ref and `(source ref or None, first dst offset, entries)` per copy
+        (the sources follow the destinations in the index ref)."""
         at, out = 0, []
         for fanout, copies in self.plans:
-            scatter, at = in_refs[at], at + 1
+            index, at = in_refs[at], at + 1
             groups = []
-            for source_size, entries in copies:
-                if source_size is None:
-                    groups.append((None, in_refs[at], None, entries))
-                    at += 1
-                else:
-                    groups.append((in_refs[at], in_refs[at + 1], in_refs[at + 2], entries))
-                    at += 3
-            out.append((fanout, scatter, groups))
+            for has_source, first, entries in copies:
+                groups.append((in_refs[at] if has_source else None, first, entries))
+                at += has_source
+            out.append((fanout, index, groups))
         return out
 
     def scatter(self, in_refs, out_refs, flat, value, mask=True) -> None:
         """Write `value` (`tensor`'s values at flat indices `flat`, a vector; lanes where `mask`) to
         every table entry that gathers them."""
         value = jnp.asarray(value).astype(self.dtype).astype(jnp.float32)  # as the tensor stores it
-        for (fanout, scatter, _groups), out in zip(self._split(in_refs), out_refs):
+        for (fanout, index, _groups), out in zip(self._split(in_refs), out_refs):
             lanes = lax.broadcasted_iota(jnp.int32, (1, fanout), 1)
             live = jnp.ones(flat.shape, jnp.bool_) if isinstance(mask, bool) else mask
-            offsets = triton.gather_load(scatter, flat[:, None] * fanout + lanes, live[:, None])
+            offsets = triton.gather_load(index, 2 + flat[:, None] * fanout + lanes, live[:, None])
             triton.store(out, offsets, jnp.broadcast_to(value[:, None], offsets.shape), live[:, None] & (offsets >= 0))
 
     def copy(self, in_refs, out_refs, program, programs: int) -> None:
         """This program's share of the entries that are not `tensor`'s (`programs` share them)."""
-        for (_fanout, _scatter, groups), out in zip(self._split(in_refs), out_refs):
-            for source, dst_ref, src_ref, entries in groups:
+        for (_fanout, index, groups), out in zip(self._split(in_refs), out_refs):
+            for source, first, entries in groups:
                 share = -(-entries // programs)
                 block = min(triton.next_pow2(share), COPY_BLOCK)
                 lane = lax.broadcasted_iota(jnp.int32, (block,), 0)
 
-                def step(i, carry, source=source, dst_ref=dst_ref, src_ref=src_ref, entries=entries, share=share,
-                         block=block, lane=lane):
+                def step(i, carry, source=source, first=first, entries=entries, share=share, block=block,
+                         lane=lane, index=index, out=out):
                     within = i * block + lane
                     at = program * share + within
                     ok = (within < share) & (at < entries)
-                    dst = triton.gather_load(dst_ref, at, ok)
+                    dst = triton.gather_load(index, first + at, ok)
                     if source is None:
                         value = jnp.zeros((block,), jnp.float32)
                     else:
-                        value = triton.gather_load(source, triton.gather_load(src_ref, at, ok), ok).astype(jnp.float32)
+                        src = triton.gather_load(index, first + entries + at, ok)
+                        value = triton.gather_load(source, src, ok).astype(jnp.float32)
                     triton.store(out, dst, value, ok)
                     return carry
 
