@@ -29,8 +29,8 @@ padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per K range, per 64
 2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the range's
    input expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and
    beta as they lie when one range reads only such views; otherwise every range's vectors, a
-   GroupNorm's per-group statistics gathered per channel, are one small float32 table, written by the Triton kernel that finishes a statistic it gathers:
-   `emit.pallas.tables`), padding is
+   GroupNorm's per-group statistics gathered per channel, are one small float32 table, written by
+   the Triton kernel that finishes a statistic it gathers: `emit.pallas.tables`), padding is
    zeroed after it by a host-computed row mask (so a tap in the padding reads 0, not prologue(0)),
    and the slab is stored back in place.
 3. Taps: for each tap of the range, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any
