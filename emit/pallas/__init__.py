@@ -379,7 +379,9 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
     emitter `ctx.backend` names. A hosted statistic is complete after its last host: as partials
     (`ctx.partials`, what the readers merge) when every host wrote its tiles, else the driver emits
-    it right after its last host as its own reduce kernel."""
+    it right after its last host as its own reduce kernel. With Mosaic convs, the vector tables
+    their haloed prologues gather from a statistic are asked of the Triton kernel finishing it
+    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`)."""
     from emit import xla
     from emit.pallas.partials import Partials
 
