@@ -61,7 +61,8 @@ def _params(rng, temb: bool) -> dict:
     p = {f"{n}.{k}": f16(rng.standard_normal(C) + (1.0 if k == "weight" else 0.0))
          for n in ("norm1", "norm2") for k in ("weight", "bias")}
     p.update({"conv1.weight": f16(0.1 * rng.standard_normal((C, C, 3, 3))), "conv1.bias": f16(rng.standard_normal(C)),
-              "conv2.weight": f16(0.1 * rng.standard_normal((64, C, 3, 3))), "conv2.bias": f16(rng.standard_normal(64))})
+              "conv2.weight": f16(0.1 * rng.standard_normal((64, C, 3, 3))),
+              "conv2.bias": f16(rng.standard_normal(64))})
     if temb:
         p["time_emb_proj.weight"] = f16(0.1 * rng.standard_normal((C, T)))
         p["time_emb_proj.bias"] = f16(rng.standard_normal(C))

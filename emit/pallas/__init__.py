@@ -131,7 +131,7 @@ class EmitContext:
     structures: dict = field(default_factory=dict)  # `kernel_structure`'s numbering of what kernels are made of
     shared_kernels: dict = field(default_factory=dict)  # structure and state -> its `_SharedKernel` (`emit_shared`)
     routes: dict = field(default_factory=dict)      # backend "routed": kernel term -> "triton" | "mosaic" | "library"
-    table_requests: list = field(default_factory=list)  # Mosaic convs' vector tables a finishing kernel may write (`emit.pallas.tables`)
+    table_requests: list = field(default_factory=list)  # Mosaic convs' vector tables to write (`emit.pallas.tables`)
     tables: dict = field(default_factory=dict)      # conv term -> the vector table a Triton kernel wrote for it
 
     def value(self, tensor: Term) -> jax.Array:
