@@ -594,7 +594,7 @@ def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
     (`eqsat.cost.mosaic.MosaicWork.glue`), to read beside the counted non-Pallas launches."""
     from eqsat.cost.mosaic import mosaic_work
 
-    return sum(len(mosaic_work(k.term).glue) for k in planned if k.route == "mosaic" and k.term is not None)
+    return sum(mosaic_work(k.term).glue_launches for k in planned if k.route == "mosaic" and k.term is not None)
 
 
 def modeled_glue(kernel: PlannedKernel) -> list[str]:
@@ -603,7 +603,7 @@ def modeled_glue(kernel: PlannedKernel) -> list[str]:
 
     if kernel.route != "mosaic" or kernel.term is None:
         return []
-    return [g.what for g in mosaic_work(kernel.term).glue]
+    return [g.what for g in mosaic_work(kernel.term).glue if g.launches]
 
 
 def _is_mosaic(launch) -> bool:

@@ -10,7 +10,8 @@ fusion), both with heads of 40 and weights prepared (heads padded by the project
 around a self-attention), a 1x1 conv with a residual (its own rows: no fusion), a conv over a
 nearest-2x upsample with prepared phase weights (the bias per phase; its phases stored interleaved,
 no unflatten), a merged-shortcut conv with prepared weights, a 3x3 conv with a residual and a
-downsampler, both storing their pixels (no slice, no residual gather)."""
+downsampler, both storing their pixels (no slice, no residual gather), two GroupNorm convs whose
+vector tables the statistics' Triton kernels write (`emit.pallas.tables`: no table fusion)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,18 @@ def _shortcut(params, x, h):
     return layers.conv2d(p, "s", x) + layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, 64, 1e-5)))
 
 
+def _block_with_time_embedding(params, x, temb):
+    """A resnet's two GroupNorm+SiLU convs (no residual), the time embedding's row added between them:
+    conv1's vector table written by the norm's reduce, conv2's (the row with it) by the driver's
+    reduce of norm2's statistic (its body reads the row too): no table fusion."""
+    p = {"n1.weight": params["g1"], "n1.bias": params["b1"], "c1.weight": params["w1"], "c1.bias": params["c1"],
+         "t.weight": params["wt"], "t.bias": params["bt"], "n2.weight": params["g2"], "n2.bias": params["b2"],
+         "c2.weight": params["w2"], "c2.bias": params["c2"]}
+    h = layers.conv2d(p, "c1", layers.silu(layers.group_norm(p, "n1", x, 32, 1e-5)))
+    h = h + layers.linear(p, "t", layers.silu(temb))[:, None, None, :]
+    return layers.conv2d(p, "c2", layers.silu(layers.group_norm(p, "n2", h, 32, 1e-5)))
+
+
 CASES = {
     "self-attention heads of 40": (_self_attention, (S((2, 256, 320), F16), S((320, 960), F16), S((320, 320), F16)),
                                    None),
@@ -121,6 +134,12 @@ CASES = {
         _shortcut, ({"gamma": S((640,), F16), "beta": S((640,), F16), "w": S((640, 640, 3, 3), F16),
                      "b": S((640,), F16), "ws": S((640, 320, 1, 1), F16), "bs": S((640,), F16)},
                     S((2, 16, 16, 320), F16), S((2, 16, 16, 640), F16)), 0),
+    "two GroupNorm convs and a time embedding, tables written by the statistics' kernels": (
+        _block_with_time_embedding,
+        ({"g1": S((320,), F16), "b1": S((320,), F16), "w1": S((320, 320, 3, 3), F16), "c1": S((320,), F16),
+          "wt": S((320, 1280), F16), "bt": S((320,), F16), "g2": S((320,), F16), "b2": S((320,), F16),
+          "w2": S((320, 320, 3, 3), F16), "c2": S((320,), F16)},
+         S((2, 16, 16, 320), F16), S((2, 1280), F16)), 0),
 }
 
 
@@ -138,7 +157,7 @@ def _counted_and_modeled(fn, args, params_argnums, dump=None):
         stage = Prepared(split, "mosaic", interpret=False)
         kernels = split.per_call.kernels
         run, run_args = (lambda pre, *a: stage.per_call(pre, *a)), (split.prepared_specs(), *args)
-    modeled = {(k.component, k.kind, i): [g.what for g in mosaic_work(k.term).glue]
+    modeled = {(k.component, k.kind, i): [g.what for g in mosaic_work(k.term).glue if g.launches]
                for i, k in enumerate(kernels) if k.op in DENSE}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

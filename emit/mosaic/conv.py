@@ -230,6 +230,21 @@ def sub_tile_epilogue(epilogue: Term, out_spec):
     return of
 
 
+def halo_table(term: Term) -> tuple | None:
+    """`(shape, rows)` of the float32 vector table the haloed template reads for the conv `term`
+    (`emit.mosaic.conv_halo.table_rows`), from types alone; None where it reads none or the haloed
+    template does not take the conv. What `emit.pallas.tables` asks the Triton kernel finishing a
+    statistic the table gathers to write beside it."""
+    lhs, rhs, _params_key, _epilogue, _ty = term.args
+    if parse_type(lhs.ty).dtype != parse_type(rhs.ty).dtype or parse_type(lhs.ty).dtype not in mm.MMA_DTYPES:
+        return None
+    try:
+        *_, loads = conv_halo.halo_loads(_geometry(term), k_ranges(term))
+    except NotImplementedError:  # HaloUncovered among them
+        return None
+    return conv_halo.table_rows(loads)
+
+
 def emit(kernel, ctx) -> dict:
     """`{kernel.term: value}` for a plan's `Conv` kernel (`emit.pallas.KernelCall`) in `ctx`, as a
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
@@ -258,7 +273,9 @@ def emit(kernel, ctx) -> dict:
     blocks = default_blocks(grid, geometry.out_features, steps)
     n_padded = -(-geometry.out_features // blocks.cta_tile_n) * blocks.cta_tile_n
 
-    finish_read_statistics(kernel, ctx)  # one finalize launch each (`eqsat.cost.roofline.driver_reduced` counts it)
+    # one finalize launch each (`eqsat.cost.roofline.driver_reduced` counts it), writing the vector
+    # tables of the convs gathering it (`emit.pallas.tables`)
+    finish_read_statistics(kernel, ctx)
     statistics, computed = [], []
     for reduction in kernel.hosted:
         if ctx.pending.get(reduction) is not None:

@@ -29,7 +29,8 @@ padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per K range, per 64
 2. Prologue: 64-row slabs of the staging are loaded into registers (the WGMMA layout), the range's
    input expression is applied (its per-channel operands arrive by TMA as 64-vectors: gamma and
    beta as they lie when one range reads only such views; otherwise every range's vectors, a
-   GroupNorm's per-group statistics gathered per channel, are one small float32 table), padding is
+   GroupNorm's per-group statistics gathered per channel, are one small float32 table, written by
+   the Triton kernel that finishes a statistic it gathers: `emit.pallas.tables`), padding is
    zeroed after it by a host-computed row mask (so a tap in the padding reads 0, not prologue(0)),
    and the slab is stored back in place.
 3. Taps: for each tap of the range, `tile_m` staged rows from `q0 - r0 * Wp + ky * Wp + kx` (any
@@ -160,11 +161,25 @@ class _Recording:
 
 
 @dataclasses.dataclass
+class PartLoads:
+    """What one K range's input expression reads, from types alone (`prologue_loads`): `tensors` and
+    `sources` per `Load` in the compiler's order (`"input"` or the index of a vector), the `staged`
+    tensor and its first channel `offset` there, per vector its tensor and `[B', C]` flat `index`
+    into it, and whether that is a view of the tensor (`in_place`: read as it lies)."""
+
+    tensors: list
+    sources: list
+    staged: Any
+    offset: int
+    vector_tensors: list
+    indices: list
+    in_place: list
+
+
+@dataclasses.dataclass
 class PartSources:
-    """What one K range's input expression reads (`prologue_sources`): `tensors` and `sources` per
-    `Load` in the compiler's order (`"input"` or the index of a vector), the staged input `x` (NHWC)
-    and its first channel `offset` there, the per-channel `vectors` (`[B', C]` each) and whether each
-    is a view of its tensor (`in_place`: read as it lies) rather than gathered per channel."""
+    """`PartLoads` with their values (`prologue_sources`): the staged input `x` (NHWC) and the
+    per-channel `vectors` (`[B', C]` each)."""
 
     tensors: list
     sources: list
@@ -174,7 +189,7 @@ class PartSources:
     in_place: list
 
 
-def prologue_sources(expr, lhs_shape: Sequence[int], values) -> PartSources:
+def prologue_loads(expr, lhs_shape: Sequence[int]) -> PartLoads:
     """The loads of the input expression `expr` (type `lhs_shape`, NHWC) in the compiler's order: one
     tensor read at the expression's own index, from a constant channel offset (the kernel stages it
     by TMA: the input, a `[B, H·W, C]` tensor whose reshape it is, one side of a concat), or vectors
@@ -188,7 +203,7 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> PartSources:
     index = tuple(np.arange(n).reshape([n if a == d else 1 for a in range(4)]) for d, n in enumerate(shape))
     memory = _Recording()
     ex.compile_expr(expr)(memory, index, True)
-    tensors, sources, vectors, in_place, staged = [], [], [], [], None
+    loads = PartLoads([], [], None, 0, [], [], [])
     for tensor, at in memory.loads:
         tshape = parse_type(tensor.ty).shape
         flat = np.broadcast_to(np.asarray(ex.linearize(at, tshape), np.int64), shape)
@@ -198,12 +213,12 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> PartSources:
         rows = np.arange(batch * height * width).reshape(batch, height, width, 1) * depth
         if (depth >= channels and parse_type(tensor.ty).dtype == parse_type(expr.ty).dtype
                 and np.array_equal(flat, rows + offset + np.arange(channels))):
-            if staged is not None and staged != (tensor, offset):
+            if loads.staged is not None and (loads.staged, loads.offset) != (tensor, offset):
                 raise HaloUncovered("an input expression that reads two tensors at its own index")
             if offset % 8 or offset + channels > depth:
                 raise HaloUncovered(f"an input read from channel {offset} (TMA needs 16-byte aligned rows)")
-            staged = (tensor, offset)
-            sources.append("input")  # the input, a view of it, or a side of a concat read from `offset`
+            loads.staged, loads.offset = tensor, offset
+            loads.sources.append("input")  # the input, a view of it, or a side of a concat read from `offset`
         elif np.array_equal(flat, np.broadcast_to(flat[:, :1, :1, :], shape)):
             dtype = jnp.dtype(parse_type(tensor.ty).dtype)
             if dtype.itemsize not in (2, 4) or dtype.kind != "f":
@@ -211,35 +226,59 @@ def prologue_sources(expr, lhs_shape: Sequence[int], values) -> PartSources:
             table = flat[:, 0, 0, :]
             by_image = batch > 1 and not np.array_equal(table, np.broadcast_to(table[:1], table.shape))
             table = table if by_image else table[:1]
-            value = jnp.reshape(values(tensor), (-1,))
-            view = table.size == value.size and np.array_equal(table.reshape(-1), np.arange(value.size))
-            vectors.append(value.reshape(table.shape) if view else value[table])
-            in_place.append(view)
-            sources.append(len(vectors) - 1)
+            loads.vector_tensors.append(tensor)
+            loads.indices.append(table)
+            loads.in_place.append(table.size == size and np.array_equal(table.reshape(-1), np.arange(size)))
+            loads.sources.append(len(loads.indices) - 1)
         else:
             raise HaloUncovered(f"the input expression reads {tensor!r} other than at the input's own index or "
                                 "per channel")
-        tensors.append(tensor)
-    if staged is None:
+        loads.tensors.append(tensor)
+    if loads.staged is None:
         raise HaloUncovered("an input expression that reads no input tensor at its own index")
-    x = jnp.reshape(values(staged[0]), (batch, height, width, -1))  # a view: the same elements in order
-    return PartSources(tensors, sources, x, staged[1], vectors, in_place)
+    return loads
 
 
-def vector_tables(parts: Sequence[PartSources]) -> tuple[list, list]:
+def prologue_sources(expr, lhs_shape: Sequence[int], values, loads: PartLoads | None = None) -> PartSources:
+    """`prologue_loads` of `expr` (`loads` where known) with their values (`values(tensor)`)."""
+    loads = loads if loads is not None else prologue_loads(expr, lhs_shape)
+    batch, height, width, _channels = lhs_shape
+    vectors = []
+    for tensor, index, view in zip(loads.vector_tensors, loads.indices, loads.in_place):
+        value = jnp.reshape(values(tensor), (-1,))
+        vectors.append(value.reshape(index.shape) if view else value[index])
+    x = jnp.reshape(values(loads.staged), (batch, height, width, -1))  # a view: the same elements in order
+    return PartSources(loads.tensors, loads.sources, x, loads.offset, vectors, loads.in_place)
+
+
+def table_rows(parts: Sequence[PartLoads]) -> tuple[tuple, list] | None:
+    """`(shape, rows)` of the one float32 table `vector_tables` gathers for these parts: `[B', R, W]`
+    and per row its `(tensor, [B'_r, C_r] flat index)` (broadcast over the images, zero past C_r);
+    None where the parts read no table (one part reading only views, or no vectors)."""
+    if len(parts) == 1 and all(parts[0].in_place):
+        return None
+    rows = [(t, index) for part in parts for t, index in zip(part.vector_tensors, part.indices)]
+    if not rows:
+        return None
+    return (max(i.shape[0] for _t, i in rows), len(rows), max(i.shape[1] for _t, i in rows)), rows
+
+
+def vector_tables(parts: Sequence[PartSources], table=None) -> tuple[list, list]:
     """`(tables, copies)`: the `[B', R, C]` arrays the kernel reads the parts' vectors from, and per
     part its `(table, first row, rows)` copies per chunk. One part whose vectors are all views of
     their tensors reads each in place (a table each); otherwise every vector of every part is
-    gathered into one float32 table (one small XLA fusion, channels padded to the widest part)."""
+    gathered into one float32 table (`table_rows`): `table` where a Triton kernel wrote it
+    (`emit.pallas.tables`: the kernel finishing a statistic it reads), else one small XLA fusion."""
     if len(parts) == 1 and all(parts[0].in_place):
         return [v[:, None, :] for v in parts[0].vectors], [tuple((t, 0, 1) for t in range(len(parts[0].vectors)))]
     rows = [v for part in parts for v in part.vectors]
     if not rows:
         return [], [() for _ in parts]
-    images = max(v.shape[0] for v in rows)
-    width = max(v.shape[1] for v in rows)
-    table = jnp.stack([jnp.pad(jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32),
-                               ((0, 0), (0, width - v.shape[1]))) for v in rows], axis=1)
+    if table is None:
+        images = max(v.shape[0] for v in rows)
+        width = max(v.shape[1] for v in rows)
+        table = jnp.stack([jnp.pad(jnp.broadcast_to(v, (images, v.shape[1])).astype(jnp.float32),
+                                   ((0, 0), (0, width - v.shape[1]))) for v in rows], axis=1)
     copies, first = [], 0
     for part in parts:
         copies.append(((0, first, len(part.vectors)),) if part.vectors else ())
@@ -874,22 +913,16 @@ def unflatten_phases(out: jax.Array, grid: HaloGrid, conv: ConvGeometry) -> jax.
 # --- emit: a plan's Conv term --------------------------------------------------------------------------
 
 
-def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()) -> tuple[dict, list]:
-    """`({kernel.term: value}, partials of each of `statistics`)` for a plan's `Conv` kernel as the
-    haloed template, or `HaloUncovered`. `ranges` are its K ranges (`emit.pallas.conv.k_ranges`),
-    each cut per tensor (`halo_parts`); `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]`
-    sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`); `statistics` the hosted
-    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`)."""
-    from eqsat.interpret import _Evaluator
-
-    term = kernel.term
-    _lhs, _rhs, _params_key, epilogue, ty = term.args
-    params, out_type = geometry.params, parse_type(ty)
+def halo_loads(geometry, ranges) -> tuple:
+    """`(geometry, ranges, upsampled, parts, loads)` of a conv (`geometry`, its K ranges) on the
+    haloed template, from types alone: over a nearest-2x upsample the source's geometry and range
+    (`upsampled` its source, else None), the ranges cut per tensor (`halo_parts`) and each part's
+    `prologue_loads`; `HaloUncovered` where the template does not take it."""
+    params = geometry.params
     for r in ranges:
         if r.lhs_offset or r.channels != parse_type(r.lhs.ty).shape[params.lhs_spec[1]]:
             raise HaloUncovered(f"a K range over channels {r.lhs_offset}.. of a wider input expression")
     upsampled = upsample_source(ranges[0].lhs, geometry) if len(ranges) == 1 else None
-    conv_geometry = geometry
     if upsampled is not None:  # four output phases of a conv over the source
         geometry = phase_geometry(geometry)
         ranges = [dataclasses.replace(ranges[0], lhs=upsampled)]
@@ -901,13 +934,32 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
     if reason is not None:
         raise HaloUncovered(reason)
     batch, height, width = geometry.batch, *geometry.in_size
-    sources = [prologue_sources(expr, (batch, height, width, channels), ctx.value)
-               for expr, _r, _o, channels, _t in parts]
+    loads = [prologue_loads(expr, (batch, height, width, channels)) for expr, _r, _o, channels, _t in parts]
+    return geometry, ranges, upsampled, parts, loads
+
+
+def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()) -> tuple[dict, list]:
+    """`({kernel.term: value}, partials of each of `statistics`)` for a plan's `Conv` kernel as the
+    haloed template, or `HaloUncovered`. `ranges` are its K ranges (`emit.pallas.conv.k_ranges`),
+    each cut per tensor (`halo_parts`); `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]`
+    sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`); `statistics` the hosted
+    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`)."""
+    from eqsat.interpret import _Evaluator
+
+    term = kernel.term
+    _lhs, _rhs, _params_key, epilogue, ty = term.args
+    params, out_type = geometry.params, parse_type(ty)
+    conv_geometry = geometry
+    geometry, ranges, upsampled, parts, loads = halo_loads(geometry, ranges)
+    batch, height, width = geometry.batch, *geometry.in_size
+    sources = [prologue_sources(expr, (batch, height, width, channels), ctx.value, part)
+               for (expr, _r, _o, channels, _t), part in zip(parts, loads)]
     for expr, part in zip(parts, sources):
         if jnp.dtype(part.x.dtype) != jnp.dtype(parse_type(expr[0].ty).dtype):
             raise HaloUncovered(f"an input tensor of {part.x.dtype} under a {parse_type(expr[0].ty).dtype} "
                                 "input expression")
-    tables, copies = vector_tables(sources)
+    written = getattr(ctx, "tables", {}).pop(term, None)  # the table a Triton kernel wrote (`emit.pallas.tables`)
+    tables, copies = vector_tables(sources, written)
     if upsampled is not None:  # a phase's 2x2 taps, placed in the 3x3 halo by its phase
         parts = [(e, r, o, c, ((0, 2), (0, 2))) for e, r, o, c, _t in parts]
     plans = plan_parts([(channels, taps, part.offset, copy, 0 if upsampled is not None else ranges[r].start + offset)

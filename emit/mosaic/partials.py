@@ -294,13 +294,18 @@ def write_group_partials(statistics, partials, smems, gmems, tile) -> None:
 
 def finish_read_statistics(kernel, ctx) -> None:
     """Finish the statistics `kernel` reads that are only partials so far (`ctx.partials`): each is
-    merged once by the Pallas finalize kernel (one launch, `<component>:finalize`) and kept in
+    merged once by the Pallas finalize kernel (one launch, `<component>:finalize`, which also writes
+    the vector tables of the Mosaic convs gathering it, `emit.pallas.tables`) and kept in
     `ctx.values`, so the statistic's later readers read that value, not finish it again."""
+
     from emit.backends import kernel_exprs, loaded_tensors
+    from emit.pallas import tables
     from emit.pallas.partials import finalize
 
     for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
         if tensor in ctx.partials and tensor not in ctx.values:
             component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
-            ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
-                                          name=f"{component}:finalize" if component else "finalize")
+            with tables.writing(tensor, ctx) as writes:  # and the vector tables of the convs gathering it
+                ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                              name=f"{component}:finalize" if component else "finalize",
+                                              tables=writes)

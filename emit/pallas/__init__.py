@@ -132,6 +132,8 @@ class EmitContext:
     structures: dict = field(default_factory=dict)  # `kernel_structure`'s numbering of what kernels are made of
     shared_kernels: dict = field(default_factory=dict)  # structure and state -> its `_SharedKernel` (`emit_shared`)
     routes: dict = field(default_factory=dict)      # backend "routed": kernel term -> "triton" | "mosaic" | "library"
+    table_requests: list = field(default_factory=list)  # Mosaic convs' vector tables to write (`emit.pallas.tables`)
+    tables: dict = field(default_factory=dict)      # conv term -> the vector table a Triton kernel wrote for it
 
     def value(self, tensor: Term) -> jax.Array:
         """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
@@ -313,7 +315,8 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     Identical Mosaic kernels then lower to one module, which jaxlib compiles once per process
     (its kernel cache is keyed by the module). Other forms of its reads a Mosaic template left in the
     context (`emit.mosaic.layouts.side_values`: heads padded for the attention) go in as operands,
-    and those it leaves of its own result come back under the calling kernel's keys. The statistics
+    and those it leaves of its own result come back under the calling kernel's keys; so does the
+    vector table a Triton kernel wrote for a Mosaic conv (`ctx.tables`). The statistics
     it reads that are still partials are finished first, here
     (`emit.mosaic.partials.finish_read_statistics`, as the Mosaic templates do): finished inside the
     shared function they would be lost to the statistic's later readers."""
@@ -323,12 +326,18 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         mosaic = False
     if kernel.term.op in NOT_SHARED or is_empty(kernel):
         return emit_unshared(kernel, ctx, mosaic)
+    if ctx.table_requests and kernel.term.op in ("Reduce", "EpilogueReduce"):
+        from emit.pallas import tables
+
+        if tables.ready(kernel.term, ctx):  # it writes Mosaic convs' vector tables too: emitted here, not shared
+            return emit_kernel(kernel, ctx)
     reads: list = []
     if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
         structure = finalize_structure(kernel.term)
     else:
         structure = kernel_structure(kernel, ctx.structures, reads)
     sides: list = []  # (read position, key) of the other forms of what it reads (`side_values`)
+    table = None
     if mosaic:
         from emit.mosaic.layouts import prepared_layouts, side_values
         from emit.mosaic.partials import finish_read_statistics
@@ -337,8 +346,10 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
         sides = [(i, key) for i, t in enumerate(reads) for key in side_values(t) if key in ctx.values]
         reads = [*reads, *layouts]
+        table = ctx.tables.pop(kernel.term, None)  # the vector table a Triton kernel wrote for it (`emit.pallas.tables`)
         structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
-                                                for t in layouts), tuple((i, key[0]) for i, key in sides))
+                                                for t in layouts), tuple((i, key[0]) for i, key in sides),
+                     table is not None)
     states = []
     for tensor in reads:
         if tensor in ctx.values or tensor.op == "Constant":
@@ -351,11 +362,13 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         reads, states = [*reads, kernel.term], [*states, "partials"]
     operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
     operands += [ctx.values[key] for _i, key in sides]
+    if mosaic and table is not None:
+        operands.append(table)
     prefixes = [ctx.pending.get(r) for r in kernel.hosted]
     key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
     shared = ctx.shared_kernels.get(key)
     if shared is None:
-        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic, sides)
+        shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic, sides, table is not None)
     results = shared.jitted(operands, prefixes)
     order = [kernel.term, *kernel.hosted]
     produced = {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
@@ -383,7 +396,7 @@ class _SharedKernel:
     """The jitted emission of the first kernel of a structure (see `emit_shared`)."""
 
     def __init__(self, kernel: KernelCall, reads: list, states: list, ctx: EmitContext, mosaic: bool = False,
-                 sides: list = ()):
+                 sides: list = (), table: bool = False):
         self.layout: list[tuple[int, bool]] = []  # (position in [term, *hosted], is partials) of each result
         self.sides_out: list = []  # tags of the other forms of its result the template left (`side_values`)
 
@@ -395,6 +408,8 @@ class _SharedKernel:
                 (inner.partials if state == "partials" else inner.values)[tensor] = value
             for (_i, key), value in zip(sides, operands[len(reads):]):
                 inner.values[key] = value
+            if table:  # the conv's vector table, last (`emit.pallas.tables`)
+                inner.tables[kernel.term] = operands[-1]
             for reduction, prefix in zip(kernel.hosted, prefixes):
                 if prefix is not None:
                     inner.pending[reduction] = prefix
@@ -423,7 +438,9 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     """Emit `calls` in order into `ctx.values`, each under `jax.named_scope(call.name)`, with the
     emitter `ctx.backend` names. A hosted statistic is complete after its last host: as partials
     (`ctx.partials`, what the readers merge) when every host wrote its tiles, else the driver emits
-    it right after its last host as its own reduce kernel."""
+    it right after its last host as its own reduce kernel. With Mosaic convs, the vector tables
+    their haloed prologues gather from a statistic are asked of the Triton kernel finishing it
+    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`)."""
     from emit import xla
     from emit.pallas.partials import Partials
 
@@ -431,6 +448,10 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
 
     calls = list(calls)
     names = shared_names(calls)
+    if ctx.backend in ("mosaic", "routed"):
+        from emit.pallas import tables
+
+        ctx.table_requests.extend(tables.plan_requests(calls, ctx))
     bar = emission_bar(len(calls), ctx.progress)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}

@@ -95,10 +95,12 @@ def merged(statistic: Term, buffer: jax.Array) -> jax.Array:
     return evaluate_whole(Term("Load", statistic, statistic.ty), {statistic: buffer})
 
 
-def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool | None) -> jax.Array:
+def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool | None, tables=None) -> jax.Array:
     """The finished `statistic` (its type: `[2, *kept]` mean and M2 for moments, else `[*kept]`) from
     its hosts' per-tile partials `buffer`, as one Pallas kernel: program `i` merges slot `i` over
-    every tile (`merge_partials_at`, `FinalizeConfig`)."""
+    every tile (`merge_partials_at`, `FinalizeConfig`). `tables` (`emit.pallas.tables.TableWrites`):
+    the Mosaic convs' vector tables it writes too (each program its slot's entries and a share of
+    the rest; `tables.results`)."""
     op = statistic.args[1]
     shape = parse_type(statistic.ty).shape
     layout = partials_layout(statistic, buffer.size)
@@ -108,14 +110,25 @@ def finalize(statistic: Term, buffer: jax.Array, *, name: str, interpret: bool |
     config = FinalizeConfig.of(tiles, fields, slots)
     rows = 2 if op == "moments" else 1
 
-    def kernel(partials_ref, out_ref):
+    extra = len(tables.operands) if tables is not None else 0
+
+    def kernel(partials_ref, *refs):
+        table_in, (out_ref, *table_out) = refs[:extra], refs[extra:]
         slot = jnp.full((1,), pl.program_id(0), jnp.int32)
         load = lambda offsets: triton.gather_load(partials_ref, offsets)  # noqa: E731
         merged = merge_partials_at(op, load, tiles, slots, slot, budget=config.block_tiles)
         for row, value in enumerate(merged if op == "moments" else (merged,)):
             triton.store(out_ref, row * slots + slot, value.astype(jnp.float32))
+            if tables is not None:
+                tables.scatter(table_in, table_out, row * slots + slot, value)
+        if tables is not None:
+            tables.copy(table_in, table_out, pl.program_id(0), config.programs)
 
     out = jax.ShapeDtypeStruct((rows * slots,), jnp.float32)
-    flat = triton.pallas_call(kernel, [jnp.reshape(buffer, (-1,))], [out], grid=(config.programs,), name=name,
-                              interpret=interpret, num_warps=config.num_warps)[0]
+    operands = [jnp.reshape(buffer, (-1,)), *(tables.operands if tables is not None else ())]
+    flat, *written = triton.pallas_call(kernel, operands, [out, *(tables.out_shapes if tables is not None else ())],
+                                        grid=(config.programs,), name=name, interpret=interpret,
+                                        num_warps=config.num_warps)
+    if tables is not None:
+        tables.results = written
     return jnp.reshape(flat, shape)

@@ -80,8 +80,10 @@ class ReduceProblem:
 
 
 def _kernel(*refs, problem: ReduceProblem, body: CompiledExpr, epilogue: CompiledExpr, tensors, config: ReduceConfig,
-            per_row: bool):
-    *operand_refs, out_ref = refs
+            per_row: bool, tables=None):
+    operand_refs, refs = refs[:len(tensors)], refs[len(tensors):]
+    extra = len(tables.operands) if tables is not None else 0
+    table_in, (out_ref, *table_out) = refs[:extra], refs[extra:]
     memory = RefMemory(dict(zip(tensors, operand_refs)), chunk_elements=config.budget)
     moments = problem.op == "moments"
     cache: dict = {}
@@ -117,6 +119,11 @@ def _kernel(*refs, problem: ReduceProblem, body: CompiledExpr, epilogue: Compile
             value = epilogue(memory, index, mask, acc)
             where = pl.ds(start + (row or 0) * kept_size, config.block)
             store(out_ref, where, jnp.broadcast_to(value, (config.block,)), mask)
+            if tables is not None:
+                tables.scatter(table_in, table_out, (row or 0) * kept_size + offsets,
+                               jnp.broadcast_to(value, (config.block,)), offsets < kept_size)
+        if tables is not None:
+            tables.copy(table_in, table_out, pl.program_id(0), -(-kept_size // config.block))
         return
     size = math.prod(problem.out_shape)
     mask = offsets < size if size % config.block else True
@@ -125,8 +132,10 @@ def _kernel(*refs, problem: ReduceProblem, body: CompiledExpr, epilogue: Compile
 
 
 def build(problem: ReduceProblem, body: Term, epilogue: Term, operands, tensors, *, name: str, interpret: bool,
-          config: ReduceConfig | None = None) -> jax.Array:
-    """The pallas_call computing `epilogue(Acc = op over axes of body)` (terms compiled by `emit.expr`)."""
+          config: ReduceConfig | None = None, tables=None) -> jax.Array:
+    """The pallas_call computing `epilogue(Acc = op over axes of body)` (terms compiled by `emit.expr`).
+    `tables` (`emit.pallas.tables.TableWrites`, an output of the accumulator's shape only): the Mosaic
+    convs' vector tables it writes too (`tables.results`)."""
     if len(set(problem.axes)) != len(problem.axes) or any(not 0 <= a < len(problem.body_shape) for a in problem.axes):
         raise ValueError(f"reduction axes {problem.axes} do not fit a body of shape {problem.body_shape}")
     if problem.op in ("argmax", "argmin") and len(problem.axes) != 1:
@@ -139,10 +148,15 @@ def build(problem: ReduceProblem, body: Term, epilogue: Term, operands, tensors,
     out = jax.ShapeDtypeStruct(problem.out_shape, problem.out_dtype)
     if math.prod(problem.out_shape) == 0:
         return jnp.zeros(problem.out_shape, problem.out_dtype)
+    tables = tables if per_row else None
     kernel = functools.partial(_kernel, problem=problem, body=compile_expr(body), epilogue=compile_expr(epilogue),
-                               tensors=tuple(tensors), config=config, per_row=per_row)
-    return pallas_call(kernel, operands, [out], grid=(-(-kept // config.block),), name=name, interpret=interpret,
-                       num_warps=config.num_warps)[0]
+                               tensors=tuple(tensors), config=config, per_row=per_row, tables=tables)
+    extra_in, extra_out = (tables.operands, tables.out_shapes) if tables is not None else ((), ())
+    value, *written = pallas_call(kernel, [*operands, *extra_in], [out, *extra_out], grid=(-(-kept // config.block),),
+                                  name=name, interpret=interpret, num_warps=config.num_warps)
+    if tables is not None:
+        tables.results = written
+    return value
 
 
 def reference(op: str, body: jax.Array, axes, acc_type, epilogue: Callable = lambda acc: acc) -> jax.Array:
@@ -155,10 +169,14 @@ def reference(op: str, body: jax.Array, axes, acc_type, epilogue: Callable = lam
 
 def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     term = kernel.term
+    from emit.pallas import tables
+
     if term.op == "EpilogueReduce" and term in ctx.partials:  # hosted: finished once from its partials
         from emit.pallas.partials import finalize
 
-        return {term: finalize(term, ctx.partials[term], name=kernel.name, interpret=ctx.interpret)}
+        with tables.writing(term, ctx) as writes:  # and the vector tables of Mosaic convs gathering it
+            return {term: finalize(term, ctx.partials[term], name=kernel.name, interpret=ctx.interpret,
+                                   tables=writes)}
     if term.op == "EpilogueReduce":
         _producer, op, body, axes, ty = term.args
         epilogue = Term("Acc", ty)
@@ -170,7 +188,8 @@ def emit(kernel: KernelCall, ctx: EmitContext) -> dict:
     problem = ReduceProblem(op, body_type.shape, tuple(sorted(ints(axes))), body_type.dtype,
                             jnp.dtype(acc_dtype(epilogue, ty)).name, out_type.shape, out_type.dtype)
     tensors = loaded_tensors(body, epilogue)
-    value = build(problem, body, epilogue, [ctx.operand(t) for t in tensors], tensors, name=kernel.name,
-                  interpret=ctx.interpret)
+    with tables.writing(term, ctx) as writes:
+        value = build(problem, body, epilogue, [ctx.operand(t) for t in tensors], tensors, name=kernel.name,
+                      interpret=ctx.interpret, tables=writes)
     return {term: value}
 

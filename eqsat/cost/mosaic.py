@@ -8,7 +8,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
 | matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back; an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
-| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views); where the kernel does not store the output's pixels itself (`stores_pixels`: an NHWC output whose channels the N tiles divide) the output unflattened and a residual on the flat rows, unless the flat rows are the output's (a 1x1 conv without padding; storing pixels, a residual read at the output's own index is read as it lies, `pixel_reads`, and only the pixels are stored); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
+| conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views; written by the Triton kernel finishing a statistic it gathers, no fusion: `emit.pallas.tables`); where the kernel does not store the output's pixels itself (`stores_pixels`: an NHWC output whose channels the N tiles divide) the output unflattened and a residual on the flat rows, unless the flat rows are the output's (a 1x1 conv without padding; storing pixels, a residual read at the output's own index is read as it lies, `pixel_reads`, and only the pixels are stored); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, K and V per key block (and the bias) | q, k, v not read where they lie (`stored_heads`: heads of one `[B, S, heads·D]` tensor, its sequence whole tiles, D a multiple of 16) written laid out, one multi-output fusion per source tensor; a materialized float32 bias; the padded output sliced (`attention_glue`) |
 
@@ -84,6 +84,7 @@ class Glue:
     what: str
     write_bytes: float
     read_bytes: float = 0.0
+    launches: int = 1  # 0: the copy is written by another kernel of the plan (no launch of its own)
 
     @property
     def bytes(self) -> float:
@@ -116,7 +117,7 @@ class MosaicWork:
 
     @property
     def glue_launches(self) -> int:
-        return len(self.glue)
+        return sum(g.launches for g in self.glue)
 
     @property
     def glue_bytes(self) -> float:
@@ -815,6 +816,12 @@ def conv_work_of(lhs_ty: str, rhs_ty: str, params: str, out_ty: str, ranges=None
                       tuple(glue), blocks.compute_wgs + 1)
 
 
+# Tensors whose Triton kernel (a plan `Reduce`; a hosted statistic's driver `reduce` or `finalize`)
+# also writes the vector table of a haloed conv gathering them (`emit.pallas.tables`): no fusion.
+TABLE_WRITERS = frozenset({"EpilogueReduce", "Reduce"})
+TABLE_BY_STATISTIC = "prologue vectors per channel, written by the statistic's kernel"
+
+
 def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str, out_ty: str,
                    epilogue: Term | None = None, parts=None, phase_outputs: int | None = None,
                    rhs: Term | None = None) -> MosaicWork | None:
@@ -892,8 +899,11 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     glue = []
     if not halo_weight_in_place(rhs, params, parts, n_padded, cout, phase_outputs):
         glue.append(Glue("weights laid out", w_bytes))
-    if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors (one small fusion)
-        glue.append(Glue("prologue vectors per channel", vector_bytes))
+    if gathered and any(rows):  # per-group statistics gathered per channel, with the other vectors: one small
+        # fusion, or written beside a statistic it gathers by the Triton kernel finishing it (`emit.pallas.tables`)
+        by_statistic = any(node.args[0].op in TABLE_WRITERS for loads in vector_loads for node in loads)
+        glue.append(Glue(TABLE_BY_STATISTIC, vector_bytes, launches=0) if by_statistic
+                    else Glue("prologue vectors per channel", vector_bytes))
     # the flat rows are the output's own NHWC rows (a 1x1 conv without padding, whole tiles): the
     # residual is read and the output written in place (`mapped_operands` and `unflatten` are views)
     (ho, wo), out_spec = geometry.out_size, tuple(ConvParams.parse(params).out_spec)
