@@ -32,14 +32,14 @@ S, F16 = jax.ShapeDtypeStruct, jnp.float16
 DENSE = ("Matmul", "Conv", "Attention")
 
 
-def _self_attention(x, wqkv, wo):
+def _self_attention(x, wqkv, wo, heads=8):
     q, k, v = jnp.split(x @ wqkv, 3, axis=-1)
-    return attention(q, k, v, 8) @ wo
+    return attention(q, k, v, heads) @ wo
 
 
-def _cross_attention(x, context, wq, wkv, wo):
+def _cross_attention(x, context, wq, wkv, wo, heads=8):
     k, v = jnp.split(context @ wkv, 2, axis=-1)
-    return attention(x @ wq, k, v, 8) @ wo
+    return attention(x @ wq, k, v, heads) @ wo
 
 
 def _two_cross_attentions(x, context, wq, wkv, wo):

@@ -24,17 +24,15 @@ from emit.mosaic import TritonFallbackWarning
 from emit.mosaic import attention as ma
 from emit.pallas import XlaFallbackWarning
 from eqsat.cost.mosaic import mosaic_work, stored_heads
-from sd15.layers import attention
+from tests import test_cost_mosaic_glue as glue_cases
 
 
 def _self_attention(x, wqkv, wo):
-    q, k, v = jnp.split(x @ wqkv, 3, axis=-1)
-    return attention(q, k, v, 2) @ wo
+    return glue_cases._self_attention(x, wqkv, wo, heads=2)
 
 
 def _cross_attention(x, context, wq, wkv, wo):
-    k, v = jnp.split(context @ wkv, 2, axis=-1)
-    return attention(x @ wq, k, v, 2) @ wo
+    return glue_cases._cross_attention(x, context, wq, wkv, wo, heads=2)
 
 
 def _adversarial(rng, tokens, width, heads):
