@@ -25,9 +25,9 @@ __all__ = ["TEMPLATES", "TritonFallbackWarning", "emit_kernel", "emit_on_mosaic"
 
 
 def emit_kernel(kernel, ctx) -> dict:
-    """The values of `kernel.term` from its Mosaic template, or from `emit.pallas.emit_kernel` (its
-    Triton template) with a `TritonFallbackWarning` when the Mosaic template does not cover it."""
-    from emit.pallas import emit_kernel as emit_triton
+    """The values of `kernel.term` from its Mosaic template (the statistics it reads finished first), or
+    from `emit.pallas.emit_kernel` (its Triton template) with a `TritonFallbackWarning` when the Mosaic
+    template does not cover it (`emit.pallas.emit_unshared`)."""
+    from emit.pallas import emit_unshared
 
-    produced = emit_on_mosaic(kernel, ctx)
-    return emit_triton(kernel, ctx) if produced is None else produced
+    return emit_unshared(kernel, ctx, mosaic=True)

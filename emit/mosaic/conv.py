@@ -60,7 +60,7 @@ from emit import expr as ex
 from emit.mosaic import conv_halo
 from emit.mosaic.conv_halo import layout_weights  # noqa: F401 (both conv kernels lay weights out so)
 from emit.mosaic import matmul as mm
-from emit.mosaic.partials import GroupStatistic, finish_read_statistics
+from emit.mosaic.partials import GroupStatistic
 from emit.pallas.conv import ConvGeometry, _place, k_ranges
 from eqsat.conv_params import ConvParams
 from eqsat.term import Term
@@ -273,9 +273,6 @@ def emit(kernel, ctx) -> dict:
     blocks = default_blocks(grid, geometry.out_features, steps)
     n_padded = -(-geometry.out_features // blocks.cta_tile_n) * blocks.cta_tile_n
 
-    # one finalize launch each (`eqsat.cost.roofline.driver_reduced` counts it), writing the vector
-    # tables of the convs gathering it (`emit.pallas.tables`)
-    finish_read_statistics(kernel, ctx)
     statistics, computed = [], []
     for reduction in kernel.hosted:
         if ctx.pending.get(reduction) is not None:

@@ -81,8 +81,8 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
-from emit.mosaic.partials import (RowStatistic, finish_read_statistics, group_partials, merge_partials,
-                                  tile_partials, write_group_partials)
+from emit.mosaic.partials import (RowStatistic, group_partials, merge_partials, tile_partials,
+                                  write_group_partials)
 from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
@@ -920,8 +920,6 @@ def emit(kernel, ctx) -> dict:
     batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
-    # read finished: merged once by the Pallas finalize kernel (merging in plain jax would be several XLA fusions)
-    finish_read_statistics(kernel, ctx)
     tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
     # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.

@@ -28,10 +28,9 @@ model asks the same question on terms (`eqsat.cost.mosaic.row_statistic_declined
 reading nothing but this matmul's output (through the ops the epilogue lowers), one output per
 row in row order, and an output the kernel writes in place (no padded rows to drop). Any other
 hosted statistic is left to the driver (its own reduce kernel after the host), as before. Readers
-on Triton merge the partials where they read them; a Mosaic matmul or conv reads them finished, merged
-once by `emit.pallas.partials.finalize` and kept for every later reader (`finish_read_statistics`,
-called by `emit.mosaic.matmul.emit`, `emit.mosaic.conv.emit` and, before a shared emission keys on
-what is finished, `emit.pallas.emit_shared`).
+on Triton merge the partials where they read them; a Mosaic matmul or conv reads them finished: the
+driver finishes them before it emits the kernel, once, by `emit.pallas.partials.finalize`, and keeps
+them for every later reader (`emit.pallas.finish_read_statistics`).
 
 A conv's GroupNorm statistic (`GroupStatistic.of`, `eqsat.cost.backends.group_statistic_declined`:
 its only host, a body reading only the conv's output, slot = image · groups + channel // cpg) is
@@ -290,22 +289,3 @@ def write_group_partials(statistics, partials, smems, gmems, tile) -> None:
     for statistic, smem, gmem in zip(statistics, smems, gmems):
         for f in range(statistic.fields):
             plgpu.copy_smem_to_gmem(smem.at[f, pl.ds(0, statistic.slots)], gmem.at[tile, f])
-
-
-def finish_read_statistics(kernel, ctx) -> None:
-    """Finish the statistics `kernel` reads that are only partials so far (`ctx.partials`): each is
-    merged once by the Pallas finalize kernel (one launch, `<component>:finalize`, which also writes
-    the vector tables of the Mosaic convs gathering it, `emit.pallas.tables`) and kept in
-    `ctx.values`, so the statistic's later readers read that value, not finish it again."""
-
-    from emit.backends import kernel_exprs, loaded_tensors
-    from emit.pallas import tables
-    from emit.pallas.partials import finalize
-
-    for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
-        if tensor in ctx.partials and tensor not in ctx.values:
-            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
-            with tables.writing(tensor, ctx) as writes:  # and the vector tables of the convs gathering it
-                ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
-                                              name=f"{component}:finalize" if component else "finalize",
-                                              tables=writes)

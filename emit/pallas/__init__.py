@@ -317,9 +317,8 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     context (`emit.mosaic.layouts.side_values`: heads padded for the attention) go in as operands,
     and those it leaves of its own result come back under the calling kernel's keys; so does the
     vector table a Triton kernel wrote for a Mosaic conv (`ctx.tables`). The statistics
-    it reads that are still partials are finished first, here
-    (`emit.mosaic.partials.finish_read_statistics`, as the Mosaic templates do): finished inside the
-    shared function they would be lost to the statistic's later readers."""
+    it reads that are still partials are finished first, here (`finish_read_statistics`): finished
+    inside the shared function they would be lost to the statistic's later readers."""
     from emit.pallas.partials import Partials
 
     if mosaic and not runs_on_mosaic(kernel.term):
@@ -340,9 +339,8 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     table = None
     if mosaic:
         from emit.mosaic.layouts import prepared_layouts, side_values
-        from emit.mosaic.partials import finish_read_statistics
 
-        finish_read_statistics(kernel, ctx)  # as its template would: once, kept for the statistic's later readers
+        finish_read_statistics(kernel, ctx)  # once, kept for the statistic's later readers
         layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
         sides = [(i, key) for i, t in enumerate(reads) for key in side_values(t) if key in ctx.values]
         reads = [*reads, *layouts]
@@ -382,10 +380,31 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
 
 
 def emit_unshared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> dict:
-    """The kernel's values from its Mosaic GPU template when `mosaic` and the template takes it, else
-    from its Triton template (`emit_kernel`)."""
+    """The kernel's values from its Mosaic GPU template when `mosaic` and the template takes it (the
+    statistics it reads finished first, `finish_read_statistics`), else from its Triton template
+    (`emit_kernel`)."""
+    if mosaic:
+        finish_read_statistics(kernel, ctx)
     produced = emit_on_mosaic(kernel, ctx) if mosaic else None
     return produced if produced is not None else emit_kernel(kernel, ctx)
+
+
+def finish_read_statistics(kernel: KernelCall, ctx: EmitContext) -> None:
+    """Finish the statistics a Mosaic kernel reads that are only partials so far (`ctx.partials`; the
+    Mosaic templates read statistics finished): each merged once by the Pallas finalize kernel (one
+    launch, `<component>:finalize`, `eqsat.cost.roofline.driver_reduced` counts it; it also writes
+    the vector tables of the Mosaic convs gathering it, `emit.pallas.tables`) and kept in
+    `ctx.values`, so the statistic's later readers read that value rather than finish it again."""
+    from emit.pallas import tables
+    from emit.pallas.partials import finalize
+
+    for tensor in loaded_tensors(*kernel_exprs(kernel.term)):
+        if tensor in ctx.partials and tensor not in ctx.values:
+            component = kernel.name.rsplit(":", 1)[0] if ":" in kernel.name else ""
+            with tables.writing(tensor, ctx) as writes:
+                ctx.values[tensor] = finalize(tensor, ctx.partials[tensor], interpret=ctx.interpret,
+                                              name=f"{component}:finalize" if component else "finalize",
+                                              tables=writes)
 
 
 def _aval(value):
