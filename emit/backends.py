@@ -8,6 +8,7 @@ Mosaic template module is loaded by name when a kernel first needs it.
 
     produced = emit_on_mosaic(call, ctx)     # None: not a Mosaic kernel, or its template declined
     if produced is None: produced = <its Triton template>
+    mosaic_prepared_layouts(term), mosaic_side_values(tensor)   # what a shared Mosaic emission passes
 """
 
 from __future__ import annotations
@@ -86,6 +87,23 @@ def emit_on_mosaic(kernel, ctx) -> dict | None:
     warnings.warn(f"{kernel.name} ({kernel.term.op}) runs through its Triton template: {reason}",
                   TritonFallbackWarning, stacklevel=3)
     return None
+
+
+# Where the Mosaic templates keep what a shared emission (`emit.pallas.emit_shared`) passes them
+# besides the values they read: the prepared weight layouts, the other forms of tensors they leave.
+MOSAIC_LAYOUTS = "emit.mosaic.layouts"
+
+
+def mosaic_prepared_layouts(term: Term) -> list[Term]:
+    """The weight layouts the prepare stage may have made for Mosaic kernel `term`
+    (`emit.mosaic.layouts.prepared_layouts`, loaded by name)."""
+    return importlib.import_module(MOSAIC_LAYOUTS).prepared_layouts(term)
+
+
+def mosaic_side_values(tensor: Term) -> list:
+    """The keys of other forms of `tensor` Mosaic templates leave in the context for its readers
+    (`emit.mosaic.layouts.side_values`, loaded by name)."""
+    return importlib.import_module(MOSAIC_LAYOUTS).side_values(tensor)
 
 
 # --- which backend emits each kernel: the cost model's choice -------------------------------------

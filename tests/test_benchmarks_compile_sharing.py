@@ -65,7 +65,7 @@ def test_finalize_of_different_producers_is_emitted_once(monkeypatch):
     assert len(finalized) == 1, finalized  # traced once, for both statistics
     names = [n for n in emit.kernel_names(plan) if "finalize" in n]
     assert len(names) == 2 and names[0] == names[1] and names[0].endswith(".x2"), names
-    monkeypatch.setattr(emit.pallas, "emit_shared", lambda kernel, ctx: emit.pallas.emit_kernel(kernel, ctx))
+    monkeypatch.setattr(emit.pallas, "emit_shared", lambda kernel, ctx, mosaic=False: emit.pallas.emit_kernel(kernel, ctx))
     apart = emit.emit(plan, "pallas", interpret=True)(*args)  # every kernel emitted on its own
     assert len(finalized) == 3
     reference = emit.emit(plan, "xla")(*args)

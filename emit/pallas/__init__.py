@@ -59,7 +59,7 @@ import jax
 
 # Shared with `emit.mosaic` through `emit.backends` (below both packages); importable from here as before.
 from emit.backends import (EmitError, TemplateError, emit_on_mosaic, is_empty, kernel_exprs, loaded_tensors,
-                           runs_on_mosaic)
+                           mosaic_prepared_layouts, mosaic_side_values, runs_on_mosaic)
 from eqsat.term import Term
 
 def remember_missing_triton_dialect_module() -> None:
@@ -338,11 +338,9 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     sides: list = []  # (read position, key) of the other forms of what it reads (`side_values`)
     table = None
     if mosaic:
-        from emit.mosaic.layouts import prepared_layouts, side_values
-
         finish_read_statistics(kernel, ctx)  # once, kept for the statistic's later readers
-        layouts = [t for t in prepared_layouts(kernel.term) if t in ctx.values]
-        sides = [(i, key) for i, t in enumerate(reads) for key in side_values(t) if key in ctx.values]
+        layouts = [t for t in mosaic_prepared_layouts(kernel.term) if t in ctx.values]
+        sides = [(i, key) for i, t in enumerate(reads) for key in mosaic_side_values(t) if key in ctx.values]
         reads = [*reads, *layouts]
         table = ctx.tables.pop(kernel.term, None)  # the vector table a Triton kernel wrote for it (`emit.pallas.tables`)
         structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
@@ -371,9 +369,7 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     order = [kernel.term, *kernel.hosted]
     produced = {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
     if shared.sides_out:  # the other forms of its result its template left (`side_values`), under this site's keys
-        from emit.mosaic.layouts import side_values
-
-        keys = {key[0]: key for key in side_values(kernel.term)}
+        keys = {key[0]: key for key in mosaic_side_values(kernel.term)}
         for tag, value in zip(shared.sides_out, results[len(shared.layout):]):
             ctx.values[keys[tag]] = value
     return produced
@@ -441,9 +437,7 @@ class _SharedKernel:
                     results.append(value.buffer if isinstance(value, Partials) else value)
             self.layout, self.sides_out = layout, []
             if mosaic:
-                from emit.mosaic.layouts import side_values
-
-                for key in side_values(kernel.term):
+                for key in mosaic_side_values(kernel.term):
                     if key in inner.values:
                         self.sides_out.append(key[0])
                         results.append(inner.values[key])
