@@ -132,21 +132,27 @@ def prepared_layouts(term: Term) -> list[Term]:
     width its N is whole heads of (`emit.mosaic.matmul.prepared_head_padding`), and to_out's with zero
     rows (`prepared_padded_input`)."""
     from eqsat.cost.mosaic import reads_padded_heads
-    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
 
     if term.op == "Conv":
         layouts = [halo_weight_layout(term)]
     elif term.op == "Matmul":
         lhs, rhs, dims, _epilogue, ty = term.args
         n = parse_type(ty).shape[-1] if parse_type(ty).shape else 1
-        layouts = [head_padded_weight(term, head) for head in range(1, min(n, MAX_HEAD) + 1)
-                   if n % head == 0 and padded_head(head) != head]
+        layouts = [head_padded_weight(term, head) for head in padded_head_widths(n)]
         found = reads_padded_heads(lhs, rhs, dims)
         if found is not None:
             layouts.append(head_padded_weight(term, found[1], rows=True))
     else:
         layouts = []
     return [layout for layout in layouts if layout is not None]
+
+
+def padded_head_widths(n: int) -> list[int]:
+    """The head widths a projection's `n` output columns could be whole heads of that wgmma pads
+    (`eqsat.tiling.mosaic.padded_head`): the widths `head_padded_weight` is asked for."""
+    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
+
+    return [head for head in range(1, min(n, MAX_HEAD) + 1) if n % head == 0 and padded_head(head) != head]
 
 
 def side_values(term: Term) -> list:

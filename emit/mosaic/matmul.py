@@ -877,17 +877,15 @@ def prepared_head_padding(term: Term, ctx):
     """`(weight [K, N'], head, padded)` when the prepare stage laid this matmul's weight out with
     each head of its output zero-padded (`emit.mosaic.layouts.head_padded_weight`, chosen by
     `emit.prepare` for projections only padded-head Mosaic attentions read); else None."""
-    from emit.mosaic.layouts import head_padded_weight
+    from emit.mosaic.layouts import head_padded_weight, padded_head_widths
     from eqsat.cost.mosaic import prepared_weight, zero_preserving
-    from eqsat.tiling.mosaic import MAX_HEAD, padded_head
+    from eqsat.tiling.mosaic import padded_head
 
     _lhs, rhs, _dims, epilogue, ty = term.args
     n = parse_type(ty).shape[-1]
     if not zero_preserving(epilogue) or not prepared_weight(rhs):
         return None
-    for head in range(1, min(n, MAX_HEAD) + 1):
-        if n % head or padded_head(head) == head:
-            continue
+    for head in padded_head_widths(n):
         layout = head_padded_weight(term, head)
         value = ctx.values.get(layout) if layout is not None else None
         if value is not None:

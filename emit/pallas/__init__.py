@@ -342,7 +342,7 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         layouts = [t for t in mosaic_prepared_layouts(kernel.term) if t in ctx.values]
         sides = [(i, key) for i, t in enumerate(reads) for key in mosaic_side_values(t) if key in ctx.values]
         reads = [*reads, *layouts]
-        table = ctx.tables.pop(kernel.term, None)  # the vector table a Triton kernel wrote for it (`emit.pallas.tables`)
+        table = ctx.tables.get(kernel.term)  # the vector table a Triton kernel wrote for it (`emit.pallas.tables`)
         structure = ("mosaic", structure, tuple(ctx.structures.setdefault(("layout", t.ty), len(ctx.structures))
                                                 for t in layouts), tuple((i, key[0]) for i, key in sides),
                      table is not None)
@@ -358,8 +358,8 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
         reads, states = [*reads, kernel.term], [*states, "partials"]
     operands = [ctx.partials[t] if state == "partials" else ctx.value(t) for t, state in zip(reads, states)]
     operands += [ctx.values[key] for _i, key in sides]
-    if mosaic and table is not None:
-        operands.append(table)
+    if table is not None:  # taken here: left in `ctx.tables` above, where the kernel is emitted unshared
+        operands.append(ctx.tables.pop(kernel.term))
     prefixes = [ctx.pending.get(r) for r in kernel.hosted]
     key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
     shared = ctx.shared_kernels.get(key)
