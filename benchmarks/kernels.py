@@ -547,7 +547,7 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         "by_backend": {name: totals([r for r in kernels if r["backend"] == name])
                        for name in dict.fromkeys(r["backend"] for r in kernels)},
         "glue_launches": sum(launch.category != "memset" for launch in others),
-        "modeled_glue_launches": modeled_glue_launches(planned),
+        "modeled_glue_launches": modeled_glue_launches(planned) + len(plan_sliced_stores(lowered, planned, reduced)),
         "emit_compile_seconds": report.compile_seconds,
         "kernels": kernels,
     }
@@ -595,6 +595,18 @@ def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
     from eqsat.cost.mosaic import mosaic_work
 
     return sum(mosaic_work(k.term).glue_launches for k in planned if k.route == "mosaic" and k.term is not None)
+
+
+def plan_sliced_stores(lowered, planned: list[PlannedKernel], reduced) -> list:
+    """The padded stores of Mosaic matmuls sliced by a launch of their own before a Triton reader or
+    as a program output (`eqsat.cost.backends.sliced_stores`): glue of the plan, not of a kernel."""
+    from eqsat.cost.backends import sliced_stores
+
+    split = getattr(lowered, "split", None)
+    plan = split.per_call if split is not None else lowered.plan
+    routes = {id(k.term): k.route for k in planned if k.term is not None}
+    kernels = [(k.term, routes.get(id(k.term), "triton"), k.hosted) for k in plan.kernels if k.op != "Loop"]
+    return sliced_stores(kernels, list(reduced), list(plan.outputs))
 
 
 def modeled_glue(kernel: PlannedKernel) -> list[str]:

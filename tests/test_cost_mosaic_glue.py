@@ -159,6 +159,7 @@ def _counted_and_modeled(fn, args, params_argnums, dump=None):
         run, run_args = (lambda pre, *a: stage.per_call(pre, *a)), (split.prepared_specs(), *args)
     modeled = {(k.component, k.kind, i): [g.what for g in mosaic_work(k.term).glue if g.launches]
                for i, k in enumerate(kernels) if k.op in DENSE}
+    modeled[("plan", "padded stores sliced", -1)] = ["output sliced"] * len(_sliced_stores(lowered, kernels))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = compile_for_h100(run, *run_args, keep_dump=dump)
@@ -166,6 +167,18 @@ def _counted_and_modeled(fn, args, params_argnums, dump=None):
         pytest.skip("the H100 compile target is not installed: python -m measure.cuda_target install")
     pallas = sum(n for category, n in report.by_category.items() if category.startswith("Pallas"))
     return report.kernels + report.copies - pallas, modeled, report
+
+
+def _sliced_stores(lowered, kernels):
+    """The plan's padded matmul stores sliced by a launch of their own (`eqsat.cost.backends.sliced_stores`)."""
+    from benchmarks.kernels import driver_reductions
+    from eqsat.cost.backends import sliced_stores
+
+    routes = iter(route for _name, route in lowered.stats.get("kernel_routes", ()))
+    plan = [(k.term, next(routes, "triton") if k.op in DENSE else "triton", k.hosted) for k in kernels]
+    reduced, _seconds = driver_reductions(lowered)
+    split = getattr(lowered, "split", None)
+    return sliced_stores(plan, list(reduced), list((split.per_call if split is not None else lowered.plan).outputs))
 
 
 def _skip_without_target():
@@ -209,11 +222,11 @@ def test_no_launch_around_an_attention_read_in_place(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_lone_cross_attention_launches_less_glue_than_modeled(tmp_path):
+def test_a_lone_cross_attention_slices_its_projection_inside_its_layout_fusion(tmp_path):
     """Heads of 80 over 77 keys, K and V projected for this attention alone: one multi-output fusion
     pads K and v to the 80 keys of the kernel's step (K is not transposed), and the projection's
-    padded output is sliced inside it, not by a fusion of its own: one launch fewer than the model's
-    ("output sliced" of the projection, "k and v laid out" of the attention)."""
+    padded output is sliced inside it, not by a fusion of its own: the model's "output sliced" of the
+    projection launches nothing (its readers are Mosaic kernels), its count equals the compiled one."""
     from benchmarks.glue import glue_launches
 
     _skip_without_target()
@@ -224,21 +237,21 @@ def test_a_lone_cross_attention_launches_less_glue_than_modeled(tmp_path):
     ((_, attention_glue),) = [(key, glue) for key, glue in modeled.items() if key[1] == "attention"]
     assert attention_glue == ["k and v laid out"]
     assert in_attention == ["loop_pad_fusion"], in_attention
-    assert counted == sum(len(glue) for glue in modeled.values()) - 1
+    assert counted == sum(len(glue) for glue in modeled.values()), (counted, modeled)
 
 
 @pytest.mark.slow
 def test_cross_attentions_sharing_one_text_projection(tmp_path):
     """Two layers' cross-attentions over one text K/V projection: XLA pads both layers' K and v in one
     multi-output fusion, the projection's output slice fused into it, where the model charges a
-    fusion per attention and the slice: two launches fewer than modeled (the model's error grows
-    with the layers sharing the projection: an overestimate)."""
+    fusion per attention: one launch fewer than modeled (the model's error grows with the layers
+    sharing the projection: an overestimate)."""
     _skip_without_target()
     fn, args, params_argnums = CASES["two cross-attentions sharing a text K/V projection"]
     counted, modeled, report = _counted_and_modeled(fn, args, params_argnums, tmp_path)
     attention_glue = [glue for key, glue in modeled.items() if key[1] == "attention"]
     assert attention_glue == [["k and v laid out"]] * 2
-    assert counted == sum(len(glue) for glue in modeled.values()) - 2, (counted, modeled, report.by_category)
+    assert counted == sum(len(glue) for glue in modeled.values()) - 1, (counted, modeled, report.by_category)
 
 
 @pytest.mark.slow
@@ -247,7 +260,7 @@ def test_heads_of_40_padded_by_the_prepared_weights(tmp_path):
     (zero columns per head in their prepared weights) and to_out reads the padded output (zero rows):
     a self-attention launches nothing around its three kernels (it launched four fusions: q and v
     padded, Kᵀ, Kᵀ padded, the output sliced); a cross-attention only pads its 77 text keys (K and
-    v in one fusion, the K/V projection's padded output sliced inside it: one fewer than modeled)."""
+    v in one fusion, the K/V projection's padded output sliced inside it), as modeled."""
     from benchmarks.glue import glue_launches
 
     _skip_without_target()
@@ -258,4 +271,4 @@ def test_heads_of_40_padded_by_the_prepared_weights(tmp_path):
     counted, modeled, report = _counted_and_modeled(*CASES["cross-attention heads of 40, weights prepared"], cross)
     ((_, attention_glue),) = [(key, glue) for key, glue in modeled.items() if key[1] == "attention"]
     assert attention_glue == ["k and v laid out"]
-    assert counted == sum(len(glue) for glue in modeled.values()) - 1, (counted, modeled, report.by_category)
+    assert counted == sum(len(glue) for glue in modeled.values()), (counted, modeled, report.by_category)

@@ -157,9 +157,17 @@ def padded_head_widths(n: int) -> list[int]:
 
 def side_values(term: Term) -> list:
     """The keys under which a Mosaic template leaves, beside a tensor's value, another form of it in
-    its context's values for the kernels that read it (`padded_heads_key`): what a shared emission
+    its context's values for the kernels that read it (`padded_heads_key`, `padded_rows_key`): what a shared emission
     passes in for the tensors a kernel reads and hands back for the tensor it writes."""
-    return [padded_heads_key(term)]
+    return [padded_heads_key(term), padded_rows_key(term)]
+
+
+def padded_rows_key(tensor: Term) -> tuple:
+    """The key under which the Mosaic matmul leaves, in its context's values, the padded `[1, rows,
+    columns]` array it stored `tensor` in when TMA could not store it as it lies (77-token rows;
+    `eqsat.cost.mosaic.padded_store`), for the Mosaic matmuls that read it as their A or a residual
+    (`eqsat.cost.mosaic.reads_padded_rows`, `padded_residuals`) instead of padding its slice again."""
+    return ("mosaic rows padded", tensor)
 
 
 def prepared_halo_weight(ctx, term: Term, columns: int):

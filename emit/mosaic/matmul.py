@@ -87,8 +87,8 @@ from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
                                  fit_smem)                                            # with the cost model)
-from eqsat.tiling.mosaic import (matmul_blocks, matmul_in_place, prologue_blocks, reads_in_place,  # noqa: F401
-                                 tile_fits, vector_fits)
+from eqsat.tiling.mosaic import (fits_tiles, matmul_blocks, matmul_in_place, prologue_blocks,  # noqa: F401
+                                 reads_in_place, tile_fits, vector_fits)
 from eqsat.tiling.mosaic import matmul_smem_bytes as smem_bytes  # noqa: F401
 from eqsat.types import parse_type
 
@@ -438,7 +438,8 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
           operands: Sequence[EpilogueOperand] = (), out_dtype=None, blocks: MosaicBlocks | None = None,
           interpret: Any = None, name: str = "matmul", a_window: AWindow | None = None,
           prologue: Prologue | None = None, statistics: Sequence[RowStatistic] = (),
-          group_statistics: Sequence = (), row_image: jax.Array | None = None, rows_per_image: int = 0):
+          group_statistics: Sequence = (), row_image: jax.Array | None = None, rows_per_image: int = 0,
+          padded_out: Callable[[jax.Array], None] | None = None, rows: int | None = None):
     """`epilogue(a @ b, operand tiles)` for `a [batch, m, k]`, `b [batch, k, n]` (fp16 or bf16, the
     same) as one Mosaic GPU kernel; returns `[batch, m, n]` of `out_dtype` (default `a.dtype`).
     `interpret`: True runs GPU interpret mode, False compiles for the GPU, None decides by the platform
@@ -455,7 +456,12 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     With `group_statistics` (an A window: the flat-grid conv; `emit.mosaic.partials.GroupStatistic`):
     `(out, partials)`, partials each statistic's `[tiles, fields, slots]`, one tile per CTA and
     compute warpgroup; `row_image` `[m]` int32 is the image of each output row (-1 for a row that is
-    not an output pixel), `rows_per_image` the rows from one image's first to the next's."""
+    not an output pixel), `rows_per_image` the rows from one image's first to the next's.
+
+    `padded_out` (no `a_window`) is called with the padded `[batch, rows, cols]` output when the
+    kernel cannot store it as it lies (the result is its slice). `rows` (no `a_window`): the
+    problem's M when `a` has more rows (a padded store read as it lies; the rows past M are
+    computed and dropped)."""
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or (a_window is None and a.shape[2] != b.shape[1]):
         raise ValueError(f"operands {a.shape} x {b.shape} are not [batch, m, k] x [batch, k, n]")
     if a.dtype != b.dtype or jnp.dtype(a.dtype).name not in MMA_DTYPES:
@@ -465,6 +471,8 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     n = b.shape[2]
     if a_window is not None:
         m, k = m - a_window.halo, b.shape[1]
+    elif rows is not None:
+        m = rows
     blocks = blocks or (matmul_blocks(m, n, k) if a_window is None else MosaicBlocks.get_default(m, n, k))
     if prologue is not None:
         blocks = prologue_blocks(blocks)
@@ -475,7 +483,7 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
     kp = -(-k // blocks.tile_k) * blocks.tile_k
     if a_window is None:
         return _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue,
-                              tuple(statistics))
+                              tuple(statistics), padded_out, m)
     if statistics:
         raise ValueError("row statistics are written by the batched matmul only (no A window)")
     if group_statistics:  # rows past the table (the tile grid's padding) hold no image
@@ -533,12 +541,16 @@ def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
     return call(False)(*operands)
 
 
-def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None, statistics=()):
+def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None, statistics=(),
+                   padded_out=None, problem_rows=None):
     """`build` without an A window: each of A, B, the output and a residual used as it lies where
     `matmul_in_place` says Mosaic's TMA can (its tails read as zeros, the output's last tiles
     clamped), padded to the tile grid where not (a row or column vector only when its stride is not
-    16-byte aligned, `vector_fits`); with a `prologue`, A is computed in the kernel from its sources."""
+    16-byte aligned, `vector_fits`); with a `prologue`, A is computed in the kernel from its sources.
+    An A of more rows than `m` (a matmul's padded store, `emit` below) is read as it lies: its rows
+    are multiples of 8, those past `m` computed into rows that are dropped."""
     batch, m, k = a.shape
+    m = problem_rows if problem_rows is not None else m
     n = b.shape[2]
     mp = -(-m // blocks.tile_m) * blocks.tile_m
     np_ = -(-n // blocks.cta_tile_n) * blocks.cta_tile_n
@@ -547,7 +559,13 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     if prologue is not None and kp != k:
         raise NotImplementedError(f"an A prologue at K = {k}, not a multiple of {blocks.tile_k} (its last step would "
                                   "read the columns after K of its sources, not TMA's zeros)")
-    a3 = None if prologue is not None else a if place.a else pad_to(a, (batch, mp, kp))
+    q = blocks.tile_k
+    if prologue is not None:
+        a3 = None
+    elif a.shape[1] > m and (k % q == 0 or k < q) and fits_tiles(a.shape[1], k, q):
+        a3 = a  # a padded store (`emit` below): its rows past m computed into rows that are dropped
+    else:
+        a3 = a if place.a else pad_to(a[:, :m], (batch, mp, kp))
     b3 = b if place.b else pad_to(b, (batch, kp, np_))
     rows, cols = (m, n) if place.out else (mp, np_)
     arrays, kinds, shared = [], [], []
@@ -556,8 +574,10 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
         if array.shape[0] not in (1, batch):
             raise ValueError(f"epilogue operand {array.shape} for batch {batch}")
         itemsize = jnp.dtype(array.dtype).itemsize
-        if operand.kind == "tile" and not tile_fits(m, n, blocks, itemsize):
-            array = pad_to(array, (array.shape[0], rows, cols))
+        if operand.kind == "tile" and array.shape[1] > m and tile_fits(*array.shape[1:], blocks, itemsize):
+            pass  # a padded store (`emit` below): rows past m are read into rows that are dropped
+        elif operand.kind == "tile" and not tile_fits(m, n, blocks, itemsize):
+            array = pad_to(array[:, :m, :n], (array.shape[0], rows, cols))
         elif operand.kind != "tile" and not vector_fits(array.shape[1], itemsize):
             array = pad_to(array, (array.shape[0], rows if operand.kind == "row" else cols))
         arrays.append(array)
@@ -598,6 +618,8 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     else:
         inputs = (sources[0].array, b3, *arrays, *(source.array for source in sources[1:]))
     out = _launch(call, out_type, inputs, interpret)
+    if padded_out is not None and not place.out:
+        padded_out(out[0] if written else out)
     if statistics and not written:
         return out[:, :m, :n], None
     if written:
@@ -691,13 +713,14 @@ def _reads_accumulator_at(out_index):
     return check
 
 
-def epilogue_operands(epilogue: Term, axes, values: Callable[[Term], jax.Array]):
+def epilogue_operands(epilogue: Term, axes, values: Callable[[Term], jax.Array], tables: list | None = None):
     """The epilogue's loads mapped onto the output tile (see the module docstring): `(tensors, operands)`,
-    one `EpilogueOperand` per `Load` the expression compiler meets, in its order."""
+    one `EpilogueOperand` per `Load` the expression compiler meets, in its order (`tables`: as
+    `mapped_operands`)."""
     batch, m, n = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape))
     b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
     rows, cols = np.arange(m).reshape(1, m, 1), np.arange(n).reshape(1, 1, n)
-    return mapped_operands(epilogue, axes.out_index(b, rows, cols), (batch, m, n), values)
+    return mapped_operands(epilogue, axes.out_index(b, rows, cols), (batch, m, n), values, tables)
 
 
 def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
@@ -853,6 +876,35 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
     return jnp.reshape(value, shape)
 
 
+def padded_rows_input(lhs: Term, rhs: Term, dims: str, ctx) -> jax.Array | None:
+    """A `[1, rows, K]` when A is a view of a matmul's output that its Mosaic template stored padded
+    (`eqsat.cost.mosaic.reads_padded_rows`) and left in the context (`padded_rows_key`); else None."""
+    from emit.mosaic.layouts import padded_rows_key
+    from eqsat.cost.mosaic import reads_padded_rows
+
+    producer = reads_padded_rows(lhs, rhs, dims)
+    return None if producer is None else ctx.values.get(padded_rows_key(producer))
+
+
+def padded_residual_operands(epilogue: Term, tensors: Sequence[Term], operands: Sequence[EpilogueOperand],
+                             tables: Sequence[np.ndarray], shape: tuple[int, int, int], ctx) -> list:
+    """`operands` with each residual a matmul stored padded (`eqsat.cost.mosaic.padded_residuals`),
+    read at the output's own element, replaced by that padded store as it lies."""
+    from emit.mosaic.layouts import padded_rows_key
+    from eqsat.cost.mosaic import padded_residuals
+
+    batch, m, n = shape
+    stored = {id(t) for t in padded_residuals(epilogue, batch, m, n)}
+    out = list(operands)
+    for i, (tensor, operand, table) in enumerate(zip(tensors, operands, tables)):
+        padded = ctx.values.get(padded_rows_key(tensor)) if id(tensor) in stored else None
+        if padded is None or operand.kind != "tile" or table.shape != (1, m, n) or \
+                not np.array_equal(table.reshape(-1), np.arange(m * n)):
+            continue
+        out[i] = EpilogueOperand("tile", padded)
+    return out
+
+
 def prepared_padded_input(term: Term, ctx):
     """`(a [1, M, H·padded], weight [1, H·padded, N])` when A is an attention's output its Mosaic
     template left with padded heads in the context and the prepare stage laid the weight out with
@@ -918,14 +970,20 @@ def emit(kernel, ctx) -> dict:
     batch, m, n, k = (math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.n_shape, axes.k_shape))
     if min(batch, m, n, k) == 0:
         raise NotImplementedError("an empty matmul")
-    tensors, operands = epilogue_operands(epilogue, axes, ctx.value)
+    tables: list = []
+    tensors, operands = epilogue_operands(epilogue, axes, ctx.value, tables)
+    operands = padded_residual_operands(epilogue, tensors, operands, tables, (batch, m, n), ctx)
     # Operand expressions (views, casts, a LayerNorm apply) computed whole by the interpreter: XLA
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
     prologue = in_kernel_prologue(lhs, rhs, dims, ty, axes, ctx.value)
     evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
-    if prologue is None:  # A read as it lies, or computed whole by XLA (one fusion) into [batch, rows, K]
+    padded_a = padded_rows_input(lhs, rhs, dims, ctx) if prologue is None else None
+    if padded_a is not None:  # another matmul's padded store, read as it lies
+        (rhs_value,) = evaluator.run([rhs])
+        a = padded_a
+    elif prologue is None:  # A read as it lies, or computed whole by XLA (one fusion) into [batch, rows, K]
         lhs_value, rhs_value = evaluator.run([lhs, rhs])
         a = _operand_matrix(lhs_value, axes.lhs_batch, axes.lhs_free, axes.lhs_contract, (batch, m, k))
     else:
@@ -967,9 +1025,15 @@ def emit(kernel, ctx) -> dict:
         except NotImplementedError:
             continue  # the driver reduces it after this kernel
         computed.append(reduction)
+    stores: list = []
     out = build(a, w, epilogue=tile_epilogue, operands=operands, out_dtype=out_type.dtype,
-                interpret=ctx.interpret, name=kernel.name, prologue=prologue, statistics=statistics)
+                interpret=ctx.interpret, name=kernel.name, prologue=prologue, statistics=statistics,
+                padded_out=stores.append if padded_heads is None and not with_batch else None, rows=m)
     out, partials = out if statistics else (out, None)
+    if stores:  # the padded store, for the matmuls that read it as it lies (`padded_rows_input`)
+        from emit.mosaic.layouts import padded_rows_key
+
+        ctx.values[padded_rows_key(term)] = stores[0]
     if padded_heads is not None:
         from emit.mosaic.layouts import padded_heads_key
 

@@ -47,7 +47,8 @@ from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
 from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, epilogue_body_declined, is_view,
-                               mosaic_work, node_mosaic_work, once_flops, row_statistic_declined)
+                               loaded_tensors, mosaic_work, node_mosaic_work, once_flops, padded_store,
+                               row_statistic_declined)
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
                               own_flops, size_of)
 from eqsat.cost.work import mma_seconds
@@ -287,3 +288,29 @@ def node_route_cost(op: str, args: Sequence, route: str, device: "str | Device",
     seconds = (device.launch_overhead * (1 + work.glue_launches) + device.memory_seconds(nbytes)
                + mosaic_dense_seconds(work, device, dtype))
     return Cost(nbytes, flops, seconds)
+
+
+def sliced_stores(kernels: Sequence[tuple[Term, str, Sequence[Term]]], reduced: Sequence[Term],
+                  outputs: Sequence[Term]) -> list[Term]:
+    """The Mosaic matmuls' padded stores (`eqsat.cost.mosaic.padded_store`) that XLA slices in a launch
+    of their own, for a plan of `(kernel term, route, hosted statistics)`: those read by a kernel a
+    Mosaic template does not run (a Triton kernel or a statistic it hosts; a statistic the driver
+    reduces after its host, `reduced`, whose body reads one) or returned by the program (`outputs`). A Mosaic reader takes the store as it lies
+    (`reads_padded_rows`, `padded_residuals`) or slices it inside the fusion that lays its operand out,
+    so the matmul's own "output sliced" glue launches nothing: these launches are the plan's, not a
+    kernel's price."""
+    stores = {id(term): term for term, route, _hosted in kernels
+              if route == "mosaic" and term.op == "Matmul" and padded_store(term) is not None}
+    readers = [reader for term, route, hosted in kernels if route != "mosaic" for reader in (term, *hosted)]
+    sliced: dict[int, Term] = {}
+    for reader in [*readers, *reduced]:
+        exprs = [reader.args[2]] if reader.op == "EpilogueReduce" else [a for a in reader.args
+                                                                         if getattr(a, "sort", None) == "Expr"]
+        for expr in exprs:
+            for tensor in loaded_tensors(expr):
+                if id(tensor) in stores:
+                    sliced[id(tensor)] = tensor
+    for tensor in outputs:
+        if id(tensor) in stores:
+            sliced[id(tensor)] = tensor
+    return list(sliced.values())

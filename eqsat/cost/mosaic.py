@@ -7,7 +7,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
-| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back; an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back (inside its readers' fusions: no launch of its own); an A or a residual that another Mosaic matmul stored padded read from that padded store as it lies (`reads_padded_rows`, `padded_residuals`); an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
 | conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views; written by the Triton kernel finishing a statistic it gathers, no fusion: `emit.pallas.tables`); where the kernel does not store the output's pixels itself (`stores_pixels`: an NHWC output whose channels the N tiles divide) the output unflattened and a residual on the flat rows, unless the flat rows are the output's (a 1x1 conv without padding; storing pixels, a residual read at the output's own index is read as it lies, `pixel_reads`, and only the pixels are stored); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, K and V per key block (and the bias) | q, k, v not read where they lie (`stored_heads`: heads of one `[B, S, heads·D]` tensor, its sequence whole tiles, D a multiple of 16) written laid out, one multi-output fusion per source tensor; a materialized float32 bias; the padded output sliced (`attention_glue`) |
@@ -106,6 +106,7 @@ class MosaicWork:
     warpgroups: int = 3                # the memory warpgroup and the compute ones (128 threads each)
     haloed: bool = False               # a conv on the haloed template (`emit.mosaic.conv_halo`)
     weight_columns: int = 0            # the haloed conv's weight columns (N↑; 4 · Cout in the phase form)
+    padded_store: tuple[int, int, int] | None = None  # the matmul's `[batch, rows, cols]` when not in place
 
     @property
     def ctas(self) -> int:
@@ -322,6 +323,58 @@ def reads_padded_heads(lhs: Term | None, rhs: Term | None, dims: str) -> tuple[T
             not read_in_order(lhs, shape.lhs_order, shape.lhs_ordered):
         return None
     return attention, head_dim
+
+
+def padded_store(tensor: Term) -> tuple[int, int, int] | None:
+    """`(batch, rows, columns)` of the padded array the Mosaic matmul template stores `tensor` in when
+    Mosaic's TMA cannot store it as it lies (`matmul_in_place`: 77-token rows), kept unsliced in the
+    context for the readers that take it (`emit.mosaic.layouts.padded_rows_key`); None when `tensor`
+    is not a Mosaic matmul's output or is stored in place."""
+    if tensor.op != "Matmul" or not covers_term(tensor):
+        return None
+    cached = _PADDED_STORES.get(id(tensor))
+    if cached is None or cached[0] is not tensor:  # once per term: a chain of matmuls asks down the chain
+        cached = _PADDED_STORES[id(tensor)] = (tensor, matmul_work(tensor).padded_store)
+    return cached[1]
+
+
+_PADDED_STORES: dict[int, tuple] = {}
+
+
+def takes_padded_store(tensor: Term, rows: int, columns: int, exact_columns: bool) -> bool:
+    """Whether a Mosaic matmul reading `tensor` as a `[rows, columns]` matrix (batch 1, in its stored
+    order) reads its padded store (`padded_store`) as it lies: one batch, at least `rows` rows (the
+    rows past them are computed into rows the reader drops, TMA's zeros past the store's end) and
+    `columns` columns, exactly so for an A (padded columns would add to the sum over K)."""
+    store = padded_store(tensor)
+    if store is None or size_of(tensor.ty) != rows * columns:
+        return False
+    batch, stored_rows, stored_columns = store
+    return batch == 1 and stored_rows >= rows and (stored_columns == columns if exact_columns
+                                                   else stored_columns >= columns)
+
+
+def reads_padded_rows(lhs: Term | None, rhs: Term | None, dims: str) -> Term | None:
+    """The matmul whose padded store (`padded_store`) a matmul reads as its A as it lies: A a view of
+    that one tensor in `[rows, K]` order, batch 1, the store's columns exactly K. Else None."""
+    if lhs is None or rhs is None or not is_view(lhs):
+        return None
+    tensors = loaded_tensors(lhs)
+    if len(tensors) != 1:
+        return None
+    shape = matmul_layout(lhs.ty, rhs.ty, dims)
+    if shape.batch != 1 or not read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) or \
+            not takes_padded_store(tensors[0], shape.m, shape.k, exact_columns=True):
+        return None
+    return tensors[0]
+
+
+def padded_residuals(epilogue: Term | None, batch: int, m: int, n: int) -> list[Term]:
+    """The tensors of the output's size an epilogue reads whose padded store a matmul of one batch
+    reads as it lies (`takes_padded_store`): a residual a padded matmul wrote."""
+    if epilogue is None or batch != 1:
+        return []
+    return [t for t in loaded_tensors(epilogue) if takes_padded_store(t, m, n, exact_columns=False)]
 
 
 def zero_preserving(epilogue: Term) -> bool:
@@ -648,6 +701,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     item, out_item = _itemsize(lhs_ty), _itemsize(out_ty)
     reads = EpilogueReads.of(epilogue, shape.batch * shape.m * shape.n, shape.m)
     useful_k, padded_a = shape.k, reads_padded_heads(lhs, rhs, dims)
+    padded_rows = reads_padded_rows(lhs, rhs, dims) if padded_a is None else None
     sliced_a = padded_a is None and lhs is not None and any(padded_attention_output(t) is not None
                                                              for t in loaded_tensors(lhs))
     if padded_a is not None:  # an attention's output with padded heads, its rows of the weight zero-padded
@@ -670,6 +724,8 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     glue = [Glue("attention output sliced", 0.0, read_bytes=2 * a_bytes)] if sliced_a else []
     if in_kernel:  # the prologue's sources as they lie instead of A
         a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
+    elif padded_rows is not None:  # a matmul's padded store read as it lies
+        a_bytes = padded_store(padded_rows)[1] * k * item
     elif not ((padded_a is not None or read_in_order(lhs, shape.lhs_order, shape.lhs_ordered)) and place.a):
         glue.append(Glue("A laid out", a_bytes))
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
@@ -681,7 +737,12 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
     epilogue_read = 0
-    for item_bytes in reads.tiles:
+    stored = padded_residuals(epilogue, batch, m, n)
+    tiles = list(reads.tiles)
+    for tensor in stored:  # a residual a padded matmul stored, read as it lies
+        epilogue_read += math.prod(padded_store(tensor)) * _itemsize(tensor.ty)
+        tiles.remove(_itemsize(tensor.ty))
+    for item_bytes in tiles:
         if tile_fits(m, n, blocks, item_bytes):
             epilogue_read += batch * m * n * item_bytes
         else:
@@ -694,14 +755,15 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
             else:
                 epilogue_read += batch * padded * item_bytes
                 glue.append(Glue(f"{what} vector padded", batch * padded * item_bytes))
-    if not place.out:
-        glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item))  # read back
+    if not place.out:  # read back by the slice, which XLA fuses into its readers' fusions (a pad, a layout)
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item, launches=0))
     # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
     again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
                         2.0 * shape.batch * shape.m * shape.n * useful_k, steps=kp // blocks.tile_k, alu_flops=again)
     return MosaicWork(work, blocks.stages, tma, a_bytes + b_bytes + epilogue_read,
-                      batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1)
+                      batch * rows * cols * out_item, batch * mp * np_, tuple(glue), blocks.compute_wgs + 1,
+                      padded_store=None if place.out else (batch, rows, cols))
 
 
 # --- conv ----------------------------------------------------------------------------------------
