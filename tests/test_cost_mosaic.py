@@ -71,7 +71,7 @@ def _implied(launch) -> dict:
         sub_tiles = (blocks.tile_m // blocks.epi_m) * (blocks.tile_n // blocks.epi_n)
         epilogue_operands = list(zip(kw["kinds"], operands[len(parts) + 2 + n_vectors:]))
         epilogue = sum(dtype.itemsize * {"tile": blocks.epi_m * blocks.epi_n, "col": blocks.epi_n,
-                                         "row": blocks.epi_m}[kind]
+                                         "phase col": blocks.epi_n, "row": blocks.epi_m}[kind]
                        for kind, (_shape, dtype) in epilogue_operands if kind != "pixel")
         # a residual read as it lies: each of its elements once, by the CTA storing that pixel
         pixels = sum(math.prod(shape) * dtype.itemsize for kind, (shape, dtype) in epilogue_operands if kind == "pixel")

@@ -8,7 +8,7 @@ v padded to heads of 48 in one fusion, the output sliced), one with heads of 80 
 fusion), a cross-attention over 77 text tokens with heads of 80 (K and v padded to 80 keys in one
 fusion), both with heads of 40 and weights prepared (heads padded by the projections: nothing
 around a self-attention), a 1x1 conv with a residual (its own rows: no fusion), a conv over a
-nearest-2x upsample with prepared phase weights (the bias per phase; its phases stored interleaved,
+nearest-2x upsample with prepared phase weights (the bias read per phase as it lies; its phases stored interleaved,
 no unflatten), a merged-shortcut conv with prepared weights, a 3x3 conv with a residual and a
 downsampler, both storing their pixels (no slice, no residual gather), two GroupNorm convs whose
 vector tables the statistics' Triton kernels write (`emit.pallas.tables`: no table fusion)."""
@@ -204,6 +204,8 @@ def test_compiles_with_the_glue_the_model_charges(case, tmp_path):
         assert not [l.name for l in report.launches if "slice" in l.name], report.by_category
         gathers = [l.name for l in report.launches if "gather" in l.name]  # only the bias onto the phases' columns
         assert len(gathers) == conv_glue.count("column vector per phase"), (gathers, conv_glue)
+        if "upsample" in case:  # the bias read at each phase's columns as it lies: no gather per call
+            assert gathers == [], gathers
 
 
 @pytest.mark.slow

@@ -583,6 +583,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                         continue
                     if kind == "tile":
                         src = gmem.at[batch, row_slice, col_slice]
+                    elif kind == "phase col":  # one phase's columns of a vector stored once (`phase_vectors`)
+                        src = gmem.at[batch, pl.ds(col_slice.start - phase * phase_cols, epi_n)]
                     else:
                         src = gmem.at[batch, row_slice if kind == "row" else col_slice]
                     plgpu.copy_gmem_to_smem(src, smem, operand_barriers.at[o])
@@ -590,7 +592,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     if kind == "tile":
                         tiles.append(smem[...])
                     else:
-                        axis = 1 if kind == "col" else 0
+                        axis = 0 if kind == "row" else 1
                         vector = load(smem, plgpu.Layout.WGMMA.reduce(1 - axis))
                         if statistics and o == len(kinds) - 1:  # the row images: kept a vector
                             tiles.append(vector)
@@ -726,6 +728,11 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             kinds.append("pixel")
             shared.append(False)
             continue
+        if operand.kind == "col" and phase_cols and a.shape[1] == phase_cols:  # `phase_vectors`: read per phase
+            arrays.append(a)
+            kinds.append("phase col")
+            shared.append(a.shape[0] == 1)
+            continue
         target = {"tile": (a.shape[0], m_padded, n_padded), "col": (a.shape[0], n_padded),
                   "row": (a.shape[0], m_padded)}[operand.kind]
         arrays.append(mm.pad_to(a, target))
@@ -845,13 +852,13 @@ def pixel_index(view: PixelView, conv: ConvGeometry) -> tuple[tuple, np.ndarray]
 
 
 def pixel_operands(epilogue, conv: ConvGeometry, view: PixelView, flat_index: tuple, m_padded: int, n: int,
-                   values) -> tuple[list, list]:
+                   values, tables: list | None = None) -> tuple[list, list]:
     """`mm.mapped_operands` where the kernel stores pixels (`build`'s `view`): a tile operand read at
     the output's own index (a residual: a tensor with the output's NHWC elements) is a `pixel`
     operand, the tensor itself in the view (a reshape: no gather); the others are mapped onto the
-    flat rows (`flat_index`) as before."""
+    flat rows (`flat_index`) as before. `tables`: as `mm.mapped_operands`' (by pixel)."""
     index, linear = pixel_index(view, conv)
-    tables = []
+    tables = [] if tables is None else tables
     tensors, by_pixel = mm.mapped_operands(epilogue, index, (conv.batch, linear.shape[1], n), values, tables)
     flat = None
     operands = []
@@ -885,6 +892,20 @@ def phase_weights(w: jax.Array, spec: Sequence[int], n_padded: int | None = None
                        for b in (0, 1)] for a in (0, 1)]
             phases.append(jnp.stack([jnp.stack(row) for row in window]))
     return jnp.stack(phases)
+
+
+def phase_vectors(tensors, operands, tables, cout: int, values) -> list:
+    """`operands` with each column vector the phase form reads as one vector per phase (its table the
+    tensor's `cout` elements in order, once per phase: a bias) given as that tensor `[1, cout]`, which
+    the kernel reads at its phase's columns (`build`: kind "phase col"): no gather onto `4 · cout`
+    columns per call."""
+    out = list(operands)
+    for i, (tensor, operand, table) in enumerate(zip(tensors, operands, tables)):
+        if operand.kind != "col" or table.shape != (1, 4 * cout) or math.prod(parse_type(tensor.ty).shape) != cout \
+                or not np.array_equal(table.reshape(-1), np.tile(np.arange(cout), 4)):
+            continue
+        out[i] = mm.EpilogueOperand("col", jnp.reshape(values(tensor), (1, cout)))
+    return out
 
 
 def phase_output_index(grid: HaloGrid, m_padded: int, conv: ConvGeometry) -> tuple:
@@ -991,9 +1012,13 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
                  else phase_output_index(grid, m_padded, conv_geometry))
     view = (pixel_view(grid, conv_geometry.out_features, phases=upsampled is not None)
             if stores_pixels(conv_geometry, n_padded, blocks.tile_n, upsampled is not None) else None)
+    tables_by_operand: list = []
     epi_tensors, operands = mm.mapped_operands(epilogue, out_index, (geometry.batch, m_padded, geometry.out_features),
-                                               ctx.value) if view is None else \
-        pixel_operands(epilogue, conv_geometry, view, out_index, m_padded, geometry.out_features, ctx.value)
+                                               ctx.value, tables_by_operand) if view is None else \
+        pixel_operands(epilogue, conv_geometry, view, out_index, m_padded, geometry.out_features, ctx.value,
+                       tables_by_operand)
+    if upsampled is not None:
+        operands = phase_vectors(epi_tensors, operands, tables_by_operand, conv_geometry.out_features, ctx.value)
 
     from emit.mosaic.layouts import prepared_halo_weight
 

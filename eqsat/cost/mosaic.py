@@ -973,8 +973,14 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     for item_bytes in flat_tiles:
         if not flat_is_output:
             glue.append(Glue("residual on the flat grid", batch * m_padded * cout * item_bytes))
-    if phase_outputs:  # a column vector (the bias) gathered onto the phase-major columns
-        glue += [Glue("column vector per phase", n_padded * item_bytes) for item_bytes in reads.cols]
+    if phase_outputs:  # a column vector gathered onto the phase-major columns, unless one value per output
+        # channel (a bias: read at each phase's columns as it lies, `emit.mosaic.conv_halo.phase_vectors`)
+        per_phase = [t for t in loaded_tensors(epilogue) if size_of(t.ty) == phase_outputs]
+        gathered = list(reads.cols)
+        for tensor in per_phase:
+            if _itemsize(tensor.ty) in gathered:
+                gathered.remove(_itemsize(tensor.ty))
+        glue += [Glue("column vector per phase", n_padded * item_bytes) for item_bytes in gathered]
     store = batch * m_padded * n_padded * out_item
     if pixels:
         store = batch * math.prod(geometry.out_size) * n_padded * out_item
