@@ -595,8 +595,10 @@ def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
     the first those of a tensor staged by TMA: of the expression's dtype and at least its size (the
     input itself, a `[B, H·W, C]` matmul output viewed as NHWC, a tensor some of whose channels a K
     range reads: `channel_parts.restrict`); the others the per-channel vectors (one per distinct read:
-    `_loads_by_parent`); None when it holds an op the kernel does not evaluate or reads no such
-    tensor. (The template checks the index of each load itself: `emit.mosaic.conv_halo.prologue_sources`.)"""
+    `_loads_by_parent`); None when it holds an op the kernel does not evaluate, reads no such tensor
+    or two (a residual added before the norm: the kernel stages one tensor per K range, "an input
+    expression that reads two tensors at its own index"). (The template checks the index of each
+    load itself: `emit.mosaic.conv_halo.prologue_loads`.)"""
     nodes, loads = _loads_by_parent(expr)
     if any(node.op not in PROLOGUE_OPS for node in nodes):
         return None
@@ -604,7 +606,7 @@ def halo_input_loads(expr, lhs_ty: str) -> tuple[list, list] | None:
     size = math.prod(lhs_shape)
     is_input = [parse_type(n.args[0].ty).dtype == lhs_dtype and math.prod(parse_type(n.args[0].ty).shape) >= size
                 for n in loads]
-    if not any(is_input):
+    if not any(is_input) or len({id(n.args[0]) for n, i in zip(loads, is_input) if i}) > 1:
         return None
     return ([n for n, i in zip(loads, is_input) if i], [n for n, i in zip(loads, is_input) if not i])
 
