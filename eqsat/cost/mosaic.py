@@ -503,49 +503,151 @@ def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
 
 # A expressions the matmul template computes in the kernel, per A tile in SMEM: elementwise ops on
 # [rows, K] tiles of tensors as they lie (a column window of one: GEGLU's halves) and on vectors
-# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `RowReduce`
-# (the statistics of a LayerNorm computed in the operand: its whole row before the first step), not
-# a `Transpose` (a permuted source, NCHW read as tokens: not [rows, K] tiles).
+# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `Transpose` (a
+# permuted source, NCHW read as tokens: not [rows, K] tiles). A `RowReduce` (a LayerNorm computing
+# its own statistics) is computed by a pass of the kernel over its CTA's rows before the pipeline
+# (`row_reduce_declined`, `emit.mosaic.row_statistics`): the expression then reads its value as row
+# vectors in registers ("stat" reads).
 PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Broadcast", "Slice"})
+ROW_PASS_FIELDS = {"sum": 1, "moments": 2}  # the reductions the kernel's row pass computes: their fields
+# The longest row the pass reduces: its `length / tile_k` chunks are read again by every N-tile CTA
+# before the first MMA (SD 1.5's LayerNorms: 320 to 1280).
+ROW_PASS_MAX_LENGTH = 2048
+
+def row_reduces(expr: Term) -> list[Term]:
+    """The `RowReduce` nodes of `expr` outside any other (the ones the row pass computes), in order."""
+    found, seen, stack = [], set(), [expr]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "RowReduce":
+            found.append(node)
+            continue
+        stack.extend(reversed([c for c in node.children if c.sort == "Expr"]))
+    return found
+
+
+def row_reduce_declined(node: Term, tile_k: int) -> str | None:
+    """Why the matmul's row pass does not compute the `RowReduce` `node` of its A expression, or None:
+    a sum or moments whose value is the reduction itself (an `Acc` epilogue), a body of prologue ops
+    (no reduction inside) over at most `ROW_PASS_MAX_LENGTH` elements, a multiple of the K step."""
+    op, body, axis, epilogue, _ty = node.args
+    if op not in ROW_PASS_FIELDS:
+        return f"a {op} RowReduce in A (the row pass computes sums and moments)"
+    if epilogue.op != "Acc":
+        return "a RowReduce in A with an epilogue of its own"
+    inner = {n.op for n in expr_nodes(body)} - PROLOGUE_OPS
+    if inner:
+        return f"a RowReduce in A whose body has {', '.join(sorted(inner))}"
+    length = parse_type(body.ty).shape[axis]
+    if length % tile_k or length > ROW_PASS_MAX_LENGTH:
+        return (f"a RowReduce in A over {length} elements (the row pass takes multiples of {tile_k} up to "
+                f"{ROW_PASS_MAX_LENGTH})")
+    return None
+
+
+def split_row_reduces(expr: Term) -> tuple[Term, list[tuple[Term, Term]]]:
+    """`expr` with each outer `RowReduce` replaced by a `Load` of a stand-in tensor of its type (an
+    `Input` named after its place), and the `(stand-in, RowReduce)` pairs: what the prologue reads
+    once the row pass has computed the reductions."""
+    from eqsat.term import Term as Node
+
+    pairs = [(Node("Input", f"mosaic-row-pass-{i}", node.ty), node) for i, node in enumerate(row_reduces(expr))]
+    if not pairs:
+        return expr, []
+    replace = {node: Node("Load", stand_in, node.ty) for stand_in, node in pairs}
+    memo: dict = {}
+
+    def rebuilt(node):
+        if node in replace:
+            return replace[node]
+        if node in memo:
+            return memo[node]
+        args = [rebuilt(a) if isinstance(a, Node) and a.sort == "Expr" else a for a in node.args]
+        memo[node] = out = Node(node.op, *args)
+        return out
+
+    return rebuilt(expr), pairs
 
 
 def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
     """The A prologue's sources as the matmul template reads them in the kernel, `(kind, itemsize)`
-    each (`tile`, `col` along K, `row` along the rows); or why the template does not compute this A
-    in the kernel (A read as it lies needs no prologue; other forms XLA computes whole, one fusion).
-    By sizes and types, as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by
-    their indices and also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
+    each (`tile`, `col` along K, `row` along the rows; the row pass's `stat`, `pass_tile`,
+    `pass_col`: `_PASS_KINDS`); or why the template does not compute this A in the kernel (A read
+    as it lies needs no prologue; other forms XLA computes whole, one fusion). By sizes and types,
+    as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by their indices and
+    also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
     shape = matmul_layout(lhs.ty, rhs.ty, dims)
     batch, m, n, k = shape.batch, shape.m, shape.n, shape.k
     blocks = prologue_blocks(matmul_blocks(m, n, k))
     if read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and matmul_in_place(m, n, k, blocks).a:
         return "A is read as it lies"
-    ops = {node.op for node in expr_nodes(lhs)}
+    for node in row_reduces(lhs):
+        why = row_reduce_declined(node, blocks.tile_k)
+        if why is not None:
+            return why
+    applied, passes = split_row_reduces(lhs)
+    ops = {node.op for node in expr_nodes(applied)}
     if not ops <= PROLOGUE_OPS:
         return f"an A expression with {', '.join(sorted(ops - PROLOGUE_OPS))}"
     if k % blocks.tile_k:
         return f"K = {k} is not a multiple of the {blocks.tile_k}-element steps"
+    stand_ins = {id(stand_in): node for stand_in, node in passes}
     reads = []
-    for tensor in loaded_tensors(lhs):
-        size, item = size_of(tensor.ty), _itemsize(tensor.ty)
-        dims_of = parse_type(tensor.ty).shape
-        if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
-            return f"a source of {parse_type(tensor.ty).dtype}"
-        if size >= batch * m * k and dims_of:
-            pitch = dims_of[-1]
-            if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(blocks.tile_k, item)):
-                return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
-            # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
-            reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
-        elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
-            reads.extend([("row", item)] * max(1, size // (batch * m)))
-        elif size % k == 0 and vector_fits(k, item):
-            reads.extend([("col", item)] * max(1, size // (batch * k)))
-        else:
-            return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    for tensor in loaded_tensors(applied):
+        if id(tensor) in stand_ins:  # a reduction's fields as row vectors in registers
+            reads.extend([("stat", 4)] * ROW_PASS_FIELDS[stand_ins[id(tensor)].args[0]])
+            continue
+        why = _read_of(tensor, batch, m, k, blocks.tile_k, reads)
+        if why is not None:
+            return why
     if not any(kind == "tile" for kind, _ in reads):
         return "no [rows, K] tile"
+    read_by_a = {id(t) for t in loaded_tensors(applied)}
+    for _stand_in, node in passes:
+        length = parse_type(node.args[1].ty).shape[node.args[2]]
+        body_reads: list = []
+        for tensor in loaded_tensors(node.args[1]):
+            if id(tensor) not in read_by_a:
+                return "a RowReduce in A over a tensor the expression does not read itself"
+            why = _read_of(tensor, batch, m, length, blocks.tile_k, body_reads)
+            if why is not None:
+                return why
+        if any(kind == "row" for kind, _ in body_reads):
+            return "a RowReduce in A whose body reads a vector along the rows"
+        reads.extend((f"pass_{kind}", item) for kind, item in body_reads)
     return reads
+
+
+def _read_of(tensor: Term, batch: int, m: int, k: int, tile_k: int, reads: list) -> str | None:
+    """Append how the prologue reads `tensor` over `[batch, m, k]` to `reads` (tiles, row or K
+    vectors), or return why it cannot."""
+    size, item = size_of(tensor.ty), _itemsize(tensor.ty)
+    dims_of = parse_type(tensor.ty).shape
+    if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
+        return f"a source of {parse_type(tensor.ty).dtype}"
+    if size >= batch * m * k and dims_of:
+        pitch = dims_of[-1]
+        if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(tile_k, item)):
+            return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
+        # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
+        reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
+    elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
+        reads.extend([("row", item)] * max(1, size // (batch * m)))
+    elif size % k == 0 and vector_fits(k, item):
+        reads.extend([("col", item)] * max(1, size // (batch * k)))
+    else:
+        return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    return None
+
+
+def prologue_read_bytes(kind: str, rows: int, k: int, steps: int) -> int:
+    """Elements one CTA (or, with `rows` = M, the kernel once) reads of a prologue read of `kind`
+    over `rows` rows and `k` columns in `steps` pipeline steps: a row vector is re-read per step."""
+    return {"tile": rows * k, "col": k, "row": rows * steps, "stat": 0, "pass_tile": rows * k,
+            "pass_col": k}[kind]
 
 
 def row_statistic_declined(reduction: Term, host: Term) -> str | None:
@@ -668,15 +770,14 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = [Glue("attention output sliced", 0.0, read_bytes=2 * a_bytes)] if sliced_a else []
-    if in_kernel:  # the prologue's sources as they lie instead of A
-        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
+    if in_kernel:  # the prologue's sources as they lie instead of A (the row pass re-reads them from L2)
+        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}.get(kind, 0) for kind, size in prologue)
     elif not ((padded_a is not None or read_in_order(lhs, shape.lhs_order, shape.lhs_ordered)) and place.a):
         glue.append(Glue("A laid out", a_bytes))
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
     a_tile_bytes = blocks.tile_m * kp * item if not in_kernel else sum(
-        size * {"tile": blocks.tile_m * kp, "col": kp, "row": blocks.tile_m * (kp // blocks.tile_k)}[kind]
-        for kind, size in prologue)
+        size * prologue_read_bytes(kind, blocks.tile_m, kp, kp // blocks.tile_k) for kind, size in prologue)
     tma = ctas * (a_tile_bytes + kp * blocks.cta_tile_n * item)
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
@@ -697,6 +798,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     if not place.out:
         glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item))  # read back
     # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
+    # (its row pass too: each CTA reduces its rows over the whole row)
     again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
                         2.0 * shape.batch * shape.m * shape.n * useful_k, steps=kp // blocks.tile_k, alu_flops=again)
