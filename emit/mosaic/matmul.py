@@ -837,8 +837,8 @@ def statistic_source(pairs, slots: dict, tensor: Term, flat: np.ndarray) -> Prol
     if not found:
         return None
     (p,) = found
-    node = pairs[p][1]
-    kept = parse_type(node.ty).shape[1:] if node.args[0] == "moments" else parse_type(node.ty).shape
+    accumulator = parse_type(tensor.ty).shape  # the reduction's accumulator: `[2, ...kept]` for moments
+    kept = accumulator[1:] if pairs[p][1].args[0] == "moments" else accumulator
     per_field = max(1, math.prod(kept))
     if flat.shape[2] > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :, :1], flat.shape)):
         raise NotImplementedError("a row statistic read along K")

@@ -531,13 +531,15 @@ def row_reduces(expr: Term) -> list[Term]:
 
 def row_reduce_declined(node: Term, tile_k: int) -> str | None:
     """Why the matmul's row pass does not compute the `RowReduce` `node` of its A expression, or None:
-    a sum or moments whose value is the reduction itself (an `Acc` epilogue), a body of prologue ops
-    (no reduction inside) over at most `ROW_PASS_MAX_LENGTH` elements, a multiple of the K step."""
+    a sum or moments, an epilogue of prologue ops on its one accumulator (a mean: the sum / K), a
+    body of prologue ops (no reduction inside) over at most `ROW_PASS_MAX_LENGTH` elements, a
+    multiple of the K step."""
     op, body, axis, epilogue, _ty = node.args
     if op not in ROW_PASS_FIELDS:
         return f"a {op} RowReduce in A (the row pass computes sums and moments)"
-    if epilogue.op != "Acc":
-        return "a RowReduce in A with an epilogue of its own"
+    outer = {n.op for n in expr_nodes(epilogue)} - PROLOGUE_OPS - {"Acc"}
+    if outer or len({n for n in expr_nodes(epilogue) if n.op == "Acc"}) != 1:
+        return f"a RowReduce in A whose epilogue has {', '.join(sorted(outer)) or 'several accumulators'}"
     inner = {n.op for n in expr_nodes(body)} - PROLOGUE_OPS
     if inner:
         return f"a RowReduce in A whose body has {', '.join(sorted(inner))}"
@@ -549,27 +551,32 @@ def row_reduce_declined(node: Term, tile_k: int) -> str | None:
 
 
 def split_row_reduces(expr: Term) -> tuple[Term, list[tuple[Term, Term]]]:
-    """`expr` with each outer `RowReduce` replaced by a `Load` of a stand-in tensor of its type (an
-    `Input` named after its place), and the `(stand-in, RowReduce)` pairs: what the prologue reads
-    once the row pass has computed the reductions."""
+    """`expr` with each outer `RowReduce` replaced by its epilogue reading a stand-in tensor of its
+    accumulator's type (an `Input` named after its place) for the accumulator, and the
+    `(stand-in, RowReduce)` pairs: what the prologue reads once the row pass has computed the
+    reductions (`row_reduce_declined` says which it takes: one accumulator in the epilogue)."""
     from eqsat.term import Term as Node
 
-    pairs = [(Node("Input", f"mosaic-row-pass-{i}", node.ty), node) for i, node in enumerate(row_reduces(expr))]
-    if not pairs:
-        return expr, []
-    replace = {node: Node("Load", stand_in, node.ty) for stand_in, node in pairs}
-    memo: dict = {}
-
-    def rebuilt(node):
+    def rebuilt(node, replace, memo):
         if node in replace:
             return replace[node]
-        if node in memo:
-            return memo[node]
-        args = [rebuilt(a) if isinstance(a, Node) and a.sort == "Expr" else a for a in node.args]
-        memo[node] = out = Node(node.op, *args)
-        return out
+        if node not in memo:
+            args = [rebuilt(a, replace, memo) if isinstance(a, Node) and a.sort == "Expr" else a for a in node.args]
+            memo[node] = Node(node.op, *args)
+        return memo[node]
 
-    return rebuilt(expr), pairs
+    pairs, replace = [], {}
+    for i, node in enumerate(row_reduces(expr)):
+        epilogue = node.args[3]
+        accumulators = {n for n in expr_nodes(epilogue) if n.op == "Acc"}
+        acc_ty = next(iter(accumulators)).ty if accumulators else node.ty
+        stand_in = Node("Input", f"mosaic-row-pass-{i}", acc_ty)
+        loaded = Node("Load", stand_in, acc_ty)
+        replace[node] = rebuilt(epilogue, {acc: loaded for acc in accumulators}, {})
+        pairs.append((stand_in, node))
+    if not pairs:
+        return expr, []
+    return rebuilt(expr, replace, {}), pairs
 
 
 def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
