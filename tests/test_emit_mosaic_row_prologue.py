@@ -150,3 +150,37 @@ def test_the_row_pass_compiles_for_sm90a(tmp_path, monkeypatch):
     assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category
     assert counts.tensor_core == "wgmma" and counts.tma_loads >= 3, counts
     assert resources.spill_bytes == 0, resources
+
+
+def test_a_sum_beside_moments_of_its_body_is_read_off_the_mean():
+    """The UNet's 1280-channel LayerNorms take their mean as `sum / K` beside the moments of the same
+    body: the kernel reads the sum off the moments pass (`RowPass.derived`, no second pass). Built
+    directly (`build` with a `Prologue` of both passes), 144 rows (an M tail), K = 192, against NumPy."""
+    from emit.mosaic import matmul as mm
+    from emit.mosaic.row_statistics import RowPass
+
+    rng = np.random.default_rng(7)
+    k = 192
+    x = adversarial_rows(rng, 72, k).reshape(144, k)
+    w = (0.2 * rng.standard_normal((k, 64))).astype(np.float16)
+
+    def normalized(values):
+        x_tile, mean, m2, total = values
+        centered = x_tile.astype(jnp.float32) - total / k
+        return (centered + (x_tile.astype(jnp.float32) - mean)) * 0.5 * jax.lax.rsqrt(m2 / k + 1e-5)
+
+    tile = mm.PrologueSource("tile", jnp.asarray(x))
+    prologue = mm.Prologue(normalized, (tile, mm.PrologueSource("stat", None, 0, 0, 0),
+                                        mm.PrologueSource("stat", None, 1, 0, 0),
+                                        mm.PrologueSource("stat", None, 0, 0, 1)),
+                           (RowPass("moments", lambda values: values[0].astype(jnp.float32), (tile,), k),
+                            RowPass("sum", None, (), k, derived=0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TritonFallbackWarning)
+        out = mm.build(jax.ShapeDtypeStruct((1, 144, k), jnp.float16), jnp.asarray(w)[None], prologue=prologue,
+                       interpret=True)
+    xf = x.astype(np.float64)
+    a = ((xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)).astype(np.float16)
+    expected = a.astype(np.float64) @ w.astype(np.float64)
+    bound = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out[0], np.float64), expected, atol=float(4e-3 * bound.max()), rtol=2e-2)

@@ -276,7 +276,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     if passes:  # the row passes' two-slot blocks and their barriers (`emit.mosaic.row_statistics`)
         stage_alloc["pass_smems"] = pass_smem(passes, tile_m, tile_k, _swizzled)
         stage_alloc["pass_barriers"] = [plgpu.Barrier(num_arrivals=len(row_pass.sources), num_barriers=2)
-                                        for row_pass in passes]
+                                        for row_pass in passes if row_pass.derived is None]
     fields = sum(statistic.fields for statistic in statistics)
     if fields:  # each row block's partial vectors, per warpgroup: written once, no slot reuse
         stage_alloc["stat_smem"] = plgpu.SMEM((wgs, tile_m // epi_m, fields, epi_m), jnp.float32)
@@ -859,6 +859,8 @@ def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable
     (`load_sources`; raises `NotImplementedError` for any other read)."""
     from emit.pallas.matmul import unravel_tile
 
+    from eqsat.cost.mosaic import derived_sum
+
     batch, m, _k = shape
     passes = []
     for p, (_stand_in, node) in enumerate(pairs):
@@ -867,6 +869,10 @@ def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable
         op, body, axis, _epilogue, _ty = node.args
         body_shape = parse_type(body.ty).shape
         kept_shape, length = body_shape[:axis] + body_shape[axis + 1:], body_shape[axis]
+        moments = derived_sum(node, [n for _, n in pairs])
+        if moments is not None and np.array_equal(slots[p], slots.get(moments)):
+            passes.append(RowPass(op, None, (), length, moments))
+            continue
         kept = ex.unravel(slots[p].reshape(batch, m, 1), kept_shape)
         point = (*kept[:axis], np.arange(length).reshape(1, 1, length), *kept[axis:])
         memory = _RecordingMemory()

@@ -15,7 +15,9 @@ order: sums added, moments by Chan's formula for equal counts
 (`n = c · tile_k` merging `tile_k`: mean += δ / (c + 1), M2 += M2_c + δ² · tile_k · c / (c + 1)),
 so offsets large against the spread cost nothing and a constant row has M2 exactly 0. The first
 chunk starts the merge (no splat-layout zeros enter the loop carry). The vectors stay in registers
-(the WGMMA row layout) and the prologue broadcasts them along K at every step.
+(the WGMMA row layout) and the prologue broadcasts them along K at every step. A sum of the body
+of a moments pass (a LayerNorm's mean as sum / K beside its variance's moments) is read off that
+pass's mean (`RowPass.derived`: mean · length), not reduced again.
 
 Each CTA reads its rows over the whole row once more than the pipeline does (from L2: the pipeline
 reads the same tensor); N-tile CTAs each run the pass for their rows. The cost model charges both
@@ -50,12 +52,15 @@ def chunk_moments(body: jax.Array) -> tuple[jax.Array, jax.Array]:
 class RowPass:
     """One `RowReduce` of the A expression: `fn(values)` is its fp32 body on a `[tile_m, tile_k]`
     chunk from its sources' values there (vectors broadcast), in `sources`' order; `sources` are
-    `emit.mosaic.matmul.PrologueSource`s of kind `tile` or `col` over a row of `length` elements."""
+    `emit.mosaic.matmul.PrologueSource`s of kind `tile` or `col` over a row of `length` elements.
+    `derived`: a sum of the same body as the moments pass of that index, read off its mean
+    (`mean · length`, no pass of its own: LayerNorm's mean as sum / K beside its moments)."""
 
     op: str
-    fn: Callable[[Sequence[jax.Array]], jax.Array]
+    fn: Callable[[Sequence[jax.Array]], jax.Array] | None
     sources: tuple
     length: int
+    derived: int | None = None
 
     @property
     def fields(self) -> int:
@@ -68,7 +73,7 @@ def pass_smem(passes: Sequence[RowPass], tile_m: int, tile_k: int, swizzled: Cal
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     buffers = []
-    for row_pass in passes:
+    for row_pass in passes:  # a derived pass has no sources
         for source in row_pass.sources:
             dtype = source.dtype
             if source.kind == "tile":
@@ -83,21 +88,23 @@ def compute_row_statistics(passes: Sequence[RowPass], gmems: Sequence[Any], smem
                            interpreted: bool) -> list[tuple[jax.Array, ...]]:
     """Each pass's fields over the CTA's rows (`(sum,)` or `(mean, M2)`, `[tile_m]` fp32 vectors).
     `gmems`/`smems`: the passes' sources' arrays (`[rows, pitch]` tiles, `[rows, length]` vector
-    views) and two-slot SMEM buffers, in order; `barriers`: per pass, one per slot (as many arrivals
-    as the pass has sources); `first_row(source)`: the source row of the CTA's first
+    views) and two-slot SMEM buffers, in order; `barriers`: per pass that reads (not `derived`), one
+    per slot (as many arrivals as the pass has sources); `first_row(source)`: the source row of the CTA's first
     row (a tile) or the vector's row (a `col`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    results, offset = [], 0
-    for p, row_pass in enumerate(passes):
+    results, offset = [None] * len(passes), 0
+    reading = [p for p, row_pass in enumerate(passes) if row_pass.derived is None]
+    for p in reading:
+        row_pass = passes[p]
         count = len(row_pass.sources)
         own = list(zip(row_pass.sources, gmems[offset:offset + count], smems[offset:offset + count]))
         offset += count
         steps = row_pass.length // tile_k
 
         def issue(step, slot, own=own, p=p):
-            barrier = barriers[p].at[slot]
+            barrier = barriers[reading.index(p)].at[slot]
             for source, gmem, smem in own:
                 columns = pl.ds(source.col0 + step * tile_k, tile_k)
                 src = gmem.at[pl.ds(first_row(source), tile_m), columns] if source.kind == "tile" else \
@@ -105,7 +112,7 @@ def compute_row_statistics(passes: Sequence[RowPass], gmems: Sequence[Any], smem
                 plgpu.copy_gmem_to_smem(src, smem.at[slot], barrier)
 
         def chunk(slot, own=own, p=p, row_pass=row_pass):
-            plgpu.barrier_wait(barriers[p].at[slot])
+            plgpu.barrier_wait(barriers[reading.index(p)].at[slot])
             values = []
             for source, _gmem, smem in own:
                 if source.kind == "tile":
@@ -124,7 +131,7 @@ def compute_row_statistics(passes: Sequence[RowPass], gmems: Sequence[Any], smem
             issue(1, 1)
         first = chunk(0)
         if steps == 1:
-            results.append(first)
+            results[p] = first
             continue
 
         def merge(c, carry, issue=issue, chunk=chunk, steps=steps, op=row_pass.op):
@@ -142,5 +149,8 @@ def compute_row_statistics(passes: Sequence[RowPass], gmems: Sequence[Any], smem
             delta = part[0] - mean
             return mean + delta * weight, m2 + part[1] + delta * delta * (tile_k * c.astype(jnp.float32) * weight)
 
-        results.append(lax.fori_loop(1, steps, merge, first))
+        results[p] = lax.fori_loop(1, steps, merge, first)
+    for p, row_pass in enumerate(passes):
+        if row_pass.derived is not None:
+            results[p] = (results[row_pass.derived][0] * float(row_pass.length),)
     return results

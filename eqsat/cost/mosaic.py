@@ -579,6 +579,15 @@ def split_row_reduces(expr: Term) -> tuple[Term, list[tuple[Term, Term]]]:
     return rebuilt(expr, replace, {}), pairs
 
 
+def derived_sum(node: Term, nodes: list[Term]) -> int | None:
+    """The index in `nodes` of the `moments` reduction of the same body and axis as the `sum` `node`
+    (the row pass reads the sum off its mean: `emit.mosaic.row_statistics.RowPass.derived`), or None."""
+    if node.args[0] != "sum":
+        return None
+    return next((i for i, other in enumerate(nodes) if other.args[0] == "moments"
+                 and other.args[1] is node.args[1] and other.args[2] == node.args[2]), None)
+
+
 def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
     """The A prologue's sources as the matmul template reads them in the kernel, `(kind, itemsize)`
     each (`tile`, `col` along K, `row` along the rows; the row pass's `stat`, `pass_tile`,
@@ -614,6 +623,8 @@ def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[
         return "no [rows, K] tile"
     read_by_a = {id(t) for t in loaded_tensors(applied)}
     for _stand_in, node in passes:
+        if derived_sum(node, [n for _, n in passes]) is not None:
+            continue  # read off the moments pass of the same body
         length = parse_type(node.args[1].ty).shape[node.args[2]]
         body_reads: list = []
         for tensor in loaded_tensors(node.args[1]):
