@@ -555,7 +555,7 @@ def split_row_reduces(expr: Term) -> tuple[Term, list[tuple[Term, Term]]]:
     accumulator's type (an `Input` named after its place) for the accumulator, and the
     `(stand-in, RowReduce)` pairs: what the prologue reads once the row pass has computed the
     reductions (`row_reduce_declined` says which it takes: one accumulator in the epilogue)."""
-    from eqsat.term import Term as Node
+    Node = type(expr)  # eqsat.term.Term (the cost model reads terms by duck typing, imports none)
 
     def rebuilt(node, replace, memo):
         if node in replace:
