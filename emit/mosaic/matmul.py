@@ -59,9 +59,14 @@ computed in the kernel: the memory warpgroup TMA-loads the sources' blocks for e
 compute warpgroup (one: it computes each A tile once, where two would each compute it for their own
 columns) evaluates the expression on them in registers, stores the A tile to a 2-slot SMEM stage
 (the MMA of two steps ago, which read that slot, is done after `wgmma_wait(1)`) and issues wgmma
-from there. Not in the kernel (XLA computes A whole, one fusion, before it): a `RowReduce` in A (a
-LayerNorm computing its own statistics needs the whole row before the first step), a permuted
-source (NCHW read as tokens), K not a multiple of the step, any load that is not such a window.
+from there. A `RowReduce` in A (a LayerNorm computing its own statistics: the whole row is needed
+before the first step) is a row pass (`emit.mosaic.row_statistics`, `row_passes`): the compute
+warpgroup reduces its CTA's rows over the whole row (a sum or moments, chunk by chunk, Chan-merged)
+before the pipeline, and the expression reads the reduction's fields from registers (`stat`
+sources; `eqsat.cost.mosaic.split_row_reduces` puts a stand-in tensor where the reduction was).
+Not in the kernel (XLA computes A whole, one fusion, before it): a reduction other than a sum or
+moments or over more than `ROW_PASS_MAX_LENGTH` elements, a permuted source (NCHW read as tokens),
+K not a multiple of the step, any load that is not such a window.
 Statistics of the output (`EpilogueReduce` hosted on this kernel: a LayerNorm's sum or moments per
 row) are computed from the stored output sub-tiles in registers and written as per-tile partials
 (`emit.mosaic.partials`); those it does not take (several hosts, a body reading other tensors, a
