@@ -863,7 +863,6 @@ def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable
     over the whole reduced axis, mapped to `[rows, length]` tiles and vectors along the row
     (`load_sources`; raises `NotImplementedError` for any other read)."""
     from emit.pallas.matmul import unravel_tile
-
     from eqsat.cost.mosaic import derived_sum
 
     batch, m, _k = shape
