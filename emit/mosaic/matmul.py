@@ -59,9 +59,14 @@ computed in the kernel: the memory warpgroup TMA-loads the sources' blocks for e
 compute warpgroup (one: it computes each A tile once, where two would each compute it for their own
 columns) evaluates the expression on them in registers, stores the A tile to a 2-slot SMEM stage
 (the MMA of two steps ago, which read that slot, is done after `wgmma_wait(1)`) and issues wgmma
-from there. Not in the kernel (XLA computes A whole, one fusion, before it): a `RowReduce` in A (a
-LayerNorm computing its own statistics needs the whole row before the first step), a permuted
-source (NCHW read as tokens), K not a multiple of the step, any load that is not such a window.
+from there. A `RowReduce` in A (a LayerNorm computing its own statistics: the whole row is needed
+before the first step) is a row pass (`emit.mosaic.row_statistics`, `row_passes`): the compute
+warpgroup reduces its CTA's rows over the whole row (a sum or moments, chunk by chunk, Chan-merged)
+before the pipeline, and the expression reads the reduction's fields from registers (`stat`
+sources; `eqsat.cost.mosaic.split_row_reduces` puts a stand-in tensor where the reduction was).
+Not in the kernel (XLA computes A whole, one fusion, before it): a reduction other than a sum or
+moments or over more than `ROW_PASS_MAX_LENGTH` elements, a permuted source (NCHW read as tokens),
+K not a multiple of the step, any load that is not such a window.
 Statistics of the output (`EpilogueReduce` hosted on this kernel: a LayerNorm's sum or moments per
 row) are computed from the stored output sub-tiles in registers and written as per-tile partials
 (`emit.mosaic.partials`); those it does not take (several hosts, a body reading other tensors, a
@@ -83,6 +88,7 @@ from jax import lax
 from emit import expr as ex
 from emit.mosaic.partials import (RowStatistic, group_partials, merge_partials, tile_partials,
                                   write_group_partials)
+from emit.mosaic.row_statistics import RowPass, compute_row_statistics, pass_smem
 from eqsat import host_threads
 from eqsat.term import Term
 from eqsat.tiling.mosaic import (EPILOGUE_OPS, MMA_DTYPES, SMEM_BYTES, MosaicBlocks,  # noqa: F401 (the tiling, shared
@@ -144,7 +150,8 @@ class PrologueSource:
     blocks are read at row `row0 + batch · batch_rows + m` and column `col0 + k` (a tensor laid out
     `[rows, K]`, or a column window of a wider one: GEGLU's halves); `col`: `[rows, K]`, its row
     `row0 + batch · batch_rows` a vector along K (a LayerNorm's gamma and beta); `row`: `[rows, M]`,
-    likewise one value per row of A (a mean, a second moment: hosted statistics stacked)."""
+    likewise one value per row of A (a mean, a second moment: hosted statistics stacked); `stat`
+    (no array): field `row0` of the row pass `col0` (`Prologue.passes`), computed in the kernel."""
 
     kind: str
     array: jax.Array
@@ -168,10 +175,12 @@ class _SourceLayout:
 class Prologue:
     """A computed from its sources in the kernel: `fn(values)` maps each source's values at a
     `[tile_m, tile_k]` A tile (vectors broadcast to it), in `sources`' order, to the tile (any
-    float dtype; cast to the operands')."""
+    float dtype; cast to the operands'). `passes`: the row statistics the kernel computes first
+    (`emit.mosaic.row_statistics`), read by the `stat` sources."""
 
     fn: Callable[[Sequence[jax.Array]], jax.Array]
     sources: tuple[PrologueSource, ...]
+    passes: tuple[RowPass, ...] = ()
 
 
 def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -213,8 +222,12 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
     outputs = len(statistics) + len(group_statistics) + 1
     operand_gmems, (out_gmem, *partial_gmems) = refs[:len(kinds)], refs[len(refs) - outputs:]
     partial_gmems, group_gmems = partial_gmems[:len(statistics)], partial_gmems[len(statistics):]
-    prologue_fn, sources = prologue if prologue is not None else (None, ())
-    source_gmems = (a_gmem, *refs[len(kinds):len(refs) - outputs]) if prologue is not None else ()
+    prologue_fn, sources, passes = prologue if prologue is not None else (None, (), ())
+    fetched = [source for source in sources if source.kind != "stat"]  # the others: the row passes' fields
+    extra = refs[len(kinds):len(refs) - outputs]
+    pass_count = sum(len(row_pass.sources) for row_pass in passes)
+    source_gmems = (a_gmem, *extra[:len(extra) - pass_count]) if prologue is not None else ()
+    pass_gmems = extra[len(extra) - pass_count:]
     tile_m, tile_n, tile_k, cta_n = blocks.tile_m, blocks.tile_n, blocks.tile_k, blocks.cta_tile_n
     epi_m, epi_n, wgs = blocks.epi_m, blocks.epi_n, blocks.compute_wgs
     out_dtype = out_gmem.dtype
@@ -232,7 +245,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         return plgpu.BlockSpec((tile_m,), lambda k: (k * 0,), memory_space=plgpu.SMEM, delay_release=1)
 
     if prologue is not None:
-        a_specs = [source_spec(source) for source in sources]
+        a_specs = [source_spec(source) for source in fetched]
     elif a_window is None:
         a_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
                                    memory_space=plgpu.SMEM, delay_release=1)]
@@ -265,6 +278,10 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
     stage_alloc = {} if prologue is None else {"a_stage": plgpu.SMEM((2, tile_m, tile_k), mma_dtype,
                                                                       transforms=transforms)}
+    if passes:  # the row passes' two-slot blocks and their barriers (`emit.mosaic.row_statistics`)
+        stage_alloc["pass_smems"] = pass_smem(passes, tile_m, tile_k, _swizzled)
+        stage_alloc["pass_barriers"] = [plgpu.Barrier(num_arrivals=len(row_pass.sources), num_barriers=2)
+                                        for row_pass in passes if row_pass.derived is None]
     fields = sum(statistic.fields for statistic in statistics)
     if fields:  # each row block's partial vectors, per warpgroup: written once, no slot reuse
         stage_alloc["stat_smem"] = plgpu.SMEM((wgs, tile_m // epi_m, fields, epi_m), jnp.float32)
@@ -281,7 +298,8 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
         collective_axes="wg",
         **stage_alloc,
     )
-    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None, stat_smem=None, group_smems=None):
+    def _scope(pipeline_allocs, out_smem, operand_smems, barriers, a_stage=None, stat_smem=None, group_smems=None,
+               pass_smems=None, pass_barriers=None):
         wg = lax.axis_index("wg")
         n_idx, m_idx, b_idx = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("b")
         if in_place is None:
@@ -291,8 +309,17 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             m0 = jnp.minimum(m_idx * tile_m, in_place[0] - tile_m)
             n0 = jnp.minimum(n_idx * cta_n, in_place[1] - cta_n)
         cols0 = n0 + wg * tile_n
+        row_statistics = []  # the row passes' fields over the CTA's rows, computed before the pipeline
+
+        def first_row(source):
+            row = source.row0 + b_idx * source.batch_rows
+            return row + m0 if source.kind == "tile" else row
 
         def compute_context(run_pipeline):
+            if passes:
+                row_statistics[:] = compute_row_statistics(passes, pass_gmems, pass_smems, pass_barriers,
+                                                           first_row=first_row, tile_m=tile_m, tile_k=tile_k,
+                                                           interpreted=interpreted)
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
             def _acc_scope(acc_ref):
                 run_pipeline(acc_ref)
@@ -370,8 +397,13 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
             return acc_ref
 
         def source_values(smems):
-            values = []
-            for source, smem in zip(sources, smems):
+            values, smems = [], iter(smems)
+            for source in sources:
+                if source.kind == "stat":  # field row0 of pass col0, in registers
+                    vector = row_statistics[source.col0][source.row0]
+                    values.append(lax.broadcast_in_dim(vector, (tile_m, tile_k), (0,)))
+                    continue
+                smem = next(smems)
                 if source.kind == "tile":
                     values.append(smem[...])
                     continue
@@ -393,7 +425,7 @@ def _kernel(a_gmem, b_gmem, *refs, blocks: MosaicBlocks, kinds: tuple[str, ...],
 
         if prologue is not None:
             views = []
-            for source, gmem in zip(sources, source_gmems):
+            for source, gmem in zip(fetched, source_gmems):
                 batch_at = source.row0 + b_idx * source.batch_rows  # a vector's row in its [rows, length] view
                 if source.kind == "tile":
                     views.append(gmem.at[pl.ds(source.row0 + b_idx * source.batch_rows + m0, tile_m),
@@ -589,14 +621,25 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     past_end = (prologue is not None or a3.shape[1:] != (mp, kp) or b3.shape[1:] != (kp, np_) or
                 any(x.shape[1:] != extents[kind] for kind, x in zip(kinds, arrays)))
     sources = () if prologue is None else prologue.sources
+    fetched = [source for source in sources if source.kind != "stat"]
+    passes = () if prologue is None else prologue.passes
+    pass_sources = [source for row_pass in passes for source in row_pass.sources]
     # the statistics' partial vectors: per warpgroup, `fields` fp32 vectors of each row block
     stat_rows = [("row", 4 * s.fields * (blocks.tile_m // blocks.epi_m)) for s in statistics if place.out]
     blocks = fit_smem(blocks, jnp.dtype(b.dtype).itemsize, out_dtype.itemsize,
                       [(kind, jnp.dtype(array.dtype).itemsize) for kind, array in zip(kinds, arrays)] + stat_rows,
                       prologue=None if prologue is None else
-                      [(source.kind, jnp.dtype(source.array.dtype).itemsize) for source in sources])
-    layouts = tuple(_SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
-                                  jnp.dtype(source.array.dtype)) for source in sources)
+                      [(source.kind, 4 if source.array is None else jnp.dtype(source.array.dtype).itemsize)
+                       for source in sources] +
+                      [(f"pass_{source.kind}", jnp.dtype(source.array.dtype).itemsize) for source in pass_sources])
+
+    def layout(source):
+        return _SourceLayout(source.kind, source.row0, source.batch_rows, source.col0,
+                             jnp.dtype(jnp.float32 if source.array is None else source.array.dtype))
+
+    layouts = tuple(layout(source) for source in sources)
+    static_passes = tuple(dataclasses.replace(row_pass, sources=tuple(layout(s) for s in row_pass.sources))
+                          for row_pass in passes)
     grid = (np_ // blocks.cta_tile_n, mp // blocks.tile_m, batch)
     written = statistics if place.out else ()  # padded rows: no partials (the driver reduces them)
     tiles = grid[0] * blocks.compute_wgs
@@ -608,7 +651,7 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
         body = functools.partial(_kernel, blocks=blocks, kinds=tuple(kinds), epilogue=epilogue, m_padded=rows,
                                  k_padded=kp, batch_shared=tuple(shared), interpreted=interpret_here,
                                  in_place=(m, n) if place.out else None, batched=True,
-                                 prologue=None if prologue is None else (prologue.fn, layouts),
+                                 prologue=None if prologue is None else (prologue.fn, layouts, static_passes),
                                  statistics=written, n_valid=n)
         return _warp_specialized(body, out_type, grid, blocks, name,
                                  interpret_params(tma_zero_fill=past_end) if interpret_here else None)
@@ -616,7 +659,8 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     if prologue is None:
         inputs = (a3, b3, *arrays)
     else:
-        inputs = (sources[0].array, b3, *arrays, *(source.array for source in sources[1:]))
+        inputs = (fetched[0].array, b3, *arrays, *(source.array for source in fetched[1:]),
+                  *(source.array for source in pass_sources))
     out = _launch(call, out_type, inputs, interpret)
     if padded_out is not None and not place.out:
         padded_out(out[0] if written else out)
@@ -774,15 +818,20 @@ def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
     """The A operand expression as a `Prologue` the kernel computes per A tile in SMEM, or None when
     A is read as it lies or the expression is not a form the kernel takes
     (`eqsat.cost.mosaic.prologue_declined`, or a load `prologue_sources` cannot map without a
-    gather): then XLA computes A whole, one fusion, before the kernel."""
-    from eqsat.cost.mosaic import prologue_declined
+    gather): then XLA computes A whole, one fusion, before the kernel. Each `RowReduce` in it (a
+    LayerNorm's own statistics) becomes a row pass (`row_passes`) whose fields the expression reads."""
+    from eqsat.cost.mosaic import prologue_declined, split_row_reduces
 
     if prologue_declined(lhs, rhs, dims, ty) is not None:
         return None
     shape = tuple(math.prod(s) for s in (axes.batch_shape, axes.m_shape, axes.k_shape))
     tile_k = prologue_blocks(matmul_blocks(shape[1], math.prod(axes.n_shape), shape[2])).tile_k
+    applied, pairs = split_row_reduces(lhs)
+    slots: dict = {}  # each pass's slot of the statistic at each [batch, m] (`statistic_source`)
     try:
-        tensors, sources = prologue_sources(lhs, axes, shape, values, tile_k)
+        tensors, sources = prologue_sources(applied, axes, shape, values, tile_k,
+                                            functools.partial(statistic_source, pairs, slots))
+        passes = row_passes(pairs, slots, shape, values, tile_k)
     except NotImplementedError:
         return None
     # one source per distinct window (a tensor loaded twice at the same place is read once)
@@ -791,7 +840,7 @@ def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
         key = (id(tensor), source.kind, source.row0, source.batch_rows, source.col0)
         of_load.append(unique.setdefault(key, (len(unique), source))[0])
     distinct = [source for _, source in sorted(unique.values(), key=lambda pair: pair[0])]
-    compiled = ex.compile_expr(lhs)
+    compiled = ex.compile_expr(applied)
     rank = len(parse_type(lhs.ty).shape)
     with_batch = bool(axes.batch_shape)
 
@@ -805,30 +854,111 @@ def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
             raise AssertionError("the prologue's loads in the kernel differ from the host's")
         return jnp.broadcast_to(value, (tm, tk))
 
-    return Prologue(tile, tuple(distinct))
+    return Prologue(tile, tuple(distinct), tuple(passes))
+
+
+def statistic_source(pairs, slots: dict, tensor: Term, flat: np.ndarray) -> PrologueSource | None:
+    """The `stat` source of a load of a row pass's stand-in (`eqsat.cost.mosaic.split_row_reduces`):
+    `flat` `[batch, m, k]` the element it reads; it must read one field of the reduction per row
+    (not along K), every load of that pass at the same slots (kept in `slots`). None for another tensor."""
+    found = [i for i, (stand_in, _node) in enumerate(pairs) if stand_in is tensor]
+    if not found:
+        return None
+    (p,) = found
+    accumulator = parse_type(tensor.ty).shape  # the reduction's accumulator: `[2, ...kept]` for moments
+    kept = accumulator[1:] if pairs[p][1].args[0] == "moments" else accumulator
+    per_field = max(1, math.prod(kept))
+    if flat.shape[2] > 1 and not np.array_equal(flat, np.broadcast_to(flat[:, :, :1], flat.shape)):
+        raise NotImplementedError("a row statistic read along K")
+    field, slot = np.divmod(flat[:, :, 0], per_field)
+    if not np.all(field == field.flat[0]):
+        raise NotImplementedError("a row statistic read at several fields along the rows")
+    if p in slots and not np.array_equal(slots[p], slot):
+        raise NotImplementedError("a row statistic read at different slots by its loads")
+    slots[p] = slot
+    return PrologueSource("stat", None, int(field.flat[0]), 0, p)
+
+
+def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
+               tile_k: int) -> list[RowPass]:
+    """Each `RowReduce` of the A expression (`pairs`: `(stand-in, node)`) as the kernel's `RowPass`:
+    its body's loads at the slots the expression reads (`slots[p]` `[batch, m]`, the flat kept index)
+    over the whole reduced axis, mapped to `[rows, length]` tiles and vectors along the row
+    (`load_sources`; raises `NotImplementedError` for any other read)."""
+    from emit.pallas.matmul import unravel_tile
+    from eqsat.cost.mosaic import derived_sum
+
+    batch, m, _k = shape
+    passes = []
+    for p, (_stand_in, node) in enumerate(pairs):
+        if p not in slots:
+            raise NotImplementedError("a row statistic the expression does not read")
+        op, body, axis, _epilogue, _ty = node.args
+        body_shape = parse_type(body.ty).shape
+        kept_shape, length = body_shape[:axis] + body_shape[axis + 1:], body_shape[axis]
+        moments = derived_sum(node, [n for _, n in pairs])
+        if moments is not None and np.array_equal(slots[p], slots.get(moments)):
+            passes.append(RowPass(op, None, (), length, moments))
+            continue
+        kept = ex.unravel(slots[p].reshape(batch, m, 1), kept_shape)
+        point = (*kept[:axis], np.arange(length).reshape(1, 1, length), *kept[axis:])
+        memory = _RecordingMemory()
+        ex.compile_expr(body)(memory, point, True)
+        tensors, sources = load_sources(memory.loads, (batch, m, length), values, tile_k)
+        if any(source.kind != "tile" and source.kind != "col" for source in sources):
+            raise NotImplementedError("a row statistic whose body reads a vector along the rows")
+        compiled = ex.compile_expr(body)
+
+        def fn(values_at, compiled=compiled, tensors=tensors, kept_shape=kept_shape, axis=axis):
+            tm, tk = values_at[0].shape
+            local = unravel_tile(np.arange(tm).reshape(tm, 1), kept_shape)
+            memory = _TileMemory(tensors, values_at)
+            value = compiled(memory, (*local[:axis], np.arange(tk).reshape(1, tk), *local[axis:]), True)
+            if memory.cursor != len(tensors):
+                raise AssertionError("the row pass's loads in the kernel differ from the host's")
+            return value
+
+        passes.append(RowPass(op, fn, tuple(sources), length))
+    return passes
 
 
 def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
-                     tile_k: int = 64):
+                     tile_k: int = 64, statistic: Callable | None = None):
     """`(tensors, sources)`: each `Load` of the A expression, in the order the expression compiler
     meets them, as the `PrologueSource` the kernel reads it through (no copy: a reshape of the
-    tensor as it lies). Raises `NotImplementedError` for a load that would need a gather."""
-    from eqsat.tiling.mosaic import minor_tile
-    from eqsat.tiling.mosaic import fits_tiles as tiles_fit
-
+    tensor as it lies; `statistic(tensor, flat)`: a row pass's field, or None). Raises
+    `NotImplementedError` for a load that would need a gather."""
     batch, m, k = shape
     rank = len(parse_type(lhs.ty).shape)
     b = np.arange(batch).reshape(batch, 1, 1) if axes.batch_shape else 0
     index = axes.lhs_index(rank, b, np.arange(m).reshape(1, m, 1), np.arange(k).reshape(1, 1, k))
     memory = _RecordingMemory()
     ex.compile_expr(lhs)(memory, index, True)
+    tensors, sources = load_sources(memory.loads, shape, values, tile_k, statistic)
+    if not any(source.kind == "tile" for source in sources):
+        raise NotImplementedError("a prologue that reads no [rows, K] tile")
+    return tensors, sources
+
+
+def load_sources(recorded, shape: tuple[int, int, int], values: Callable[[Term], jax.Array], tile_k: int,
+                 statistic: Callable | None = None):
+    """`(tensors, sources)` of recorded `(tensor, index)` loads over `shape` `[batch, m, k]`: `[rows, K]`
+    windows of tensors as they lie (`tile`) and vectors along the rows or K (`row`, `col`)."""
+    from eqsat.tiling.mosaic import minor_tile
+    from eqsat.tiling.mosaic import fits_tiles as tiles_fit
+
+    batch, m, k = shape
     loads = []
-    for tensor, at in memory.loads:
+    for tensor, at in recorded:
         tensor_shape = parse_type(tensor.ty).shape
+        flat = np.broadcast_to(np.asarray(ex.linearize(at, tensor_shape), np.int64), shape)
+        stat = statistic(tensor, flat) if statistic is not None else None
+        if stat is not None:
+            loads.append((tensor, stat))
+            continue
         dtype = jnp.dtype(parse_type(tensor.ty).dtype)
         if dtype.itemsize not in (2, 4) or not jnp.issubdtype(dtype, jnp.floating):
             raise NotImplementedError(f"a prologue source of dtype {dtype}")
-        flat = np.broadcast_to(np.asarray(ex.linearize(at, tensor_shape), np.int64), shape)
         size = max(math.prod(tensor_shape), 1)
         value = jnp.reshape(values(tensor), (-1,))
         by_batch = batch > 1 and not np.array_equal(flat, np.broadcast_to(flat[:1], flat.shape))
@@ -863,8 +993,6 @@ def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Calla
             raise NotImplementedError(f"a prologue vector of {length} {dtype} (a stride TMA cannot take)")
         loads.append((tensor, PrologueSource(kind, value.reshape(size // length, length), start // length,
                                              batch_step // length)))
-    if not any(source.kind == "tile" for _, source in loads):
-        raise NotImplementedError("a prologue that reads no [rows, K] tile")
     return [t for t, _ in loads], [source for _, source in loads]
 
 

@@ -7,7 +7,7 @@ conv's `FlatGrid`, `plan_taps` and `default_blocks`, the attention's `AttentionB
 
 | template | CTAs | wgmma flops (padded) | TMA loads (global -> SMEM, per CTA) | XLA fusions launched around it |
 |---|---|---|---|---|
-| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back (inside its readers' fusions: no launch of its own); an A or a residual that another Mosaic matmul stored padded read from that padded store as it lies (`reads_padded_rows`, `padded_residuals`); an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
+| matmul | batch · M/tile_m · N/cta_n | 2 · batch · M↑ · N↑ · K↑64 | A `[tile_m, K↑]` (or its prologue's source blocks, per step; a `RowReduce` in A: its row pass's `[tile_m, K]` blocks once more before the pipeline), B `[K↑, cta_n]`, epilogue tiles / vectors | an A that is not a view of one tensor in `[batch, rows, K]` order (transposes that cancel count as one) and whose prologue the kernel does not compute (`prologue_reads`), a B likewise: written laid out (its prologue computed once there); each array Mosaic's TMA cannot use as it lies (`matmul_in_place`: 77 rows, K = 72; an output smaller than its tiles) padded to the tiles (A, B, a residual, a row or column vector whose stride is not 16-byte aligned) and the padded output sliced back (inside its readers' fusions: no launch of its own); an A or a residual that another Mosaic matmul stored padded read from that padded store as it lies (`reads_padded_rows`, `padded_residuals`); an attention's output with padded heads (`reads_padded_heads`: prepared weight, K = H·48) read as it lies, else sliced ("attention output sliced") |
 | conv (haloed: stride 1 or 2, ≤ 3x3, NHWC, K ranges of 64k channels each: `halo_parts`; over a nearest-2x upsample its phase form: the source's grid, N = 4 phases, 2x2 taps each; wide rows in column strips: `halo_tiling`) | batch · strips · m_tiles · N/tile_n (`HaloGrid`: tile_m flat rows of one image's strip, pitch W + 2, or strip width + 2; at stride 2 output pitch Wp/2) | 2 · batch · m_padded · N↑ · Σ taps · C | per K range and 64-channel chunk the CTA's padded rows and halo (`row_copies` copies of its strip's columns inside the image: `copied_columns` over the strips; two row phases at stride 2) and the range's vectors; per step a `[64, tile_n]` weight tile; the row mask; epilogue sub-tiles | the weights gathered in step order `[steps·64, N↑]` unless read as prepared (`halo_weight_in_place`: one tensor stored `[ky, kx, in, out]`, N a multiple of the tile); the ranges' vectors gathered per channel into one float32 table (unless one range reads only views; written by the Triton kernel finishing a statistic it gathers, no fusion: `emit.pallas.tables`); where the kernel does not store the output's pixels itself (`stores_pixels`: an NHWC output whose channels the N tiles divide) the output unflattened and a residual on the flat rows, unless the flat rows are the output's (a 1x1 conv without padding; storing pixels, a residual read at the output's own index is read as it lies, `pixel_reads`, and only the pixels are stored); the row mask of such a conv is a constant XLA materializes once per grid, shared by the convs of that grid, not charged (the inputs are read as they lie, the prologues run in SMEM: their repeats beyond once per element, halo rows and N tiles, are `alu_flops`) |
 | conv (flat grid, the others) | m_padded/tile_m · N/cta_n (the flat grid's rows) | 2 · m_padded · N↑ · steps · 64 | per step one `[tile_m, 64]` A tile (each tap re-reads the input through L2) and a `[64, cta_n]` B tile | the input laid out: NHWC, padded, stride phases, one shifted copy per column shift (prologue once per element); the weights as `[steps·64, N↑]`; a residual gathered onto the flat grid; the output unflattened |
 | attention | batch · heads · q↑/(64·wgs) | 4 · batch · heads · q↑ · kv↑ · head↑16 | Q once, K and V per key block (and the bias) | q, k, v not read where they lie (`stored_heads`: heads of one `[B, S, heads·D]` tensor, its sequence whole tiles, D a multiple of 16) written laid out, one multi-output fusion per source tensor; a materialized float32 bias; the padded output sliced (`attention_glue`) |
@@ -556,49 +556,169 @@ def matmul_blocks(m: int, n: int, k: int) -> MosaicBlocks:
 
 # A expressions the matmul template computes in the kernel, per A tile in SMEM: elementwise ops on
 # [rows, K] tiles of tensors as they lie (a column window of one: GEGLU's halves) and on vectors
-# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `RowReduce`
-# (the statistics of a LayerNorm computed in the operand: its whole row before the first step), not
-# a `Transpose` (a permuted source, NCHW read as tokens: not [rows, K] tiles).
+# along the rows (a mean, a reciprocal deviation) or along K (gamma, beta). Not a `Transpose` (a
+# permuted source, NCHW read as tokens: not [rows, K] tiles). A `RowReduce` (a LayerNorm computing
+# its own statistics) is computed by a pass of the kernel over its CTA's rows before the pipeline
+# (`row_reduce_declined`, `emit.mosaic.row_statistics`): the expression then reads its value as row
+# vectors in registers ("stat" reads).
 PROLOGUE_OPS = frozenset({"Load", "Lit", "Unary", "Binary", "Select", "Reshape", "Broadcast", "Slice"})
+ROW_PASS_FIELDS = {"sum": 1, "moments": 2}  # the reductions the kernel's row pass computes: their fields
+# The longest row the pass reduces: its `length / tile_k` chunks are read again by every N-tile CTA
+# before the first MMA (SD 1.5's LayerNorms: 320 to 1280).
+ROW_PASS_MAX_LENGTH = 2048
+
+def row_reduces(expr: Term) -> list[Term]:
+    """The `RowReduce` nodes of `expr` outside any other (the ones the row pass computes), in order."""
+    found, seen, stack = [], set(), [expr]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "RowReduce":
+            found.append(node)
+            continue
+        stack.extend(reversed([c for c in node.children if c.sort == "Expr"]))
+    return found
+
+
+def row_reduce_declined(node: Term, tile_k: int) -> str | None:
+    """Why the matmul's row pass does not compute the `RowReduce` `node` of its A expression, or None:
+    a sum or moments, an epilogue of prologue ops on its one accumulator (a mean: the sum / K), a
+    body of prologue ops (no reduction inside) over at most `ROW_PASS_MAX_LENGTH` elements, a
+    multiple of the K step."""
+    op, body, axis, epilogue, _ty = node.args
+    if op not in ROW_PASS_FIELDS:
+        return f"a {op} RowReduce in A (the row pass computes sums and moments)"
+    outer = {n.op for n in expr_nodes(epilogue)} - PROLOGUE_OPS - {"Acc"}
+    if outer or len({n for n in expr_nodes(epilogue) if n.op == "Acc"}) != 1:
+        return f"a RowReduce in A whose epilogue has {', '.join(sorted(outer)) or 'several accumulators'}"
+    inner = {n.op for n in expr_nodes(body)} - PROLOGUE_OPS
+    if inner:
+        return f"a RowReduce in A whose body has {', '.join(sorted(inner))}"
+    length = parse_type(body.ty).shape[axis]
+    if length % tile_k or length > ROW_PASS_MAX_LENGTH:
+        return (f"a RowReduce in A over {length} elements (the row pass takes multiples of {tile_k} up to "
+                f"{ROW_PASS_MAX_LENGTH})")
+    return None
+
+
+def split_row_reduces(expr: Term) -> tuple[Term, list[tuple[Term, Term]]]:
+    """`expr` with each outer `RowReduce` replaced by its epilogue reading a stand-in tensor of its
+    accumulator's type (an `Input` named after its place) for the accumulator, and the
+    `(stand-in, RowReduce)` pairs: what the prologue reads once the row pass has computed the
+    reductions (`row_reduce_declined` says which it takes: one accumulator in the epilogue)."""
+    Node = type(expr)  # eqsat.term.Term (the cost model reads terms by duck typing, imports none)
+
+    def rebuilt(node, replace, memo):
+        if node in replace:
+            return replace[node]
+        if node not in memo:
+            args = [rebuilt(a, replace, memo) if isinstance(a, Node) and a.sort == "Expr" else a for a in node.args]
+            memo[node] = Node(node.op, *args)
+        return memo[node]
+
+    pairs, replace = [], {}
+    for i, node in enumerate(row_reduces(expr)):
+        epilogue = node.args[3]
+        accumulators = {n for n in expr_nodes(epilogue) if n.op == "Acc"}
+        acc_ty = next(iter(accumulators)).ty if accumulators else node.ty
+        stand_in = Node("Input", f"mosaic-row-pass-{i}", acc_ty)
+        loaded = Node("Load", stand_in, acc_ty)
+        replace[node] = rebuilt(epilogue, {acc: loaded for acc in accumulators}, {})
+        pairs.append((stand_in, node))
+    if not pairs:
+        return expr, []
+    return rebuilt(expr, replace, {}), pairs
+
+
+def derived_sum(node: Term, nodes: list[Term]) -> int | None:
+    """The index in `nodes` of the `moments` reduction of the same body and axis as the `sum` `node`
+    (the row pass reads the sum off its mean: `emit.mosaic.row_statistics.RowPass.derived`), or None."""
+    if node.args[0] != "sum":
+        return None
+    return next((i for i, other in enumerate(nodes) if other.args[0] == "moments"
+                 and other.args[1] is node.args[1] and other.args[2] == node.args[2]), None)
 
 
 def prologue_reads(lhs: Term, rhs: Term, dims: str, out_ty: str) -> "list[tuple[str, int]] | str":
     """The A prologue's sources as the matmul template reads them in the kernel, `(kind, itemsize)`
-    each (`tile`, `col` along K, `row` along the rows); or why the template does not compute this A
-    in the kernel (A read as it lies needs no prologue; other forms XLA computes whole, one fusion).
-    By sizes and types, as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by
-    their indices and also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
+    each (`tile`, `col` along K, `row` along the rows; the row pass's `stat`, `pass_tile`,
+    `pass_col`: `_PASS_KINDS`); or why the template does not compute this A in the kernel (A read
+    as it lies needs no prologue; other forms XLA computes whole, one fusion). By sizes and types,
+    as `EpilogueReads` (`emit.mosaic.matmul.prologue_sources` maps the loads by their indices and
+    also declines, to the fusion, a tile that is not a `[rows, K]` window)."""
     shape = matmul_layout(lhs.ty, rhs.ty, dims)
     batch, m, n, k = shape.batch, shape.m, shape.n, shape.k
     blocks = prologue_blocks(matmul_blocks(m, n, k))
     if read_in_order(lhs, shape.lhs_order, shape.lhs_ordered) and matmul_in_place(m, n, k, blocks).a:
         return "A is read as it lies"
-    ops = {node.op for node in expr_nodes(lhs)}
+    for node in row_reduces(lhs):
+        why = row_reduce_declined(node, blocks.tile_k)
+        if why is not None:
+            return why
+    applied, passes = split_row_reduces(lhs)
+    ops = {node.op for node in expr_nodes(applied)}
     if not ops <= PROLOGUE_OPS:
         return f"an A expression with {', '.join(sorted(ops - PROLOGUE_OPS))}"
     if k % blocks.tile_k:
         return f"K = {k} is not a multiple of the {blocks.tile_k}-element steps"
+    stand_ins = {id(stand_in): node for stand_in, node in passes}
     reads = []
-    for tensor in loaded_tensors(lhs):
-        size, item = size_of(tensor.ty), _itemsize(tensor.ty)
-        dims_of = parse_type(tensor.ty).shape
-        if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
-            return f"a source of {parse_type(tensor.ty).dtype}"
-        if size >= batch * m * k and dims_of:
-            pitch = dims_of[-1]
-            if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(blocks.tile_k, item)):
-                return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
-            # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
-            reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
-        elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
-            reads.extend([("row", item)] * max(1, size // (batch * m)))
-        elif size % k == 0 and vector_fits(k, item):
-            reads.extend([("col", item)] * max(1, size // (batch * k)))
-        else:
-            return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    for tensor in loaded_tensors(applied):
+        if id(tensor) in stand_ins:  # a reduction's fields as row vectors in registers
+            reads.extend([("stat", 4)] * ROW_PASS_FIELDS[stand_ins[id(tensor)].args[0]])
+            continue
+        why = _read_of(tensor, batch, m, k, blocks.tile_k, reads)
+        if why is not None:
+            return why
     if not any(kind == "tile" for kind, _ in reads):
         return "no [rows, K] tile"
+    read_by_a = {id(t) for t in loaded_tensors(applied)}
+    for _stand_in, node in passes:
+        if derived_sum(node, [n for _, n in passes]) is not None:
+            continue  # read off the moments pass of the same body
+        length = parse_type(node.args[1].ty).shape[node.args[2]]
+        body_reads: list = []
+        for tensor in loaded_tensors(node.args[1]):
+            if id(tensor) not in read_by_a:
+                return "a RowReduce in A over a tensor the expression does not read itself"
+            why = _read_of(tensor, batch, m, length, blocks.tile_k, body_reads)
+            if why is not None:
+                return why
+        if any(kind == "row" for kind, _ in body_reads):
+            return "a RowReduce in A whose body reads a vector along the rows"
+        reads.extend((f"pass_{kind}", item) for kind, item in body_reads)
     return reads
+
+
+def _read_of(tensor: Term, batch: int, m: int, k: int, tile_k: int, reads: list) -> str | None:
+    """Append how the prologue reads `tensor` over `[batch, m, k]` to `reads` (tiles, row or K
+    vectors), or return why it cannot."""
+    size, item = size_of(tensor.ty), _itemsize(tensor.ty)
+    dims_of = parse_type(tensor.ty).shape
+    if parse_type(tensor.ty).dtype not in ("float16", "bfloat16", "float32"):
+        return f"a source of {parse_type(tensor.ty).dtype}"
+    if size >= batch * m * k and dims_of:
+        pitch = dims_of[-1]
+        if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(tile_k, item)):
+            return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
+        # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
+        reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
+    elif size % m == 0 and vector_fits(m, item):  # one row vector per M values (stacked statistics)
+        reads.extend([("row", item)] * max(1, size // (batch * m)))
+    elif size % k == 0 and vector_fits(k, item):
+        reads.extend([("col", item)] * max(1, size // (batch * k)))
+    else:
+        return f"a source of {size} elements, neither a [rows, K] tile nor a vector along the rows or K"
+    return None
+
+
+def prologue_read_bytes(kind: str, rows: int, k: int, steps: int) -> int:
+    """Elements one CTA (or, with `rows` = M, the kernel once) reads of a prologue read of `kind`
+    over `rows` rows and `k` columns in `steps` pipeline steps: a row vector is re-read per step."""
+    return {"tile": rows * k, "col": k, "row": rows * steps, "stat": 0, "pass_tile": rows * k,
+            "pass_col": k}[kind]
 
 
 def row_statistic_declined(reduction: Term, host: Term) -> str | None:
@@ -722,8 +842,8 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     rows, cols = (m, n) if place.out else (mp, np_)
     a_bytes, b_bytes = batch * ma * ka * item, batch * kb * nb * item
     glue = [Glue("attention output sliced", 0.0, read_bytes=2 * a_bytes)] if sliced_a else []
-    if in_kernel:  # the prologue's sources as they lie instead of A
-        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}[kind] for kind, size in prologue)
+    if in_kernel:  # the prologue's sources as they lie instead of A (the row pass re-reads them from L2)
+        a_bytes = batch * sum(size * {"tile": m * k, "col": k, "row": m}.get(kind, 0) for kind, size in prologue)
     elif padded_rows is not None:  # a matmul's padded store read as it lies
         a_bytes = padded_store(padded_rows)[1] * k * item
     elif not ((padded_a is not None or read_in_order(lhs, shape.lhs_order, shape.lhs_ordered)) and place.a):
@@ -731,8 +851,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     if not (read_in_order(rhs, shape.rhs_order, shape.rhs_ordered) and place.b):
         glue.append(Glue("B laid out", b_bytes))
     a_tile_bytes = blocks.tile_m * kp * item if not in_kernel else sum(
-        size * {"tile": blocks.tile_m * kp, "col": kp, "row": blocks.tile_m * (kp // blocks.tile_k)}[kind]
-        for kind, size in prologue)
+        size * prologue_read_bytes(kind, blocks.tile_m, kp, kp // blocks.tile_k) for kind, size in prologue)
     tma = ctas * (a_tile_bytes + kp * blocks.cta_tile_n * item)
     tma += ctas * (sum(reads.tiles) * blocks.tile_m * blocks.cta_tile_n + sum(reads.cols) * blocks.cta_tile_n
                    + sum(reads.rows) * blocks.tile_m)
@@ -758,6 +877,7 @@ def matmul_work_of(lhs_ty: str, rhs_ty: str, dims: str, out_ty: str, lhs: Term |
     if not place.out:  # read back by the slice, which XLA fuses into its readers' fusions (a pad, a layout)
         glue.append(Glue("output sliced", 0.0, read_bytes=2 * batch * rows * cols * out_item, launches=0))
     # the prologue runs once per A tile of each CTA: (N tiles - 1) times more than once per element
+    # (its row pass too: each CTA reduces its rows over the whole row)
     again = once_flops(lhs) * (np_ // blocks.cta_tile_n - 1) if in_kernel else 0.0
     work = TemplateWork("mosaic.matmul", ctas, "wgmma", 2.0 * shape.batch * mp * np_ * kp,
                         2.0 * shape.batch * shape.m * shape.n * useful_k, steps=kp // blocks.tile_k, alu_flops=again)

@@ -97,13 +97,15 @@ def matmul_smem_bytes(blocks: MosaicBlocks, itemsize: int, out_itemsize: int,
     tiles, two output sub-tiles per compute warpgroup, and per warpgroup one sub-tile (`tile`) or
     vector (`row`, `col`) of each epilogue operand `(kind, itemsize)`. With an A `prologue` (its
     sources' `(kind, itemsize)`), the ring holds the sources' blocks in place of A's, and A has a
-    2-slot stage of its own."""
+    2-slot stage of its own; a row pass (`pass_tile`, `pass_col` reads) two slots of its blocks."""
     wgs, em, en = blocks.compute_wgs, blocks.epi_m, blocks.epi_n
     ring = blocks.stages * (blocks.tile_m * blocks.tile_k + blocks.tile_k * blocks.cta_tile_n) * itemsize
     if prologue is not None:  # the ring holds the prologue's source blocks instead of A; A's two stage slots
         tm, tk = blocks.tile_m, blocks.tile_k
-        sources = sum(size * {"tile": tm * tk, "col": tk, "row": tm}[kind] for kind, size in prologue)
+        sources = sum(size * {"tile": tm * tk, "col": tk, "row": tm}.get(kind, 0) for kind, size in prologue)
         ring = blocks.stages * (sources + tk * blocks.cta_tile_n * itemsize) + 2 * tm * tk * itemsize
+        # the row pass's two slots of its blocks (`emit.mosaic.row_statistics`; its statistics: registers)
+        ring += 2 * sum(size * {"pass_tile": tm * tk, "pass_col": tk}.get(kind, 0) for kind, size in prologue)
     epilogue = wgs * 2 * em * en * out_itemsize
     for kind, size in operands:
         epilogue += wgs * size * {"tile": em * en, "row": em, "col": en}[kind]
