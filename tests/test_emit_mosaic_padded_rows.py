@@ -6,7 +6,8 @@ as its residual instead of padding the slice again, computing rows past 154 into
 A chain `h = x @ w1 + b1; y = h @ w2 + h; y @ w3 + y` (the text encoder's residual stream in
 miniature) in GPU interpret mode against the XLA emitter on adversarial values, and compiled for
 sm_90a without a GPU: one pad (x) and one slice (the program's output) around three Mosaic kernels,
-as the model counts them."""
+as the model counts them. An A prologue (a LayerNorm's apply, its row pass) reads a tensor of 154
+rows from its padded store as its `[rows, K]` source (`load_sources`)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,24 @@ def test_the_chain_compiles_with_one_pad_and_one_slice(tmp_path):
     modeled = sum(mosaic_work(term).glue_launches for term, _r, _h in kernels)
     assert modeled + len(sliced_stores(kernels, [], list(plan.outputs))) == len(launches) == 2
     assert report.by_category.get("Pallas (Mosaic GPU)") == 3, report.by_category
+
+
+def test_a_prologue_source_of_77_token_rows_is_read_from_its_padded_store():
+    """`load_sources` maps a `[2, 77, 128]` tensor read at A's own index to a `[rows, K]` tile source:
+    TMA cannot tile its 154 rows, so without a padded store it declines; with one (`[1, 192, 128]`,
+    the same rows and more after them) the source is that store, at the same row and column."""
+    from emit.mosaic.matmul import load_sources
+    from eqsat.term import Term
+    from eqsat.types import type_of
+
+    tensor = Term("Opaque", "x", Term("TNil"), 0, type_of(ARGS[3].update(shape=(2, 77, 128))))
+    index = (np.arange(154).reshape(1, 154, 1) // 77, np.arange(154).reshape(1, 154, 1) % 77,
+             np.arange(128).reshape(1, 1, 128))
+    value = jnp.zeros((2, 77, 128), F16)
+    with pytest.raises(NotImplementedError, match="cannot tile"):
+        load_sources([(tensor, index)], (1, 154, 128), lambda t: value, 64)
+    store = jnp.ones((1, 192, 128), F16)
+    (found,), (source,) = load_sources([(tensor, index)], (1, 154, 128), lambda t: value, 64,
+                                       stores=lambda t: store if t is tensor else None)
+    assert found is tensor and source.kind == "tile" and source.array.shape == (192, 128)
+    assert (source.row0, source.col0, source.batch_rows) == (0, 0, 0)

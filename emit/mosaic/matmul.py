@@ -814,12 +814,13 @@ def mapped_operands(epilogue: Term, out_index: tuple, shape: tuple[int, int, int
 
 
 def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
-                       values: Callable[[Term], jax.Array]) -> Prologue | None:
+                       values: Callable[[Term], jax.Array], stores: Callable | None = None) -> Prologue | None:
     """The A operand expression as a `Prologue` the kernel computes per A tile in SMEM, or None when
     A is read as it lies or the expression is not a form the kernel takes
     (`eqsat.cost.mosaic.prologue_declined`, or a load `prologue_sources` cannot map without a
     gather): then XLA computes A whole, one fusion, before the kernel. Each `RowReduce` in it (a
-    LayerNorm's own statistics) becomes a row pass (`row_passes`) whose fields the expression reads."""
+    LayerNorm's own statistics) becomes a row pass (`row_passes`) whose fields the expression reads.
+    `stores(tensor)`: a matmul's padded store of the tensor, or None (`load_sources`)."""
     from eqsat.cost.mosaic import prologue_declined, split_row_reduces
 
     if prologue_declined(lhs, rhs, dims, ty) is not None:
@@ -830,8 +831,8 @@ def in_kernel_prologue(lhs: Term, rhs: Term, dims: str, ty: str, axes,
     slots: dict = {}  # each pass's slot of the statistic at each [batch, m] (`statistic_source`)
     try:
         tensors, sources = prologue_sources(applied, axes, shape, values, tile_k,
-                                            functools.partial(statistic_source, pairs, slots))
-        passes = row_passes(pairs, slots, shape, values, tile_k)
+                                            functools.partial(statistic_source, pairs, slots), stores)
+        passes = row_passes(pairs, slots, shape, values, tile_k, stores)
     except NotImplementedError:
         return None
     # one source per distinct window (a tensor loaded twice at the same place is read once)
@@ -880,7 +881,7 @@ def statistic_source(pairs, slots: dict, tensor: Term, flat: np.ndarray) -> Prol
 
 
 def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
-               tile_k: int) -> list[RowPass]:
+               tile_k: int, stores: Callable | None = None) -> list[RowPass]:
     """Each `RowReduce` of the A expression (`pairs`: `(stand-in, node)`) as the kernel's `RowPass`:
     its body's loads at the slots the expression reads (`slots[p]` `[batch, m]`, the flat kept index)
     over the whole reduced axis, mapped to `[rows, length]` tiles and vectors along the row
@@ -904,7 +905,7 @@ def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable
         point = (*kept[:axis], np.arange(length).reshape(1, 1, length), *kept[axis:])
         memory = _RecordingMemory()
         ex.compile_expr(body)(memory, point, True)
-        tensors, sources = load_sources(memory.loads, (batch, m, length), values, tile_k)
+        tensors, sources = load_sources(memory.loads, (batch, m, length), values, tile_k, stores=stores)
         if any(source.kind != "tile" and source.kind != "col" for source in sources):
             raise NotImplementedError("a row statistic whose body reads a vector along the rows")
         compiled = ex.compile_expr(body)
@@ -923,7 +924,7 @@ def row_passes(pairs, slots: dict, shape: tuple[int, int, int], values: Callable
 
 
 def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Callable[[Term], jax.Array],
-                     tile_k: int = 64, statistic: Callable | None = None):
+                     tile_k: int = 64, statistic: Callable | None = None, stores: Callable | None = None):
     """`(tensors, sources)`: each `Load` of the A expression, in the order the expression compiler
     meets them, as the `PrologueSource` the kernel reads it through (no copy: a reshape of the
     tensor as it lies; `statistic(tensor, flat)`: a row pass's field, or None). Raises
@@ -934,16 +935,18 @@ def prologue_sources(lhs: Term, axes, shape: tuple[int, int, int], values: Calla
     index = axes.lhs_index(rank, b, np.arange(m).reshape(1, m, 1), np.arange(k).reshape(1, 1, k))
     memory = _RecordingMemory()
     ex.compile_expr(lhs)(memory, index, True)
-    tensors, sources = load_sources(memory.loads, shape, values, tile_k, statistic)
+    tensors, sources = load_sources(memory.loads, shape, values, tile_k, statistic, stores)
     if not any(source.kind == "tile" for source in sources):
         raise NotImplementedError("a prologue that reads no [rows, K] tile")
     return tensors, sources
 
 
 def load_sources(recorded, shape: tuple[int, int, int], values: Callable[[Term], jax.Array], tile_k: int,
-                 statistic: Callable | None = None):
+                 statistic: Callable | None = None, stores: Callable | None = None):
     """`(tensors, sources)` of recorded `(tensor, index)` loads over `shape` `[batch, m, k]`: `[rows, K]`
-    windows of tensors as they lie (`tile`) and vectors along the rows or K (`row`, `col`)."""
+    windows of tensors as they lie (`tile`) and vectors along the rows or K (`row`, `col`). A tensor
+    whose rows TMA cannot tile (77-token rows) is read from the padded store a Mosaic matmul left of
+    it (`stores(tensor)`: `[1, rows↑, pitch]`, its rows where they were, more after them)."""
     from eqsat.tiling.mosaic import minor_tile
     from eqsat.tiling.mosaic import fits_tiles as tiles_fit
 
@@ -975,6 +978,11 @@ def load_sources(recorded, shape: tuple[int, int, int], values: Callable[[Term],
                     or batch_step % max(pitch, 1) or first.min() < 0):
                 raise NotImplementedError(f"the prologue reads {tensor!r} other than in [rows, K] tiles")
             rows = size // pitch
+            store = stores(tensor) if stores is not None else None
+            if not tiles_fit(rows, pitch, minor_tile(tile_k, dtype.itemsize)) and store is not None and \
+                    store.shape[0] == 1 and store.shape[2] == pitch and \
+                    tiles_fit(store.shape[1], pitch, minor_tile(tile_k, dtype.itemsize)):
+                rows, value = store.shape[1], store  # the padded store: the same rows, and more after them
             if not tiles_fit(rows, pitch, minor_tile(tile_k, dtype.itemsize)):
                 raise NotImplementedError(f"a prologue source [{rows}, {pitch}] Mosaic's TMA cannot tile")
             loads.append((tensor, PrologueSource("tile", value.reshape(rows, pitch), row0, batch_step // pitch, col0)))
@@ -1002,6 +1010,13 @@ def _operand_matrix(value: jax.Array, batch_axes, first_axes, second_axes, shape
     if order != tuple(range(value.ndim)):
         value = jnp.transpose(value, order)
     return jnp.reshape(value, shape)
+
+
+def padded_stores(ctx) -> Callable[[Term], jax.Array | None]:
+    """`tensor -> ` the padded `[1, rows↑, columns]` store a Mosaic matmul left of it in `ctx`, or None."""
+    from emit.mosaic.layouts import padded_rows_key
+
+    return lambda tensor: ctx.values.get(padded_rows_key(tensor))
 
 
 def padded_rows_input(lhs: Term, rhs: Term, dims: str, ctx) -> jax.Array | None:
@@ -1105,7 +1120,7 @@ def emit(kernel, ctx) -> dict:
     # fuses them into one pass writing each operand in the [batch, rows, K] layout TMA reads.
     known = _Evaluator({}, ctx.constants, ctx.payloads)
     known.values = ctx.values
-    prologue = in_kernel_prologue(lhs, rhs, dims, ty, axes, ctx.value)
+    prologue = in_kernel_prologue(lhs, rhs, dims, ty, axes, ctx.value, padded_stores(ctx))
     evaluator = _Evaluator({}, ctx.constants, ctx.payloads, parent=known)
     padded_a = padded_rows_input(lhs, rhs, dims, ctx) if prologue is None else None
     if padded_a is not None:  # another matmul's padded store, read as it lies

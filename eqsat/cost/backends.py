@@ -292,15 +292,16 @@ def node_route_cost(op: str, args: Sequence, route: str, device: "str | Device",
 
 def sliced_stores(kernels: Sequence[tuple[Term, str, Sequence[Term]]], reduced: Sequence[Term],
                   outputs: Sequence[Term]) -> list[Term]:
-    """The Mosaic matmuls' padded stores (`eqsat.cost.mosaic.padded_store`) that XLA slices in a launch
-    of their own, for a plan of `(kernel term, route, hosted statistics)`: those read by a kernel a
+    """The Mosaic matmuls' padded stores (`eqsat.cost.mosaic.padded_store`) and attentions' padded
+    outputs that XLA slices in a launch of their own, for a plan of `(kernel term, route, hosted statistics)`: those read by a kernel a
     Mosaic template does not run (a Triton kernel or a statistic it hosts; a statistic the driver
     reduces after its host, `reduced`, whose body reads one) or returned by the program (`outputs`). A Mosaic reader takes the store as it lies
     (`reads_padded_rows`, `padded_residuals`) or slices it inside the fusion that lays its operand out,
     so the matmul's own "output sliced" glue launches nothing: these launches are the plan's, not a
     kernel's price."""
-    stores = {id(term): term for term, route, _hosted in kernels
-              if route == "mosaic" and term.op == "Matmul" and padded_store(term) is not None}
+    stores = {id(term): term for term, route, _hosted in kernels if route == "mosaic" and (
+        padded_store(term) is not None if term.op == "Matmul" else
+        term.op == "Attention" and "output sliced" in {g.what for g in mosaic_work(term).glue})}
     readers = [reader for term, route, hosted in kernels if route != "mosaic" for reader in (term, *hosted)]
     sliced: dict[int, Term] = {}
     for reader in [*readers, *reduced]:

@@ -701,7 +701,10 @@ def _read_of(tensor: Term, batch: int, m: int, k: int, tile_k: int, reads: list)
         return f"a source of {parse_type(tensor.ty).dtype}"
     if size >= batch * m * k and dims_of:
         pitch = dims_of[-1]
-        if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(tile_k, item)):
+        store = padded_store(tensor)  # 77-token rows: read from the matmul's padded store (`load_sources`)
+        stored = store is not None and store[0] == 1 and store[2] == pitch and \
+            fits_tiles(store[1], pitch, minor_tile(tile_k, item))
+        if not fits_tiles(size // max(pitch, 1), pitch, minor_tile(tile_k, item)) and not stored:
             return f"a source [{size // max(pitch, 1)}, {pitch}] Mosaic's TMA cannot tile"
         # one [rows, K] window per K columns of it (GEGLU's [rows, 2K]: its value and gate halves)
         reads.extend([("tile", item)] * max(1, size // (batch * m * k)))
@@ -1168,11 +1171,11 @@ def attention_work(term: Term) -> MosaicWork:
     q, k, v, bias, _scale, _epilogue, ty = term.args
     has_bias = not (bias.op == "Lit" and bias.args[0] == 0.0)
     bias_ty = bias.ty if has_bias else None
-    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v, k)
+    return attention_work_of(q.ty, k.ty, ty, bias_ty, q, v, k, bias if has_bias else None)
 
 
 def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = None, q: Term | None = None,
-                      v: Term | None = None, k: Term | None = None) -> MosaicWork:
+                      v: Term | None = None, k: Term | None = None, bias: Term | None = None) -> MosaicWork:
     """`emit.mosaic.attention.build`: CTAs of `compute_wgs` 64-row query tiles, Q·Kᵀ and P·V at the
     padded head (a multiple of 16) over the padded keys, TMA of Q once and K, V (and the bias) per
     key block; the fusions: q / k / v computed, copied or padded (`attention_glue`), a float32 bias,
@@ -1199,15 +1202,17 @@ def attention_work_of(q_ty: str, k_ty: str, out_ty: str, bias_ty: str | None = N
         b_shape = parse_type(bias_ty).shape
         lead = math.prod(b_shape[:-2]) if len(b_shape) > 2 else 1
         bias_bytes = lead * q_pad * kv_pad * 4
-        glue.append(Glue("bias materialized", bias_bytes))
+        # a bias that reads no tensor (a causal mask from iotas) XLA folds into a constant: no launch
+        constant = bias is not None and not loaded_tensors(bias)
+        glue.append(Glue("bias materialized", bias_bytes, launches=0 if constant else 1))
         tma += ctas * kv_steps * rows * blocks.block_kv * 4
         kernel_reads += bias_bytes
     store = bh * q_pad * head * out_item
     # heads padded over whole query tiles: the output is left padded for its reader (`reads_padded_heads`:
     # to_out reads it as it lies; a reader that cannot is charged the slice, `matmul_work_of`)
     kept_padded = q is not None and head != head_dim and q_pad == q_len and seq_major(q)
-    if (q_pad, head) != (q_len, head_dim) and not kept_padded:
-        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store))
+    if (q_pad, head) != (q_len, head_dim) and not kept_padded:  # inside its reader's layout fusion
+        glue.append(Glue("output sliced", 0.0, read_bytes=2 * store, launches=0))
     scores = bh * q_pad * kv_pad
     work = TemplateWork("mosaic.attention", ctas, "wgmma", 4.0 * scores * head,
                         own_flops("Attention", (q_ty, k_ty)), steps=kv_steps,
