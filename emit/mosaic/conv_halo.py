@@ -448,7 +448,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
 
         def copy_rows(p, channels, slot, barrier, start, columns, at):
             for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
-                for i in range(grid.staged_rows):
+                @pl.loop(0, grid.staged_rows)
+                def _row(i, phase=phase):
                     y = grid.stride * (first_row + i) + phase - py0
                     y = jnp.clip(y, 0, height - 1)  # padding rows: any row, masked later
                     plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
@@ -530,7 +531,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                 vectors = [lax.broadcast_in_dim(load(vector_smems[table].at[slot, r], plgpu.Layout.WGMMA.reduce(0)),
                                                 (64, CHUNK), (1,))
                            for table, _row, rows in part.vectors for r in range(rows)]
-                for s in range(grid.staging // 64):
+                @pl.loop(0, grid.staging // 64)
+                def _slab(s, p=p, slot=slot, vectors=vectors):
                     rows = staged.at[slot, pl.ds(s * 64, 64)]
                     mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
                                                 (64, CHUNK), (0,))
@@ -538,14 +540,11 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
                 plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
 
-                for t, (ky, kx) in enumerate(taps):
+                def tap_step(t, ky, kx, slot=slot, chunk=chunk, part=part, taps=taps):
                     step = part.first_step + chunk * len(taps) + t
                     ring_slot = lax.rem(step, stages)
                     plgpu.barrier_wait(ring_barriers.at[ring_slot])
-                    if len(taps) % 2 == 0:
-                        a_slot = a_tiles.at[(part.first_step + t) % 2]
-                    else:
-                        a_slot = a_tiles.at[lax.rem(step, 2)]
+                    a_slot = a_tiles.at[lax.rem(step, 2)]
                     a_slot[...] = tap_rows(slot, ky, kx)
                     plgpu.commit_smem()  # the A tile is seen by the tensor cores
                     plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
@@ -554,6 +553,17 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     @pl.when(step + stages - 1 < steps)
                     def _next():
                         fetch_weights(step + stages - 1)
+
+                (y0, y1), (x0, x1) = part.taps
+                if grid.stride == 1:  # one loop over the window's taps
+                    @pl.loop(0, len(taps))
+                    def _tap(t, tap_step=tap_step):
+                        tap_step(t, y0 + lax.div(t, x1 - x0), x0 + lax.rem(t, x1 - x0))
+                else:  # a loop over the window's rows: a row's taps pick their pairs' element statically
+                    @pl.loop(0, y1 - y0)
+                    def _tap_row(r, tap_step=tap_step):
+                        for c, kx in enumerate(range(x0, x1)):
+                            tap_step(r * (x1 - x0) + c, y0 + r, kx)
 
                 plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
 
