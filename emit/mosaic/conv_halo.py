@@ -114,6 +114,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import kernel_cache
 from emit.mosaic import matmul as mm
 from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
@@ -817,14 +818,15 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             interpret=mm.interpret_params() if interpret_here else None,
         )
 
-    operands_in = (*xs, w, mask, *vectors, *arrays)
-    if interpret is None:
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
-                                     default=lambda *xs: call(False)(*xs))
-    elif interpret:
-        out = mm.one_at_a_time(call(True), out_type, operands_in)
-    else:
-        out = call(False)(*operands_in)
+    def run(*operands):
+        if interpret is None:
+            return lax.platform_dependent(*operands, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
+                                          default=lambda *xs: call(False)(*xs))
+        if interpret:
+            return mm.one_at_a_time(call(True), out_type, operands)
+        return call(False)(*operands)
+
+    out = kernel_cache.launch(run, (*xs, w, mask, *vectors, *arrays), mm._kernel_name(name))
     if statistics:
         out, *partials = out
         return (out.reshape(batch, m_padded, n_padded) if view is None else out), partials
