@@ -58,6 +58,8 @@ zero-padded to the wgmma width (40 -> 48) and sequences to the tiles (77 keys ->
 the kernel, one multi-output fusion per source tensor (padded keys are masked, padded query rows
 dropped, the padded output sliced). Operands are fp16 or bf16 (the same dtype); anything else
 raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
+Attentions whose kernels are equal up to their names launch one jitted function
+(`emit.mosaic.kernel_cache`): one Mosaic module for them.
 """
 
 from __future__ import annotations

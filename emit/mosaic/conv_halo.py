@@ -24,6 +24,8 @@ first step are values computed from its index; each range's staging and prologue
 `pl.when` of it), in it a loop over a chunk's staged-row copies, one over its prologue slabs and
 one over its taps (stride 2: over the window's rows, a row's taps unrolled, each picking its
 pairs' element statically). Every body is written once, whatever the ranges, rows, slabs and taps.
+Convs whose kernels are equal up to their names launch one jitted function (`emit.mosaic.kernel_cache`):
+one Mosaic module for them.
 
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
@@ -79,7 +81,8 @@ flat rows are cut into pixel-row segments (the pixels of one output row the sub-
 may start and end mid-row, the padding columns between rows are in none), and each segment is
 stored from the unswizzled SMEM sub-tile by TMA copies of static sizes (`row_pieces`: one copy
 where every sub-tile's segment in that row has the same length, else one per bit of the length,
-1, 2, 4, ... rows, each under `pl.when` of its bit; `segments` computes rows and offsets from the
+1, 2, 4, ... rows, each predicated on its bit (under `pl.when` of it in GPU interpret mode, which
+has no predicated copy); `segments` computes rows and offsets from the
 sub-tile's start), one bulk group per sub-tile. Every pixel is stored once, by the CTA that owns
 its flat row (no races, no store past an array's end: GPU interpret mode drops a partly
 out-of-bounds store whole, so nothing relies on TMA's clipping). A tile operand the epilogue reads
@@ -663,9 +666,13 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
                 else:  # the output pixels' segments, one group per sub-tile
                     for taken, row, oy, x, size in segs:
-                        when(taken, functools.partial(
-                            plgpu.copy_smem_to_gmem, out_smem.at[slot, pl.ds(row, size)],
-                            pixel_at(out_gmem, oy, x, size, col_slice.start), commit_group=False))
+                        store = functools.partial(plgpu.copy_smem_to_gmem, out_smem.at[slot, pl.ds(row, size)],
+                                                  pixel_at(out_gmem, oy, x, size, col_slice.start),
+                                                  commit_group=False)
+                        if interpreted:  # GPU interpret mode has no predicated copy ("predicate not supported")
+                            when(taken, store)
+                        else:  # the copy's bit is its predicate: no branch to trace, lower and compile
+                            store(taken)
                     plgpu.commit_smem_to_gmem_group()
                 channel0 = n_idx * tile_n + en * epi_n - (phase * phase_cols if phase_cols else 0)
                 for s, statistic in enumerate(statistics):

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-CACHE_SIZE = 1024  # kernels kept (a UNet's per-call stage has ~130 distinct ones); then it starts over
+CACHE_SIZE = 256  # kernels kept (a UNet's per-call stage has ~80 distinct ones); then it starts over
 _functions: dict = {}
 
 
