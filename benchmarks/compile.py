@@ -36,8 +36,10 @@ the Triton pipeline, LLVM and ptxas, read from XLA's own log; wall, thread and C
 stage emitted by the Mosaic templates and by the Triton templates (`Lowered.executable(backend)`),
 each compiled cold for the H100 topology in a fresh process of its own (no JAX cache, no kernel
 cache): trace + lowering seconds (the templates and, for Mosaic, its layout inference and lowering),
-XLA's compile seconds (for Mosaic its PTX and cubins too), the process's CPU seconds, and the
-Pallas kernels launched and distinct (custom calls and their distinct backend configs).
+XLA's compile seconds (for Mosaic its PTX and cubins too), the process's CPU seconds (its children's
+too: ptxas) over both and each, the CPU seconds of Mosaic GPU's lowering of its kernels by phase
+(`mosaic_phase_seconds`: the kernel jaxpr to the Mosaic dialect, layout inference, the dialect's
+lowering), and the Pallas kernels launched and distinct (custom calls and their distinct backend configs).
 
 `--duplicates N` compiles N identical Pallas Triton kernels (one template, one shape) for an H100
 twice: named apart (`site0`, `site1`, ...) and named alike, the case `emit.pallas.shared_names`
@@ -50,6 +52,7 @@ load average before and after each component.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -288,6 +291,50 @@ def child_ready(request: dict) -> dict[str, Any]:
             "ptxas_cpu_seconds": after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime}
 
 
+# Mosaic GPU's lowering of one kernel, by phase (`lower_pipelined_jaxpr_to_module` in jax 0.10.2): the
+# kernel's jaxpr to the Mosaic GPU dialect (`_lower_as_gpu_kernel`), layout inference (`infer_layout`),
+# the dialect to LLVM-bound MLIR (`lower_mgpu_dialect`); `module` is the whole of one kernel's lowering.
+MOSAIC_PHASES = (("module", "jax._src.pallas.mosaic_gpu.lowering", "lower_pipelined_jaxpr_to_module"),
+                 ("to_dialect", "jax.experimental.mosaic.gpu.core", "_lower_as_gpu_kernel"),
+                 ("layout_inference", "jax.experimental.mosaic.gpu", "infer_layout"),
+                 ("dialect_lowering", "jax.experimental.mosaic.gpu", "lower_mgpu_dialect"))
+
+
+@contextlib.contextmanager
+def mosaic_phase_seconds():
+    """While this holds, the dict it yields sums the CPU seconds (this process's) of each of
+    `MOSAIC_PHASES` and counts the kernels lowered (`modules`); phases this jax does not have are left out."""
+    import importlib
+
+    seconds: dict[str, float] = {"modules": 0}
+    patched = []
+    for phase, module_name, attribute in MOSAIC_PHASES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        original = getattr(module, attribute, None)
+        if original is None:
+            continue
+
+        def timed(*args, _original=original, _phase=phase, **kwargs):
+            start = time.process_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_phase] = seconds.get(_phase, 0.0) + time.process_time() - start
+                if _phase == "module":
+                    seconds["modules"] += 1
+
+        setattr(module, attribute, timed)
+        patched.append((module, attribute, original))
+    try:
+        yield seconds
+    finally:
+        for module, attribute, original in patched:
+            setattr(module, attribute, original)
+
+
 def child_emitter(request: dict) -> dict[str, Any]:
     """The per-call stage of `request["component"]`'s Mosaic plan emitted by `request["emitter"]`,
     traced, lowered and compiled for the H100 topology (planning first, not timed): seconds per step,
@@ -322,16 +369,18 @@ def child_emitter(request: dict) -> dict[str, Any]:
 
     per_call = run.per_call if hasattr(run, "per_call") else (lambda _prepared, *xs: run(*xs))
     cpu0, start = cpu(), time.perf_counter()
-    gpu = jax.jit(per_call).lower(*args)
+    with mosaic_phase_seconds() as mosaic_lowering:
+        gpu = jax.jit(per_call).lower(*args)
     lower_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    cpu1, start = cpu(), time.perf_counter()
     compiled = gpu.compile()
     compile_seconds = time.perf_counter() - start
     text = compiled.as_text()
     calls = re.findall(r'custom_call_target="([^"]*)"[^\n]*?backend_config=(\{[^\n]*\}|"[^"\n]*")', text)
     pallas = [(target, config) for target, config in calls if "mosaic" in target or "triton" in target]
     return {"planned_kernels": lowered.stats["per_call_kernels"], "lower_seconds": lower_seconds,
-            "compile_seconds": compile_seconds, "cpu_seconds": cpu() - cpu0,
+            "compile_seconds": compile_seconds, "cpu_seconds": cpu() - cpu0, "lower_cpu_seconds": cpu1 - cpu0,
+            "compile_cpu_seconds": cpu() - cpu1, "mosaic_lowering": mosaic_lowering,
             "launched": {t: sum(1 for target, _ in pallas if target == t) for t in {t for t, _ in pallas}},
             "distinct": len(set(pallas))}
 
@@ -592,18 +641,24 @@ def measure_emitters(component: str, batch: int, size: int | None, config: str =
 
 
 def print_emitters(rows: list[dict[str, Any]]) -> None:
-    print("| component | emitter | planned kernels | Pallas launched (distinct) | trace+lower s | compile s | CPU s | "
+    print("| component | emitter | planned kernels | Pallas launched (distinct) | trace+lower s | compile s | CPU s "
+          "(trace+lower + compile) | Mosaic lowering CPU s: kernels, to dialect, layout inference, dialect lowering | "
           "load before / after |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     for row in rows:
         for key in ("mosaic", "pallas", "mosaic_again"):
             run = row[key]
             if "error" in run:
                 print(f"| {row['component']} | {key} | error: {run['error'][-200:]} |")
                 continue
+            phases = run.get("mosaic_lowering", {})
+            mosaic = (f"{phases.get('module', 0):.1f} ({phases.get('modules', 0)} kernels): "
+                      + ", ".join(f"{phases.get(name, 0):.1f}" for name in ("to_dialect", "layout_inference",
+                                                                            "dialect_lowering")))
             print(f"| {row['component']} | {key} | {run['planned_kernels']} | {sum(run['launched'].values())} "
                   f"({run['distinct']}) | {run['lower_seconds']:.1f} | {run['compile_seconds']:.1f} | "
-                  f"{run['cpu_seconds']:.1f} | {row['load_before']} / {row['load_after']} |")
+                  f"{run['cpu_seconds']:.1f} ({run.get('lower_cpu_seconds', 0):.1f} + "
+                  f"{run.get('compile_cpu_seconds', 0):.1f}) | {mosaic} | {row['load_before']} / {row['load_after']} |")
 
 
 def print_ready(rows: list[dict[str, Any]]) -> None:

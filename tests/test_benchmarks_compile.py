@@ -233,4 +233,11 @@ def test_one_mosaic_plan_of_the_tiny_text_encoder_compiled_by_both_emitters():
     for run in runs:
         assert 0 < run["distinct"] <= sum(run["launched"].values())
         assert run["lower_seconds"] > 0 and run["compile_seconds"] > 0 and run["cpu_seconds"] > 0
+        assert run["cpu_seconds"] == pytest.approx(run["lower_cpu_seconds"] + run["compile_cpu_seconds"], abs=0.05)
+    assert pallas["mosaic_lowering"] == {"modules": 0}  # Mosaic lowers nothing for the Triton templates
+    for run in (mosaic, again):  # a Mosaic kernel lowered at most once per launch, its phases inside its lowering
+        phases = run["mosaic_lowering"]
+        assert 0 < phases["modules"] <= run["launched"]["mosaic_gpu_v2"]
+        assert 0 < phases["layout_inference"] + phases["dialect_lowering"] + phases["to_dialect"] <= phases["module"]
+        assert phases["module"] <= run["lower_cpu_seconds"]
     print_emitters([row])

@@ -7,6 +7,7 @@ inside a group: cut after `distribute_reshapes`); one compile for sm_90a without
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -388,3 +389,52 @@ def test_compiles_for_sm90a_over_an_upsample(tmp_path, monkeypatch):
         pytest.skip(f"no deviceless H100 compile here: {reason}")
     args = (S((2, 16, 16, 320), F16), S((320, 320, 3, 3), F16), S((320,), F16))
     assert_compiles_to_one_pipelined_mosaic_kernel(_plan(_upsample_conv, args), args, tmp_path, monkeypatch)
+
+
+# --- what the kernel is written as: loops, whatever the ranges, rows, slabs and taps ------------------
+
+
+def _kernel_primitives(shape, parts_spec, stride: int = 1):
+    """The primitives (name -> count, nested jaxprs included) of the haloed kernel traced for the GPU
+    (not interpreted, not lowered) over `[1, *shape, C]` inputs, one per K range of `parts_spec`."""
+    size = shape[0]
+    params = dataclasses.replace(_params((1, size, size, 64), (3, 3, 64, 64), ((1, 1), (1, 1))), strides=(stride,) * 2)
+    out_size = -(-size // stride)
+    channels = sum(c for c, *_ in parts_spec)
+    geometry = ConvGeometry(params, (1, size, size, channels), (3, 3, channels, 64), (1, out_size, out_size, 64))
+    grid_of = functools.partial(HaloGrid, geometry)
+    blocks = halo_blocks(grid_of, grid_of(128).out_rows, 64, batch=1)
+    grid = grid_of(blocks.tile_m)
+    parts = ch.plan_parts(parts_spec)
+    xs = [jax.ShapeDtypeStruct((1, size, size, c + offset), jnp.float16) for c, _t, offset, _v in parts_spec]
+    w = jax.ShapeDtypeStruct((9 * channels, 64), jnp.float16)
+    jaxpr = jax.make_jaxpr(lambda xs, w: ch.build(xs, w, grid, blocks, parts=parts, interpret=False))(xs, w)
+    counts = {}
+
+    def walk(j):
+        for eqn in j.eqns:
+            counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return counts, grid
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_kernel_writes_its_tap_body_once_and_loops_over_rows_and_slabs(stride):
+    """One wgmma in the kernel (stride 2: one per tap of a window row, the loop runs the rows) for one
+    3x3 range and for two ranges (a 3x3 one from a channel offset and a centre-tap one: a merged
+    shortcut); and the same kernel code on a 15x15 and a 9x9 grid,
+    whose CTAs stage different numbers of rows and prologue slabs (they are loop bounds, not code)."""
+    one = [(64, ((0, 3), (0, 3)), 0, ())]
+    two = [(64, ((0, 3), (0, 3)), 64, ()), (64, ((1, 2), (1, 2)), 0, ())]
+    small, small_grid = _kernel_primitives((9, 9), one, stride)
+    large, large_grid = _kernel_primitives((15, 15), one, stride)
+    ranges, _ = _kernel_primitives((15, 15), two, stride)
+    assert (small_grid.staged_rows, small_grid.staging) != (large_grid.staged_rows, large_grid.staging)
+    assert small == large
+    assert small["wgmma_ref"] == ranges["wgmma_ref"] == (1 if stride == 1 else 3)  # stride 2: a row's 3 taps

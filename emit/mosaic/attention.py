@@ -58,6 +58,8 @@ zero-padded to the wgmma width (40 -> 48) and sequences to the tiles (77 keys ->
 the kernel, one multi-output fusion per source tensor (padded keys are masked, padded query rows
 dropped, the padded output sliced). Operands are fp16 or bf16 (the same dtype); anything else
 raises `NotImplementedError` and `emit.mosaic` runs the kernel through the Pallas Triton template.
+Attentions whose kernels are equal up to their names launch one jitted function
+(`emit.mosaic.kernel_cache`): one Mosaic module for them.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
-from emit.mosaic import interpreter
+from emit.mosaic import interpreter, kernel_cache
 from emit.mosaic.matmul import MMA_DTYPES, _kernel_name, interpret_params, pad_to
 from emit.pallas.attention import reference  # noqa: F401  one reference for both templates
 from eqsat.term import Term
@@ -454,10 +456,12 @@ def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stor
             interpret=interpret_params() if interpret_here else None,
         )
 
-    if interpret is None:
-        out = lax.platform_dependent(*inputs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
-    else:
-        out = call(bool(interpret))(*inputs)
+    def run(*xs):
+        if interpret is None:
+            return lax.platform_dependent(*xs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
+        return call(bool(interpret))(*xs)
+
+    out = kernel_cache.launch(run, tuple(inputs), _kernel_name(name))
     sliced = _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
     return (sliced, out) if with_padded else sliced
 

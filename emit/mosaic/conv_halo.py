@@ -18,6 +18,15 @@ statistics read per channel). Each range stages its own tensor (from a channel o
 prologue and vectors, one after the other through the same staging slots, weight ring and
 accumulator.
 
+The kernel is loops, not unrolled code (what Mosaic traces, lays out and compiles grows with the
+ops written, not with those run): one loop over every range's chunks (a chunk's range, window and
+first step are values computed from its index; each range's staging and prologue run under a
+`pl.when` of it), in it a loop over a chunk's staged-row copies, one over its prologue slabs and
+one over its taps (stride 2: over the window's rows, a row's taps unrolled, each picking its
+pairs' element statically). Every body is written once, whatever the ranges, rows, slabs and taps.
+Convs whose kernels are equal up to their names launch one jitted function (`emit.mosaic.kernel_cache`):
+one Mosaic module for them.
+
 One CTA (one compute warpgroup) owns `tile_m` rows `[q0, q0 + tile_m)` of one image's flat padded
 grid (pitch `Wp = px0 + W + px1`; output pixel `(oy, ox)` is row `oy * Wp + ox`, tap `(ky, kx)` reads
 padded row `q + ky * Wp + kx`) and `tile_n` output channels. Per K range, per 64-channel chunk:
@@ -72,7 +81,8 @@ flat rows are cut into pixel-row segments (the pixels of one output row the sub-
 may start and end mid-row, the padding columns between rows are in none), and each segment is
 stored from the unswizzled SMEM sub-tile by TMA copies of static sizes (`row_pieces`: one copy
 where every sub-tile's segment in that row has the same length, else one per bit of the length,
-1, 2, 4, ... rows, each under `pl.when` of its bit; `segments` computes rows and offsets from the
+1, 2, 4, ... rows, each predicated on its bit (under `pl.when` of it in GPU interpret mode, which
+has no predicated copy); `segments` computes rows and offsets from the
 sub-tile's start), one bulk group per sub-tile. Every pixel is stored once, by the CTA that owns
 its flat row (no races, no store past an array's end: GPU interpret mode drops a partly
 out-of-bounds store whole, so nothing relies on TMA's clipping). A tile operand the epilogue reads
@@ -107,6 +117,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import kernel_cache
 from emit.mosaic import matmul as mm
 from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
@@ -448,7 +459,8 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
 
         def copy_rows(p, channels, slot, barrier, start, columns, at):
             for phase in range(grid.stride):  # stride 2: padded rows 2j, then 2j + 1
-                for i in range(grid.staged_rows):
+                @pl.loop(0, grid.staged_rows)
+                def _row(i, phase=phase):
                     y = grid.stride * (first_row + i) + phase - py0
                     y = jnp.clip(y, 0, height - 1)  # padding rows: any row, masked later
                     plgpu.copy_gmem_to_smem(x_gmems[p].at[b_idx, y, pl.ds(start, columns), channels],
@@ -510,52 +522,99 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
             fetch_weights(jnp.int32(step))
         plgpu.barrier_wait(mask_barrier)
 
-        for p, part in enumerate(parts):
-            taps = part.tap_list
+        chunks = sum(part.chunks for part in parts)
+        windows = [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in (part.taps for part in parts)]
 
-            @pl.loop(0, part.chunks)
-            def _chunk(chunk, p=p, part=part, taps=taps):
-                slot = lax.rem(part.first_chunk + chunk, 2)
+        def part_of(chunk):
+            """The index of the K range a (global) chunk belongs to."""
+            index = 0
+            for part in parts[1:]:
+                index = index + (chunk >= part.first_chunk).astype(jnp.int32)
+            return index
 
-                @pl.when(chunk + 1 < part.chunks)
-                def _prefetch():
-                    stage(p, chunk + 1, 1 - slot)
+        def of_part(index, values):
+            """`values[index]` for a static list over the K ranges."""
+            if all(v == values[0] for v in values):
+                return values[0]
+            value = jnp.int32(values[0])
+            for q in range(1, len(values)):
+                value = jnp.where(index >= q, values[q], value)
+            return value
 
-                if p + 1 < len(parts):
-                    @pl.when(chunk + 1 == part.chunks)
-                    def _prefetch_next_range():
-                        stage(p + 1, 0, 1 - slot)
+        def on_part(index, q, action):
+            if len(parts) == 1:
+                action()
+            else:
+                pl.when(index == q)(action)
 
-                plgpu.barrier_wait(staged_barriers[p].at[slot])
+        # One loop over every K range's chunks, one tap loop: the ranges differ in their staged
+        # input, prologue and window (dynamic values here), not in the code that runs their taps.
+        @pl.loop(0, chunks)
+        def _chunk(chunk):
+            slot = lax.rem(chunk, 2)
+            index = part_of(chunk)
+
+            @pl.when(chunk + 1 < chunks)
+            def _prefetch():
+                following = part_of(chunk + 1)
+                for q, part in enumerate(parts):
+                    on_part(following, q, functools.partial(stage, q, chunk + 1 - part.first_chunk, 1 - slot))
+
+            def prologue(q, part):
+                plgpu.barrier_wait(staged_barriers[q].at[slot])
                 vectors = [lax.broadcast_in_dim(load(vector_smems[table].at[slot, r], plgpu.Layout.WGMMA.reduce(0)),
                                                 (64, CHUNK), (1,))
                            for table, _row, rows in part.vectors for r in range(rows)]
-                for s in range(grid.staging // 64):
+
+                @pl.loop(0, grid.staging // 64)
+                def _slab(s):
                     rows = staged.at[slot, pl.ds(s * 64, 64)]
                     mask = lax.broadcast_in_dim(load(mask_smem.at[s], plgpu.Layout.WGMMA.reduce(1)),
                                                 (64, CHUNK), (0,))
-                    value = prologues[p](load(rows, plgpu.Layout.WGMMA), vectors)
+                    value = prologues[q](load(rows, plgpu.Layout.WGMMA), vectors)
                     rows[...] = jnp.where(mask != 0, value, jnp.zeros_like(value)).astype(dtype)
-                plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
 
-                for t, (ky, kx) in enumerate(taps):
-                    step = part.first_step + chunk * len(taps) + t
-                    ring_slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(ring_barriers.at[ring_slot])
-                    if len(taps) % 2 == 0:
-                        a_slot = a_tiles.at[(part.first_step + t) % 2]
-                    else:
-                        a_slot = a_tiles.at[lax.rem(step, 2)]
-                    a_slot[...] = tap_rows(slot, ky, kx)
-                    plgpu.commit_smem()  # the A tile is seen by the tensor cores
-                    plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
-                    plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
+            for q, part in enumerate(parts):
+                on_part(index, q, functools.partial(prologue, q, part))
+            plgpu.commit_smem()  # the slabs' stores are seen by every thread's tap loads below
 
-                    @pl.when(step + stages - 1 < steps)
-                    def _next():
-                        fetch_weights(step + stages - 1)
+            y0, rows, x0, columns = (of_part(index, [w[i] for w in windows]) for i in range(4))
+            first_step = of_part(index, [part.first_step for part in parts])
+            first_chunk = of_part(index, [part.first_chunk for part in parts])
+            taps_of_chunk = rows * columns
+            step0 = first_step + (chunk - first_chunk) * taps_of_chunk
 
-                plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
+            def tap_step(t, ky, kx):
+                step = step0 + t
+                ring_slot = lax.rem(step, stages)
+                plgpu.barrier_wait(ring_barriers.at[ring_slot])
+                a_slot = a_tiles.at[lax.rem(step, 2)]
+                a_slot[...] = tap_rows(slot, ky, kx)
+                plgpu.commit_smem()  # the A tile is seen by the tensor cores
+                plgpu.wgmma(acc_ref, a_slot, ring.at[ring_slot])
+                plgpu.wgmma_wait(1)  # the previous step's MMA is done: its A and weight slots are free
+
+                @pl.when(step + stages - 1 < steps)
+                def _next():
+                    fetch_weights(step + stages - 1)
+
+            if grid.stride == 1:  # one loop over the window's taps
+                @pl.loop(0, taps_of_chunk)
+                def _tap(t):
+                    tap_step(t, y0 + lax.div(t, columns), x0 + lax.rem(t, columns))
+            else:  # a loop over the window's rows: a row's taps pick their pairs' element statically
+                union = range(min(w[2] for w in windows), max(w[2] + w[3] for w in windows))
+
+                @pl.loop(0, rows)
+                def _tap_row(r):
+                    for kx in union:
+                        tap = functools.partial(tap_step, r * columns + kx - x0, y0 + r, kx)
+                        if all(w[2] <= kx < w[2] + w[3] for w in windows):
+                            tap()
+                        else:
+                            pl.when((kx >= x0) & (kx < x0 + columns))(tap)
+
+            plgpu.commit_smem()  # every thread's tap loads of this slot precede its next TMA
 
         plgpu.wgmma_wait(0)
         acc = acc_ref[...]
@@ -609,9 +668,13 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                     plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(rows0 + em * epi_m, epi_m), col_slice])
                 else:  # the output pixels' segments, one group per sub-tile
                     for taken, row, oy, x, size in segs:
-                        when(taken, functools.partial(
-                            plgpu.copy_smem_to_gmem, out_smem.at[slot, pl.ds(row, size)],
-                            pixel_at(out_gmem, oy, x, size, col_slice.start), commit_group=False))
+                        store = functools.partial(plgpu.copy_smem_to_gmem, out_smem.at[slot, pl.ds(row, size)],
+                                                  pixel_at(out_gmem, oy, x, size, col_slice.start),
+                                                  commit_group=False)
+                        if interpreted:  # GPU interpret mode has no predicated copy ("predicate not supported")
+                            when(taken, store)
+                        else:  # the copy's bit is its predicate: no branch to trace, lower and compile
+                            store(taken)
                     plgpu.commit_smem_to_gmem_group()
                 channel0 = n_idx * tile_n + en * epi_n - (phase * phase_cols if phase_cols else 0)
                 for s, statistic in enumerate(statistics):
@@ -769,14 +832,15 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             interpret=mm.interpret_params() if interpret_here else None,
         )
 
-    operands_in = (*xs, w, mask, *vectors, *arrays)
-    if interpret is None:
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
-                                     default=lambda *xs: call(False)(*xs))
-    elif interpret:
-        out = mm.one_at_a_time(call(True), out_type, operands_in)
-    else:
-        out = call(False)(*operands_in)
+    def run(*operands):
+        if interpret is None:
+            return lax.platform_dependent(*operands, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
+                                          default=lambda *xs: call(False)(*xs))
+        if interpret:
+            return mm.one_at_a_time(call(True), out_type, operands)
+        return call(False)(*operands)
+
+    out = kernel_cache.launch(run, (*xs, w, mask, *vectors, *arrays), mm._kernel_name(name))
     if statistics:
         out, *partials = out
         return (out.reshape(batch, m_padded, n_padded) if view is None else out), partials
