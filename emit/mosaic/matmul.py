@@ -86,6 +86,7 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import kernel_cache
 from emit.mosaic.partials import (RowStatistic, group_partials, merge_partials, tile_partials,
                                   write_group_partials)
 from emit.mosaic.row_statistics import RowPass, compute_row_statistics, pass_smem
@@ -555,22 +556,27 @@ def build(a: jax.Array, b: jax.Array, *, epilogue: EpilogueFn = lambda acc, _: a
                                  rows_per_image=rows_per_image, n_ctas=grid[0])
         return _warp_specialized(body, out_type, grid, blocks, name, interpret_params() if interpret_here else None)
 
-    out = _launch(call, out_type, (a_flat, b_flat, *arrays), interpret)
+    out = _launch(call, out_type, (a_flat, b_flat, *arrays), interpret, name)
     if group_statistics:
         out, *partials = out
         return out.reshape(batch, mp, np_)[:, :m, :n], partials
     return out.reshape(batch, mp, np_)[:, :m, :n]
 
 
-def _launch(call: Callable[[bool], Callable], out_type, operands, interpret):
+def _launch(call: Callable[[bool], Callable], out_type, operands, interpret, name: str):
     """The kernel `call(interpreted)` on `operands`: interpreted on a CPU (one at a time), compiled
-    for the GPU; `interpret=None` decides where it is lowered."""
-    if interpret is None:
-        return lax.platform_dependent(*operands, cpu=lambda *xs: one_at_a_time(call(True), out_type, xs),
-                                      default=lambda *xs: call(False)(*xs))
-    if interpret:
-        return one_at_a_time(call(True), out_type, operands)
-    return call(False)(*operands)
+    for the GPU; `interpret=None` decides where it is lowered. Through `emit.mosaic.kernel_cache`:
+    a kernel equal to an earlier one up to its name is lowered and compiled once."""
+
+    def run(*xs):
+        if interpret is None:
+            return lax.platform_dependent(*xs, cpu=lambda *ys: one_at_a_time(call(True), out_type, ys),
+                                          default=lambda *ys: call(False)(*ys))
+        if interpret:
+            return one_at_a_time(call(True), out_type, xs)
+        return call(False)(*xs)
+
+    return kernel_cache.launch(run, tuple(operands), _kernel_name(name or "matmul"))
 
 
 def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None, statistics=(),
@@ -661,7 +667,7 @@ def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name,
     else:
         inputs = (fetched[0].array, b3, *arrays, *(source.array for source in fetched[1:]),
                   *(source.array for source in pass_sources))
-    out = _launch(call, out_type, inputs, interpret)
+    out = _launch(call, out_type, inputs, interpret, name)
     if padded_out is not None and not place.out:
         padded_out(out[0] if written else out)
     if statistics and not written:
