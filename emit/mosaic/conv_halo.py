@@ -107,8 +107,9 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
+from emit.mosaic import finish
 from emit.mosaic import matmul as mm
-from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
+from emit.mosaic.partials import _as_row_vector, group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, PixelView,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
@@ -388,7 +389,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
             weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None,
             statistics: tuple = (), n_tiles: int = 1, view: PixelView | None = None, pieces: tuple = (),
-            segment: tuple = ()):
+            segment: tuple = (), finish_grid: tuple = ()):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -397,7 +398,12 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     refs = refs[len(parts) + 2:]
     vector_gmems = refs[:n_vectors]
     operand_gmems = refs[n_vectors:n_vectors + len(kinds)]
-    out_gmem, *partial_gmems = refs[n_vectors + len(kinds):]
+    refs = refs[n_vectors + len(kinds):]
+    counter = None
+    if finish_grid and not interpreted:  # the ticket counter (`emit.mosaic.finish`), an aliased input
+        counter, refs = refs[0], refs[1:]
+    out_gmem, *refs = refs
+    partial_gmems, finished_gmems = refs[:len(statistics)], refs[len(statistics):]
     g = grid.geometry
     (height, _), wp = g.in_size, grid.pitch
     (py0, _), (px0, _) = g.params.padding
@@ -647,6 +653,46 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                                         pixel_barriers),
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
+    if finish_grid:  # after the SMEM above is released: the CTA that completes last finishes the statistics
+        finish_statistics(statistics, partial_gmems, finished_gmems, counter, finish_grid, interpreted)
+
+
+def finish_statistics(statistics, partial_gmems, finished_gmems, counter, grid_shape, interpreted: bool) -> None:
+    """Each statistic's partials finished by the CTA that takes the last ticket (`emit.mosaic.finish`;
+    in GPU interpret mode the grid's last CTA): `finished_gmems[s]` `[rows · slots]`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+    tiles = math.prod(grid_shape)
+    chunk = min(finish.CHUNK_TILES, tiles)
+
+    def load(ref):
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def _finish(chunk_smems, out_smems, ticket_smem, barriers):
+        plgpu.wait_smem_to_gmem(0)  # this CTA's partial rows are in GMEM
+        if interpreted:
+            last = finish.is_last_cta(zip(("n", "m", "b"), grid_shape))
+        else:
+            last = finish.take_ticket(counter, ticket_smem) == tiles - 1
+
+        @pl.when(last)
+        def _last():
+            if counter is not None:
+                finish.reset_counter(counter)
+            for s, statistic in enumerate(statistics):
+                zeros = _as_row_vector(jnp.zeros((statistic.padded_slots,), jnp.float32), interpreted)
+                finish.finish(statistic.op, statistic.slots, tiles, partial_gmems[s], finished_gmems[s], chunk_smems[s],
+                           out_smems[s], barriers[s], load, zeros)
+
+    pl.run_scoped(_finish,
+                  chunk_smems=[plgpu.SMEM((chunk, s.fields, s.padded_slots), jnp.float32) for s in statistics],
+                  out_smems=[plgpu.SMEM((2 if s.op == "moments" else 1, s.padded_slots), jnp.float32)
+                             for s in statistics],
+                  ticket_smem=plgpu.SMEM((1,), jnp.int32),
+                  barriers=[plgpu.Barrier(num_arrivals=chunk * s.fields) for s in statistics])
+
 
 def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.Array:
     """One K range's weights `w` (axes in `spec` order: out, in, spatial; the window counted from its
@@ -673,7 +719,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
           name: str = "conv", weight_window: tuple[int, int] | None = None,
-          phase_cols: int | None = None, statistics: Sequence = (), view: PixelView | None = None):
+          phase_cols: int | None = None, statistics: Sequence = (), view: PixelView | None = None,
+          counter: jax.Array | None = None):
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output), or with a `view` (`eqsat.tiling.mosaic.pixel_view`) the output itself in that view
     (`unview` reshapes it), each CTA storing its pixels' row segments (`row_pieces`) and reading
@@ -685,7 +732,10 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
     phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps.
     `statistics` (`emit.mosaic.partials.GroupStatistic`): `(out, partials)`, each statistic's
-    `[tiles, fields, slots]`, one tile per CTA, over the rows that are output pixels."""
+    `[tiles, fields, slots]`, one tile per CTA, over the rows that are output pixels. With a ticket
+    `counter` (`emit.mosaic.finish.new_counter`, or the one a finishing kernel before returned) the
+    CTA that completes last also finishes them: `(out, partials, finished, counter)`, each finished
+    statistic `[rows · slots]` (mean then M2, or the sum), the counter to pass on."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
@@ -740,20 +790,35 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         shared.append(False)
     grid_shape = (n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch)
     out_shape = (batch * m_padded, n_padded) if view is None else view.shape(batch)
+    finishing = counter is not None and bool(statistics)
     out_type = (jax.ShapeDtypeStruct(out_shape, out_dtype),
-                *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics))
+                *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics),
+                *(jax.ShapeDtypeStruct(((2 if s.op == "moments" else 1) * s.slots,), jnp.float32)
+                  for s in (statistics if finishing else ())))
     out_type = out_type if statistics else out_type[0]
 
     def call(interpret_here):
+        body = functools.partial(
+            _kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
+            vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
+            kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
+            epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
+            weight_window=weight_window, weight_channels=weight_channels,
+            phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0], view=view,
+            pieces=row_pieces(grid, view, blocks.epi_m) if view is not None else (),
+            segment=segment_geometry(grid, view) if view is not None else (),
+            finish_grid=grid_shape if finishing else ())
+        if finishing and not interpret_here:  # the counter is a ref operand: `pl.kernel` (`emit.mosaic.finish`)
+            from jax.experimental import pallas as pl
+
+            kernel = pl.kernel(body, out_type=out_type,
+                               mesh=plgpu.Mesh(grid=grid_shape, grid_names=("n", "m", "b"),
+                                               kernel_name=mm._kernel_name(name)),
+                               compiler_params=plgpu.CompilerParams(
+                                   lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+            return lambda *xs: finish.counter_call(kernel, xs[:-1], xs[-1])
         return plgpu.kernel(
-            functools.partial(_kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
-                              vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
-                              kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
-                              epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
-                              weight_window=weight_window, weight_channels=weight_channels,
-                              phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0], view=view,
-                              pieces=row_pieces(grid, view, blocks.epi_m) if view is not None else (),
-                              segment=segment_geometry(grid, view) if view is not None else ()),
+            body,
             out_type=out_type,
             grid=grid_shape,
             grid_names=("n", "m", "b"),
@@ -762,17 +827,26 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             interpret=mm.interpret_params() if interpret_here else None,
         )
 
-    operands_in = (*xs, w, mask, *vectors, *arrays)
+    def interpreted(*xs):  # GPU interpret mode takes no ref operand: the counter passes by (`emit.mosaic.finish`)
+        if finishing:
+            return mm.one_at_a_time(call(True), out_type, xs[:-1]), xs[-1]
+        return mm.one_at_a_time(call(True), out_type, xs)
+
+    operands_in = (*xs, w, mask, *vectors, *arrays, *((counter,) if finishing else ()))
     if interpret is None:
-        out = lax.platform_dependent(*operands_in, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
-                                     default=lambda *xs: call(False)(*xs))
+        out = lax.platform_dependent(*operands_in, cpu=interpreted, default=lambda *xs: call(False)(*xs))
     elif interpret:
-        out = mm.one_at_a_time(call(True), out_type, operands_in)
+        out = interpreted(*operands_in)
     else:
         out = call(False)(*operands_in)
+    if finishing:
+        out, counter = out
     if statistics:
         out, *partials = out
-        return (out.reshape(batch, m_padded, n_padded) if view is None else out), partials
+        out = out.reshape(batch, m_padded, n_padded) if view is None else out
+        if finishing:
+            return out, partials[:len(statistics)], partials[len(statistics):], counter
+        return out, partials
     return out.reshape(batch, m_padded, n_padded) if view is None else out
 
 

@@ -1,0 +1,191 @@
+"""A hosted statistic finished inside its Mosaic GPU producer by the CTA that completes last (the
+"last block" reduction), so no kernel after the producer merges its partials.
+
+Every CTA writes its partial row (`[fields, slots]` of the `[tiles, fields, slots]` partials output,
+as `emit.mosaic.partials.write_group_partials` does), waits until that TMA store is complete, and
+takes a ticket: one `atom.acq_rel.gpu.global.add.u32` on an int32 counter in GMEM (`take_ticket`).
+The CTA that draws ticket `tiles - 1` knows every other partial is in GMEM: it resets the counter to
+0 (`reset_counter`), reads all `tiles` rows back by TMA in chunks of `CHUNK_TILES` (`finish`),
+merges them in tile order and writes the finished statistic (`[rows, slots]`: mean and M2 for
+`moments`, the sum for `sum`). No CTA ever waits for another (no spinning on a CTA that may not be
+resident yet), and the finishing CTA is whichever completes last, so nothing idles.
+
+Ordering: the writer's TMA store is waited (`cp.async.bulk.wait_group 0`), then
+`fence.proxy.async.global` (the async proxy's writes ordered before the generic proxy's atomic) in
+every thread, a warpgroup barrier, and the atomic (release); the finisher's atomic (acquire), a
+barrier, `fence.proxy.async.global` in every thread, then its TMA loads. Mosaic GPU 0.10.2 has no
+fetch-and-add that returns the old value (`plgpu.atomic_add` is a store-add without a result;
+`plgpu.semaphore_signal` is `red.release` without one; `plgpu.semaphore_wait` spins), so the ticket
+is inline Mosaic GPU (`plgpu.inline_mgpu`): one elected thread takes it and leaves it in a one-word
+SMEM buffer the warpgroup reads after the barrier.
+
+The counter: Pallas's own GMEM semaphores (`pl.get_global(plgpu.SemaphoreType.REGULAR)`, or a
+semaphore in `scratch_shapes`) are zeroed by XLA before every call, one `kCopy` launch per kernel
+(measured: a 4-byte copy beside the kernel, deviceless for sm_90a), which would trade each finishing
+launch for a copy. Here the counter is an ordinary `int32[1]` operand passed to the kernel as a
+mutable ref (`jax.new_ref`, so it is aliased in and out, `counter_call`): every finishing kernel
+leaves it at 0, so one zeroed counter (`new_counter`, one copy) serves a chain of kernels that pass
+it on. `plgpu.kernel` wraps its body in `custom_vmap`, which has no state discharge rule
+("No state discharge rule implemented for primitive: custom_vmap_call"): the finishing kernels are
+`pl.kernel` over a `plgpu.Mesh`.
+
+GPU interpret mode (jax 0.10.2) runs the grid's CTAs one after another in grid order
+(`interpret_pallas_call`: a `fori_loop` over grid points), takes no aliased ref operand
+("KeyError: None" for its memory space), has no GMEM atomics and cannot discharge `get_global`;
+there the finishing CTA is the grid's last (`is_last_cta`), which runs after every other, and the
+counter is not passed to the kernel. The ticket itself is checked compiled (deviceless, sm_90a),
+not run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from emit import expr as ex
+
+CHUNK_TILES = 4  # partial rows the finishing CTA brings to SMEM per TMA step
+
+
+def new_counter() -> jax.Array:
+    """A zeroed ticket counter for a chain of finishing kernels (each leaves it at 0)."""
+    return jnp.zeros((1,), jnp.int32)
+
+
+def counter_call(kernel, operands, counter):
+    """`kernel(*operands, counter_ref)` with `counter` passed as a mutable ref (aliased in and out):
+    `(kernel's outputs, the counter after it)`."""
+    ref = jax.new_ref(counter)
+    out = kernel(*operands, ref)
+    return out, jax.freeze(ref)
+
+
+def _asm(text: str) -> None:
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], text, "", has_side_effects=True)
+
+
+def take_ticket(counter, ticket_smem) -> jax.Array:
+    """This CTA's ticket (how many CTAs took one before it), after its GMEM writes are complete
+    (`plgpu.wait_smem_to_gmem(0)` before this): an int32 scalar, the same in every thread."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def _ticket(_ctx, counter_ref, slot_ref):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm, memref
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        i32 = ir.IntegerType.get_signless(32)
+        _asm("fence.proxy.async.global;")
+        mu.warpgroup_barrier()
+        with mu.single_thread(mu.ThreadSubset.WARPGROUP):
+            old = llvm.inline_asm(i32, [mu.memref_ptr(counter_ref)],
+                                  "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", "=r,l", has_side_effects=True)
+            memref.store(old, slot_ref, [arith.constant(ir.IndexType.get(), 0)])
+        mu.warpgroup_barrier()
+        _asm("fence.proxy.async.global;")
+
+    _ticket(counter, ticket_smem)
+    return ticket_smem[0]
+
+
+def reset_counter(counter) -> None:
+    """Set the counter back to 0 (by the finishing CTA: every other CTA has taken its ticket)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _reset(_ctx, counter_ref):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm
+        from jax.experimental.mosaic.gpu import utils as mu
+
+        zero = arith.constant(ir.IntegerType.get_signless(32), 0)
+        with mu.single_thread(mu.ThreadSubset.WARPGROUP):
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [mu.memref_ptr(counter_ref), zero],
+                            "st.relaxed.gpu.global.u32 [$0], $1;", "l,r", has_side_effects=True)
+
+    _reset(counter)
+
+
+def is_last_cta(axes) -> jax.Array:
+    """Whether this CTA is the grid's last (`axes`: `(axis name, size)`, row-major): in GPU interpret
+    mode, which runs the grid in that order, the one that runs after every other."""
+    last = True
+    for name, size in axes:
+        last = last & (lax.axis_index(name) == size - 1)
+    return last
+
+
+def merge_step(op: str, acc, part):
+    """`acc` merged with the next tile's `part` (fields as `[slots]` vectors), tiles in order: a sum,
+    or `(count, shifted mean, M2, shift)` in a frame shifted by the mean of the first tile of nonzero
+    count (`emit.expr.merge_partials_at`'s frame, tile by tile, Chan's formula): nothing is rounded
+    at the offset before the end (`merge_result`), and tiles of one mean merge to exactly that mean
+    and M2 0."""
+    if op == "sum":
+        return (acc[0] + part[0],)
+    count, shifted, m2, shift = acc
+    n_t, mean_t, m2_t = part
+    shift = jnp.where((count == 0) & (n_t > 0), mean_t, shift)
+    count, shifted, m2 = ex.chan_merge((count, shifted, m2), (n_t, jnp.where(n_t > 0, mean_t - shift, 0.0), m2_t))
+    return count, shifted, m2, shift
+
+
+def merge_start(op: str, zeros: jax.Array):
+    return (zeros,) if op == "sum" else (zeros, zeros, zeros, zeros)
+
+
+def merge_result(op: str, acc) -> tuple[jax.Array, ...]:
+    if op == "sum":
+        return acc
+    _count, shifted, m2, shift = acc
+    return shift + shifted, m2
+
+
+def finish(op: str, slots: int, tiles: int, partials_gmem, finished_gmem, chunk_smem, out_smem, barrier,
+           load, zeros) -> None:
+    """Merge `partials_gmem` `[tiles, fields, slots]` (every CTA's row written and visible) into
+    `finished_gmem` `[rows · slots]` (`rows` 2 for `moments`: mean then M2; 1 for `sum`), by the one
+    CTA that runs this: the rows come in chunks of `CHUNK_TILES` into `chunk_smem`
+    `[CHUNK_TILES, fields, padded slots]` (one 1-D TMA copy per row and field, `barrier` arriving once
+    per copy) and merge in tile order (`merge_step`); `out_smem` `[rows, padded slots]` stages the
+    result. `load(ref)` reads a `[padded slots]` SMEM vector in the layout of `zeros`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    fields = ex.PARTIAL_FIELDS[op]
+    chunk = min(CHUNK_TILES, tiles)
+
+    def bring(first):
+        for i in range(chunk):
+            for f in range(fields):
+                plgpu.copy_gmem_to_smem(partials_gmem.at[first + i, f], chunk_smem.at[i, f, pl.ds(0, slots)], barrier)
+        plgpu.barrier_wait(barrier)
+
+    def merge_rows(acc, rows):
+        for i in rows:
+            acc = merge_step(op, acc, tuple(load(chunk_smem.at[i, f]) for f in range(fields)))
+        return acc
+
+    def step(c, acc):
+        bring(c * chunk)
+        return merge_rows(acc, range(chunk))
+
+    whole = tiles // chunk
+    acc = merge_start(op, zeros)
+    acc = lax.fori_loop(0, whole, step, acc) if whole > 1 else step(0, acc) if whole == 1 else acc
+    left = tiles - whole * chunk
+    if left:  # the last chunk ends at the last tile; its first rows were merged already
+        bring(tiles - chunk)
+        acc = merge_rows(acc, range(chunk - left, chunk))
+    result = merge_result(op, acc)
+    for r, value in enumerate(result):
+        out_smem[r] = value
+    plgpu.commit_smem()
+    for r in range(len(result)):
+        plgpu.copy_smem_to_gmem(out_smem.at[r, pl.ds(0, slots)], finished_gmem.at[pl.ds(r * slots, slots)])
+    plgpu.wait_smem_to_gmem(0)
