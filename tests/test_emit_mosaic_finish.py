@@ -24,7 +24,7 @@ from eqsat.tiling.mosaic import HaloGrid, MosaicBlocks
 from tests.test_emit_mosaic_conv_partials import CPG, OFFSET, _merge, _params, _statistics, _weights
 
 
-def _finished_conv(strips: int, chunk: int, monkeypatch):
+def _finished_conv(strips: int, block: int, monkeypatch):
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 15, 15, 64)), jnp.float16)
     w = jnp.asarray(_weights(rng, 64, 24), jnp.float16)
@@ -32,7 +32,7 @@ def _finished_conv(strips: int, chunk: int, monkeypatch):
     out_shape = jax.eval_shape(lambda: mc.reference(x, w, params)).shape
     grid = HaloGrid(ConvGeometry(params, x.shape, w.shape, out_shape), 64, strips)
     blocks = MosaicBlocks(64, 64, 64, stages=3, compute_wgs=1)
-    monkeypatch.setattr(finish, "CHUNK_TILES", chunk)
+    monkeypatch.setattr(finish, "BLOCK_TILES", block)
 
     @jax.jit
     def run(x, w):
@@ -44,13 +44,13 @@ def _finished_conv(strips: int, chunk: int, monkeypatch):
     return grid, run(x, w)
 
 
-@pytest.mark.parametrize("strips,chunk", [(1, 3), (3, 4)], ids=["rows-ragged-chunks", "strips"])
-def test_the_last_cta_finishes_the_group_moments_of_the_stored_output(strips, chunk, monkeypatch):
-    """8 tiles in chunks of 3 (the last chunk overlaps the one before: its first row merged once),
-    or 3 strips (24 tiles, chunks of 4): mean within 2 ulps of the offset, M2 at fp32's bound, the
+@pytest.mark.parametrize("strips,block", [(1, 3), (3, 64)], ids=["rows-ragged-blocks", "strips-one-block"])
+def test_the_last_cta_finishes_the_group_moments_of_the_stored_output(strips, block, monkeypatch):
+    """8 tiles in blocks of 3 (the last block overlaps the one before: its first row merged once),
+    or 3 strips (24 tiles, fewer than a block of 64): mean within 2 ulps of the offset, M2 at fp32's bound, the
     sum; the constant group exactly (offset, 0), the NaN group NaN; and the readers' merge of the
     same partials to a few ulps of the spread."""
-    grid, (out, partials, finished, counter) = _finished_conv(strips, chunk, monkeypatch)
+    grid, (out, partials, finished, counter) = _finished_conv(strips, block, monkeypatch)
     images, groups = 2, 24 // CPG
     tiles = images * grid.strips * grid.m_tiles
     assert [p.shape for p in partials] == [(tiles, 3, 16), (tiles, 1, 16)]
@@ -79,23 +79,23 @@ def test_the_last_cta_finishes_the_group_moments_of_the_stored_output(strips, ch
 
 
 def _two_finishing_convs(x, w1, w2):
-    """Two haloed 3x3 convs on 16x16 images, 64 channels in and out, each hosting a GroupNorm's
+    """Two haloed 3x3 convs on 64x64 images, 64 channels in and out, each hosting a GroupNorm's
     moments (32 groups of 2 channels, 2 images: 64 slots) finished by its last CTA, the second
-    taking the first's output and the counter the first returned."""
+    taking the first's output and the counter the first returned: 66 tiles of 128 rows (a block of
+    64 and a ragged last one), then 132 of 64 rows (a loop over two blocks, then a ragged one)."""
     from emit.mosaic.partials import GroupStatistic
 
     params = _params(x.shape, w1.shape)
     geometry = ConvGeometry(params, x.shape, w1.shape, x.shape)
-    grid = HaloGrid(geometry, 128, 1)
-    blocks = MosaicBlocks(128, 64, 64, stages=3, compute_wgs=1)
     statistic = [GroupStatistic("moments", lambda t: t.astype(jnp.float32), 2, 32, 2)]
     counter = finish.new_counter()
     results = []
     h = x
-    for w in (w1, w2):
+    for w, tile_m in ((w1, 128), (w2, 64)):
+        grid = HaloGrid(geometry, tile_m, 1)
         flat, _partials, finished, counter = ch.build(
-            [h], ch.layout_weight(w, params.rhs_spec, 64), grid, blocks, interpret=False, statistics=statistic,
-            counter=counter)
+            [h], ch.layout_weight(w, params.rhs_spec, 64), grid, MosaicBlocks(tile_m, 64, 64, stages=3, compute_wgs=1),
+            interpret=False, statistics=statistic, counter=counter)
         h = ch.unflatten(flat, grid, 64)
         results.append(finished[0])
     return h, *results
@@ -106,17 +106,92 @@ def test_two_finishing_convs_compile_for_sm90a_with_one_counter_copy(tmp_path):
     from measure import xla_target
 
     S = jax.ShapeDtypeStruct
-    args = (S((2, 16, 16, 64), jnp.float16), S((3, 3, 64, 64), jnp.float16), S((3, 3, 64, 64), jnp.float16))
+    args = (S((2, 64, 64, 64), jnp.float16), S((3, 3, 64, 64), jnp.float16), S((3, 3, 64, 64), jnp.float16))
     with dumping(tmp_path / "mosaic"):
         report = xla_target.compile_for_h100(_two_finishing_convs, *args)
         if report is None:
             pytest.skip(xla_target.unavailable_reason() or "the H100 compile target is unavailable")
         ptx = [p.read_text() for p in (tmp_path / "mosaic").glob("*.ptx")]
+        ptxas = [p.read_text() for p in (tmp_path / "mosaic").glob("*.ptxas")]
     assert report.by_category.get("Pallas (Mosaic GPU)") == 2, report.by_category
     counter_copies = [launch for launch in report.launches if launch.counted == "copy" and launch.bytes <= 8]
     assert len(counter_copies) == 1, report.launches  # one zeroed counter for both kernels
-    assert ptx and all("atom.acq_rel.gpu.global.add.u32" in text for text in ptx)
+    assert len(ptx) == 2 and all("atom.acq_rel.gpu.global.add.u32" in text for text in ptx)
+    assert ptxas and all("0 bytes spill stores" in text for text in ptxas), [t[-600:] for t in ptxas]
     for text in ptx:  # the writer's TMA store waited and fenced before its ticket
         store_wait = text.index("cp.async.bulk.wait_group")
         ticket = text.index("atom.acq_rel.gpu.global.add.u32")
         assert store_wait < text.index("fence.proxy.async.global", store_wait) < ticket
+
+
+# --- in a plan ------------------------------------------------------------------------------------
+
+
+def _conv_groupnorm_linear(x, w1, b1, gamma, beta, w2, b2):
+    """A 3x3 conv (64 -> 96 channels) whose output's GroupNorm (32 groups of 3) feeds a projection
+    over the channels (an attention block's `proj_in`): the statistic's reader is a Mosaic matmul."""
+    from sd15 import layers
+
+    p = {"a.weight": w1, "a.bias": b1, "n.weight": gamma, "n.bias": beta, "l.weight": w2, "l.bias": b2}
+    h = layers.conv2d(p, "a", x)
+    h = layers.group_norm(p, "n", h, 32, 1e-5)
+    return layers.linear(p, "l", h.reshape(h.shape[0], -1, h.shape[-1]))
+
+
+def _plan_args(offset: float = 300.0):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 15, 15, 64))
+    x[:, 4] = 0.0
+    w1 = 0.1 * rng.standard_normal((96, 64, 3, 3))
+    w1[CPG:2 * CPG] = 0.0  # group 1: the bias alone, a constant group
+    args = [x, w1, offset + rng.standard_normal(96), 1 + 0.2 * rng.standard_normal(96), rng.standard_normal(96),
+            0.1 * rng.standard_normal((64, 96)), rng.standard_normal(64)]
+    return tuple(jnp.asarray(a, jnp.float16) for a in args)
+
+
+def _finished_statistic(plan):
+    from emit.pallas import KernelCall
+    from eqsat.cost.mosaic import producer_finished
+
+    (conv,) = [k for k in plan.kernels if k.op == "Conv"]
+    (statistic,) = conv.hosted
+    calls = [KernelCall(k.term, "", tuple(k.hosted)) for k in plan.kernels]
+    assert producer_finished(calls, {statistic: 1}, lambda t: t.op in ("Conv", "Matmul"), get_h100()) == {statistic}
+    return statistic
+
+
+def get_h100():
+    from eqsat.cost.devices import get_device
+
+    return get_device("h100")
+
+
+def test_a_conv_finishing_a_groupnorm_read_by_a_matmul_launches_no_finalize():
+    """The conv's last CTA finishes the GroupNorm (an offset of 300 against a spread of ~1, a
+    constant group, 2 images x 32 groups = 64 slots): no driver reduce or finalize kernel runs, the
+    Mosaic matmul reads the finished statistic; equal to XLA's emission and `jax.jit`."""
+    import warnings
+
+    import emit
+    import emit.pallas
+    import emit.pallas.partials
+    import eqsat
+    from emit.mosaic import TritonFallbackWarning
+    from emit.pallas import XlaFallbackWarning
+
+    args = _plan_args()
+    plan = eqsat.optimize(_conv_groupnorm_linear, extractor="greedy", progress=False).lower(*args).plan
+    _finished_statistic(plan)
+    finishing = []
+    original_reduce, original_finalize = emit.pallas.emit_kernel, emit.pallas.partials.finalize
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("ignore", XlaFallbackWarning)
+        patch.setattr(emit.pallas, "emit_kernel", lambda call, ctx: (
+            finishing.append(call.name) if call.term.op == "EpilogueReduce" else None) or original_reduce(call, ctx))
+        patch.setattr(emit.pallas.partials, "finalize", lambda *a, **k: finishing.append("finalize") or
+                      original_finalize(*a, **k))
+        got = emit.emit(plan, "mosaic", interpret=True)(*args)
+    assert finishing == [], finishing
+    for want in (emit.emit(plan, "xla")(*args), jax.jit(_conv_groupnorm_linear)(*args)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=5e-2)

@@ -109,7 +109,7 @@ from jax import lax
 from emit import expr as ex
 from emit.mosaic import finish
 from emit.mosaic import matmul as mm
-from emit.mosaic.partials import _as_row_vector, group_partials, merge_partials, write_group_partials
+from emit.mosaic.partials import _as_column_vector, group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, PixelView,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
@@ -663,14 +663,16 @@ def finish_statistics(statistics, partial_gmems, finished_gmems, counter, grid_s
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
     tiles = math.prod(grid_shape)
-    chunk = min(finish.CHUNK_TILES, tiles)
+    wgmma = plgpu.Layout.WGMMA
+
+    def layout(value):
+        return value if interpreted else plgpu.layout_cast(value, wgmma)
 
     def load(ref):
-        return ref[...] if interpreted else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=wgmma)
 
-    def _finish(chunk_smems, out_smems, ticket_smem, barriers):
+    def _finish(block_smems, out_smems, ticket_smem, barriers):
         plgpu.wait_smem_to_gmem(0)  # this CTA's partial rows are in GMEM
         if interpreted:
             last = finish.is_last_cta(zip(("n", "m", "b"), grid_shape))
@@ -682,16 +684,15 @@ def finish_statistics(statistics, partial_gmems, finished_gmems, counter, grid_s
             if counter is not None:
                 finish.reset_counter(counter)
             for s, statistic in enumerate(statistics):
-                zeros = _as_row_vector(jnp.zeros((statistic.padded_slots,), jnp.float32), interpreted)
-                finish.finish(statistic.op, statistic.slots, tiles, partial_gmems[s], finished_gmems[s], chunk_smems[s],
-                           out_smems[s], barriers[s], load, zeros)
+                zeros = lambda n: _as_column_vector(jnp.zeros((n,), jnp.float32), interpreted)  # noqa: E731
+                finish.finish(statistic.op, statistic.slots, tiles, partial_gmems[s], finished_gmems[s],
+                              block_smems[s], out_smems[s], barriers[s], load, zeros, layout)
 
     pl.run_scoped(_finish,
-                  chunk_smems=[plgpu.SMEM((chunk, s.fields, s.padded_slots), jnp.float32) for s in statistics],
-                  out_smems=[plgpu.SMEM((2 if s.op == "moments" else 1, s.padded_slots), jnp.float32)
-                             for s in statistics],
+                  block_smems=[plgpu.SMEM((s.fields, finish.BLOCK_TILES, s.slots), jnp.float32) for s in statistics],
+                  out_smems=[plgpu.SMEM((2 if s.op == "moments" else 1, s.slots), jnp.float32) for s in statistics],
                   ticket_smem=plgpu.SMEM((1,), jnp.int32),
-                  barriers=[plgpu.Barrier(num_arrivals=chunk * s.fields) for s in statistics])
+                  barriers=[plgpu.Barrier(num_arrivals=s.fields) for s in statistics])
 
 
 def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.Array:
@@ -1012,12 +1013,15 @@ def halo_loads(geometry, ranges) -> tuple:
     return geometry, ranges, upsampled, parts, loads
 
 
-def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()) -> tuple[dict, list]:
+def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = (), finished: bool = False
+         ) -> tuple[dict, list]:
     """`({kernel.term: value}, partials of each of `statistics`)` for a plan's `Conv` kernel as the
     haloed template, or `HaloUncovered`. `ranges` are its K ranges (`emit.pallas.conv.k_ranges`),
     each cut per tensor (`halo_parts`); `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]`
     sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`); `statistics` the hosted
-    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`)."""
+    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`). `finished`: its last CTA
+    finishes them (`finish_statistics`, `eqsat.cost.mosaic.producer_finished`), each then
+    `emit.mosaic.finish.Finished` (the statistic's value), with `ctx.counter` passed on."""
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -1086,8 +1090,12 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
                  phase_cols=conv_geometry.out_features if upsampled is not None else None, statistics=statistics,
-                 view=view)
-    flat, partials = flat if statistics else (flat, [])
+                 view=view, counter=(finish.counter_of(ctx) if finished and statistics else None))
+    if finished and statistics:
+        flat, _partials, values, ctx.counter = flat
+        partials = [finish.Finished(v) for v in values]
+    else:
+        flat, partials = flat if statistics else (flat, [])
     if view is not None:
         return {term: unview(flat, conv_geometry)}, partials
     if upsampled is not None:

@@ -5,8 +5,8 @@ Every CTA writes its partial row (`[fields, slots]` of the `[tiles, fields, slot
 as `emit.mosaic.partials.write_group_partials` does), waits until that TMA store is complete, and
 takes a ticket: one `atom.acq_rel.gpu.global.add.u32` on an int32 counter in GMEM (`take_ticket`).
 The CTA that draws ticket `tiles - 1` knows every other partial is in GMEM: it resets the counter to
-0 (`reset_counter`), reads all `tiles` rows back by TMA in chunks of `CHUNK_TILES` (`finish`),
-merges them in tile order and writes the finished statistic (`[rows, slots]`: mean and M2 for
+0 (`reset_counter`), reads all `tiles` rows back by TMA in blocks of `BLOCK_TILES` (`finish`),
+reduces each block over its tiles at once and merges the blocks in order, and writes the finished statistic (`[rows, slots]`: mean and M2 for
 `moments`, the sum for `sum`). No CTA ever waits for another (no spinning on a CTA that may not be
 resident yet), and the finishing CTA is whichever completes last, so nothing idles.
 
@@ -39,13 +39,30 @@ not run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from emit import expr as ex
 
-CHUNK_TILES = 4  # partial rows the finishing CTA brings to SMEM per TMA step
+BLOCK_TILES = 64  # partial rows the finishing CTA brings to SMEM and reduces at once
+MERGE_COLUMNS = 32  # slots merged at once (64 at once spilled beside a conv's registers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A hosted statistic its producer finished (`[rows · slots]` flat: mean then M2, or the sum)."""
+
+    value: jax.Array
+
+
+def counter_of(ctx) -> jax.Array:
+    """The emission's ticket counter (`ctx.counter`, one zeroed counter for the whole emission)."""
+    if getattr(ctx, "counter", None) is None:
+        ctx.counter = new_counter()
+    return ctx.counter
 
 
 def new_counter() -> jax.Array:
@@ -120,18 +137,31 @@ def is_last_cta(axes) -> jax.Array:
     return last
 
 
-def merge_step(op: str, acc, part):
-    """`acc` merged with the next tile's `part` (fields as `[slots]` vectors), tiles in order: a sum,
-    or `(count, shifted mean, M2, shift)` in a frame shifted by the mean of the first tile of nonzero
-    count (`emit.expr.merge_partials_at`'s frame, tile by tile, Chan's formula): nothing is rounded
-    at the offset before the end (`merge_result`), and tiles of one mean merge to exactly that mean
-    and M2 0."""
+def block_merge(op: str, acc, field, valid, layout):
+    """`acc` merged with a block of tiles: `field(f)` loads field f `[block, slots]` (tiles along the
+    rows), `valid` `[block, slots]` marks the rows that are tiles to merge. `acc` is `(sum,)`, or
+    `(count, shifted mean, M2, shift)`: the block reduced two-pass over its tiles in the frame of
+    `shift` (the merge's while it has elements, else the largest mean among the block's tiles of
+    nonzero count: some tile's mean, so tiles of one mean merge to exactly it and M2 0),
+    n = sum(n_t), d = sum(n_t (mean_t - s)) / n, M2 = sum(M2_t + n_t (mean_t - s - d)^2), then Chan's
+    formula with the merge so far (`emit.expr.merge_partials_at`'s frame and order). A tile of count
+    0 contributes nothing. Each field is loaded where it is first used, so few `[block, slots]`
+    arrays are live at once (all three held at once spilled next to a conv's registers)."""
+    rows = lambda v: layout(lax.broadcast_in_dim(v, valid.shape, (1,)))  # noqa: E731
     if op == "sum":
-        return (acc[0] + part[0],)
+        return (acc[0] + jnp.sum(jnp.where(valid, field(0), 0.0), axis=0),)
     count, shifted, m2, shift = acc
-    n_t, mean_t, m2_t = part
-    shift = jnp.where((count == 0) & (n_t > 0), mean_t, shift)
-    count, shifted, m2 = ex.chan_merge((count, shifted, m2), (n_t, jnp.where(n_t > 0, mean_t - shift, 0.0), m2_t))
+    n_t = jnp.where(valid, field(0), 0.0)
+    live = n_t > 0
+    mean_t = field(1)
+    block_shift = jnp.max(jnp.where(live, mean_t, -jnp.inf), axis=0)
+    shift = jnp.where(count > 0, shift, jnp.where(block_shift == -jnp.inf, 0.0, block_shift))
+    offset = jnp.where(live, mean_t - rows(shift), 0.0)
+    n = jnp.sum(n_t, axis=0)
+    d = jnp.sum(n_t * offset, axis=0) / jnp.maximum(n, 1.0)
+    deviation = offset - rows(d)
+    block_m2 = jnp.sum(jnp.where(live, field(2) + n_t * deviation * deviation, 0.0), axis=0)
+    count, shifted, m2 = ex.chan_merge((count, shifted, m2), (n, d, block_m2))
     return count, shifted, m2, shift
 
 
@@ -146,46 +176,46 @@ def merge_result(op: str, acc) -> tuple[jax.Array, ...]:
     return shift + shifted, m2
 
 
-def finish(op: str, slots: int, tiles: int, partials_gmem, finished_gmem, chunk_smem, out_smem, barrier,
-           load, zeros) -> None:
+def finish(op: str, slots: int, tiles: int, partials_gmem, finished_gmem, block_smem, out_smem, barrier,
+           load, zeros, layout) -> None:
     """Merge `partials_gmem` `[tiles, fields, slots]` (every CTA's row written and visible) into
     `finished_gmem` `[rows · slots]` (`rows` 2 for `moments`: mean then M2; 1 for `sum`), by the one
-    CTA that runs this: the rows come in chunks of `CHUNK_TILES` into `chunk_smem`
-    `[CHUNK_TILES, fields, padded slots]` (one 1-D TMA copy per row and field, `barrier` arriving once
-    per copy) and merge in tile order (`merge_step`); `out_smem` `[rows, padded slots]` stages the
-    result. `load(ref)` reads a `[padded slots]` SMEM vector in the layout of `zeros`."""
+    CTA that runs this: blocks of `BLOCK_TILES` tiles come by TMA into `block_smem` `[fields,
+    BLOCK_TILES, slots]` (one copy per field) and merge in order (`block_merge`, `MERGE_COLUMNS`
+    slots at a time; the last block ends at the last tile, its rows merged before masked off; fewer
+    tiles than a block fill its first rows); `out_smem` `[rows, slots]` stages the result.
+    `load(ref)` reads a `[BLOCK_TILES, columns]` field in the layout `layout` casts to; `zeros(n)` a
+    `[n]` vector in its column layout."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     fields = ex.PARTIAL_FIELDS[op]
-    chunk = min(CHUNK_TILES, tiles)
+    size = min(BLOCK_TILES, tiles)
+    width = min(MERGE_COLUMNS, slots)
+    ranges = [pl.ds(c, min(width, slots - c)) for c in range(0, slots, width)]
 
-    def bring(first):
-        for i in range(chunk):
-            for f in range(fields):
-                plgpu.copy_gmem_to_smem(partials_gmem.at[first + i, f], chunk_smem.at[i, f, pl.ds(0, slots)], barrier)
+    def block(start, first_row, acc):
+        for f in range(fields):
+            plgpu.copy_gmem_to_smem(partials_gmem.at[pl.ds(start, size), f], block_smem.at[f, pl.ds(0, size)], barrier)
         plgpu.barrier_wait(barrier)
+        merged = []
+        for columns, part in zip(ranges, acc):
+            row = layout(lax.broadcasted_iota(jnp.int32, (BLOCK_TILES, columns.size), 0))
+            field = lambda f, columns=columns: load(block_smem.at[f, :, columns])  # noqa: E731
+            merged.append(block_merge(op, part, field, (row >= first_row) & (row < size), layout))
+        return tuple(merged)
 
-    def merge_rows(acc, rows):
-        for i in rows:
-            acc = merge_step(op, acc, tuple(load(chunk_smem.at[i, f]) for f in range(fields)))
-        return acc
-
-    def step(c, acc):
-        bring(c * chunk)
-        return merge_rows(acc, range(chunk))
-
-    whole = tiles // chunk
-    acc = merge_start(op, zeros)
-    acc = lax.fori_loop(0, whole, step, acc) if whole > 1 else step(0, acc) if whole == 1 else acc
-    left = tiles - whole * chunk
-    if left:  # the last chunk ends at the last tile; its first rows were merged already
-        bring(tiles - chunk)
-        acc = merge_rows(acc, range(chunk - left, chunk))
-    result = merge_result(op, acc)
-    for r, value in enumerate(result):
-        out_smem[r] = value
+    whole = tiles // size
+    acc = tuple(merge_start(op, zeros(columns.size)) for columns in ranges)
+    step = lambda i, acc: block(i * BLOCK_TILES, 0, acc)  # noqa: E731
+    acc = lax.fori_loop(0, whole, step, acc) if whole > 1 else step(0, acc)
+    left = tiles - whole * size
+    if left:  # the last block ends at the last tile; its first rows were merged already
+        acc = block(tiles - size, size - left, acc)
+    for columns, part in zip(ranges, acc):
+        for r, value in enumerate(merge_result(op, part)):
+            out_smem[r, columns] = value
     plgpu.commit_smem()
-    for r in range(len(result)):
-        plgpu.copy_smem_to_gmem(out_smem.at[r, pl.ds(0, slots)], finished_gmem.at[pl.ds(r * slots, slots)])
+    for r in range(2 if op == "moments" else 1):
+        plgpu.copy_smem_to_gmem(out_smem.at[r], finished_gmem.at[pl.ds(r * slots, slots)])
     plgpu.wait_smem_to_gmem(0)

@@ -1093,3 +1093,76 @@ def node_mosaic_work(op: str, args, ranges=None) -> MosaicWork:
     if op == "Attention":  # an e-node's bias is a type, not a value: priced as none (a zero bias)
         return attention_work_of(args[0], args[1], args[-1])
     raise ValueError(f"no Mosaic template for {op}")
+
+
+# --- hosted statistics finished in their producer -----------------------------------------------
+#
+# A statistic whose only host is a haloed Mosaic conv may be finished by the conv's own last CTA
+# (`emit.mosaic.finish`): no finalize kernel after it (one launch saved), a serial tail instead. That
+# CTA, after every other, brings `ceil(tiles / FINISH_BLOCK_TILES)` blocks of `[fields,
+# FINISH_BLOCK_TILES, slots]` fp32 partials (whole blocks, the ragged last one too) to SMEM one after
+# the other, just written so read from L2 at one SM's share of its bandwidth, and stores the finished
+# `[rows, slots]`. The ticket is one atomic per CTA (not charged). A Mosaic conv that reads the
+# statistic reads it through a vector table the finishing kernel would have written (`emit.pallas.
+# tables`); built by an XLA fusion instead it costs the launch saved, so those are not finished here.
+
+FINISH_BLOCK_TILES = 64  # `emit.mosaic.finish.BLOCK_TILES`: a WGMMA-layout block of tiles
+
+
+def finish_tail_seconds(tiles: int, fields: int, slots: int) -> float:
+    """The modeled serial tail of finishing a `[tiles, fields, slots]` statistic in the producer's
+    last CTA (`emit.mosaic.finish.finish`)."""
+    from eqsat.tiling.mosaic import SM_COUNT
+
+    blocks = -(-tiles // FINISH_BLOCK_TILES)
+    rows = 2 if fields == 3 else 1
+    moved = 4 * slots * (blocks * fields * FINISH_BLOCK_TILES + rows)
+    return moved * SM_COUNT / L2_BANDWIDTH
+
+
+def producer_finish_declined(statistic: Term, host: Term, device) -> str | None:
+    """Why the haloed Mosaic conv `host`, the statistic's only host, does not finish `statistic` in its
+    last CTA (`emit.mosaic.conv_halo.finish_statistics`), or None when it does: it writes it as
+    group partials (`eqsat.cost.backends.group_statistic_declined`), on the haloed template, whole
+    64-slot vectors (a WGMMA-layout block of tiles has 64 columns, merged 32 at a time), and a tail
+    (`finish_tail_seconds`) shorter than the finalize launch it saves."""
+    from eqsat.cost.backends import group_statistic_declined
+
+    if host.op != "Conv":
+        return f"a {host.op} host (only the haloed conv finishes its statistics)"
+    why = group_statistic_declined(statistic, host)
+    if why is not None:
+        return why
+    work = conv_work(host)
+    if not work.haloed:
+        return "a flat-grid conv (only the haloed template finishes its statistics)"
+    op = statistic.args[1]
+    fields = 3 if op == "moments" else 1
+    slots = size_of(statistic.ty) // (2 if op == "moments" else 1)
+    if slots % 64:
+        return f"{slots} slots (the finishing CTA merges whole 64-slot vectors)"
+    tail = finish_tail_seconds(work.ctas, fields, slots)
+    if tail >= device.launch_overhead:
+        return f"a tail of {tail * 1e6:.1f} us over {work.ctas} tiles (a finalize launch costs {device.launch_overhead * 1e6:.1f} us)"
+    return None
+
+
+def producer_finished(calls, hosting_count: dict, routes_mosaic, device) -> frozenset:
+    """The hosted statistics their only host finishes in its last CTA (`producer_finish_declined`),
+    among `calls` (kernel terms in plan order, each with `.term` and `.hosted`, or terms with
+    `hosting_count` statistic -> hosts): hosts on Mosaic (`routes_mosaic(term)`), no Mosaic conv
+    reading the statistic (it would read it through a vector table)."""
+    from eqsat.cost.merges import statistics_read
+
+    table_read = {s for call in calls if call.term.op == "Conv" and routes_mosaic(call.term)
+                  for s in statistics_read(call.term)}
+    found = set()
+    for call in calls:
+        if not routes_mosaic(call.term):
+            continue
+        for statistic in call.hosted:
+            if hosting_count.get(statistic) != 1 or statistic in table_read:
+                continue
+            if producer_finish_declined(statistic, call.term, device) is None:
+                found.add(statistic)
+    return frozenset(found)
