@@ -486,10 +486,11 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
     if ctx.backend in ("mosaic", "routed"):  # statistics their only host finishes in its last CTA
         from eqsat.cost.devices import get_device
-        from eqsat.cost.mosaic import producer_finished
+        from eqsat.cost.finish import producer_finished
 
         on_mosaic = lambda t: (ctx.backend == "mosaic" and runs_on_mosaic(t)) or ctx.routes.get(t) == "mosaic"  # noqa: E731
-        ctx.finishing = producer_finished(calls, host_count, on_mosaic, get_device(FINISH_DEVICE))
+        ctx.finishing = producer_finished([(c.term, c.hosted) for c in calls], host_count, on_mosaic,
+                                          get_device(FINISH_DEVICE))
     wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
     try:
         for i, call in enumerate(calls):

@@ -380,7 +380,8 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
     routes, reduced = driver_reduced(order, hosting, device, finished)
-    readers_see = finished | reduced
+    in_producer = producer_finished_of(order, hosting, routes, device)
+    readers_see = finished | reduced | in_producer
     total = Cost()
     for kernel in order:
         if id(kernel) in routes:
@@ -392,9 +393,32 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
             total = total + hosted_extra(reduction, "mosaic", device)
         elif hosts is not None:
             total = total + hosted_cost(reduction, device)
-    for statistic in finished - reduced:
+    for statistic in finished - reduced - in_producer:
         total = total + finalize_cost(statistic, device)
+    from eqsat.cost.finish import producer_finish_tail
+
+    for statistic in in_producer:  # the host's last CTA merges the partials: its serial tail, no launch
+        (host,) = hosting[statistic]
+        total = total + Cost(seconds=producer_finish_tail(statistic, host))
     return total
+
+
+def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "str | Device") -> frozenset:
+    """The hosted statistics their only host, a haloed Mosaic conv, finishes in its last CTA
+    (`eqsat.cost.mosaic.producer_finished`, the emitter's rule): no driver reduce or finalize
+    kernel, readers read them finished."""
+    from eqsat.cost.finish import producer_finished
+
+    device = get_device(device)
+    if device.backend == "triton":
+        return frozenset()
+    hosted_on: dict[int, list] = {}
+    for reduction, hosts in hosting.items():
+        for host in hosts or ():
+            hosted_on.setdefault(id(host), []).append(reduction)
+    count = {reduction: len(hosts) for reduction, hosts in hosting.items() if hosts}
+    return producer_finished([(kernel, tuple(hosted_on.get(id(kernel), ()))) for kernel in order], count,
+                             lambda term: routes.get(id(term)) == "mosaic", device)
 
 
 def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finished: frozenset = frozenset()
@@ -420,10 +444,13 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
             routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
             reduced.update(r for r in hosted if not writes_partials(r, route, kernel))
     # A Mosaic kernel reads statistics finished: one its hosts left as partials, and the plan does not
-    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`).
+    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`), unless
+    # its host finishes it in its last CTA (`producer_finished_of`).
+    in_producer = producer_finished_of(order, hosting, routes, device)
     for kernel in order:
         if routes.get(id(kernel)) == "mosaic":
-            reduced.update(s for s in statistics_read(kernel) if hosting.get(s) and s not in finished)
+            reduced.update(s for s in statistics_read(kernel)
+                           if hosting.get(s) and s not in finished and s not in in_producer)
     return routes, frozenset(reduced)
 
 
