@@ -83,6 +83,10 @@ stored (the statistics mask them by the row-image table). The phase form's CTAs 
 `(py, px)` at output pixels `(2i + py, 2j + px)` of a `[B·h, 2, w, 2·C]` view (`PixelView`): no
 depth-to-space fusion. Stride 2 and strips cut their flat rows the same way (output pitch, a
 strip's columns).
+Hosted GroupNorm statistics: each CTA writes its partial row (`emit.mosaic.partials`); where the
+driver asks (`emit`'s `finished`), the CTA that completes last then merges every row and writes the
+finished statistic (`finish_statistics`, `emit.mosaic.finish`: a ticket counter passed in as a ref,
+so the kernel is `pl.kernel` over a `plgpu.Mesh` there).
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
 not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 

@@ -469,7 +469,10 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     (`ctx.partials`, what the readers merge) when every host wrote its tiles, else the driver emits
     it right after its last host as its own reduce kernel. With Mosaic convs, the vector tables
     their haloed prologues gather from a statistic are asked of the Triton kernel finishing it
-    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`)."""
+    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`); a statistic whose only
+    host is a haloed Mosaic conv that no Mosaic conv reads is finished by that conv's last CTA
+    (`ctx.finishing`, `eqsat.cost.finish.producer_finished`; one ticket counter, `ctx.counter`,
+    passes from each such conv to the next: `emit.mosaic.finish`) and kept as a value."""
     from emit import xla
     from emit.pallas.partials import Partials
 
