@@ -199,3 +199,18 @@ def test_a_conv_finishing_a_groupnorm_read_by_a_matmul_launches_no_finalize():
     assert finishing == [], finishing
     for want in (emit.emit(plan, "xla")(*args), jax.jit(_conv_groupnorm_linear)(*args)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=5e-2)
+
+
+def test_the_model_charges_the_blocks_the_last_cta_reads():
+    """`eqsat.cost.mosaic.finish_tail_seconds`: whole blocks of the template's size (a ragged last
+    block read whole), each `[fields, BLOCK_TILES, slots]` fp32, at one SM's share of L2; and the rule
+    declines a tail longer than the finalize it saves."""
+    from eqsat.cost.mosaic import FINISH_BLOCK_TILES, L2_BANDWIDTH, finish_tail_seconds
+    from eqsat.tiling.mosaic import SM_COUNT
+
+    assert FINISH_BLOCK_TILES == finish.BLOCK_TILES
+    per_byte = SM_COUNT / L2_BANDWIDTH
+    assert finish_tail_seconds(6, 3, 64) == pytest.approx(4 * 64 * (3 * 64 + 2) * per_byte)
+    assert finish_tail_seconds(64, 3, 64) == finish_tail_seconds(6, 3, 64)
+    assert finish_tail_seconds(65, 3, 64) == pytest.approx(4 * 64 * (2 * 3 * 64 + 2) * per_byte)
+    assert finish_tail_seconds(132, 1, 64) == pytest.approx(4 * 64 * (3 * 64 + 1) * per_byte)

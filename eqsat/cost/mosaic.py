@@ -55,6 +55,7 @@ from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MA
                                  halo_input_loads, halo_parts, halo_tiling, halo_uncovered, matmul_in_place, minor_tile, padded_head,
                                  phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, stores_pixels,
                                  tile_fits, vector_fits)
+from eqsat.tiling.mosaic import SM_COUNT
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -1112,8 +1113,6 @@ FINISH_BLOCK_TILES = 64  # `emit.mosaic.finish.BLOCK_TILES`: a WGMMA-layout bloc
 def finish_tail_seconds(tiles: int, fields: int, slots: int) -> float:
     """The modeled serial tail of finishing a `[tiles, fields, slots]` statistic in the producer's
     last CTA (`emit.mosaic.finish.finish`)."""
-    from eqsat.tiling.mosaic import SM_COUNT
-
     blocks = -(-tiles // FINISH_BLOCK_TILES)
     rows = 2 if fields == 3 else 1
     moved = 4 * slots * (blocks * fields * FINISH_BLOCK_TILES + rows)

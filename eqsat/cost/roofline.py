@@ -77,6 +77,7 @@ from eqsat.cost.backends import DENSE as ROUTED_OPS
 from eqsat.cost.backends import (hosted_extra, library_cost, mosaic_cost, node_route_cost, routes_for,
                                  writes_partials)
 from eqsat.cost.devices import Device, get_device, with_backend
+from eqsat.cost.finish import producer_finish_tail, producer_finished
 from eqsat.cost.hosting import hosted_reductions, hosts_of, side_inputs
 from eqsat.cost.merges import (FINISHED_READERS, MERGE_SHARE_GOAL, finalize_cost, reader_merge_flops,  # noqa: F401
                                statistics_read)
@@ -395,8 +396,6 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
             total = total + hosted_cost(reduction, device)
     for statistic in finished - reduced - in_producer:
         total = total + finalize_cost(statistic, device)
-    from eqsat.cost.finish import producer_finish_tail
-
     for statistic in in_producer:  # the host's last CTA merges the partials: its serial tail, no launch
         (host,) = hosting[statistic]
         total = total + Cost(seconds=producer_finish_tail(statistic, host))
@@ -407,8 +406,6 @@ def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "
     """The hosted statistics their only host, a haloed Mosaic conv, finishes in its last CTA
     (`eqsat.cost.mosaic.producer_finished`, the emitter's rule): no driver reduce or finalize
     kernel, readers read them finished."""
-    from eqsat.cost.finish import producer_finished
-
     device = get_device(device)
     if device.backend == "triton":
         return frozenset()
