@@ -214,3 +214,25 @@ def test_the_model_charges_the_blocks_the_last_cta_reads():
     assert finish_tail_seconds(64, 3, 64) == finish_tail_seconds(6, 3, 64)
     assert finish_tail_seconds(65, 3, 64) == pytest.approx(4 * 64 * (2 * 3 * 64 + 2) * per_byte)
     assert finish_tail_seconds(132, 1, 64) == pytest.approx(4 * 64 * (3 * 64 + 1) * per_byte)
+
+
+def test_only_statistics_a_kernel_of_their_own_would_finish_are_finished_in_the_producer():
+    """A GroupNorm + SiLU read by a Triton pointwise kernel (it merges the partials where it reads
+    them): nothing to save, not finished in the producer, unless the plan finishes it once (a
+    finalize kernel); read by a Mosaic conv (through a vector table), never."""
+    import eqsat
+    from eqsat.cost.finish import producer_finished
+    from tests.test_emit_mosaic_conv_partials import _conv_groupnorm, _conv_groupnorm_conv
+
+    S, F16 = jax.ShapeDtypeStruct, jnp.float16
+    args = (S((2, 16, 16, 64), F16), S((96, 64, 3, 3), F16), S((96,), F16), S((96,), F16), S((96,), F16))
+    on_mosaic = lambda t: t.op in ("Conv", "Matmul")  # noqa: E731
+    for fn, extra, finished_once in ((_conv_groupnorm, (), {}), (_conv_groupnorm_conv, (S((64, 96, 3, 3), F16),
+                                                                                        S((64,), F16)), None)):
+        plan = eqsat.optimize(fn, extractor="greedy", progress=False).lower(*args, *extra).plan
+        (host,) = [k for k in plan.kernels if k.op == "Conv" and k.hosted]
+        (statistic,) = host.hosted
+        kernels = [(k.term, tuple(k.hosted)) for k in plan.kernels]
+        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100()) == frozenset()
+        want = {statistic} if finished_once is not None else set()
+        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100(), frozenset({statistic})) == want

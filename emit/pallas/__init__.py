@@ -492,8 +492,9 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
         from eqsat.cost.finish import producer_finished
 
         on_mosaic = lambda t: (ctx.backend == "mosaic" and runs_on_mosaic(t)) or ctx.routes.get(t) == "mosaic"  # noqa: E731
+        finalized = frozenset(c.term for c in calls if c.term.op == "EpilogueReduce" and not c.hosted)
         ctx.finishing = producer_finished([(c.term, c.hosted) for c in calls], host_count, on_mosaic,
-                                          get_device(FINISH_DEVICE))
+                                          get_device(FINISH_DEVICE), finalized)
     wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
     try:
         for i, call in enumerate(calls):

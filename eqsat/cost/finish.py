@@ -45,12 +45,15 @@ def producer_finish_tail(statistic: Term, host: Term) -> float | None:
     return finish_tail_seconds(conv_work(host).ctas, fields, slots)
 
 
-def producer_finished(kernels, host_count: dict, on_mosaic, device) -> frozenset:
+def producer_finished(kernels, host_count: dict, on_mosaic, device, finished: frozenset = frozenset()) -> frozenset:
     """The hosted statistics their only host finishes in its last CTA (`producer_finish_declined`):
     `kernels` `(kernel term, statistics it hosts)` in plan order, `host_count` statistic -> its
-    hosts, `on_mosaic(term)` whether a kernel runs on Mosaic; no Mosaic conv reads the statistic (it
-    would read it through a vector table, `emit.pallas.tables`)."""
+    hosts, `on_mosaic(term)` whether a kernel runs on Mosaic, `finished` the statistics the plan
+    finishes once (a finalize kernel each). Only those a kernel of their own would finish otherwise
+    (the plan's finalize, or the driver's before a Mosaic reader, which reads statistics finished),
+    and none a Mosaic conv reads (it would read it through a vector table, `emit.pallas.tables`)."""
     kernels = list(kernels)
+    mosaic_read = {s: term.op for term, _hosted in kernels if on_mosaic(term) for s in statistics_read(term)}
     table_read = {s for term, _hosted in kernels if term.op == "Conv" and on_mosaic(term) for s in statistics_read(term)}
     found = set()
     for term, hosted in kernels:
@@ -59,6 +62,8 @@ def producer_finished(kernels, host_count: dict, on_mosaic, device) -> frozenset
         for statistic in hosted:
             if host_count.get(statistic) != 1 or statistic in table_read:
                 continue
+            if statistic not in finished and statistic not in mosaic_read:
+                continue  # its readers merge its partials: no launch to save
             if producer_finish_declined(statistic, term, device) is None:
                 found.add(statistic)
     return frozenset(found)

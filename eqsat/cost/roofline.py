@@ -381,7 +381,7 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
     routes, reduced = driver_reduced(order, hosting, device, finished)
-    in_producer = producer_finished_of(order, hosting, routes, device)
+    in_producer = producer_finished_of(order, hosting, routes, device, finished)
     readers_see = finished | reduced | in_producer
     total = Cost()
     for kernel in order:
@@ -402,7 +402,8 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     return total
 
 
-def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "str | Device") -> frozenset:
+def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "str | Device",
+                         finished: frozenset = frozenset()) -> frozenset:
     """The hosted statistics their only host, a haloed Mosaic conv, finishes in its last CTA
     (`eqsat.cost.mosaic.producer_finished`, the emitter's rule): no driver reduce or finalize
     kernel, readers read them finished."""
@@ -415,7 +416,7 @@ def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "
             hosted_on.setdefault(id(host), []).append(reduction)
     count = {reduction: len(hosts) for reduction, hosts in hosting.items() if hosts}
     return producer_finished([(kernel, tuple(hosted_on.get(id(kernel), ()))) for kernel in order], count,
-                             lambda term: routes.get(id(term)) == "mosaic", device)
+                             lambda term: routes.get(id(term)) == "mosaic", device, finished)
 
 
 def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finished: frozenset = frozenset()
@@ -443,7 +444,7 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
     # A Mosaic kernel reads statistics finished: one its hosts left as partials, and the plan does not
     # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`), unless
     # its host finishes it in its last CTA (`producer_finished_of`).
-    in_producer = producer_finished_of(order, hosting, routes, device)
+    in_producer = producer_finished_of(order, hosting, routes, device, finished)
     for kernel in order:
         if routes.get(id(kernel)) == "mosaic":
             reduced.update(s for s in statistics_read(kernel)
