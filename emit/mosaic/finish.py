@@ -29,6 +29,21 @@ it on. `plgpu.kernel` wraps its body in `custom_vmap`, which has no state discha
 ("No state discharge rule implemented for primitive: custom_vmap_call"): the finishing kernels are
 `pl.kernel` over a `plgpu.Mesh`.
 
+The merge: blocks of `BLOCK_TILES` (64, one WGMMA-layout tile) rows of partials, reduced over the
+rows `MERGE_COLUMNS` (32) slots at a time (`block_merge`), so the slots must be whole 64-vectors
+(`eqsat.cost.finish`). Compiled for sm_90a beside a 64-row haloed conv (176 registers) it needs 246
+registers and spills nothing; beside a 128-row one (255 registers without it) it spills 28 bytes.
+Its cost is a serial tail after the grid (`eqsat.cost.mosaic.finish_tail_seconds`), weighed against
+the finalize launch it saves.
+
+Not done: a statistic a Mosaic conv reads is read through a vector table (`emit.pallas.tables`) that
+the finishing Triton kernel writes; finished here, that table would be an XLA fusion (the launch
+saved, spent again), so such statistics are not finished here. The finishing CTA could write the
+table too (the group -> channel expansion as selects of SMEM scalars over static channel runs, the
+other rows by 1-D TMA from their tensors): in the full UNet that is 19 of the 74 driver finalize
+launches (the rest: statistics with several hosts, bodies reading other tensors, tails longer than a
+launch).
+
 GPU interpret mode (jax 0.10.2) runs the grid's CTAs one after another in grid order
 (`interpret_pallas_call`: a `fori_loop` over grid points), takes no aliased ref operand
 ("KeyError: None" for its memory space), has no GMEM atomics and cannot discharge `get_global`;
