@@ -38,7 +38,7 @@ def _finished_conv(strips: int, block: int, monkeypatch):
 
     @jax.jit
     def run(x, w):
-        flat, partials, finished, counter = ch.build(
+        flat, partials, finished, counter, _tables = ch.build(
             [x], ch.layout_weight(w, params.rhs_spec, 64), grid, blocks, epilogue=lambda acc, _: acc + OFFSET,
             out_dtype=jnp.float32, interpret=True, statistics=_statistics(2, 24), counter=finish.new_counter())
         return ch.unflatten(flat, grid, 24), partials, finished, counter
@@ -95,7 +95,7 @@ def _two_finishing_convs(x, w1, w2):
     h = x
     for w, tile_m in ((w1, 128), (w2, 64)):
         grid = HaloGrid(geometry, tile_m, 1)
-        flat, _partials, finished, counter = ch.build(
+        flat, _partials, finished, counter, _tables = ch.build(
             [h], ch.layout_weight(w, params.rhs_spec, 64), grid, MosaicBlocks(tile_m, 64, 64, stages=3, compute_wgs=1),
             interpret=False, statistics=statistic, counter=counter)
         h = ch.unflatten(flat, grid, 64)
@@ -219,7 +219,7 @@ def test_the_model_charges_the_blocks_the_last_cta_reads():
 def test_only_statistics_a_kernel_of_their_own_would_finish_are_finished_in_the_producer():
     """A GroupNorm + SiLU read by a Triton pointwise kernel (it merges the partials where it reads
     them): nothing to save, not finished in the producer, unless the plan finishes it once (a
-    finalize kernel); read by a Mosaic conv (through a vector table), never."""
+    finalize kernel); read by a Mosaic conv (which reads statistics finished), finished there."""
     import eqsat
     from eqsat.cost.finish import producer_finished
     from tests.test_emit_mosaic_conv_partials import _conv_groupnorm, _conv_groupnorm_conv
@@ -227,12 +227,79 @@ def test_only_statistics_a_kernel_of_their_own_would_finish_are_finished_in_the_
     S, F16 = jax.ShapeDtypeStruct, jnp.float16
     args = (S((2, 16, 16, 64), F16), S((96, 64, 3, 3), F16), S((96,), F16), S((96,), F16), S((96,), F16))
     on_mosaic = lambda t: t.op in ("Conv", "Matmul")  # noqa: E731
-    for fn, extra, finished_once in ((_conv_groupnorm, (), {}), (_conv_groupnorm_conv, (S((64, 96, 3, 3), F16),
-                                                                                        S((64,), F16)), None)):
+    for fn, extra, read_by_mosaic in ((_conv_groupnorm, (), False),
+                                      (_conv_groupnorm_conv, (S((64, 96, 3, 3), F16), S((64,), F16)), True)):
         plan = eqsat.optimize(fn, extractor="greedy", progress=False).lower(*args, *extra).plan
         (host,) = [k for k in plan.kernels if k.op == "Conv" and k.hosted]
         (statistic,) = host.hosted
         kernels = [(k.term, tuple(k.hosted)) for k in plan.kernels]
-        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100()) == frozenset()
-        want = {statistic} if finished_once is not None else set()
-        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100(), frozenset({statistic})) == want
+        want = {statistic} if read_by_mosaic else set()
+        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100()) == want
+        assert producer_finished(kernels, {statistic: 1}, on_mosaic, get_h100(), frozenset({statistic})) == {statistic}
+
+
+def _conv_groupnorm_conv(x, w1, b1, gamma, beta, w2, b2):
+    """A 3x3 conv (64 -> 128 channels) whose output's GroupNorm (32 groups of 4) + SiLU feeds a second
+    haloed 3x3 conv (128 -> 64: whole 64-channel K ranges), which reads it through a vector table."""
+    from sd15 import layers
+
+    p = {"a.weight": w1, "a.bias": b1, "n.weight": gamma, "n.bias": beta, "c.weight": w2, "c.bias": b2}
+    h = layers.conv2d(p, "a", x)
+    return layers.conv2d(p, "c", layers.silu(layers.group_norm(p, "n", h, 32, 1e-5)))
+
+
+def _chain_args(offset: float = 300.0):
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 15, 15, 64))
+    x[:, 4] = 0.0
+    w1 = 0.1 * rng.standard_normal((128, 64, 3, 3))
+    w1[4:8] = 0.0  # group 1: the bias alone, a constant group
+    args = [x, w1, offset + rng.standard_normal(128), 1 + 0.2 * rng.standard_normal(128), rng.standard_normal(128),
+            0.1 * rng.standard_normal((64, 128, 3, 3)), rng.standard_normal(64)]
+    return tuple(jnp.asarray(a, jnp.float16) for a in args)
+
+
+def test_a_conv_finishing_a_groupnorm_writes_the_next_convs_vector_table():
+    """conv -> GroupNorm + SiLU -> conv, both haloed: the first conv's last CTA finishes the
+    statistic and writes the second conv's vector table (statistics gathered per channel, gamma,
+    beta): no reduce or finalize kernel, no table fusion; equal to XLA's emission and `jax.jit`."""
+    import warnings
+
+    import emit
+    import emit.pallas
+    import emit.pallas.partials
+    import eqsat
+    from emit.mosaic import TritonFallbackWarning
+    from emit.pallas import XlaFallbackWarning
+
+    args = _chain_args()
+    plan = eqsat.optimize(_conv_groupnorm_conv, extractor="greedy", progress=False).lower(*args).plan
+    finishing, built = [], []
+    original_reduce, original_finalize = emit.pallas.emit_kernel, emit.pallas.partials.finalize
+    original_tables = ch.vector_tables
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error", TritonFallbackWarning)
+        warnings.simplefilter("ignore", XlaFallbackWarning)
+        patch.setattr(emit.pallas, "emit_kernel", lambda call, ctx: (
+            finishing.append(call.name) if call.term.op == "EpilogueReduce" else None) or original_reduce(call, ctx))
+        patch.setattr(emit.pallas.partials, "finalize", lambda *a, **k: finishing.append("finalize") or
+                      original_finalize(*a, **k))
+        pairs = []
+
+        def spy_tables(parts, table=None):
+            if any(p.vectors for p in parts):
+                built.append(table is not None)
+                if table is not None:  # against the XLA fusion's gather of the same vectors
+                    (gathered,), _ = original_tables(parts)
+                    jax.debug.callback(lambda a, b: pairs.append((np.asarray(a), np.asarray(b))), table, gathered)
+            return original_tables(parts, table)
+
+        patch.setattr(ch, "vector_tables", spy_tables)
+        got = jax.block_until_ready(emit.emit(plan, "mosaic", interpret=True)(*args))
+        jax.effects_barrier()
+    assert finishing == [], finishing
+    assert built == [True], built  # the second conv's table was written, not built by a fusion
+    assert len(pairs) == 1
+    np.testing.assert_allclose(pairs[0][0], pairs[0][1], rtol=2e-7, atol=0)  # the finished statistic, per channel
+    for want in (emit.emit(plan, "xla")(*args), jax.jit(_conv_groupnorm_conv)(*args)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=0.1)

@@ -285,7 +285,8 @@ def emit(kernel, ctx) -> dict:
         computed.append(reduction)
     try:
         out, partials = conv_halo.emit(kernel, ctx, geometry, parts, sub_tile_epilogue(epilogue, params.out_spec),
-                                       statistics, finished=bool(computed) and set(computed) <= ctx.finishing)
+                                       statistics, finished=bool(computed) and set(computed) <= ctx.finishing,
+                                       reductions=computed)
         return {**out, **{r: jnp.reshape(p.value, parse_type(r.ty).shape) if isinstance(p, Finished) else Partials(p)
                           for r, p in zip(computed, partials)}}
     except conv_halo.HaloUncovered:

@@ -234,3 +234,144 @@ def finish(op: str, slots: int, tiles: int, partials_gmem, finished_gmem, block_
     for r in range(2 if op == "moments" else 1):
         plgpu.copy_smem_to_gmem(out_smem.at[r], finished_gmem.at[pl.ds(r * slots, slots)])
     plgpu.wait_smem_to_gmem(0)
+
+
+# --- the vector tables of the Mosaic convs reading the statistic -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """How the finishing CTA writes one reader's vector table `[images, rows, width]` float32
+    (`emit.pallas.tables.TableRequest`): per row either `("statistic", runs)` with, per image, the
+    runs `(chunk, first, end, flat index)` of channels gathering one entry of the finished statistic
+    (`[rows · slots]` flat), or `("copy", source, starts, channels)`: `channels` consecutive values of
+    operand `source` (flat) from `starts[image]`; zeros past a row's channels."""
+
+    shape: tuple
+    rows: tuple
+
+
+def table_plan(request, statistic, sources: list) -> TablePlan | None:
+    """The `TablePlan` of `request`'s table, whose statistic rows gather `statistic`; the other rows'
+    tensors appended to `sources` (each once). None where a row is not one of those forms or a copy
+    is not whole 16-byte TMA pieces."""
+    import numpy as np
+
+    from eqsat.types import parse_type
+
+    images, _rows, _width = request.shape
+    rows = []
+    for tensor, index in request.rows:
+        channels = index.shape[1]
+        index = np.broadcast_to(index, (images, channels))
+        if tensor is statistic:
+            per_image = []
+            for b in range(images):
+                runs, c = [], 0
+                while c < channels:
+                    end = c + 1
+                    while end < channels and index[b, end] == index[b, c] and end // CHUNK == c // CHUNK:
+                        end += 1
+                    runs.append((c // CHUNK, c % CHUNK, end - (c // CHUNK) * CHUNK, int(index[b, c])))
+                    c = end
+                per_image.append(tuple(runs))
+            rows.append(("statistic", tuple(per_image)))
+            continue
+        if tensor.op == "EpilogueReduce":
+            return None  # another statistic: finished elsewhere
+        itemsize = np.dtype(parse_type(tensor.ty).dtype).itemsize
+        starts = index[:, 0]
+        if not (index == starts[:, None] + np.arange(channels)).all():
+            return None
+        if (starts * itemsize % 16).any() or channels * itemsize % 16:
+            return None
+        position = next((i for i, t in enumerate(sources) if t is tensor), None)
+        if position is None:
+            sources.append(tensor)
+            position = len(sources) - 1
+        rows.append(("copy", position, tuple(int(s) for s in starts), channels))
+    return TablePlan(tuple(request.shape), tuple(rows))
+
+
+CHUNK = 64  # table channels a vector holds
+TMA_PIECE = 256  # elements of one 1-D TMA copy (a box side)
+
+
+def write_tables(plans, finished_smem, source_gmems, table_gmems, table_smem, stage_smems, barrier, load_vector,
+                 interpreted: bool) -> None:
+    """Write each `TablePlan`'s table from the finished statistic in `finished_smem` `[rows, slots]`
+    (committed) and the source operands (flat GMEM refs, brought whole to `stage_smems` by TMA):
+    per image the table's rows assembled in `table_smem` `[rows, width↑64]`, stored by 1-D TMA
+    copies. `load_vector(ref)` reads a `[CHUNK]` SMEM vector as float32 in a column layout."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    pieces = []
+    for plan in plans:
+        for row in plan.rows:
+            if row[0] == "copy":
+                _kind, source, starts, channels = row
+                for b, start in enumerate(starts):
+                    for p in range(0, channels, TMA_PIECE):
+                        pieces.append((source, b, start + p, p, min(TMA_PIECE, channels - p)))
+    staged, counts = {}, {}  # (source, row start) -> its row in the source's staging
+    for source, b, start, p, n in pieces:
+        if (source, start - p) not in staged:
+            staged[(source, start - p)] = counts.get(source, 0)
+            counts[source] = staged[(source, start - p)] + 1
+        slot = staged[(source, start - p)]
+        plgpu.copy_gmem_to_smem(source_gmems[source].at[pl.ds(start, n)], stage_smems[source].at[slot, pl.ds(p, n)],
+                                barrier)
+    if pieces:
+        plgpu.barrier_wait(barrier)
+    slots = finished_smem.shape[1]
+    lane = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    if not interpreted:
+        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F811
+
+        lane = plgpu.layout_cast(lane, plgpu.Layout.WGMMA.reduce(0))
+    for plan, table_gmem in zip(plans, table_gmems):
+        images, _rows, width = plan.shape
+        for b in range(images):
+            for r, row in enumerate(plan.rows):
+                for j in range(-(-width // CHUNK)):
+                    if row[0] == "statistic":
+                        vector = jnp.zeros((CHUNK,), jnp.float32) * lane.astype(jnp.float32)
+                        for chunk, first, end, flat in row[1][b]:
+                            if chunk == j:
+                                value = finished_smem[flat // slots, flat % slots]
+                                vector = jnp.where((lane >= first) & (lane < end), value, vector)
+                    else:
+                        _kind, source, starts, channels = row
+                        if j * CHUNK >= channels:
+                            vector = jnp.zeros((CHUNK,), jnp.float32) * lane.astype(jnp.float32)
+                        else:
+                            slot = staged[(source, starts[b])]
+                            vector = load_vector(stage_smems[source].at[slot, pl.ds(j * CHUNK, CHUNK)])
+                            vector = jnp.where(lane < channels - j * CHUNK, vector, 0.0)
+                    table_smem[r, pl.ds(j * CHUNK, CHUNK)] = vector
+            plgpu.commit_smem()
+            for r in range(len(plan.rows)):
+                for j in range(-(-width // CHUNK)):
+                    n = min(CHUNK, width - j * CHUNK)
+                    plgpu.copy_smem_to_gmem(table_smem.at[r, pl.ds(j * CHUNK, n)], table_gmem.at[b, r, pl.ds(j * CHUNK, n)])
+            plgpu.wait_smem_to_gmem(0)  # the staging is reused by the next image
+
+
+def copy_pieces(plans) -> int:
+    """The 1-D TMA copies `write_tables` issues to stage the plans' source rows."""
+    return sum(-(-row[3] // TMA_PIECE) * len(row[2]) for plan in plans for row in plan.rows if row[0] == "copy")
+
+
+def stage_shapes(plans, dtypes) -> list[tuple[int, int]]:
+    """Per source operand, its staging `[rows staged, channels↑64]` in SMEM (`write_tables`)."""
+    shapes = []
+    for source in range(len(dtypes)):
+        starts, width = set(), CHUNK
+        for plan in plans:
+            for row in plan.rows:
+                if row[0] == "copy" and row[1] == source:
+                    starts.update(row[2])
+                    width = max(width, -(-row[3] // CHUNK) * CHUNK)
+        shapes.append((max(1, len(starts)), width))
+    return shapes

@@ -333,6 +333,9 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
 
         if tables.ready(kernel.term, ctx):  # it writes Mosaic convs' vector tables too: emitted here, not shared
             return emit_kernel(kernel, ctx)
+    if mosaic and any(any(t is r for t in request.tensors) for request in ctx.table_requests
+                      for r in kernel.hosted if r in ctx.finishing):
+        return emit_unshared(kernel, ctx, mosaic)  # it writes Mosaic convs' vector tables (`emit.mosaic.finish`)
     reads: list = []
     if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
         structure = finalize_structure(kernel.term)

@@ -50,17 +50,17 @@ def producer_finished(kernels, host_count: dict, on_mosaic, device, finished: fr
     `kernels` `(kernel term, statistics it hosts)` in plan order, `host_count` statistic -> its
     hosts, `on_mosaic(term)` whether a kernel runs on Mosaic, `finished` the statistics the plan
     finishes once (a finalize kernel each). Only those a kernel of their own would finish otherwise
-    (the plan's finalize, or the driver's before a Mosaic reader, which reads statistics finished),
-    and none a Mosaic conv reads (it would read it through a vector table, `emit.pallas.tables`)."""
+    (the plan's finalize, or the driver's before a Mosaic reader, which reads statistics finished).
+    The finishing CTA also writes the vector tables of the Mosaic convs reading them
+    (`emit.mosaic.finish.write_tables`; where it cannot, the emitter leaves them partials)."""
     kernels = list(kernels)
     mosaic_read = {s: term.op for term, _hosted in kernels if on_mosaic(term) for s in statistics_read(term)}
-    table_read = {s for term, _hosted in kernels if term.op == "Conv" and on_mosaic(term) for s in statistics_read(term)}
     found = set()
     for term, hosted in kernels:
         if not on_mosaic(term):
             continue
         for statistic in hosted:
-            if host_count.get(statistic) != 1 or statistic in table_read:
+            if host_count.get(statistic) != 1:
                 continue
             if statistic not in finished and statistic not in mosaic_read:
                 continue  # its readers merge its partials: no launch to save

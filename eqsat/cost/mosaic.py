@@ -1099,13 +1099,12 @@ def node_mosaic_work(op: str, args, ranges=None) -> MosaicWork:
 # --- hosted statistics finished in their producer -----------------------------------------------
 #
 # A statistic whose only host is a haloed Mosaic conv may be finished by the conv's own last CTA
-# (`emit.mosaic.finish`): no finalize kernel after it (one launch saved), a serial tail instead. That
-# CTA, after every other, brings `ceil(tiles / FINISH_BLOCK_TILES)` blocks of `[fields,
-# FINISH_BLOCK_TILES, slots]` fp32 partials (whole blocks, the ragged last one too) to SMEM one after
-# the other, just written so read from L2 at one SM's share of its bandwidth, and stores the finished
-# `[rows, slots]`. The ticket is one atomic per CTA (not charged). A Mosaic conv that reads the
-# statistic reads it through a vector table the finishing kernel would have written (`emit.pallas.
-# tables`); built by an XLA fusion instead it costs the launch saved, so those are not finished here.
+# (`emit.mosaic.finish`, `eqsat.cost.finish`): no finalize kernel after it (one launch saved), a
+# serial tail instead. That CTA, after every other, brings `ceil(tiles / FINISH_BLOCK_TILES)` blocks
+# of `[fields, FINISH_BLOCK_TILES, slots]` fp32 partials (whole blocks, the ragged last one too) to
+# SMEM one after the other, just written so read from L2 at one SM's share of its bandwidth, and
+# stores the finished `[rows, slots]` (and the vector tables of the Mosaic convs reading it, a few KB,
+# not charged). The ticket is one atomic per CTA (not charged).
 
 FINISH_BLOCK_TILES = 64  # `emit.mosaic.finish.BLOCK_TILES`: a WGMMA-layout block of tiles
 
