@@ -303,3 +303,34 @@ def test_a_conv_finishing_a_groupnorm_writes_the_next_convs_vector_table():
     np.testing.assert_allclose(pairs[0][0], pairs[0][1], rtol=2e-7, atol=0)  # the finished statistic, per channel
     for want in (emit.emit(plan, "xla")(*args), jax.jit(_conv_groupnorm_conv)(*args)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=0.1)
+
+
+def test_the_compiled_chain_launches_no_finalize_and_no_table_fusion(tmp_path):
+    """conv -> GroupNorm + SiLU -> conv compiled for an H100 without a GPU: with the statistic
+    finished by the first conv's last CTA, one Triton kernel fewer (the finalize that also wrote the
+    table) and one 4-byte counter copy; the Mosaic kernels alone do the work."""
+    import emit
+    import eqsat
+    from measure import xla_target
+
+    S = jax.ShapeDtypeStruct
+    concrete = _chain_args()
+    args = tuple(S(a.shape, a.dtype) for a in concrete)
+    plan = eqsat.optimize(_conv_groupnorm_conv, extractor="greedy", progress=False).lower(*concrete).plan
+    finishing = xla_target.compile_for_h100(emit.emit(plan, "mosaic", interpret=False), *args)
+    if finishing is None:
+        pytest.skip(xla_target.unavailable_reason() or "the H100 compile target is unavailable")
+    emitted = emit.emit(plan, "mosaic", interpret=False)
+
+    def without_producer_finishing(*args):  # as before producer finishing (traced in the compile subprocess)
+        import eqsat.cost.finish
+
+        eqsat.cost.finish.producer_finished = lambda *a, **k: frozenset()
+        return emitted(*args)
+
+    before = xla_target.compile_for_h100(without_producer_finishing, *args)
+    pallas = lambda report: {k: v for k, v in report.by_category.items() if k.startswith("Pallas")}  # noqa: E731
+    assert pallas(finishing) == {"Pallas (Mosaic GPU)": 2}, finishing.by_category
+    assert pallas(before) == {"Pallas (Mosaic GPU)": 2, "Pallas (Triton)": 1}, before.by_category
+    assert finishing.copies == before.copies + 1  # the ticket counter, zeroed once
+    assert finishing.kernels == before.kernels - 1, (finishing.launches, before.launches)
