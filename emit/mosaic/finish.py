@@ -36,13 +36,14 @@ registers and spills nothing; beside a 128-row one (255 registers without it) it
 Its cost is a serial tail after the grid (`eqsat.cost.mosaic.finish_tail_seconds`), weighed against
 the finalize launch it saves.
 
-Not done: a statistic a Mosaic conv reads is read through a vector table (`emit.pallas.tables`) that
-the finishing Triton kernel writes; finished here, that table would be an XLA fusion (the launch
-saved, spent again), so such statistics are not finished here. The finishing CTA could write the
-table too (the group -> channel expansion as selects of SMEM scalars over static channel runs, the
-other rows by 1-D TMA from their tensors): in the full UNet 19 statistics qualify but for that, 13
-finished today by a driver finalize (of 74) and 6 by a plan finalize (the others: several hosts,
-bodies reading other tensors, tails longer than the finalize).
+The vector tables (`emit.pallas.tables`) of the Mosaic convs reading the statistic are written by
+the same CTA after the merge (`table_plan` on the host, `write_tables` in the kernel): per image and
+64-channel chunk of a row, the statistic's entries as selects of SMEM scalars over the static runs
+of channels that gather one entry (the group -> channel expansion without a per-lane gather), the
+other rows (gamma, beta, a time-embedding row) brought by 1-D TMA from their tensors, zeros past a
+row's channels; one 1-D TMA store per row chunk. In the full UNet 19 statistics finish so (13
+driver finalizes and 6 plan finalizes gone); the others have several hosts, bodies reading other
+tensors than the conv's output, or tails longer than the finalize (`eqsat.cost.finish`).
 
 GPU interpret mode (jax 0.10.2) runs the grid's CTAs one after another in grid order
 (`interpret_pallas_call`: a `fori_loop` over grid points), takes no aliased ref operand
@@ -327,16 +328,15 @@ def write_tables(plans, finished_smem, source_gmems, table_gmems, table_smem, st
     slots = finished_smem.shape[1]
     lane = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
     if not interpreted:
-        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F811
-
         lane = plgpu.layout_cast(lane, plgpu.Layout.WGMMA.reduce(0))
+    zeros = jnp.zeros((CHUNK,), jnp.float32) * lane.astype(jnp.float32)  # in the lanes' layout, not a splat
     for plan, table_gmem in zip(plans, table_gmems):
         images, _rows, width = plan.shape
         for b in range(images):
             for r, row in enumerate(plan.rows):
                 for j in range(-(-width // CHUNK)):
                     if row[0] == "statistic":
-                        vector = jnp.zeros((CHUNK,), jnp.float32) * lane.astype(jnp.float32)
+                        vector = zeros
                         for chunk, first, end, flat in row[1][b]:
                             if chunk == j:
                                 value = finished_smem[flat // slots, flat % slots]
@@ -344,7 +344,7 @@ def write_tables(plans, finished_smem, source_gmems, table_gmems, table_smem, st
                     else:
                         _kind, source, starts, channels = row
                         if j * CHUNK >= channels:
-                            vector = jnp.zeros((CHUNK,), jnp.float32) * lane.astype(jnp.float32)
+                            vector = zeros
                         else:
                             slot = staged[(source, starts[b])]
                             vector = load_vector(stage_smems[source].at[slot, pl.ds(j * CHUNK, CHUNK)])

@@ -473,9 +473,10 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     it right after its last host as its own reduce kernel. With Mosaic convs, the vector tables
     their haloed prologues gather from a statistic are asked of the Triton kernel finishing it
     (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`); a statistic whose only
-    host is a haloed Mosaic conv that no Mosaic conv reads is finished by that conv's last CTA
-    (`ctx.finishing`, `eqsat.cost.finish.producer_finished`; one ticket counter, `ctx.counter`,
-    passes from each such conv to the next: `emit.mosaic.finish`) and kept as a value."""
+    host is a haloed Mosaic conv, which a finalize would finish otherwise, is finished by that
+    conv's last CTA, with the tables waiting on it (`ctx.finishing`,
+    `eqsat.cost.finish.producer_finished`; one ticket counter, `ctx.counter`, passes from each such
+    conv to the next: `emit.mosaic.finish`) and kept as a value."""
     from emit import xla
     from emit.pallas.partials import Partials
 
