@@ -41,8 +41,9 @@ def _plan(fn, args, backend="mosaic"):
 @pytest.fixture
 def launches(monkeypatch):
     """The Mosaic kernels an emitted plan launches: body, grid and operand shapes (nothing runs)."""
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from emit.mosaic import finish
 
     recorded = []
 
@@ -54,8 +55,9 @@ def launches(monkeypatch):
         return launch
 
     monkeypatch.setattr(plgpu, "kernel", kernel)
-    # a conv finishing its statistics passes its ticket counter as a ref: `pl.kernel` over a mesh
-    monkeypatch.setattr(pl, "kernel", lambda body, out_type, mesh, **options: kernel(body, out_type, mesh.grid))
+    # a conv finishing its statistics passes its ticket counter on: `emit.mosaic.finish.counter_kernel`
+    monkeypatch.setattr(finish, "counter_kernel", lambda body, out_type, grid, *_a, **_k: (
+        lambda *operands: (kernel(body, out_type, grid)(*operands[:-1]), operands[-1])))
     return recorded
 
 

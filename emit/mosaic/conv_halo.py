@@ -85,8 +85,8 @@ depth-to-space fusion. Stride 2 and strips cut their flat rows the same way (out
 strip's columns).
 Hosted GroupNorm statistics: each CTA writes its partial row (`emit.mosaic.partials`); where the
 driver asks (`emit`'s `finished`), the CTA that completes last then merges every row and writes the
-finished statistic (`finish_statistics`, `emit.mosaic.finish`: a ticket counter passed in as a ref,
-so the kernel is `pl.kernel` over a `plgpu.Mesh` there).
+finished statistic (`finish_statistics`, `emit.mosaic.finish`: a ticket counter aliased in and out,
+so the kernel is `finish.counter_kernel` there).
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
 not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
@@ -840,15 +840,9 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             segment=segment_geometry(grid, view) if view is not None else (),
             finish_grid=grid_shape if finishing else (), table_plans=tuple(tables) if finishing else (),
             n_sources=len(table_sources) if finishing else 0)
-        if finishing and not interpret_here:  # the counter is a ref operand: `pl.kernel` (`emit.mosaic.finish`)
-            from jax.experimental import pallas as pl
-
-            kernel = pl.kernel(body, out_type=out_type,
-                               mesh=plgpu.Mesh(grid=grid_shape, grid_names=("n", "m", "b"),
-                                               kernel_name=mm._kernel_name(name)),
-                               compiler_params=plgpu.CompilerParams(
-                                   lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-            return lambda *xs: finish.counter_call(kernel, xs[:-1], xs[-1])
+        if finishing and not interpret_here:  # the counter, aliased in and out (`emit.mosaic.finish`)
+            return finish.counter_kernel(body, out_type, grid_shape, ("n", "m", "b"), plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup), mm._kernel_name(name))
         return plgpu.kernel(
             body,
             out_type=out_type,

@@ -23,11 +23,11 @@ The counter: Pallas's own GMEM semaphores (`pl.get_global(plgpu.SemaphoreType.RE
 semaphore in `scratch_shapes`) are zeroed by XLA before every call, one `kCopy` launch per kernel
 (measured: a 4-byte copy beside the kernel, deviceless for sm_90a), which would trade each finishing
 launch for a copy. Here the counter is an ordinary `int32[1]` operand passed to the kernel as a
-mutable ref (`jax.new_ref`, so it is aliased in and out, `counter_call`): every finishing kernel
-leaves it at 0, so one zeroed counter (`new_counter`, one copy) serves a chain of kernels that pass
-it on. `plgpu.kernel` wraps its body in `custom_vmap`, which has no state discharge rule
-("No state discharge rule implemented for primitive: custom_vmap_call"): the finishing kernels are
-`pl.kernel` over a `plgpu.Mesh`.
+operand aliased to an extra output (`counter_kernel`): every finishing kernel leaves it at 0, so
+one zeroed counter (`new_counter`, one copy) serves a chain of kernels that pass it on.
+`plgpu.kernel` takes no aliases, and wraps its body in `custom_vmap`, which has no state discharge
+rule for a mutable ref operand ("No state discharge rule implemented for primitive:
+custom_vmap_call").
 
 The merge: blocks of `BLOCK_TILES` (64, one WGMMA-layout tile) rows of partials, reduced over the
 rows `MERGE_COLUMNS` (32) slots at a time (`block_merge`), so the slots must be whole 64-vectors
@@ -86,12 +86,28 @@ def new_counter() -> jax.Array:
     return jnp.zeros((1,), jnp.int32)
 
 
-def counter_call(kernel, operands, counter):
-    """`kernel(*operands, counter_ref)` with `counter` passed as a mutable ref (aliased in and out):
-    `(kernel's outputs, the counter after it)`."""
-    ref = jax.new_ref(counter)
-    out = kernel(*operands, ref)
-    return out, jax.freeze(ref)
+def counter_kernel(body, out_type, grid: tuple, grid_names: tuple, compiler_params, name: str):
+    """`body` as a Mosaic GPU kernel over `grid` whose last operand is the ticket counter, aliased to
+    an extra output (each finishing kernel passes it on): a callable `(*operands, counter) ->
+    (outputs, counter)`. `plgpu.kernel` takes no aliases, and a counter passed as a mutable ref
+    (`jax.new_ref`: `pl.kernel` discharges it into an alias) names the kernel `new_body` (the
+    discharged body's), which the PTX reports cannot match to the plan's kernel: so jax's own
+    `mpmd_map` with the alias (`jax._src.pallas.mpmd._mpmd_map`, what `pl.kernel` calls)."""
+    from jax._src.pallas import mpmd
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    outs = tuple(out_type) if isinstance(out_type, (tuple, list)) else (out_type,)
+
+    def call(*operands):
+        counter_index = len(operands) - 1
+        kernel = mpmd._mpmd_map([(plgpu.Mesh(grid=grid, grid_names=grid_names), lambda *refs: body(*refs[:-1]))],
+                                (*outs, jax.ShapeDtypeStruct((1,), jnp.int32)),
+                                input_output_aliases={counter_index: len(outs)}, compiler_params=compiler_params,
+                                name=name)
+        *results, counter = kernel(*operands)
+        return (tuple(results) if isinstance(out_type, (tuple, list)) else results[0]), counter
+
+    return call
 
 
 def _asm(text: str) -> None:
