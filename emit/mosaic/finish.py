@@ -6,8 +6,8 @@ as `emit.mosaic.partials.write_group_partials` does), waits until that TMA store
 takes a ticket: one `atom.acq_rel.gpu.global.add.u32` on an int32 counter in GMEM (`take_ticket`).
 The CTA that draws ticket `tiles - 1` knows every other partial is in GMEM: it resets the counter to
 0 (`reset_counter`), reads all `tiles` rows back by TMA in blocks of `BLOCK_TILES` (`finish`),
-reduces each block over its tiles at once and merges the blocks in order, and writes the finished statistic (`[rows, slots]`: mean and M2 for
-`moments`, the sum for `sum`). No CTA ever waits for another (no spinning on a CTA that may not be
+reduces each block over its tiles at once and merges the blocks in order, and writes the finished
+statistic (`[rows, slots]`: mean and M2 for `moments`, the sum for `sum`). No CTA ever waits for another (no spinning on a CTA that may not be
 resident yet), and the finishing CTA is whichever completes last, so nothing idles.
 
 Ordering: the writer's TMA store is waited (`cp.async.bulk.wait_group 0`), then
@@ -22,8 +22,8 @@ SMEM buffer the warpgroup reads after the barrier.
 The counter: Pallas's own GMEM semaphores (`pl.get_global(plgpu.SemaphoreType.REGULAR)`, or a
 semaphore in `scratch_shapes`) are zeroed by XLA before every call, one `kCopy` launch per kernel
 (measured: a 4-byte copy beside the kernel, deviceless for sm_90a), which would trade each finishing
-launch for a copy. Here the counter is an ordinary `int32[1]` operand passed to the kernel as a
-operand aliased to an extra output (`counter_kernel`): every finishing kernel leaves it at 0, so
+launch for a copy. Here the counter is an ordinary `int32[1]` operand aliased to an extra output
+(`counter_kernel`): every finishing kernel leaves it at 0, so
 one zeroed counter (`new_counter`, one copy) serves a chain of kernels that pass it on.
 `plgpu.kernel` takes no aliases, and wraps its body in `custom_vmap`, which has no state discharge
 rule for a mutable ref operand ("No state discharge rule implemented for primitive:
@@ -46,7 +46,7 @@ driver finalizes and 6 plan finalizes gone); the others have several hosts, bodi
 tensors than the conv's output, or tails longer than the finalize (`eqsat.cost.finish`).
 
 GPU interpret mode (jax 0.10.2) runs the grid's CTAs one after another in grid order
-(`interpret_pallas_call`: a `fori_loop` over grid points), takes no aliased ref operand
+(`interpret_pallas_call`: a `fori_loop` over grid points), takes no mutable ref operand
 ("KeyError: None" for its memory space), has no GMEM atomics and cannot discharge `get_global`;
 there the finishing CTA is the grid's last (`is_last_cta`), which runs after every other, and the
 counter is not passed to the kernel. The ticket itself is checked compiled (deviceless, sm_90a),
