@@ -519,12 +519,14 @@ def measure_component(workload, *, dump: Path, ptxas: Path, workers: int = 2, xl
         if rows[i] is None and kernel.route == "library":
             rows[i] = kernel_row(kernel, None, None, None, kernel.name, "library")
     reduced, reduce_seconds = driver_reductions(lowered)
+    in_producer = producer_finished(lowered)
     # a statistic hosted on a Mosaic or library kernel is reduced by its own kernel after its last
-    # host (an extra launch): the plan's finalize of it launches nothing
+    # host (an extra launch), or finished by its haloed conv's last CTA (`eqsat.cost.finish`): the
+    # plan's finalize of it launches nothing
     replaced = [planned[i].name for i, row in enumerate(rows)
-                if row is None and planned[i].kind == "finalize" and planned[i].term in reduced]
+                if row is None and planned[i].kind == "finalize" and planned[i].term in reduced | in_producer]
     missing = [planned[i].name for i, row in enumerate(rows)
-               if row is None and not (planned[i].kind == "finalize" and planned[i].term in reduced)]
+               if row is None and not (planned[i].kind == "finalize" and planned[i].term in reduced | in_producer)]
     kernels = [row for row in rows if row is not None] + extra
     other = price_launches(_only(report, others), hlo_text, device) if others else None
 
@@ -589,6 +591,24 @@ def driver_reductions(lowered, device=None) -> tuple[frozenset, float]:
     return reduced, sum(hosted_extra(r, "mosaic", device).seconds for r in reduced)
 
 
+def producer_finished(lowered, device=None) -> frozenset:
+    """The hosted statistics of the per-call plan their haloed Mosaic conv finishes in its last CTA
+    (`eqsat.cost.roofline.producer_finished_of`)."""
+    from eqsat.cost import get_device, hosted_reductions
+    from eqsat.cost import kernels as kernel_order
+    from eqsat.cost.roofline import driver_reduced, finished_statistics, producer_finished_of
+
+    split = getattr(lowered, "split", None)
+    plan = split.per_call if split is not None else lowered.plan
+    device = get_device(device or plan.device)
+    outputs = list(plan.outputs)
+    hosting = hosted_reductions(outputs)
+    order = kernel_order(outputs, hosting)
+    finished = finished_statistics(order, hosting, device, outputs)
+    routes, _reduced = driver_reduced(order, hosting, device, finished)
+    return producer_finished_of(order, hosting, routes, device, finished)
+
+
 def modeled_glue_launches(planned: list[PlannedKernel]) -> int:
     """The XLA fusions the model says the Mosaic-routed kernels launch around them
     (`eqsat.cost.mosaic.MosaicWork.glue`), to read beside the counted non-Pallas launches."""
@@ -647,7 +667,8 @@ def pallas_names(lowered) -> dict[str, str]:
 def mosaic_entry(entries: dict, name: str, thunk_kernel: str):
     """(PTX path, counts, ptxas resources) of the Mosaic kernel named `name` (its `pallas_call`'s name,
     `pallas_names`; `read_dump`'s entries): the entry the launch names, else the one spelled as the
-    kernel (`kernel_symbol`: Mosaic names the entry after the name it is given), else (None, None, None)."""
+    kernel (`kernel_symbol`: Mosaic names the entry after the name it is given; `read_dump` maps a
+    kernel that ran an equal kernel's module to that entry), else (None, None, None)."""
     if thunk_kernel in entries:
         return entries[thunk_kernel]
     symbol = kernel_symbol(name)

@@ -48,6 +48,7 @@ import warnings
 from pathlib import Path
 
 from benchmarks import ptx
+from emit.mosaic import kernel_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,13 +209,19 @@ def dumping(directory: Path):
 def read_dump(directory: Path) -> dict[str, tuple[Path, "ptx.PtxKernel", "ptx.PtxasResources | None"]]:
     """Every Mosaic kernel `.entry` dumped in `directory` -> (its PTX file, its static counts, the
     registers and spills of the ptxas `-v` report of its own compile: Mosaic's PTX ISA is newer than
-    the pip ptxas reads)."""
+    the pip ptxas reads); a kernel that ran an equal kernel's module (`emit.mosaic.kernel_cache`)
+    -> that module's entry."""
     out = {}
     for path in sorted(Path(directory).glob("*.ptx")):
         verbose = path.with_suffix(".ptxas")
         resources = ptx.parse_ptxas_verbose(verbose.read_text()) if verbose.exists() else {}
         for name, counts in ptx.read_ptx(path.read_text(errors="replace")).items():
             out[name] = (path, counts, resources.get(name))
+    served = Path(directory) / kernel_cache.SERVED_FILE  # kernels that ran an equal kernel's module
+    for line in (served.read_text().splitlines() if served.exists() else []):
+        name, module = line.split("\t")
+        for entry in [e for e in out if e.startswith(module) and e[len(module):] in ("", "_mosaic_gpu_kernel")]:
+            out.setdefault(name + entry[len(module):], out[entry])
     return out
 
 

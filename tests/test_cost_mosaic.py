@@ -43,6 +43,8 @@ def launches(monkeypatch):
     """The Mosaic kernels an emitted plan launches: body, grid and operand shapes (nothing runs)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    from emit.mosaic import finish
+
     recorded = []
 
     def kernel(body, out_type, grid, **options):
@@ -53,6 +55,9 @@ def launches(monkeypatch):
         return launch
 
     monkeypatch.setattr(plgpu, "kernel", kernel)
+    # a conv finishing its statistics passes its ticket counter on: `emit.mosaic.finish.counter_kernel`
+    monkeypatch.setattr(finish, "counter_kernel", lambda body, out_type, grid, *_a, **_k: (
+        lambda *operands: (kernel(body, out_type, grid)(*operands[:-1]), operands[-1])))
     return recorded
 
 
@@ -434,13 +439,15 @@ def _conv_groupnorm_conv(x, w, b, gamma, beta, w2, b2):
 @pytest.mark.parametrize("fn,cin,extra,finalized", [
     (_conv_groupnorm, 192, (), False),                         # haloed host, Triton pointwise reader: merged there
     (_conv_groupnorm, 4, (), False),                           # flat-grid host (4 channels in)
-    (_conv_groupnorm_conv, 192, (S((128, 320, 3, 3), F16), S((128,), F16)), True),  # a Mosaic conv reads it: one finalize
+    # a Mosaic conv reads it: finished by its host's last CTA (`eqsat.cost.finish`), no finalize
+    (_conv_groupnorm_conv, 192, (S((128, 320, 3, 3), F16), S((128,), F16)), False),
 ])
 def test_a_groupnorm_a_mosaic_conv_writes_needs_no_reduce_kernel(fn, cin, extra, finalized, launches):
     """A GroupNorm statistic (2 images x 32 groups of 10) hosted on a Mosaic conv: the conv writes
     its partials (`writes_partials`; the model charges no reduce kernel for it), and the emitted
-    launches are the planned kernels plus one finalize where a Mosaic conv reads the statistic
-    finished (`driver_reduced` counts it), none where a Triton kernel merges it."""
+    launches are the planned kernels: a Triton kernel merges it where it reads it, and where a Mosaic
+    conv reads it finished, the host's last CTA finishes it (`eqsat.cost.finish`; a finalize kernel
+    before, `driver_reduced`'s count)."""
     from eqsat.cost import hosted_reductions
     from eqsat.cost import kernels as kernel_order
     from eqsat.cost.backends import hosted_extra, writes_partials
@@ -461,6 +468,11 @@ def test_a_groupnorm_a_mosaic_conv_writes_needs_no_reduce_kernel(fn, cin, extra,
     routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
     assert routes[id(host.term)] == "mosaic"
     assert (statistic in reduced) is finalized
+    from eqsat.cost.roofline import producer_finished_of
+
+    in_producer = producer_finished_of(order, hosting, routes, device, finished_statistics(order, hosting, device,
+                                                                                          outputs))
+    assert (statistic in in_producer) is (fn is _conv_groupnorm_conv and cin == 192)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TritonFallbackWarning)
         closed = jax.make_jaxpr(emit.emit(plan, "mosaic", interpret=False)._run_leaves)(list(args))

@@ -250,6 +250,7 @@ def emit(kernel, ctx) -> dict:
     Mosaic GPU kernel, plus the partials (`emit.pallas.partials.Partials`) of each hosted statistic
     it writes (`emit.mosaic.partials.GroupStatistic`; the others the driver reduces after it); forms
     not covered raise `NotImplementedError` (`emit.mosaic` then uses the Triton template)."""
+    from emit.mosaic.finish import Finished
     from emit.pallas.partials import Partials
     from eqsat.interpret import _Evaluator
 
@@ -284,8 +285,10 @@ def emit(kernel, ctx) -> dict:
         computed.append(reduction)
     try:
         out, partials = conv_halo.emit(kernel, ctx, geometry, parts, sub_tile_epilogue(epilogue, params.out_spec),
-                                       statistics)
-        return {**out, **{r: Partials(p) for r, p in zip(computed, partials)}}
+                                       statistics, finished=bool(computed) and set(computed) <= ctx.finishing,
+                                       reductions=computed)
+        return {**out, **{r: jnp.reshape(p.value, parse_type(r.ty).shape) if isinstance(p, Finished) else Partials(p)
+                          for r, p in zip(computed, partials)}}
     except conv_halo.HaloUncovered:
         pass  # the flat-grid template below: its input laid out by an XLA fusion
     m_padded = -(-grid.rows // blocks.tile_m) * blocks.tile_m

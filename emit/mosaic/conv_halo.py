@@ -93,6 +93,10 @@ stored (the statistics mask them by the row-image table). The phase form's CTAs 
 `(py, px)` at output pixels `(2i + py, 2j + px)` of a `[B·h, 2, w, 2·C]` view (`PixelView`): no
 depth-to-space fusion. Stride 2 and strips cut their flat rows the same way (output pitch, a
 strip's columns).
+Hosted GroupNorm statistics: each CTA writes its partial row (`emit.mosaic.partials`); where the
+driver asks (`emit`'s `finished`), the CTA that completes last then merges every row and writes the
+finished statistic (`finish_statistics`, `emit.mosaic.finish`: a ticket counter aliased in and out,
+so the kernel is `finish.counter_kernel` there).
 Tiles: `eqsat.tiling.mosaic.halo_blocks` (64 or 128 rows and columns, smaller where the CTAs would
 not fill the SMs) with the fewest strips that fit (`halo_tiling`).
 
@@ -117,9 +121,9 @@ import numpy as np
 from jax import lax
 
 from emit import expr as ex
-from emit.mosaic import kernel_cache
+from emit.mosaic import finish, kernel_cache
 from emit.mosaic import matmul as mm
-from emit.mosaic.partials import group_partials, merge_partials, write_group_partials
+from emit.mosaic.partials import _as_column_vector, group_partials, merge_partials, write_group_partials
 from emit.pallas.conv import ConvGeometry, _place
 from eqsat.tiling.mosaic import (CHUNK, NHWC, PHASE_OFFSET, PROLOGUE_OPS, HaloGrid, MosaicBlocks, PixelView,
                                  halo_conv_uncovered, halo_parts, halo_tiling, halo_uncovered, phase_blocks,
@@ -399,7 +403,7 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
             operand_shared: tuple[bool, ...], prologues, epilogue, interpreted: bool, m_padded: int,
             weight_window: tuple[int, int], weight_channels: int, phase_cols: int | None = None,
             statistics: tuple = (), n_tiles: int = 1, view: PixelView | None = None, pieces: tuple = (),
-            segment: tuple = ()):
+            segment: tuple = (), finish_grid: tuple = (), table_plans: tuple = (), n_sources: int = 0):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -408,7 +412,14 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
     refs = refs[len(parts) + 2:]
     vector_gmems = refs[:n_vectors]
     operand_gmems = refs[n_vectors:n_vectors + len(kinds)]
-    out_gmem, *partial_gmems = refs[n_vectors + len(kinds):]
+    refs = refs[n_vectors + len(kinds):]
+    source_gmems, refs = refs[:n_sources], refs[n_sources:]  # the tables' other tensors, flat (`emit.mosaic.finish`)
+    counter = None
+    if finish_grid and not interpreted:  # the ticket counter (`emit.mosaic.finish`), an aliased input
+        counter, refs = refs[0], refs[1:]
+    out_gmem, *refs = refs
+    partial_gmems, refs = refs[:len(statistics)], refs[len(statistics):]
+    finished_gmems, table_gmems = refs[:len(refs) - len(table_plans)], refs[len(refs) - len(table_plans):]
     g = grid.geometry
     (height, _), wp = g.in_size, grid.pitch
     (py0, _), (px0, _) = g.params.padding
@@ -712,6 +723,68 @@ def _kernel(*refs, grid: HaloGrid, blocks: MosaicBlocks, parts: tuple[PartPlan, 
                                         pixel_barriers),
                       plgpu.ACC((tile_m, tile_n), jnp.float32))
 
+    if finish_grid:  # after the SMEM above is released: the CTA that completes last finishes the statistics
+        finish_statistics(statistics, partial_gmems, finished_gmems, counter, finish_grid, interpreted,
+                          table_plans, source_gmems, table_gmems)
+
+
+def finish_statistics(statistics, partial_gmems, finished_gmems, counter, grid_shape, interpreted: bool,
+                      table_plans=(), source_gmems=(), table_gmems=()) -> None:
+    """Each statistic's partials finished by the CTA that takes the last ticket (`emit.mosaic.finish`;
+    in GPU interpret mode the grid's last CTA): `finished_gmems[s]` `[rows · slots]`; then the vector
+    tables `table_plans` (`(statistic index, finish.TablePlan)`) of the convs reading them, from the
+    finished values and `source_gmems` (`finish.write_tables`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tiles = math.prod(grid_shape)
+    wgmma = plgpu.Layout.WGMMA
+
+    def layout(value):
+        return value if interpreted else plgpu.layout_cast(value, wgmma)
+
+    def load(ref):
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=wgmma)
+
+    def load_vector(ref):
+        if interpreted:
+            return ref[...].astype(jnp.float32)
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+
+    plans = [plan for _s, plan in table_plans]
+    stage_shapes = finish.stage_shapes(plans, [ref.dtype for ref in source_gmems])
+    width = max([-(-plan.shape[2] // finish.CHUNK) * finish.CHUNK for plan in plans] or [finish.CHUNK])
+    table_rows = max([plan.shape[1] for plan in plans] or [1])
+
+    def _finish(block_smems, out_smems, ticket_smem, barriers, table_smem, stage_smems, stage_barrier):
+        plgpu.wait_smem_to_gmem(0)  # this CTA's partial rows are in GMEM
+        if interpreted:
+            last = finish.is_last_cta(zip(("n", "m", "b"), grid_shape))
+        else:
+            last = finish.take_ticket(counter, ticket_smem) == tiles - 1
+
+        @pl.when(last)
+        def _last():
+            if counter is not None:
+                finish.reset_counter(counter)
+            for s, statistic in enumerate(statistics):
+                zeros = lambda n: _as_column_vector(jnp.zeros((n,), jnp.float32), interpreted)  # noqa: E731
+                finish.finish(statistic.op, statistic.slots, tiles, partial_gmems[s], finished_gmems[s],
+                              block_smems[s], out_smems[s], barriers[s], load, zeros, layout)
+                mine = [(plan, gmem) for (t, plan), gmem in zip(table_plans, table_gmems) if t == s]
+                if mine:
+                    finish.write_tables([p for p, _g in mine], out_smems[s], source_gmems, [g for _p, g in mine],
+                                        table_smem, stage_smems, stage_barrier, load_vector, interpreted)
+
+    pl.run_scoped(_finish,
+                  block_smems=[plgpu.SMEM((s.fields, finish.BLOCK_TILES, s.slots), jnp.float32) for s in statistics],
+                  out_smems=[plgpu.SMEM((2 if s.op == "moments" else 1, s.slots), jnp.float32) for s in statistics],
+                  ticket_smem=plgpu.SMEM((1,), jnp.int32),
+                  barriers=[plgpu.Barrier(num_arrivals=s.fields) for s in statistics],
+                  table_smem=plgpu.SMEM((table_rows, width), jnp.float32),
+                  stage_smems=[plgpu.SMEM(shape, ref.dtype) for shape, ref in zip(stage_shapes, source_gmems)],
+                  stage_barrier=plgpu.Barrier(num_arrivals=max(1, finish.copy_pieces(plans))))
+
 
 def layout_weights(w: jax.Array, spec: Sequence[int], r, n_padded: int) -> jax.Array:
     """One K range's weights `w` (axes in `spec` order: out, in, spatial; the window counted from its
@@ -738,7 +811,8 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
           vectors: Sequence[jax.Array] = (), epilogue: mm.EpilogueFn = lambda acc, _: acc,
           operands: Sequence[mm.EpilogueOperand] = (), out_dtype=None, interpret: Any = None,
           name: str = "conv", weight_window: tuple[int, int] | None = None,
-          phase_cols: int | None = None, statistics: Sequence = (), view: PixelView | None = None):
+          phase_cols: int | None = None, statistics: Sequence = (), view: PixelView | None = None,
+          counter: jax.Array | None = None, tables: Sequence = (), table_sources: Sequence[jax.Array] = ()):
     """The conv on `grid` as `[batch, m_padded, N↑]` flat rows (`unflatten` makes it the conv's
     output), or with a `view` (`eqsat.tiling.mosaic.pixel_view`) the output itself in that view
     (`unview` reshapes it), each CTA storing its pixels' row segments (`row_pieces`) and reading
@@ -750,7 +824,12 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
     nearest-2x upsample (`phase_weights`): N is 4 blocks of `phase_cols` outputs, one per output
     phase, `w` is `phase_weights` `[4 · 2 · 2 · C, phase_cols]`, and a CTA runs its phase's taps.
     `statistics` (`emit.mosaic.partials.GroupStatistic`): `(out, partials)`, each statistic's
-    `[tiles, fields, slots]`, one tile per CTA, over the rows that are output pixels."""
+    `[tiles, fields, slots]`, one tile per CTA, over the rows that are output pixels. With a ticket
+    `counter` (`emit.mosaic.finish.new_counter`, or the one a finishing kernel before returned) the
+    CTA that completes last also finishes them: `(out, partials, finished, counter)`, each finished
+    statistic `[rows · slots]` (mean then M2, or the sum), the counter to pass on; and `tables`
+    (`(statistic index, emit.mosaic.finish.TablePlan)`, reading `table_sources` flat) written by the
+    same CTA, after the finished ones: `[images, rows, width]` float32 each."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g = grid.geometry
@@ -810,20 +889,31 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
         shared.append(False)
     grid_shape = (n_padded // blocks.tile_n, grid.strips * grid.m_tiles, batch)
     out_shape = (batch * m_padded, n_padded) if view is None else view.shape(batch)
+    finishing = counter is not None and bool(statistics)
     out_type = (jax.ShapeDtypeStruct(out_shape, out_dtype),
-                *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics))
+                *(jax.ShapeDtypeStruct((math.prod(grid_shape), s.fields, s.slots), jnp.float32) for s in statistics),
+                *(jax.ShapeDtypeStruct(((2 if s.op == "moments" else 1) * s.slots,), jnp.float32)
+                  for s in (statistics if finishing else ())),
+                *(jax.ShapeDtypeStruct(plan.shape, jnp.float32) for _s, plan in (tables if finishing else ())))
     out_type = out_type if statistics else out_type[0]
 
     def call(interpret_here):
+        body = functools.partial(
+            _kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
+            vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
+            kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
+            epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
+            weight_window=weight_window, weight_channels=weight_channels,
+            phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0], view=view,
+            pieces=row_pieces(grid, view, blocks.epi_m) if view is not None else (),
+            segment=segment_geometry(grid, view) if view is not None else (),
+            finish_grid=grid_shape if finishing else (), table_plans=tuple(tables) if finishing else (),
+            n_sources=len(table_sources) if finishing else 0)
+        if finishing and not interpret_here:  # the counter, aliased in and out (`emit.mosaic.finish`)
+            return finish.counter_kernel(body, out_type, grid_shape, ("n", "m", "b"), plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup), mm._kernel_name(name))
         return plgpu.kernel(
-            functools.partial(_kernel, grid=grid, blocks=blocks, parts=tuple(parts), n_vectors=len(vectors),
-                              vector_shared=tuple(v.shape[0] == 1 for v in vectors), vector_rows=vector_rows,
-                              kinds=tuple(kinds), operand_shared=tuple(shared), prologues=tuple(prologues),
-                              epilogue=epilogue, interpreted=interpret_here, m_padded=m_padded,
-                              weight_window=weight_window, weight_channels=weight_channels,
-                              phase_cols=phase_cols, statistics=statistics, n_tiles=grid_shape[0], view=view,
-                              pieces=row_pieces(grid, view, blocks.epi_m) if view is not None else (),
-                              segment=segment_geometry(grid, view) if view is not None else ()),
+            body,
             out_type=out_type,
             grid=grid_shape,
             grid_names=("n", "m", "b"),
@@ -832,18 +922,30 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
             interpret=mm.interpret_params() if interpret_here else None,
         )
 
+    def interpreted(*xs):  # GPU interpret mode takes no ref operand: the counter passes by (`emit.mosaic.finish`)
+        if finishing:
+            return mm.one_at_a_time(call(True), out_type, xs[:-1]), xs[-1]
+        return mm.one_at_a_time(call(True), out_type, xs)
+
     def run(*operands):
         if interpret is None:
-            return lax.platform_dependent(*operands, cpu=lambda *xs: mm.one_at_a_time(call(True), out_type, xs),
-                                          default=lambda *xs: call(False)(*xs))
+            return lax.platform_dependent(*operands, cpu=interpreted, default=lambda *xs: call(False)(*xs))
         if interpret:
-            return mm.one_at_a_time(call(True), out_type, operands)
+            return interpreted(*operands)
         return call(False)(*operands)
 
-    out = kernel_cache.launch(run, (*xs, w, mask, *vectors, *arrays), mm._kernel_name(name))
+    operands_in = (*xs, w, mask, *vectors, *arrays, *(table_sources if finishing else ()),
+                   *((counter,) if finishing else ()))
+    out = kernel_cache.launch(run, operands_in, mm._kernel_name(name))
+    if finishing:
+        out, counter = out
     if statistics:
         out, *partials = out
-        return (out.reshape(batch, m_padded, n_padded) if view is None else out), partials
+        out = out.reshape(batch, m_padded, n_padded) if view is None else out
+        if finishing:
+            finished = partials[len(statistics):2 * len(statistics)]
+            return out, partials[:len(statistics)], finished, counter, partials[2 * len(statistics):]
+        return out, partials
     return out.reshape(batch, m_padded, n_padded) if view is None else out
 
 
@@ -1023,12 +1125,19 @@ def halo_loads(geometry, ranges) -> tuple:
     return geometry, ranges, upsampled, parts, loads
 
 
-def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()) -> tuple[dict, list]:
+def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = (), finished: bool = False,
+         reductions: Sequence = ()) -> tuple[dict, list]:
     """`({kernel.term: value}, partials of each of `statistics`)` for a plan's `Conv` kernel as the
     haloed template, or `HaloUncovered`. `ranges` are its K ranges (`emit.pallas.conv.k_ranges`),
     each cut per tensor (`halo_parts`); `tile_epilogue(tensors)` the epilogue on an `[epi_m, epi_n]`
     sub-tile reading those tensors' operand tiles (`emit.mosaic.conv`); `statistics` the hosted
-    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`)."""
+    statistics its epilogue writes (`emit.mosaic.partials.GroupStatistic`). `finished`: its last CTA
+    finishes them (`finish_statistics`, `eqsat.cost.finish.producer_finished`), each then
+    `emit.mosaic.finish.Finished` (the statistic's value), with `ctx.counter` passed on, and writes
+    the vector tables of the Mosaic convs gathering them (`reductions`: the statistics' terms;
+    `emit.pallas.tables`: the requests waiting on them, taken off `ctx.table_requests`, the tables
+    left in `ctx.tables`); where a waiting table cannot be written so (`finish.table_plan`, or its
+    other tensors are not computed yet) the statistics stay partials."""
     from eqsat.interpret import _Evaluator
 
     term = kernel.term
@@ -1097,14 +1206,48 @@ def emit(kernel, ctx, geometry, ranges, tile_epilogue, statistics: Sequence = ()
         else:
             w = layout_weight(w.astype(sources[0].x.dtype), params.rhs_spec, n_padded)
     prologues = [slab_prologue(expr, part.tensors, part.sources) for (expr, *_), part in zip(parts, sources)]
+    table_plans, table_sources, requests = [], [], []
+    if finished and statistics:
+        finished, table_plans, table_sources, requests = _finishing_tables(ctx, reductions)
     flat = build([part.x for part in sources], w, grid, blocks, parts=plans, prologues=prologues, vectors=tables,
                  epilogue=tile_epilogue(epi_tensors), operands=operands, out_dtype=out_type.dtype,
                  interpret=ctx.interpret, name=kernel.name, weight_window=(2, 2) if upsampled is not None else None,
                  phase_cols=conv_geometry.out_features if upsampled is not None else None, statistics=statistics,
-                 view=view)
-    flat, partials = flat if statistics else (flat, [])
+                 view=view, counter=(finish.counter_of(ctx) if finished and statistics else None),
+                 tables=table_plans, table_sources=[jnp.reshape(ctx.value(t), (-1,)) for t in table_sources])
+    if finished and statistics:
+        flat, _partials, values, ctx.counter, written = flat
+        partials = [finish.Finished(v) for v in values]
+        for request, table in zip(requests, written):
+            ctx.tables[request.reader] = table
+    else:
+        flat, partials = flat if statistics else (flat, [])
     if view is not None:
         return {term: unview(flat, conv_geometry)}, partials
     if upsampled is not None:
         return {term: unflatten_phases(flat, grid, conv_geometry)}, partials
     return {term: unflatten(flat, grid, geometry.out_features)}, partials
+
+
+def _finishing_tables(ctx, reductions) -> tuple[bool, list, list, list]:
+    """`(finish, table plans, their source tensors, the requests)` for finishing `reductions` in the
+    conv: every vector table waiting on them (`ctx.table_requests`) ready and plannable
+    (`finish.table_plan`), taken off the waiting list; else `(False, [], [], [])`."""
+    from emit.pallas import tables
+
+    plans, sources, taken = [], [], []
+    for s, reduction in enumerate(reductions):
+        waiting = [r for r in getattr(ctx, "table_requests", ()) if any(t is reduction for t in r.tensors)]
+        ready = tables.ready(reduction, ctx)
+        if len(ready) != len(waiting):
+            return False, [], [], []
+        for request in ready:
+            plan = finish.table_plan(request, reduction, sources)
+            if plan is None:
+                return False, [], [], []
+            plans.append((s, plan))
+            taken.append(request)
+    ids = {id(r) for r in taken}
+    if taken:
+        ctx.table_requests[:] = [r for r in ctx.table_requests if id(r) not in ids]
+    return True, plans, sources, taken

@@ -16,6 +16,7 @@ where their programs are the same text with the same constants.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import jax
@@ -23,6 +24,14 @@ import numpy as np
 
 CACHE_SIZE = 256  # kernels kept (a UNet's per-call stage has ~80 distinct ones); then it starts over
 _functions: dict = {}
+_first_names: dict = {}  # key -> the kernel name of the site that made its function
+_served: dict[str, str] = {}  # kernel name -> the name of the kernel (module) it runs as
+
+
+def served_name(name: str) -> str:
+    """The kernel name whose module a site named `name` runs (its PTX entry's name): the first site
+    with an equal kernel, `name` itself when it was the first (or never launched here)."""
+    return _served.get(name, name)
 
 
 def _constant(value) -> tuple:
@@ -44,4 +53,20 @@ def launch(run: Callable, operands: Sequence, name: str):
            tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(traced.in_avals)))
     if key not in _functions and len(_functions) >= CACHE_SIZE:
         _functions.clear()
+        _first_names.clear()
+    if name:
+        _served[name] = _first_names.setdefault(key, name)
+        _record(name, _served[name])
     return _functions.setdefault(key, jitted)(*operands)
+
+
+def _record(name: str, served: str) -> None:
+    """Where Mosaic GPU dumps its kernels' PTX (`MOSAIC_GPU_DUMP_TO`, `benchmarks.mosaic_ptx.dumping`,
+    perhaps in a compile subprocess), note beside them which module each kernel name runs as."""
+    directory = os.environ.get("MOSAIC_GPU_DUMP_TO")
+    if directory and name != served:
+        with open(os.path.join(directory, SERVED_FILE), "a") as out:
+            out.write(f"{name}\t{served}\n")
+
+
+SERVED_FILE = "eqsat-served-kernels.tsv"  # kernel name <tab> the kernel name whose module it runs

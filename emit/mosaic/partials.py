@@ -37,6 +37,12 @@ its only host, a body reading only the conv's output, slot = image · groups + c
 computed per stored sub-tile by `group_partials` (columns first, groups as column ranges, the group
 scalars placed into `[slots]` vectors cast to the WGMMA row layout) and merged across sub-tiles;
 each CTA (and compute warpgroup) writes one `[fields, slots]` row (`write_group_partials`).
+
+Where a haloed conv is a statistic's only host and a kernel of its own would finish it otherwise
+(`eqsat.cost.finish`), the conv's last CTA also finishes it and writes the vector tables of the
+Mosaic convs reading it (`emit.mosaic.finish`: a ticket counter in GMEM, the CTA that draws the
+last ticket merges every row): no finalize kernel after it. Merging in the readers instead
+stays blocked in jax 0.10.2 (the per-group -> per-channel expansion needs a per-lane SMEM gather).
 """
 
 from __future__ import annotations

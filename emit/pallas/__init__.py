@@ -53,7 +53,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import jax
 
@@ -134,6 +134,8 @@ class EmitContext:
     routes: dict = field(default_factory=dict)      # backend "routed": kernel term -> "triton" | "mosaic" | "library"
     table_requests: list = field(default_factory=list)  # Mosaic convs' vector tables to write (`emit.pallas.tables`)
     tables: dict = field(default_factory=dict)      # conv term -> the vector table a Triton kernel wrote for it
+    finishing: frozenset = frozenset()              # hosted statistics their Mosaic host finishes (`emit.mosaic.finish`)
+    counter: Any = None                             # the ticket counter those hosts pass on (`emit.mosaic.finish`)
 
     def value(self, tensor: Term) -> jax.Array:
         """The finished value of a Tensor term (already computed, or a leaf). A statistic known only
@@ -298,6 +300,7 @@ def finalize_structure(statistic: Term) -> tuple:
 # Kernel ops whose emission is not shared: loops and opaque primitives run their own bodies, and
 # a gather's or scatter's payload key (part of its term) differs at every site anyway.
 NOT_SHARED = frozenset({"Loop", "Opaque", "Gather", "AssignScatter"})
+FINISH_DEVICE = "h100"  # the device whose launch a producer-finished statistic's tail is weighed against
 
 
 def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> dict:
@@ -330,6 +333,9 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
 
         if tables.ready(kernel.term, ctx):  # it writes Mosaic convs' vector tables too: emitted here, not shared
             return emit_kernel(kernel, ctx)
+    if mosaic and any(any(t is r for t in request.tensors) for request in ctx.table_requests
+                      for r in kernel.hosted if r in ctx.finishing):
+        return emit_unshared(kernel, ctx, mosaic)  # it writes Mosaic convs' vector tables (`emit.mosaic.finish`)
     reads: list = []
     if is_finalize(kernel, ctx.partials):  # only its partials are read: shared across producers
         structure = finalize_structure(kernel.term)
@@ -361,11 +367,20 @@ def emit_shared(kernel: KernelCall, ctx: EmitContext, mosaic: bool = False) -> d
     if table is not None:  # taken here: left in `ctx.tables` above, where the kernel is emitted unshared
         operands.append(ctx.tables.pop(kernel.term))
     prefixes = [ctx.pending.get(r) for r in kernel.hosted]
-    key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes))
+    finishing = tuple(r in ctx.finishing for r in kernel.hosted)  # its last CTA finishes these (`emit.mosaic.finish`)
+    import jax.numpy as jnp
+
+    if any(finishing) and ctx.counter is None:  # zeroed once per emission (`emit.mosaic.finish.new_counter`)
+        ctx.counter = jnp.zeros((1,), jnp.int32)
+    counter = ctx.counter if any(finishing) else None
+    key = (structure, tuple(states), tuple(_aval(a) for a in operands), tuple(_aval(p) for p in prefixes), finishing,
+           _aval(counter))
     shared = ctx.shared_kernels.get(key)
     if shared is None:
         shared = ctx.shared_kernels[key] = _SharedKernel(kernel, reads, states, ctx, mosaic, sides, table is not None)
-    results = shared.jitted(operands, prefixes)
+    results = shared.jitted(operands, prefixes, counter)
+    if any(finishing):  # the counter the kernel passed on, last
+        *results, ctx.counter = results
     order = [kernel.term, *kernel.hosted]
     produced = {order[i]: Partials(value) if partial else value for (i, partial), value in zip(shared.layout, results)}
     if shared.sides_out:  # the other forms of its result its template left (`side_values`), under this site's keys
@@ -415,10 +430,12 @@ class _SharedKernel:
         self.layout: list[tuple[int, bool]] = []  # (position in [term, *hosted], is partials) of each result
         self.sides_out: list = []  # tags of the other forms of its result the template left (`side_values`)
 
-        def run(operands, prefixes):
+        def run(operands, prefixes, counter):
             from emit.pallas.partials import Partials
 
             inner = EmitContext({}, ctx.constants, ctx.payloads, ctx.interpret, ctx.backend, ctx.components)
+            inner.finishing = frozenset(r for r in kernel.hosted if r in ctx.finishing)
+            inner.counter = counter
             for tensor, state, value in zip(reads, states, operands):
                 (inner.partials if state == "partials" else inner.values)[tensor] = value
             for (_i, key), value in zip(sides, operands[len(reads):]):
@@ -441,6 +458,8 @@ class _SharedKernel:
                     if key in inner.values:
                         self.sides_out.append(key[0])
                         results.append(inner.values[key])
+            if inner.finishing:  # the ticket counter, passed on
+                results.append(inner.counter)
             return results
 
         run.__name__ = run.__qualname__ = kernel.name
@@ -453,7 +472,11 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     (`ctx.partials`, what the readers merge) when every host wrote its tiles, else the driver emits
     it right after its last host as its own reduce kernel. With Mosaic convs, the vector tables
     their haloed prologues gather from a statistic are asked of the Triton kernel finishing it
-    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`)."""
+    (`emit.pallas.tables`: `ctx.table_requests`, written into `ctx.tables`); a statistic whose only
+    host is a haloed Mosaic conv, which a finalize would finish otherwise, is finished by that
+    conv's last CTA, with the tables waiting on it (`ctx.finishing`,
+    `eqsat.cost.finish.producer_finished`; one ticket counter, `ctx.counter`, passes from each such
+    conv to the next: `emit.mosaic.finish`) and kept as a value."""
     from emit import xla
     from emit.pallas.partials import Partials
 
@@ -468,6 +491,14 @@ def run_kernels(calls: Iterable[KernelCall], ctx: EmitContext) -> None:
     bar = emission_bar(len(calls), ctx.progress)
     last_host = {reduction: i for i, call in enumerate(calls) for reduction in call.hosted}
     host_count = {reduction: sum(reduction in call.hosted for call in calls) for reduction in last_host}
+    if ctx.backend in ("mosaic", "routed"):  # statistics their only host finishes in its last CTA
+        from eqsat.cost.devices import get_device
+        from eqsat.cost.finish import producer_finished
+
+        on_mosaic = lambda t: (ctx.backend == "mosaic" and runs_on_mosaic(t)) or ctx.routes.get(t) == "mosaic"  # noqa: E731
+        finalized = frozenset(c.term for c in calls if c.term.op == "EpilogueReduce" and not c.hosted)
+        ctx.finishing = producer_finished([(c.term, c.hosted) for c in calls], host_count, on_mosaic,
+                                          get_device(FINISH_DEVICE), finalized)
     wrote: dict = {}  # hosted statistic -> how many of its hosts wrote their partials
     try:
         for i, call in enumerate(calls):

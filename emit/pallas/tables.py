@@ -26,7 +26,9 @@ that gather `T` and whose other rows' tensors are computed by then:
         value = finalize(T, partials, ..., tables=writes)
     # ctx.tables[conv term] = its table; `emit.mosaic.conv_halo.emit` reads it in place
 
-A table no finishing kernel could write (its other tensors not computed yet, the statistic finished
+A haloed Mosaic conv that finishes a statistic it hosts in its last CTA (`emit.mosaic.finish`) takes
+the requests waiting on it the same way and writes those tables in that CTA (`write_tables`). A
+table no finishing kernel could write (its other tensors not computed yet, the statistic finished
 by a Mosaic matmul or in one piece) is built by the XLA fusion as before.
 """
 

@@ -55,6 +55,7 @@ from eqsat.tiling.mosaic import (ATTENTION_EPILOGUE_OPS, CHUNK, EPILOGUE_OPS, MA
                                  halo_input_loads, halo_parts, halo_tiling, halo_uncovered, matmul_in_place, minor_tile, padded_head,
                                  phase_blocks, phase_geometry, plan_taps, upsample_source, prologue_blocks, stores_pixels,
                                  tile_fits, vector_fits)
+from eqsat.tiling.mosaic import SM_COUNT
 from eqsat.tiling.mosaic import matmul_blocks as tiled_matmul_blocks
 from eqsat.types import ints, parse_type
 
@@ -107,6 +108,7 @@ class MosaicWork:
     haloed: bool = False               # a conv on the haloed template (`emit.mosaic.conv_halo`)
     weight_columns: int = 0            # the haloed conv's weight columns (N↑; 4 · Cout in the phase form)
     padded_store: tuple[int, int, int] | None = None  # the matmul's `[batch, rows, cols]` when not in place
+    tile_m: int = 0                    # the haloed conv's output rows per CTA
 
     @property
     def ctas(self) -> int:
@@ -1121,7 +1123,8 @@ def halo_conv_work(geometry: ConvGeometry, lhs_ty: str, rhs_ty: str, params: str
     kernel_reads = x_bytes + w_bytes + vector_bytes + mask_bytes + epilogue_read
     return MosaicWork(work, blocks.stages, ctas * per_cta + staged + pixel_bytes, kernel_reads, store,
                       batch * m_padded * n_padded,
-                      tuple(glue), 1, haloed=True, weight_columns=n_padded)
+                      tuple(glue), 1, haloed=True, weight_columns=n_padded,
+                      tile_m=blocks.tile_m)
 
 
 def halo_weight_in_place(rhs: Term | None, params: str, parts, n_padded: int, cout: int,
@@ -1286,3 +1289,25 @@ def node_mosaic_work(op: str, args, ranges=None) -> MosaicWork:
     if op == "Attention":  # an e-node's bias is a type, not a value: priced as none (a zero bias)
         return attention_work_of(args[0], args[1], args[-1])
     raise ValueError(f"no Mosaic template for {op}")
+
+
+# --- hosted statistics finished in their producer -----------------------------------------------
+#
+# A statistic whose only host is a haloed Mosaic conv may be finished by the conv's own last CTA
+# (`emit.mosaic.finish`, `eqsat.cost.finish`): no finalize kernel after it (one launch saved), a
+# serial tail instead. That CTA, after every other, brings `ceil(tiles / FINISH_BLOCK_TILES)` blocks
+# of `[fields, FINISH_BLOCK_TILES, slots]` fp32 partials (whole blocks, the ragged last one too) to
+# SMEM one after the other, just written so read from L2 at one SM's share of its bandwidth, and
+# stores the finished `[rows, slots]` (and the vector tables of the Mosaic convs reading it, a few KB,
+# not charged). The ticket is one atomic per CTA (not charged).
+
+FINISH_BLOCK_TILES = 64  # `emit.mosaic.finish.BLOCK_TILES`: a WGMMA-layout block of tiles
+
+
+def finish_tail_seconds(tiles: int, fields: int, slots: int) -> float:
+    """The modeled serial tail of finishing a `[tiles, fields, slots]` statistic in the producer's
+    last CTA (`emit.mosaic.finish.finish`)."""
+    blocks = -(-tiles // FINISH_BLOCK_TILES)
+    rows = 2 if fields == 3 else 1
+    moved = 4 * slots * (blocks * fields * FINISH_BLOCK_TILES + rows)
+    return moved * SM_COUNT / L2_BANDWIDTH

@@ -77,6 +77,7 @@ from eqsat.cost.backends import DENSE as ROUTED_OPS
 from eqsat.cost.backends import (hosted_extra, library_cost, mosaic_cost, node_route_cost, routes_for,
                                  writes_partials)
 from eqsat.cost.devices import Device, get_device, with_backend
+from eqsat.cost.finish import producer_finish_tail, producer_finished
 from eqsat.cost.hosting import hosted_reductions, hosts_of, side_inputs
 from eqsat.cost.merges import (FINISHED_READERS, MERGE_SHARE_GOAL, finalize_cost, reader_merge_flops,  # noqa: F401
                                statistics_read)
@@ -380,7 +381,8 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
     order = kernels(roots, hosting)
     finished = finished_statistics(order, hosting, device, roots)
     routes, reduced = driver_reduced(order, hosting, device, finished)
-    readers_see = finished | reduced
+    in_producer = producer_finished_of(order, hosting, routes, device, finished)
+    readers_see = finished | reduced | in_producer
     total = Cost()
     for kernel in order:
         if id(kernel) in routes:
@@ -392,9 +394,29 @@ def dag_cost(roots: Iterable[Term], device: "str | Device" = "h100") -> Cost:
             total = total + hosted_extra(reduction, "mosaic", device)
         elif hosts is not None:
             total = total + hosted_cost(reduction, device)
-    for statistic in finished - reduced:
+    for statistic in finished - reduced - in_producer:
         total = total + finalize_cost(statistic, device)
+    for statistic in in_producer:  # the host's last CTA merges the partials: its serial tail, no launch
+        (host,) = hosting[statistic]
+        total = total + Cost(seconds=producer_finish_tail(statistic, host))
     return total
+
+
+def producer_finished_of(order: Sequence, hosting: dict, routes: dict, device: "str | Device",
+                         finished: frozenset = frozenset()) -> frozenset:
+    """The hosted statistics their only host, a haloed Mosaic conv, finishes in its last CTA
+    (`eqsat.cost.mosaic.producer_finished`, the emitter's rule): no driver reduce or finalize
+    kernel, readers read them finished."""
+    device = get_device(device)
+    if device.backend == "triton":
+        return frozenset()
+    hosted_on: dict[int, list] = {}
+    for reduction, hosts in hosting.items():
+        for host in hosts or ():
+            hosted_on.setdefault(id(host), []).append(reduction)
+    count = {reduction: len(hosts) for reduction, hosts in hosting.items() if hosts}
+    return producer_finished([(kernel, tuple(hosted_on.get(id(kernel), ()))) for kernel in order], count,
+                             lambda term: routes.get(id(term)) == "mosaic", device, finished)
 
 
 def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finished: frozenset = frozenset()
@@ -420,10 +442,13 @@ def driver_reduced(order: Sequence, hosting: dict, device: "str | Device", finis
             routes[id(kernel)] = route = choose_route(kernel, device, finished, hosted)[0]
             reduced.update(r for r in hosted if not writes_partials(r, route, kernel))
     # A Mosaic kernel reads statistics finished: one its hosts left as partials, and the plan does not
-    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`).
+    # finish, is finished by a kernel of its own before that reader (`emit.mosaic.matmul.emit`), unless
+    # its host finishes it in its last CTA (`producer_finished_of`).
+    in_producer = producer_finished_of(order, hosting, routes, device, finished)
     for kernel in order:
         if routes.get(id(kernel)) == "mosaic":
-            reduced.update(s for s in statistics_read(kernel) if hosting.get(s) and s not in finished)
+            reduced.update(s for s in statistics_read(kernel)
+                           if hosting.get(s) and s not in finished and s not in in_producer)
     return routes, frozenset(reduced)
 
 
