@@ -576,10 +576,19 @@ def driver_reductions(lowered, device=None) -> tuple[frozenset, float]:
     """The hosted statistics of the per-call plan that a host on Mosaic or the library leaves to
     their own reduce kernel (`eqsat.cost.roofline.driver_reduced`), and those kernels' modeled seconds
     (`eqsat.cost.backends.hosted_extra`)."""
+    from eqsat.cost.backends import hosted_extra
+    from eqsat.cost.roofline import driver_reduced
+
+    order, hosting, device, finished = _statistics_of(lowered, device)
+    _routes, reduced = driver_reduced(order, hosting, device, finished)
+    return reduced, sum(hosted_extra(r, "mosaic", device).seconds for r in reduced)
+
+
+def _statistics_of(lowered, device=None) -> tuple:
+    """`(kernels in order, hosting, device, statistics the plan finishes once)` of the per-call plan."""
     from eqsat.cost import get_device, hosted_reductions
     from eqsat.cost import kernels as kernel_order
-    from eqsat.cost.backends import hosted_extra
-    from eqsat.cost.roofline import driver_reduced, finished_statistics
+    from eqsat.cost.roofline import finished_statistics
 
     split = getattr(lowered, "split", None)
     plan = split.per_call if split is not None else lowered.plan
@@ -587,24 +596,15 @@ def driver_reductions(lowered, device=None) -> tuple[frozenset, float]:
     outputs = list(plan.outputs)
     hosting = hosted_reductions(outputs)
     order = kernel_order(outputs, hosting)
-    _routes, reduced = driver_reduced(order, hosting, device, finished_statistics(order, hosting, device, outputs))
-    return reduced, sum(hosted_extra(r, "mosaic", device).seconds for r in reduced)
+    return order, hosting, device, finished_statistics(order, hosting, device, outputs)
 
 
 def producer_finished(lowered, device=None) -> frozenset:
     """The hosted statistics of the per-call plan their haloed Mosaic conv finishes in its last CTA
     (`eqsat.cost.roofline.producer_finished_of`)."""
-    from eqsat.cost import get_device, hosted_reductions
-    from eqsat.cost import kernels as kernel_order
-    from eqsat.cost.roofline import driver_reduced, finished_statistics, producer_finished_of
+    from eqsat.cost.roofline import driver_reduced, producer_finished_of
 
-    split = getattr(lowered, "split", None)
-    plan = split.per_call if split is not None else lowered.plan
-    device = get_device(device or plan.device)
-    outputs = list(plan.outputs)
-    hosting = hosted_reductions(outputs)
-    order = kernel_order(outputs, hosting)
-    finished = finished_statistics(order, hosting, device, outputs)
+    order, hosting, device, finished = _statistics_of(lowered, device)
     routes, _reduced = driver_reduced(order, hosting, device, finished)
     return producer_finished_of(order, hosting, routes, device, finished)
 

@@ -11,7 +11,6 @@ GPU interpret mode costs seconds per kernel here: shapes are tiny and the slow c
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
@@ -68,15 +67,10 @@ def _merge(op: str, partials: jax.Array) -> np.ndarray:
     return np.asarray(merge_partials(partials, op), np.float64)
 
 
-def _assert_group_statistics(out: np.ndarray, partials, images: int, channels: int) -> None:
-    """`partials` (moments, sum) merged against the two-pass moments of `out` `[B, H, W, C]` per
-    (image, group of 3 channels): mean within 2 ulps of the offset, M2 at fp32's bound, the zero
-    group exactly (offset, 0), the NaN group NaN."""
-    groups = channels // CPG
-    want = out.reshape(images, -1, groups, CPG).transpose(0, 2, 1, 3).reshape(images * groups, -1).astype(np.float64)
-    mean, m2 = _merge("moments", partials[0])
-    total = _merge("sum", partials[1])
-    assert mean.shape == (images * groups,)
+def assert_moments_and_sum(mean, m2, total, want: np.ndarray, images: int) -> None:
+    """Per-group `mean`, `m2` and `total` (of half the values) against the two-pass statistics of
+    `want` `[groups, values]`: the NaN group (one per image) NaN, the mean within 2 ulps of the
+    offset, M2 and the sum at fp32's bound."""
     nan = np.isnan(want).any(axis=1)
     assert nan.sum() == images and np.isnan(mean[nan]).all() and np.isnan(m2[nan]).all() and np.isnan(total[nan]).all()
     ok = ~nan
@@ -87,6 +81,18 @@ def _assert_group_statistics(out: np.ndarray, partials, images: int, channels: i
     scale = np.abs(want[ok]).max() * np.abs(want[ok] - want_mean[ok, None]).max() * want.shape[1]
     np.testing.assert_allclose(m2[ok], want_m2[ok], rtol=1e-5, atol=1e-6 * scale)
     np.testing.assert_allclose(total[ok], 0.5 * want.sum(axis=1)[ok], rtol=1e-6, atol=1e-6 * np.abs(want[ok]).sum(1).max())
+
+
+def _assert_group_statistics(out: np.ndarray, partials, images: int, channels: int) -> None:
+    """`partials` (moments, sum) merged against the two-pass moments of `out` `[B, H, W, C]` per
+    (image, group of 3 channels): mean within 2 ulps of the offset, M2 at fp32's bound, the zero
+    group exactly (offset, 0), the NaN group NaN."""
+    groups = channels // CPG
+    want = out.reshape(images, -1, groups, CPG).transpose(0, 2, 1, 3).reshape(images * groups, -1).astype(np.float64)
+    mean, m2 = _merge("moments", partials[0])
+    total = _merge("sum", partials[1])
+    assert mean.shape == (images * groups,)
+    assert_moments_and_sum(mean, m2, total, want, images)
     constant = np.arange(images) * groups + 1
     assert (mean[constant] == OFFSET).all() and (m2[constant] == 0.0).all()  # exactly the value, no spread
     counts = np.asarray(partials[0])[:, 0].sum(axis=0)
