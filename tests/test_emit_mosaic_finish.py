@@ -74,6 +74,20 @@ def test_the_last_cta_finishes_the_group_moments_of_the_stored_output(strips, bl
     np.testing.assert_allclose(m2[ok], merged_m2[ok], rtol=1e-5, atol=1e-6 * scale)
 
 
+def _record_finishing(patch) -> list:
+    """The statistic kernels and finalizes the driver launches while `patch` holds, by name."""
+    import emit.pallas
+    import emit.pallas.partials
+
+    finishing = []
+    original_reduce, original_finalize = emit.pallas.emit_kernel, emit.pallas.partials.finalize
+    patch.setattr(emit.pallas, "emit_kernel", lambda call, ctx: (
+        finishing.append(call.name) if call.term.op == "EpilogueReduce" else None) or original_reduce(call, ctx))
+    patch.setattr(emit.pallas.partials, "finalize", lambda *a, **k: finishing.append("finalize") or
+                  original_finalize(*a, **k))
+    return finishing
+
+
 def _two_finishing_convs(x, w1, w2):
     """Two haloed 3x3 convs on 64x64 images, 64 channels in and out, each hosting a GroupNorm's
     moments (32 groups of 2 channels, 2 images: 64 slots) finished by its last CTA, the second
@@ -180,15 +194,10 @@ def test_a_conv_finishing_a_groupnorm_read_by_a_matmul_launches_no_finalize():
     args = _plan_args()
     plan = eqsat.optimize(_conv_groupnorm_linear, extractor="greedy", progress=False).lower(*args).plan
     _finished_statistic(plan)
-    finishing = []
-    original_reduce, original_finalize = emit.pallas.emit_kernel, emit.pallas.partials.finalize
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("error", TritonFallbackWarning)
         warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(emit.pallas, "emit_kernel", lambda call, ctx: (
-            finishing.append(call.name) if call.term.op == "EpilogueReduce" else None) or original_reduce(call, ctx))
-        patch.setattr(emit.pallas.partials, "finalize", lambda *a, **k: finishing.append("finalize") or
-                      original_finalize(*a, **k))
+        finishing = _record_finishing(patch)
         got = emit.emit(plan, "mosaic", interpret=True)(*args)
     assert finishing == [], finishing
     for want in (emit.emit(plan, "xla")(*args), jax.jit(_conv_groupnorm_linear)(*args)):
@@ -268,16 +277,12 @@ def test_a_conv_finishing_a_groupnorm_writes_the_next_convs_vector_table():
 
     args = _chain_args()
     plan = eqsat.optimize(_conv_groupnorm_conv, extractor="greedy", progress=False).lower(*args).plan
-    finishing, built = [], []
-    original_reduce, original_finalize = emit.pallas.emit_kernel, emit.pallas.partials.finalize
+    built = []
     original_tables = ch.vector_tables
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("error", TritonFallbackWarning)
         warnings.simplefilter("ignore", XlaFallbackWarning)
-        patch.setattr(emit.pallas, "emit_kernel", lambda call, ctx: (
-            finishing.append(call.name) if call.term.op == "EpilogueReduce" else None) or original_reduce(call, ctx))
-        patch.setattr(emit.pallas.partials, "finalize", lambda *a, **k: finishing.append("finalize") or
-                      original_finalize(*a, **k))
+        finishing = _record_finishing(patch)
         pairs = []
 
         def spy_tables(parts, table=None):
