@@ -9,6 +9,7 @@ Mosaic template module is loaded by name when a kernel first needs it.
     produced = emit_on_mosaic(call, ctx)     # None: not a Mosaic kernel, or its template declined
     if produced is None: produced = <its Triton template>
     mosaic_prepared_layouts(term), mosaic_side_values(tensor)   # what a shared Mosaic emission passes
+    mosaic_halo_table(conv)                                     # the table a Triton kernel writes for it
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def mosaic_prepared_layouts(term: Term) -> list[Term]:
     """The weight layouts the prepare stage may have made for Mosaic kernel `term`
     (`emit.mosaic.layouts.prepared_layouts`, loaded by name)."""
     return importlib.import_module(MOSAIC_LAYOUTS).prepared_layouts(term)
+
+
+def mosaic_halo_table(term: Term):
+    """The vector table the haloed Mosaic conv `term` reads (`emit.mosaic.conv.halo_table`, loaded by
+    name), or None."""
+    return importlib.import_module(MOSAIC_TEMPLATES["Conv"]).halo_table(term)
 
 
 def mosaic_side_values(tensor: Term) -> list:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
 
 import jax
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from emit.backends import mosaic_halo_table
 from emit.pallas import triton
 from eqsat.term import Term
 from eqsat.types import parse_type
@@ -77,7 +77,7 @@ def plan_requests(calls, ctx) -> list[TableRequest]:
     for call in calls:
         if call.term.op != "Conv" or not (ctx.backend == "mosaic" or ctx.routes.get(call.term) == "mosaic"):
             continue
-        table = importlib.import_module("emit.mosaic.conv").halo_table(call.term)
+        table = mosaic_halo_table(call.term)
         if table is None:
             continue
         shape, rows = table
