@@ -5,22 +5,25 @@ finalize launch). See `emit.mosaic.finish` for the template."""
 
 from __future__ import annotations
 
+from eqsat.conv_params import ConvParams
 from eqsat.cost.backends import group_statistic_declined
 from eqsat.cost.merges import finalize_cost, statistics_read
 from eqsat.cost.mosaic import conv_work, finish_tail_seconds
 from eqsat.cost.terms import Term, size_of
+from eqsat.types import parse_type
 
 
-# The widest haloed conv tile that finishes its statistics: the UNet's 128-row convs sit at 255 registers
-# and spilled 32-152 bytes with the tail (downsamplers of down_blocks.1 and .2; `benchmarks.kernels`).
-FINISHING_TILE_ROWS = 64
+# Which haloed convs finish their statistics: measured on the full UNet (`benchmarks.kernels --backend
+# mosaic`, sm_90a PTX), the tail took the 3x3 stride-1 resnet convs to 171-211 registers and no spill, but
+# the stride-2 downsamplers and the 1x1 proj_out convs to 253-255 registers, three of them spilling 32-184
+# bytes (down_blocks.1/.2 downsamplers, down_blocks.2.attentions.0): those keep their finalize launch.
 
 
 def producer_finish_declined(statistic: Term, host: Term, device) -> str | None:
     """Why the haloed Mosaic conv `host`, the statistic's only host, does not finish `statistic` in its
     last CTA (`emit.mosaic.conv_halo.finish_statistics`), or None when it does: it writes it as
-    group partials (`eqsat.cost.backends.group_statistic_declined`), on the haloed template with tiles
-    of at most `FINISHING_TILE_ROWS` rows, whole 64-slot vectors (a WGMMA-layout block of tiles has 64 columns, merged 32 at a time), and a tail
+    group partials (`eqsat.cost.backends.group_statistic_declined`), on the haloed template, a 3x3 (or
+    wider) stride-1 conv (the others spill with the tail, above), whole 64-slot vectors (a WGMMA-layout block of tiles has 64 columns, merged 32 at a time), and a tail
     (`finish_tail_seconds`) shorter than the finalize it saves (`eqsat.cost.merges.finalize_cost`)."""
     if host.op != "Conv":
         return f"a {host.op} host (only the haloed conv finishes its statistics)"
@@ -30,8 +33,10 @@ def producer_finish_declined(statistic: Term, host: Term, device) -> str | None:
     work = conv_work(host)
     if not work.haloed:
         return "a flat-grid conv (only the haloed template finishes its statistics)"
-    if work.tile_m > FINISHING_TILE_ROWS:  # at 255 registers already: the tail's vectors spill
-        return f"{work.tile_m}-row tiles (the finishing tail spills beside a {work.tile_m}-row accumulator)"
+    params = ConvParams.parse(host.args[2])
+    weight, spec = parse_type(host.args[1].ty).shape, params.rhs_spec
+    if tuple(params.strides) != (1, 1) or weight[spec[2]] * weight[spec[3]] == 1:  # measured: they spill with it
+        return "a stride-2 or 1x1 conv (with the finishing tail at 255 registers: spills)"
     tail = producer_finish_tail(statistic, host)
     if tail is None:
         return f"{size_of(statistic.ty)} statistic outputs (the finishing CTA merges whole 64-slot vectors)"
