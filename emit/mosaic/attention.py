@@ -461,7 +461,7 @@ def build(q: "jax.Array | Stored", k: "jax.Array | Stored", v: "jax.Array | Stor
             return lax.platform_dependent(*xs, cpu=lambda *xs: call(True)(*xs), default=lambda *xs: call(False)(*xs))
         return call(bool(interpret))(*xs)
 
-    out = kernel_cache.launch(run, tuple(inputs), _kernel_name(name))
+    out = kernel_cache.launch(run, tuple(inputs), _kernel_name(name), interpreted=interpret is True)
     sliced = _seq_major(out, layouts.q_seq_major)[:, :, :q_len, :head_dim]
     return (sliced, out) if with_padded else sliced
 

@@ -936,7 +936,7 @@ def build(xs: Sequence[jax.Array], w: jax.Array, grid: HaloGrid, blocks: MosaicB
 
     operands_in = (*xs, w, mask, *vectors, *arrays, *(table_sources if finishing else ()),
                    *((counter,) if finishing else ()))
-    out = kernel_cache.launch(run, operands_in, mm._kernel_name(name))
+    out = kernel_cache.launch(run, operands_in, mm._kernel_name(name), interpreted=interpret is True)
     if finishing:
         out, counter = out
     if statistics:

@@ -39,9 +39,13 @@ def _constant(value) -> tuple:
     return array.dtype.str, array.shape, array.tobytes()
 
 
-def launch(run: Callable, operands: Sequence, name: str):
+def launch(run: Callable, operands: Sequence, name: str, interpreted: bool = False):
     """`run(*operands)` through the jitted function of the first site with an equal kernel (its jaxpr
-    equal up to the kernel `name`, the same constants and operand types)."""
+    equal up to the kernel `name`, the same constants and operand types). `interpreted` (GPU
+    interpret mode only): run it as it is, unshared: the interpreted kernel is a host callback
+    whose jaxpr does not show the kernel, so two different kernels would look equal."""
+    if interpreted:
+        return run(*operands)
     jitted = jax.jit(run)
     traced = jitted.trace(*operands)
     try:

@@ -576,7 +576,7 @@ def _launch(call: Callable[[bool], Callable], out_type, operands, interpret, nam
             return one_at_a_time(call(True), out_type, xs)
         return call(False)(*xs)
 
-    return kernel_cache.launch(run, tuple(operands), _kernel_name(name or "matmul"))
+    return kernel_cache.launch(run, tuple(operands), _kernel_name(name or "matmul"), interpreted=interpret is True)
 
 
 def _build_batched(a, b, epilogue, operands, out_dtype, blocks, interpret, name, prologue=None, statistics=(),
