@@ -33,8 +33,9 @@ The merge: blocks of `BLOCK_TILES` (64, one WGMMA-layout tile) rows of partials,
 rows `MERGE_COLUMNS` (32) slots at a time (`block_merge`), so the slots must be whole 64-vectors
 (`eqsat.cost.finish`). Compiled for sm_90a beside a 64-row haloed conv (176 registers) it needs 246
 registers and spills nothing; beside a 128-row one (255 registers without it) it spills 28 bytes.
-In the full UNet (deviceless, sm_90a) 3 of the 19 finishing convs spill: both stride-2 downsamplers
-of 64-channel-chunk rows (152 bytes each) and `down_blocks.2.attentions.0:conv` (32 bytes).
+In the full UNet (deviceless, sm_90a) 3 of 19 finishing convs spilled: two stride-2 downsamplers
+(152 bytes each) and the 1x1 `down_blocks.2.attentions.0:conv` (32 bytes); stride-2 and 1x1 convs no
+longer finish (`eqsat.cost.finish`): 13 do, none spilling.
 Its cost is a serial tail after the grid (`eqsat.cost.mosaic.finish_tail_seconds`), weighed against
 the finalize launch it saves.
 
