@@ -135,7 +135,7 @@ def test_the_row_pass_compiles_for_sm90a(tmp_path, monkeypatch):
     the Mosaic kernel is the only launch, its PTX issues wgmma and TMA loads (the pass's and the
     pipeline's), and ptxas spills nothing."""
     from measure.xla_target import unavailable_reason
-    from tests.test_emit_mosaic import compile_mosaic
+    from tests.test_emit_mosaic_matmul import assert_one_mosaic_kernel
 
     if unavailable_reason() is not None:
         pytest.skip(f"no deviceless H100 compile here: {unavailable_reason()}")
@@ -144,12 +144,7 @@ def test_the_row_pass_compiles_for_sm90a(tmp_path, monkeypatch):
             S((320, 320), jnp.float16))
     plan, reads = row_pass_plan(layer_norm_dense, args)
     assert ("pass_tile", 2) in reads, reads
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", TritonFallbackWarning)
-        report, _ptx, counts, resources = compile_mosaic(plan, args, tmp_path, monkeypatch)
-    assert report.by_category == {"Pallas (Mosaic GPU)": 1}, report.by_category
-    assert counts.tensor_core == "wgmma" and counts.tma_loads >= 3, counts
-    assert resources.spill_bytes == 0, resources
+    assert_one_mosaic_kernel(plan, args, tmp_path, monkeypatch, tma_loads=3)
 
 
 def test_a_sum_beside_moments_of_its_body_is_read_off_the_mean():

@@ -47,7 +47,7 @@ from eqsat.cost.devices import Device, get_device, with_backend
 from eqsat.cost.hosting import hosts_of
 from eqsat.cost.merges import finalize_cost, statistics_read
 from eqsat.cost.mosaic import (L2_BANDWIDTH, EpilogueReads, covers, covers_term, epilogue_body_declined, is_view,
-                               loaded_tensors, mosaic_work, node_mosaic_work, once_flops, padded_store,
+                               loaded_tensors, mosaic_work_cached, node_mosaic_work, once_flops, padded_store,
                                row_statistic_declined)
 from eqsat.cost.terms import (COMPUTE_OPS, ZERO, Cost, Term, args_of, dense_dtype, expr_nodes, nbytes_of, own_bytes,
                               own_flops, size_of)
@@ -227,17 +227,6 @@ def mosaic_dense_seconds(work, device: Device, dtype: str) -> float:
     return pipelined(seconds, work.l2_bytes / L2_BANDWIDTH, work.stages)
 
 
-def mosaic_work_cached(kernel: Term):
-    """`eqsat.cost.mosaic.mosaic_work`, once per kernel term (a plan prices each kernel several times)."""
-    cached = _WORK.get(id(kernel))
-    if cached is None or cached[0] is not kernel:
-        cached = _WORK[id(kernel)] = (kernel, mosaic_work(kernel))
-    return cached[1]
-
-
-_WORK: dict[int, tuple] = {}
-
-
 def library_cost(kernel: Term, device: "str | Device", reads: dict, finished: frozenset = frozenset()) -> Cost:
     """`kernel` as the `hybrid` backend's library call runs it (the module docstring); `reads`: its
     `roofline.kernel_reads`."""
@@ -301,7 +290,7 @@ def sliced_stores(kernels: Sequence[tuple[Term, str, Sequence[Term]]], reduced: 
     kernel's price."""
     stores = {id(term): term for term, route, _hosted in kernels if route == "mosaic" and (
         padded_store(term) is not None if term.op == "Matmul" else
-        term.op == "Attention" and "output sliced" in {g.what for g in mosaic_work(term).glue})}
+        term.op == "Attention" and "output sliced" in {g.what for g in mosaic_work_cached(term).glue})}
     readers = [reader for term, route, hosted in kernels if route != "mosaic" for reader in (term, *hosted)]
     sliced: dict[int, Term] = {}
     for reader in [*readers, *reduced]:

@@ -334,13 +334,7 @@ def padded_store(tensor: Term) -> tuple[int, int, int] | None:
     is not a Mosaic matmul's output or is stored in place."""
     if tensor.op != "Matmul" or not covers_term(tensor):
         return None
-    cached = _PADDED_STORES.get(id(tensor))
-    if cached is None or cached[0] is not tensor:  # once per term: a chain of matmuls asks down the chain
-        cached = _PADDED_STORES[id(tensor)] = (tensor, matmul_work(tensor).padded_store)
-    return cached[1]
-
-
-_PADDED_STORES: dict[int, tuple] = {}
+    return mosaic_work_cached(tensor).padded_store  # once per term: a chain of matmuls asks down the chain
 
 
 def takes_padded_store(tensor: Term, rows: int, columns: int, exact_columns: bool) -> bool:
@@ -1266,6 +1260,18 @@ def reads_as_it_lies(operand: Term | None, rows_tile: int) -> bool:
     if node.op != "Load" or parse_type(node.ty).dtype != parse_type(operand.ty).dtype:
         return False
     return math.prod(parse_type(node.ty).shape) == math.prod(parse_type(operand.ty).shape)
+
+
+def mosaic_work_cached(kernel: Term) -> MosaicWork:
+    """`mosaic_work`, once per kernel term (a plan prices each kernel several times, and each matmul
+    asks for its producer's `padded_store`)."""
+    cached = _WORK.get(id(kernel))
+    if cached is None or cached[0] is not kernel:
+        cached = _WORK[id(kernel)] = (kernel, mosaic_work(kernel))
+    return cached[1]
+
+
+_WORK: dict[int, tuple] = {}
 
 
 def mosaic_work(kernel: Term) -> MosaicWork:
